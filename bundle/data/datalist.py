@@ -1,0 +1,139 @@
+"""The datalist contract of DESIGN.md: reading, validating and writing landmark datalists.
+
+A datalist is a decathlon-style JSON file::
+
+    {"name": ..., "spatial_dims": 2, "landmark_names": [...],
+     "training": [{"image": ..., "landmarks": [[x, y], ...] | absent}, ...],
+     "validation": [...], "test": [...], "template": {...}}
+
+2D landmarks are ``[x, y]`` pixel coordinates of the original file (x = column, y = row, the centre of
+the top-left pixel at ``[0, 0]``); 3D landmarks are ``[x, y, z]`` world millimetres (RAS). A missing
+landmark is ``null``. ``spacing`` (mm per pixel, x, y[, z]) overrides the image header.
+Relative image paths resolve against the datalist file's folder.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bundle.io_utils import write_json_atomic
+
+SECTIONS = ("training", "validation", "test")
+
+
+class DatalistError(ValueError):
+    """A datalist that breaks the contract; the message names the file and the key at fault."""
+
+
+def _check_item(item: Any, where: str, spatial_dims: int, n_landmarks: int, base: Path, check_files: bool) -> dict:
+    if not isinstance(item, dict) or "image" not in item:
+        raise DatalistError(f"{where}: an item must be an object with an 'image' key, got {item!r:.80}")
+    out = dict(item)
+    image = Path(os.path.expanduser(str(item["image"])))
+    image = image if image.is_absolute() else (base / image)
+    if check_files and not image.exists():
+        raise DatalistError(f"{where}.image: file not found: {image}")
+    out["image"] = str(image)
+    if "landmarks" in item and item["landmarks"] is not None:
+        lms = item["landmarks"]
+        if not isinstance(lms, list) or len(lms) != n_landmarks:
+            got = len(lms) if isinstance(lms, list) else type(lms).__name__
+            raise DatalistError(f"{where}.landmarks: expected {n_landmarks} landmarks (one per landmark_names entry), got {got}")
+        for j, p in enumerate(lms):
+            if p is None:
+                continue
+            if (
+                not isinstance(p, (list, tuple))
+                or len(p) != spatial_dims
+                or not all(isinstance(v, (int, float)) and math.isfinite(v) for v in p)
+            ):
+                raise DatalistError(f"{where}.landmarks[{j}]: expected null or {spatial_dims} finite numbers, got {p!r}")
+        out["landmarks"] = [None if p is None else [float(v) for v in p] for p in lms]
+    if "spacing" in item and item["spacing"] is not None:
+        sp = item["spacing"]
+        if (
+            not isinstance(sp, (list, tuple))
+            or len(sp) != spatial_dims
+            or not all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in sp)
+        ):
+            raise DatalistError(f"{where}.spacing: expected {spatial_dims} positive numbers (mm per pixel), got {sp!r}")
+        out["spacing"] = [float(v) for v in sp]
+    return out
+
+
+def load_datalist(path: str | os.PathLike, check_files: bool = True) -> dict:
+    """Read and validate a datalist; return it with absolute image paths.
+
+    Raises:
+        DatalistError: naming the file and the key at fault (missing file, wrong landmark count, ...).
+    """
+    import json
+
+    path = Path(path)
+    if not path.is_file():
+        raise DatalistError(f"datalist not found: {path}")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise DatalistError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise DatalistError(f"{path}: the top level must be an object")
+    spatial_dims = data.get("spatial_dims")
+    if spatial_dims not in (2, 3):
+        raise DatalistError(f"{path}: 'spatial_dims' must be 2 or 3, got {spatial_dims!r}")
+    names = data.get("landmark_names")
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+        raise DatalistError(f"{path}: 'landmark_names' must be a non-empty list of strings")
+    base = path.parent
+    out = dict(data)
+    for section in SECTIONS:
+        items = data.get(section, [])
+        if not isinstance(items, list):
+            raise DatalistError(f"{path}: '{section}' must be a list")
+        out[section] = [
+            _check_item(it, f"{path}:{section}[{i}]", spatial_dims, len(names), base, check_files)
+            for i, it in enumerate(items)
+        ]
+    if data.get("template") is not None:
+        out["template"] = _check_item(data["template"], f"{path}:template", spatial_dims, len(names), base, check_files)
+        if "landmarks" not in out["template"]:
+            raise DatalistError(f"{path}:template: the template must carry 'landmarks'")
+    return out
+
+
+def save_datalist(datalist: dict, path: str | os.PathLike) -> Path:
+    """Write ``datalist`` atomically, image paths made relative to the file's folder where possible."""
+    path = Path(path)
+    base = path.parent.resolve()
+
+    def rel(item: dict) -> dict:
+        item = dict(item)
+        image = Path(item["image"])
+        if image.is_absolute():
+            try:
+                item["image"] = os.path.relpath(image.resolve(), base)
+            except ValueError:  # another drive on Windows
+                item["image"] = str(image)
+        return item
+
+    out = dict(datalist)
+    for section in SECTIONS:
+        if section in out:
+            out[section] = [rel(it) for it in out[section]]
+    if out.get("template") is not None:
+        out["template"] = rel(out["template"])
+    return write_json_atomic(path, out)
+
+
+def landmarks_array(item: dict, n_landmarks: int, spatial_dims: int) -> np.ndarray:
+    """The item's landmarks as a float array ``(n_landmarks, spatial_dims)``, NaN where missing or absent."""
+    arr = np.full((n_landmarks, spatial_dims), np.nan, dtype=np.float64)
+    for j, p in enumerate(item.get("landmarks") or []):
+        if p is not None:
+            arr[j] = p
+    return arr
