@@ -1,0 +1,110 @@
+"""Landmark targets for evaluation: the datalist's landmarks, the spacing and the grid-to-physical map.
+
+After the spatial preprocessing of an evaluation item (loading, resizing to the network grid; in 3D
+also orientation and resampling), ``LandmarkTargetsd`` adds what the one-shot inferer and the metrics
+need, all in one physical millimetre frame:
+
+- ``landmarks``: ``(L, D)`` float tensor in the datalist's convention (2D: original pixels [x, y];
+  3D: world mm RAS), NaN where missing;
+- ``label``: the same landmarks in physical mm (2D: original pixel x spacing; 3D: world mm);
+- ``spacing``: ``(D,)`` mm per original pixel (the item's ``spacing``, else the image header);
+- ``grid_to_physical``: ``(D+1, D+1)`` homogeneous map from network-grid positions to physical mm.
+
+2D uses the ratio of the original and current shapes (the 2D evaluation pipeline only resizes); 3D uses
+the image's affine, which MONAI keeps up to date through every spatial transform.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Hashable, Mapping
+
+import numpy as np
+import torch
+from monai.config import KeysCollection
+from monai.data import MetaTensor
+from monai.transforms import MapTransform
+
+from bundle.data.datalist import landmarks_array
+
+
+def grid_to_original_pixels(current_size, original_size) -> np.ndarray:
+    """Homogeneous ``(D+1, D+1)`` map from a resized grid to the original pixel grid (pixel centres at integers)."""
+    scale = np.asarray(original_size, float) / np.asarray(current_size, float)
+    d = len(scale)
+    m = np.eye(d + 1)
+    m[:d, :d] = np.diag(scale)
+    m[:d, d] = 0.5 * scale - 0.5
+    return m
+
+
+class LandmarkTargetsd(MapTransform):
+    """Add ``landmarks``, ``label``, ``spacing`` and ``grid_to_physical`` to an evaluation item (see module doc).
+
+    Args:
+        keys: the image key (one key).
+        n_landmarks: number of landmarks in the datalist (``len(landmark_names)``).
+        landmarks_key: the item's landmark list (absent or ``None``: all NaN, e.g. unlabelled images).
+        spacing_key: the item's spacing override (mm per pixel, x, y[, z]).
+        allow_missing_keys: MONAI's flag; the image key must be present.
+    """
+
+    def __init__(
+        self,
+        keys: KeysCollection,
+        n_landmarks: int,
+        landmarks_key: str = "landmarks",
+        spacing_key: str = "spacing",
+        label_key: str = "label",
+        allow_missing_keys: bool = False,
+    ) -> None:
+        super().__init__(keys, allow_missing_keys)
+        if len(self.keys) != 1:
+            raise ValueError(f"LandmarkTargetsd takes one image key, got {self.keys}")
+        self.n_landmarks = int(n_landmarks)
+        self.landmarks_key = landmarks_key
+        self.spacing_key = spacing_key
+        self.label_key = label_key
+
+    def _spacing(self, d: Mapping, image: MetaTensor, dims: int) -> np.ndarray:
+        if d.get(self.spacing_key) is not None:
+            spacing = np.asarray(d[self.spacing_key], float)
+            if spacing.shape != (dims,):
+                raise ValueError(f"'{self.spacing_key}' of {image.meta.get('filename_or_obj')} must have {dims} values, got {spacing}")
+            return spacing
+        header = image.meta.get("spacing") if isinstance(image, MetaTensor) else None
+        if dims == 3 and isinstance(image, MetaTensor):
+            original = image.meta.get("original_affine")
+            affine = np.asarray(original if original is not None else image.affine, float)
+            return np.linalg.norm(affine[:3, :3], axis=0)
+        if header is not None and np.all(np.asarray(header, float)[:dims] > 0):
+            return np.asarray(header, float)[:dims]
+        warnings.warn(
+            f"no spacing for {image.meta.get('filename_or_obj') if isinstance(image, MetaTensor) else 'image'}: "
+            "neither the datalist item nor the header gives one; using 1.0 (mm figures are then pixels)"
+        )
+        return np.ones(dims)
+
+    def __call__(self, data: Mapping[Hashable, torch.Tensor]) -> dict:
+        d = dict(data)
+        key = self.first_key(d)
+        image = d[key]
+        dims = image.ndim - 1
+        if dims not in (2, 3):
+            raise ValueError(f"'{key}' must be channel-first 2D or 3D, got shape {tuple(image.shape)}")
+        spacing = self._spacing(d, image, dims)
+        points = landmarks_array(d, self.n_landmarks, dims)
+        if dims == 2:
+            original = np.asarray(image.meta["spatial_shape"], int)[:2] if isinstance(image, MetaTensor) else image.shape[1:]
+            to_physical = np.diag(np.append(spacing, 1.0)) @ grid_to_original_pixels(image.shape[1:], original)
+            label = points * spacing
+        else:
+            if not isinstance(image, MetaTensor):
+                raise ValueError(f"'{key}' must be a MetaTensor with an affine for 3D landmarks")
+            to_physical = np.asarray(image.affine, float)
+            label = points
+        d[self.landmarks_key] = torch.as_tensor(points, dtype=torch.float32)
+        d[self.label_key] = torch.as_tensor(label, dtype=torch.float32)
+        d[self.spacing_key] = torch.as_tensor(spacing, dtype=torch.float32)
+        d["grid_to_physical"] = torch.as_tensor(to_physical, dtype=torch.float64)
+        return d
