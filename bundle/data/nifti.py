@@ -1,0 +1,133 @@
+"""NIfTI volumes with 3D Slicer markups, to a 3D landmark datalist (landmarks in world RAS mm).
+
+Volumes ``IMAGES_DIR/X.nii[.gz]`` pair with ``MARKUPS_DIR/X.fcsv`` or ``MARKUPS_DIR/X.mrk.json`` by the
+name ``X``. Landmarks are matched by control-point label; a label that is missing, repeated or has no
+position is ``null`` with a warning naming the file and the label. A landmark that falls outside its
+volume (read through the NIfTI affine, which maps voxels to RAS) is a warning too: it usually means a
+mix-up of the LPS and RAS frames.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from bundle.data.datalist import SECTIONS, DatalistError
+from bundle.data.labelme import find_images, natural_key
+from bundle.data.markups import MARKUPS_SUFFIXES, ControlPoint, markups_stem, read_markups
+
+VOLUME_SUFFIXES = (".nii.gz", ".nii")
+
+
+def find_markups(folder: str | Path) -> dict[str, Path]:
+    """Markups files of ``folder`` by name without suffix; ``X.fcsv`` beside ``X.mrk.json`` is an error."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise DatalistError(f"markups folder not found: {folder}")
+    found: dict[str, Path] = {}
+    for path in sorted(folder.iterdir()):
+        stem = markups_stem(path)
+        if stem is None or not path.is_file():
+            continue
+        if stem in found:
+            raise DatalistError(f"two markups files for {stem!r}: {found[stem]} and {path}; keep one")
+        found[stem] = path
+    return found
+
+
+def landmarks_outside(volume: Path, landmarks: Sequence[Sequence[float] | None]) -> dict[int, np.ndarray]:
+    """``{index: voxel}`` of the RAS ``landmarks`` that lie outside ``volume`` (its NIfTI affine and shape)."""
+    import nibabel as nib
+
+    try:
+        image = nib.load(str(volume))
+    except Exception as e:  # nibabel raises several types for a corrupt or truncated header
+        raise DatalistError(f"{volume}: unreadable NIfTI header ({e})") from e
+    inverse = np.linalg.inv(image.affine)
+    upper = np.asarray(image.shape[:3], dtype=np.float64) - 0.5
+    out = {}
+    for j, position in enumerate(landmarks):
+        if position is not None:
+            voxel = (inverse @ np.append(np.asarray(position, dtype=np.float64), 1.0))[:3]
+            if ((voxel < -0.5) | (voxel > upper)).any():
+                out[j] = voxel
+    return out
+
+
+def markups_landmarks(path: Path, points: Sequence[ControlPoint], names: Sequence[str]) -> list[list[float] | None]:
+    """Positions of ``names`` among ``points`` (by label); missing, repeated or unplaced -> None, warned."""
+    counts = Counter(p.label for p in points)
+    by_label = {p.label: p.position for p in points}
+    extra = sorted(set(counts) - set(names), key=natural_key)
+    if extra:
+        warnings.warn(f"{path}: labels {extra} are not landmark names: ignored", stacklevel=2)
+    out: list[list[float] | None] = []
+    for label in names:
+        if counts[label] == 0:
+            warnings.warn(f"{path}: label {label!r} is missing: null", stacklevel=2)
+        elif counts[label] > 1:
+            warnings.warn(f"{path}: label {label!r} appears {counts[label]} times: null", stacklevel=2)
+        elif by_label[label] is None:
+            warnings.warn(f"{path}: label {label!r} has no position (not placed): null", stacklevel=2)
+        else:
+            out.append(list(by_label[label]))
+            continue
+        out.append(None)
+    return out
+
+
+def nifti_datalist(
+    images_dir: str | Path,
+    markups_dir: str | Path | None = None,
+    landmark_names: Sequence[str] | None = None,
+    name: str | None = None,
+) -> dict:
+    """Datalist of the volumes of ``images_dir`` and their markups (``markups_dir``, default the same folder).
+
+    Landmark names default to the natural sort of every label found. A volume without markups is kept
+    without landmarks; markups without a volume are ignored (both warned).
+    """
+    images_dir = Path(images_dir)
+    markups_dir = images_dir if markups_dir is None else Path(markups_dir)
+    volumes = find_images(images_dir, VOLUME_SUFFIXES)
+    if not volumes:
+        raise DatalistError(f"{images_dir}: no NIfTI volumes ({', '.join(VOLUME_SUFFIXES)})")
+    files = find_markups(markups_dir)
+    if not files:
+        raise DatalistError(f"{markups_dir}: no markups files ({', '.join(MARKUPS_SUFFIXES)})")
+    for stem in sorted(set(files) - set(volumes), key=natural_key):
+        warnings.warn(f"{files[stem]}: no volume named {stem!r} in {images_dir}: ignored", stacklevel=2)
+    points = {stem: read_markups(files[stem]) for stem in volumes if stem in files}
+    if landmark_names is None:
+        names = sorted({p.label for pts in points.values() for p in pts}, key=natural_key)
+        if not names:
+            raise DatalistError(f"{markups_dir}: the markups files hold no control points")
+    else:
+        names = [str(n) for n in landmark_names]
+
+    items = []
+    for stem in sorted(volumes, key=natural_key):
+        item: dict = {"image": str(volumes[stem])}
+        if stem not in points:
+            warnings.warn(
+                f"{volumes[stem]}: no markups file {stem}.fcsv or {stem}.mrk.json: kept without landmarks", stacklevel=2
+            )
+        else:
+            item["landmarks"] = markups_landmarks(files[stem], points[stem], names)
+            for j, voxel in landmarks_outside(volumes[stem], item["landmarks"]).items():
+                warnings.warn(
+                    f"{files[stem]}: label {names[j]!r} at RAS {item['landmarks'][j]} lies outside {volumes[stem]} "
+                    f"(voxel {np.round(voxel, 1).tolist()}): LPS/RAS mix-up?",
+                    stacklevel=2,
+                )
+        items.append(item)
+    return {
+        "name": name or images_dir.name,
+        "spatial_dims": 3,
+        "landmark_names": names,
+        **{s: (items if s == "training" else []) for s in SECTIONS},
+    }

@@ -1,0 +1,277 @@
+"""Information groups, mutual information and augmentation-intensity estimation (paper Sec. 3, steps 2-3).
+
+* Pixels fall in a low / medium / high information group by their IIE value H (step 1 gives H):
+  low ``H < t0``, medium ``t0 <= H < t1``, high ``H >= t1`` (default ``t = (2, 4)`` bits).
+* The augmentation model shared by the estimator and :class:`bundle.transforms.intensity.InfoGuidedIntensityd`
+  is ColorJitter-style brightness then contrast on images in [0, 1] (:func:`adjust_brightness_contrast`).
+* :func:`estimate_group_intensities` implements the paper's intensity estimate ("Eq. estimate1"): per
+  group, the target is ``alpha_hat`` times the mean mutual information (MI) of corresponding patches of
+  different images; the intensity grows in steps until the MI between a patch and its augmented copy
+  falls below that target.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+import torch
+
+GROUP_NAMES = ("low", "medium", "high")
+
+
+def check_thresholds(thresholds: Sequence[float]) -> tuple[float, float]:
+    """Validate the two IIE thresholds (bits) and return them as floats."""
+    t = tuple(float(v) for v in thresholds)
+    if len(t) != 2 or not all(math.isfinite(v) for v in t) or not t[0] < t[1]:
+        raise ValueError(f"thresholds must be two finite increasing numbers (bits), got {thresholds!r}")
+    return t
+
+
+def information_groups(entropy, thresholds: Sequence[float] = (2.0, 4.0)) -> np.ndarray:
+    """Group index per value (0 low ``H < t0``, 1 medium ``t0 <= H < t1``, 2 high ``H >= t1``), Sec. 3 step 1."""
+    t = check_thresholds(thresholds)
+    h = np.asarray(entropy, dtype=np.float64)
+    return np.searchsorted(np.asarray(t), h, side="right")
+
+
+def group_memberships(entropy: torch.Tensor, thresholds: Sequence[float], blend_width: float) -> torch.Tensor:
+    """Soft low / medium / high memberships ``(3, *entropy.shape)`` that sum to 1 (adaptive augmentation, step 3).
+
+    Around each threshold ``t`` the share of the upper side ramps linearly from 0 at ``t - w/2`` to 1 at
+    ``t + w/2`` (``w = blend_width``); ``w = 0`` gives the hard groups of :func:`information_groups`.
+    Both ramps have the same width, so the medium membership (difference of the two) is never negative.
+    """
+    t0, t1 = check_thresholds(thresholds)
+    if not (math.isfinite(blend_width) and blend_width >= 0):
+        raise ValueError(f"blend_width must be a finite number >= 0 (bits), got {blend_width!r}")
+    h = torch.as_tensor(entropy)
+    h = h if h.is_floating_point() else h.float()
+
+    def above(t: float) -> torch.Tensor:
+        if blend_width == 0:
+            return (h >= t).to(h.dtype)
+        return ((h - (t - blend_width / 2)) / blend_width).clamp(0.0, 1.0)
+
+    s0, s1 = above(t0), above(t1)
+    return torch.stack([1.0 - s0, s0 - s1, s1])
+
+
+def adjust_brightness_contrast(image: torch.Tensor, brightness, contrast) -> torch.Tensor:
+    """ColorJitter-style brightness then contrast on a channel-first image ``(C, *spatial)`` in [0, 1].
+
+    ``x1 = clip(f * x, 0, 1)``; ``x2 = clip(c * x1 + (1 - c) * mean(x1), 0, 1)``, the mean taken per
+    channel over the spatial axes (torchvision clips after each operation in the same way). ``f`` and
+    ``c`` are scalars or tensors broadcastable to ``image`` (per-pixel factors of the adaptive
+    augmentation); with scalars this is the plain, non-adaptive augmentation.
+    """
+    spatial = tuple(range(1, image.ndim))
+    x1 = (image * brightness).clamp(0.0, 1.0)
+    mean = x1.mean(dim=spatial, keepdim=True)
+    return (contrast * x1 + (1.0 - contrast) * mean).clamp(0.0, 1.0)
+
+
+def _as_float_array(x, name: str) -> np.ndarray:
+    arr = x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+    arr = arr.astype(np.float64, copy=False)
+    if arr.size == 0:
+        raise ValueError(f"{name} is empty")
+    if not np.isfinite(arr).all():
+        raise ValueError(f"{name} contains NaN or infinite values")
+    return arr
+
+
+def _paired_mutual_information(a: np.ndarray, b: np.ndarray, bins: int, value_range: Sequence[float] | None) -> np.ndarray:
+    """MI (bits) of each row pair ``a[i], b[i]`` of two ``(N, M)`` arrays; see :func:`mutual_information`."""
+    n = a.shape[0]
+    if value_range is None:
+        lo = np.minimum(a.min(axis=1), b.min(axis=1))
+        hi = np.maximum(a.max(axis=1), b.max(axis=1))
+    else:
+        lo, hi = (np.full(n, float(v)) for v in value_range)
+    width = hi - lo
+    scale = np.where(width > 0, bins / np.where(width > 0, width, 1.0), 0.0)[:, None]
+    ia = np.clip(np.floor((a - lo[:, None]) * scale), 0, bins - 1).astype(np.int64)
+    ib = np.clip(np.floor((b - lo[:, None]) * scale), 0, bins - 1).astype(np.int64)
+    flat = (np.arange(n)[:, None] * bins + ia) * bins + ib
+    joint = np.bincount(flat.ravel(), minlength=n * bins * bins).reshape(n, bins, bins) / a.shape[1]
+
+    def entropy(p: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
+        return -np.sum(np.where(p > 0, p * np.log2(np.where(p > 0, p, 1.0)), 0.0), axis=axes)
+
+    mi = entropy(joint.sum(axis=2), (1,)) + entropy(joint.sum(axis=1), (1,)) - entropy(joint, (1, 2))
+    return np.maximum(mi, 0.0)
+
+
+def mutual_information(a, b, bins: int = 32, value_range: Sequence[float] | None = None) -> float:
+    """Mutual information (bits) of two same-shape patches from their joint ``bins x bins`` grey-value histogram.
+
+    MI = H(A) + H(B) - H(A, B) (Sec. 3, step 2). Both patches are binned on ONE common range: by default
+    the union ``min..max`` of the two, or the fixed ``value_range = (lo, hi)`` (values outside are put in
+    the end bins). A common range, rather than each patch's own min..max, is what lets an augmentation
+    that compresses or saturates grey values lower the MI: with per-patch ranges a pure brightness scaling
+    would leave the histogram, and so the MI, unchanged. A zero-width range gives 0.
+    ``a`` and ``b`` are numpy arrays or torch tensors, 2D or 3D (any shape, compared element-wise).
+    """
+    if not isinstance(bins, int) or bins < 2:
+        raise ValueError(f"bins must be an integer >= 2, got {bins!r}")
+    if value_range is not None:
+        lo, hi = (float(v) for v in value_range)
+        if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
+            raise ValueError(f"value_range must be two finite numbers lo < hi, got {value_range!r}")
+    xa, xb = _as_float_array(a, "patch a"), _as_float_array(b, "patch b")
+    if xa.shape != xb.shape:
+        raise ValueError(f"mutual_information needs two patches of the same shape, got {xa.shape} and {xb.shape}")
+    return float(_paired_mutual_information(xa.reshape(1, -1), xb.reshape(1, -1), bins, value_range)[0])
+
+
+def extract_patches(image: np.ndarray, points: np.ndarray, patch_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Cut cubic patches of side ``patch_size`` centred at the rounded ``points`` (array axis order).
+
+    Returns ``(patches, valid)``: ``patches`` has shape ``(K, *[patch_size] * ndim)`` (zeros where not
+    valid) and ``valid`` is False for points that are NaN or whose patch leaves the image.
+    """
+    image = np.asarray(image, dtype=np.float64)
+    points = np.asarray(points, dtype=np.float64).reshape(-1, image.ndim)
+    patches = np.zeros((len(points),) + (patch_size,) * image.ndim)
+    valid = np.zeros(len(points), dtype=bool)
+    for i, p in enumerate(points):
+        if not np.isfinite(p).all():
+            continue
+        start = np.round(p).astype(np.int64) - patch_size // 2
+        if (start < 0).any() or (start + patch_size > np.asarray(image.shape)).any():
+            continue
+        patches[i] = image[tuple(slice(s, s + patch_size) for s in start)]
+        valid[i] = True
+    return patches, valid
+
+
+def offset_correspondences(template_landmarks: np.ndarray, other_landmarks: np.ndarray, radius: int, stride: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Candidate key points around annotated landmarks and their correspondences in the other images.
+
+    Each landmark ``L`` of the template (and ``L'`` of another image) gives the points ``L + d`` and
+    ``L' + d`` for every offset ``d`` of a grid with step ``stride`` in ``[-radius, radius]`` per axis:
+    the correspondence assumes the anatomy moves as a rigid translation within ``radius`` of a landmark
+    (no local rotation or scaling), which holds approximately for offsets small against the anatomy.
+    ``radius = 0`` uses the landmarks alone. NaN (missing) landmarks give NaN points.
+
+    Returns ``(template_points (K, D), correspondences (n, K, D), landmark_index (K,))``.
+    """
+    tmpl = np.asarray(template_landmarks, dtype=np.float64)
+    others = np.asarray(other_landmarks, dtype=np.float64).reshape(-1, *tmpl.shape)
+    if radius < 0 or stride < 1:
+        raise ValueError(f"radius must be >= 0 and stride >= 1, got radius={radius!r}, stride={stride!r}")
+    axis = np.arange(-radius, radius + 1, stride, dtype=np.float64)
+    offsets = np.stack(np.meshgrid(*([axis] * tmpl.shape[1]), indexing="ij"), -1).reshape(-1, tmpl.shape[1])
+    template_points = (tmpl[:, None, :] + offsets[None]).reshape(-1, tmpl.shape[1])
+    correspondences = (others[:, :, None, :] + offsets[None, None]).reshape(len(others), -1, tmpl.shape[1])
+    landmark_index = np.repeat(np.arange(len(tmpl)), len(offsets))
+    return template_points, correspondences, landmark_index
+
+
+def _augmented_mi(patches: torch.Tensor, brightness: float, contrast: float, bins: int, value_range) -> float:
+    """Mean MI between each patch (one per channel of ``patches``) and its augmented copy."""
+    augmented = adjust_brightness_contrast(patches, brightness, contrast)
+    flat = patches.reshape(len(patches), -1).numpy()
+    return float(_paired_mutual_information(flat, augmented.reshape(len(patches), -1).numpy(), bins, value_range).mean())
+
+
+def estimate_group_intensities(
+    template: np.ndarray,
+    others: Sequence[np.ndarray],
+    template_points: np.ndarray,
+    correspondences: np.ndarray,
+    point_entropy: np.ndarray,
+    thresholds: Sequence[float] = (2.0, 4.0),
+    n_keypoints: int = 20,
+    min_keypoints: int = 3,
+    patch_size: int = 32,
+    alpha_hat: float = 0.8,
+    step: float = 0.02,
+    max_intensity: float = 1.0,
+    bins: int = 32,
+    value_range: Sequence[float] | None = None,
+    seed: int = 0,
+) -> dict:
+    """Per-group brightness and contrast intensities A_l, A_m, A_h ("Eq. estimate1", Sec. 3 step 2).
+
+    Args:
+        template: the template's spatial array in [0, 1] (no channel axis).
+        others: the other images' spatial arrays in [0, 1] (shapes may differ from the template).
+        template_points: candidate key points ``(K, D)`` in the template, array axis order.
+        correspondences: ``(len(others), K, D)`` the same anatomical points in the other images (NaN: unknown).
+        point_entropy: ``(K,)`` the template's IIE (bits) at each candidate; it sets the candidate's group.
+        n_keypoints: at most this many key points drawn (without replacement, ``seed``) per group.
+        min_keypoints: a group with fewer usable key points gets no estimate (``None`` and a ``note``).
+
+    For each group: ``correspondence_mi`` = mean MI(template patch, corresponding patch) over key points
+    and images; ``target_mi = alpha_hat * correspondence_mi``. The intensity ``t`` grows by ``step``; the
+    augmentation's MI is the mean over the key points' template patches of MI(patch, augmented patch),
+    each patch augmented on its own (its own mean for contrast) at the information-reducing extremes:
+    brightness factor ``1 - t``; contrast factors ``1 - t`` and ``1 + t``, of which the LOWER mean MI
+    counts (the range ``[1 - A, 1 + A]`` must respect the target at both ends). A is the first ``t``
+    whose MI is below the target; if none up to ``max_intensity`` is, A = ``max_intensity`` and
+    ``*_at_max`` is True (A is then only a lower bound).
+    """
+    check_thresholds(thresholds)
+    if not 0 < alpha_hat <= 1:
+        raise ValueError(f"alpha_hat must be in (0, 1], got {alpha_hat!r}")
+    if not (0 < step <= max_intensity <= 1):
+        raise ValueError(f"need 0 < step <= max_intensity <= 1, got step={step!r}, max_intensity={max_intensity!r}")
+    if patch_size < 2 or n_keypoints < 1 or min_keypoints < 1:
+        raise ValueError(f"need patch_size >= 2, n_keypoints >= 1, min_keypoints >= 1; got {patch_size}, {n_keypoints}, {min_keypoints}")
+    template = _as_float_array(template, "template image")
+    points = np.asarray(template_points, dtype=np.float64).reshape(-1, template.ndim)
+    corr = np.asarray(correspondences, dtype=np.float64).reshape(len(others), len(points), template.ndim)
+    entropy = np.asarray(point_entropy, dtype=np.float64).reshape(-1)
+    if len(entropy) != len(points):
+        raise ValueError(f"point_entropy has {len(entropy)} values for {len(points)} template points")
+
+    template_patches, ok = extract_patches(template, points, patch_size)
+    ok &= np.isfinite(entropy)
+    other_patches = [extract_patches(_as_float_array(img, f"image {i}"), corr[i], patch_size) for i, img in enumerate(others)]
+    groups = information_groups(np.where(np.isfinite(entropy), entropy, 0.0), thresholds)
+    rng = np.random.default_rng(seed)
+    n_steps = int(math.floor(max_intensity / step + 1e-9))
+    ts = [round((k + 1) * step, 10) for k in range(n_steps)]
+    result: dict = {}
+    for g, name in enumerate(GROUP_NAMES):
+        candidates = np.flatnonzero(ok & (groups == g))
+        chosen = np.sort(rng.choice(candidates, size=min(n_keypoints, len(candidates)), replace=False))
+        pair_mi = []
+        for patches, valid in other_patches:
+            use = chosen[valid[chosen]]
+            if len(use):
+                flat = (template_patches[use].reshape(len(use), -1), patches[use].reshape(len(use), -1))
+                pair_mi.append(_paired_mutual_information(*flat, bins, value_range))
+        pair_mi = np.concatenate(pair_mi) if pair_mi else np.zeros(0)
+        entry: dict = {"n_candidates": int(len(candidates)), "n_keypoints": int(len(chosen)), "n_pairs": int(len(pair_mi))}
+        if len(chosen) < min_keypoints or len(pair_mi) == 0:
+            entry.update(brightness=None, contrast=None,
+                         note=f"only {len(chosen)} key points with {len(pair_mi)} corresponding patches in this group "
+                              f"(need >= {min_keypoints} key points and >= 1 pair): no estimate")
+            result[name] = entry
+            continue
+        correspondence_mi = float(pair_mi.mean())
+        target = alpha_hat * correspondence_mi
+        patches_t = torch.from_numpy(template_patches[chosen])
+        entry.update(correspondence_mi=correspondence_mi, target_mi=target,
+                     self_mi=_augmented_mi(patches_t, 1.0, 1.0, bins, value_range))
+        curves = {
+            "brightness": lambda t: _augmented_mi(patches_t, 1.0 - t, 1.0, bins, value_range),
+            "contrast": lambda t: min(_augmented_mi(patches_t, 1.0, 1.0 - t, bins, value_range),
+                                      _augmented_mi(patches_t, 1.0, 1.0 + t, bins, value_range)),
+        }
+        for kind, curve in curves.items():
+            reached, mi = ts[-1], float("nan")
+            for t in ts:
+                mi = curve(t)
+                if mi < target:
+                    reached = t
+                    break
+            entry[kind] = reached
+            entry[f"{kind}_mi"] = mi
+            entry[f"{kind}_at_max"] = bool(mi >= target)
+        result[name] = entry
+    return result

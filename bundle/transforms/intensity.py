@@ -1,0 +1,128 @@
+"""Adaptive, information-guided brightness / contrast augmentation (paper Sec. 3, step 3)."""
+
+from __future__ import annotations
+
+import math
+from typing import Hashable, Mapping, Sequence
+
+import numpy as np
+import torch
+from monai.config import KeysCollection
+from monai.data.meta_obj import get_track_meta
+from monai.transforms import MapTransform, RandomizableTransform
+from monai.utils import TransformBackends, convert_to_tensor
+
+from bundle.information import GROUP_NAMES, adjust_brightness_contrast, check_thresholds, group_memberships
+
+
+def _check_intensities(values: Sequence[float], name: str) -> tuple[float, float, float]:
+    try:
+        out = tuple(float(v) for v in values)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{name} must be three numbers in [0, 1] (low, medium, high), got {values!r}") from e
+    if len(out) != 3 or not all(math.isfinite(v) and 0.0 <= v <= 1.0 for v in out):
+        raise ValueError(f"{name} must be three numbers in [0, 1] (low, medium, high), got {values!r}")
+    return out
+
+
+class InfoGuidedIntensityd(RandomizableTransform, MapTransform):
+    """Brightness and contrast whose strength follows each pixel's information group (adaptive augmentation).
+
+    Each call draws ``u_b, u_c ~ U(-1, 1)`` once; group ``g`` (low, medium, high IIE) gets the factors
+    ``f_g = 1 + u_b * brightness[g]`` and ``c_g = 1 + u_c * contrast[g]``, so each lies uniformly in
+    ``[1 - A_g, 1 + A_g]`` and all groups move in the same direction (no artificial edges between
+    regions). A pixel's factor is the blend ``sum_g m_g(H) f_g`` with the soft memberships of
+    :func:`bundle.information.group_memberships` (linear ramps of width ``blend_width`` bits around each
+    threshold, summing to 1), and :func:`bundle.information.adjust_brightness_contrast` applies it:
+    ``x1 = clip(f x, 0, 1)``, ``x2 = clip(c x1 + (1 - c) mean(x1), 0, 1)``.
+
+    Plain (non-adaptive) ColorJitter-style augmentation is the special case of equal values, e.g.
+    ``brightness=(0.15, 0.15, 0.15)``: every pixel then gets the same factors.
+
+    Args:
+        keys: image keys; each ``(C, *spatial)`` (2D or 3D) with values in [0, 1].
+        entropy_key: key of the IIE map ``(1, *spatial)`` in bits (e.g. from ``EntropyMapd``), same
+            spatial shape as the images.
+        thresholds: IIE thresholds (bits) between the low / medium and medium / high groups.
+        brightness: brightness intensities ``(A_l, A_m, A_h)`` in [0, 1].
+        contrast: contrast intensities ``(A_l, A_m, A_h)`` in [0, 1].
+        blend_width: width (bits) of the membership ramp around each threshold; 0 gives hard groups.
+        prob: probability of augmenting; otherwise the data pass through unchanged.
+        allow_missing_keys: don't raise an error if an image key is missing.
+    """
+
+    backend = [TransformBackends.TORCH]
+
+    def __init__(
+        self,
+        keys: KeysCollection,
+        entropy_key: str,
+        thresholds: Sequence[float] = (2.0, 4.0),
+        brightness: Sequence[float] = (0.1, 0.15, 0.2),
+        contrast: Sequence[float] = (0.2, 0.25, 0.3),
+        blend_width: float = 0.5,
+        prob: float = 1.0,
+        allow_missing_keys: bool = False,
+    ) -> None:
+        MapTransform.__init__(self, keys, allow_missing_keys)
+        RandomizableTransform.__init__(self, prob)
+        self.entropy_key = entropy_key
+        self.thresholds = check_thresholds(thresholds)
+        self.brightness = _check_intensities(brightness, "brightness")
+        self.contrast = _check_intensities(contrast, "contrast")
+        self.blend_width = float(blend_width)
+        group_memberships(torch.zeros(1), self.thresholds, self.blend_width)  # validates blend_width
+        self.brightness_factors = np.ones(len(GROUP_NAMES))
+        self.contrast_factors = np.ones(len(GROUP_NAMES))
+
+    def randomize(self, data: object = None) -> None:
+        """Decide whether to augment and draw the per-group factors (stored in ``*_factors``)."""
+        super().randomize(None)
+        if not self._do_transform:
+            return
+        u_b, u_c = self.R.uniform(-1.0, 1.0, size=2)
+        self.brightness_factors = 1.0 + u_b * np.asarray(self.brightness)
+        self.contrast_factors = 1.0 + u_c * np.asarray(self.contrast)
+
+    def _pixel_factors(self, entropy: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor | float, torch.Tensor | float]:
+        """Blended factor maps ``(1, *spatial)``; plain scalars when all groups share the same factors."""
+        if np.ptp(self.brightness_factors) == 0 and np.ptp(self.contrast_factors) == 0:
+            return float(self.brightness_factors[0]), float(self.contrast_factors[0])
+        m = group_memberships(entropy.to(like.dtype), self.thresholds, self.blend_width)  # (3, 1, *spatial)
+        shape = (len(GROUP_NAMES),) + (1,) * (m.ndim - 1)
+        f = torch.as_tensor(self.brightness_factors, dtype=like.dtype, device=like.device).reshape(shape)
+        c = torch.as_tensor(self.contrast_factors, dtype=like.dtype, device=like.device).reshape(shape)
+        return (m * f).sum(0), (m * c).sum(0)
+
+    def __call__(self, data: Mapping[Hashable, torch.Tensor]) -> dict[Hashable, torch.Tensor]:
+        d = dict(data)
+        self.randomize(None)
+        keys = list(self.key_iterator(d))
+        if not self._do_transform or not keys:
+            for key in keys:
+                d[key] = convert_to_tensor(d[key], track_meta=get_track_meta())
+            return d
+        if self.entropy_key not in d:
+            raise KeyError(f"InfoGuidedIntensityd: entropy key {self.entropy_key!r} not found (keys: {sorted(map(str, d))})")
+        entropy = convert_to_tensor(d[self.entropy_key], track_meta=False)
+        if entropy.ndim < 2 or entropy.shape[0] != 1:
+            raise ValueError(f"InfoGuidedIntensityd: {self.entropy_key!r} must be a (1, *spatial) IIE map, got shape {tuple(entropy.shape)}")
+        if not torch.isfinite(entropy).all():
+            raise ValueError(f"InfoGuidedIntensityd: {self.entropy_key!r} contains NaN or infinite values")
+        for key in keys:
+            img = convert_to_tensor(d[key], track_meta=get_track_meta())
+            if not img.is_floating_point():
+                img = img.float()
+            if img.shape[1:] != entropy.shape[1:]:
+                raise ValueError(
+                    f"InfoGuidedIntensityd: {key!r} has spatial shape {tuple(img.shape[1:])} but {self.entropy_key!r} "
+                    f"has {tuple(entropy.shape[1:])}; they must match"
+                )
+            if not torch.isfinite(img).all():
+                raise ValueError(f"InfoGuidedIntensityd: {key!r} contains NaN or infinite values")
+            lo, hi = float(img.min()), float(img.max())
+            if lo < -1e-6 or hi > 1 + 1e-6:
+                raise ValueError(f"InfoGuidedIntensityd: {key!r} must be scaled to [0, 1], its values span [{lo:.4g}, {hi:.4g}]")
+            f, c = self._pixel_factors(entropy.to(img.device), img)
+            d[key] = adjust_brightness_contrast(img, f, c)
+        return d

@@ -1,0 +1,260 @@
+"""Write a landmark datalist (DESIGN.md "Public contract") from a labelled data set.
+
+Run from the repository root::
+
+    python scripts/prepare_data.py labelme --root DIR --out data/x/datalist.json \\
+        [--annotators a,b] [--names isbi | --landmark_names "[n1,n2,...]"] [--spacing "[0.12,0.12]"]
+    python scripts/prepare_data.py isbi2015 --root DIR --out ... [--test2 validation]
+    python scripts/prepare_data.py hand --root DIR --out ... [--spacing "[0.1,0.1]"] [--csv all.csv]
+    python scripts/prepare_data.py nifti --images_dir DIR [--markups_dir DIR] --out ... [--landmark_names ...]
+
+Options of every command: ``--name``; ``--validation_fraction 0.0 --test_fraction 0.0 --seed 0`` move a
+seeded random share of the labelled ``training`` items to ``validation`` / ``test``; ``--template ID``
+makes the item whose file name (without suffix) is ID the datalist's ``template`` (it stays in
+``training`` and leaves ``validation`` / ``test``). Reader warnings (duplicated or missing labels, …)
+are printed, then a summary.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import fire  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bundle.data.datalist import SECTIONS, load_datalist, save_datalist  # noqa: E402
+from bundle.data.hand_csv import hand_datalist  # noqa: E402
+from bundle.data.isbi2015 import ISBI_2015_LANDMARK_NAMES, ISBI_2015_SPACING_MM, read_isbi2015_set  # noqa: E402
+from bundle.data.labelme import MultiAnnotatorSet, natural_key, read_labelme_set  # noqa: E402
+from bundle.data.nifti import VOLUME_SUFFIXES, nifti_datalist  # noqa: E402
+from bundle.io_utils import atomic_path  # noqa: E402
+
+BUILT_IN_NAMES = {"isbi": ISBI_2015_LANDMARK_NAMES}
+
+
+def item_id(item: dict) -> str:
+    """An item's id: its image file name without suffix (``001.png`` -> ``001``, ``a.nii.gz`` -> ``a``)."""
+    name = Path(item["image"]).name
+    for suffix in VOLUME_SUFFIXES:
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return Path(name).stem
+
+
+def as_names(value: Any, option: str) -> list[str] | None:
+    """A list option given as ``a,b`` (fire makes a tuple or a string) or ``"[a,b]"``."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return [v.strip() for v in value.split(",") if v.strip()]
+    if isinstance(value, (list, tuple)):
+        return [str(v) for v in value]
+    raise ValueError(f"--{option}: expected a comma-separated list, got {value!r}")
+
+
+def as_spacing(value: Any, spatial_dims: int) -> list[float] | None:
+    """``--spacing``: one positive number for every axis, or ``spatial_dims`` of them."""
+    if value is None:
+        return None
+    values = [value] * spatial_dims if isinstance(value, (int, float)) else value
+    if (
+        not isinstance(values, (list, tuple))
+        or len(values) != spatial_dims
+        or not all(isinstance(v, (int, float)) and np.isfinite(v) and v > 0 for v in values)
+    ):
+        raise ValueError(f"--spacing: expected {spatial_dims} positive numbers (mm per pixel), got {value!r}")
+    return [float(v) for v in values]
+
+
+def set_template(datalist: dict, template: Any) -> dict:
+    """Copy the item with id ``template`` to ``datalist["template"]``, removed from validation and test."""
+    if template is None:
+        return datalist
+    wanted = str(template)
+    found = [it for s in SECTIONS for it in datalist[s] if item_id(it) == wanted]
+    if not found:
+        example = next((item_id(it) for s in SECTIONS for it in datalist[s]), None)
+        raise KeyError(f"--template: no item with id {wanted!r} (ids are image names without suffix, e.g. {example!r})")
+    if not found[0].get("landmarks"):
+        raise ValueError(f"--template: item {wanted!r} ({found[0]['image']}) carries no landmarks")
+    out = dict(datalist, template=dict(found[0]))
+    for section in ("validation", "test"):
+        out[section] = [it for it in datalist[section] if item_id(it) != wanted]
+    return out
+
+
+def split_training(datalist: dict, validation_fraction: float, test_fraction: float, seed: int) -> dict:
+    """Move a seeded random share of the labelled training items (never the template) to validation / test."""
+    for option, value in (("validation_fraction", validation_fraction), ("test_fraction", test_fraction)):
+        if not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+            raise ValueError(f"--{option}: expected a number in [0, 1], got {value!r}")
+    if validation_fraction + test_fraction > 1.0:
+        total = validation_fraction + test_fraction
+        raise ValueError(f"--validation_fraction + --test_fraction must not exceed 1, got {total}")
+    training = datalist["training"]
+    template = item_id(datalist["template"]) if datalist.get("template") else None
+    candidates = [i for i, it in enumerate(training) if it.get("landmarks") and item_id(it) != template]
+    order = np.random.default_rng(seed).permutation(len(candidates))
+    n_val = round(validation_fraction * len(candidates))
+    n_test = min(round(test_fraction * len(candidates)), len(candidates) - n_val)
+    moved = {candidates[k]: "validation" for k in order[:n_val]}
+    moved.update({candidates[k]: "test" for k in order[n_val : n_val + n_test]})
+    out = dict(datalist, training=[it for i, it in enumerate(training) if i not in moved])
+    for section in ("validation", "test"):
+        joined = datalist[section] + [training[i] for i, s in moved.items() if s == section]
+        out[section] = sorted(joined, key=lambda it: natural_key(item_id(it)))
+    return out
+
+
+def summary(datalist: dict, n_warnings: int) -> list[str]:
+    """Lines that describe a datalist: items per section, landmarks, nulls, template, warnings."""
+    lines = [f"{datalist['name']}: {datalist['spatial_dims']}D, {len(datalist['landmark_names'])} landmarks"]
+    for section in SECTIONS:
+        items = datalist[section]
+        labelled = [it for it in items if it.get("landmarks")]
+        nulls = sum(p is None for it in labelled for p in it["landmarks"])
+        lines.append(f"  {section}: {len(items)} items, {len(labelled)} with landmarks, {nulls} null landmarks")
+    template = datalist.get("template")
+    lines.append(f"  template: {template['image'] if template else 'none'}")
+    lines.append(f"  warnings: {n_warnings}")
+    return lines
+
+
+def annotator_summary(dataset: MultiAnnotatorSet) -> list[str]:
+    """The inter-annotator distance of a multi-annotator set, in pixels."""
+    d = dataset.inter_annotator_distances()
+    if d.size == 0:
+        return []
+    mean, median = d.mean(), np.median(d)
+    return [f"  inter-annotator distance: mean {mean:.2f} px, median {median:.2f} px over {d.size} landmark pairs"]
+
+
+def write(
+    read: Callable[[], tuple[dict, list[str]]],
+    out: str,
+    validation_fraction: float,
+    test_fraction: float,
+    seed: int,
+    template: Any,
+) -> None:
+    """Run the reader, print its warnings, split, write ``out`` atomically (validated), print a summary."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        datalist, extra = read()
+    for w in caught:
+        print(f"warning: {w.message}")
+    datalist = set_template(datalist, template)
+    datalist = split_training(datalist, validation_fraction, test_fraction, seed)
+    out_path = Path(out)
+    with atomic_path(out_path) as tmp:  # the file appears only once it passes load_datalist
+        save_datalist(datalist, tmp)
+        load_datalist(tmp)
+    print(f"wrote {out_path}")
+    print("\n".join(summary(datalist, len(caught)) + extra))
+
+
+def labelme(
+    root: str,
+    out: str,
+    annotators: Any = None,
+    names: str | None = None,
+    landmark_names: Any = None,
+    spacing: Any = None,
+    name: str | None = None,
+    validation_fraction: float = 0.0,
+    test_fraction: float = 0.0,
+    seed: int = 0,
+    template: Any = None,
+) -> None:
+    """Labelme set ROOT/images + ROOT/annotations/<annotator>/*.json; ``--names isbi`` names l1..l19 as ISBI 2015."""
+    if names is not None and landmark_names is not None:
+        raise ValueError("give --names or --landmark_names, not both")
+    if names is not None and names not in BUILT_IN_NAMES:
+        raise KeyError(f"--names: unknown built-in name list {names!r} (known: {', '.join(BUILT_IN_NAMES)})")
+    lm_names = BUILT_IN_NAMES[names] if names is not None else as_names(landmark_names, "landmark_names")
+
+    def read() -> tuple[dict, list[str]]:
+        dataset = read_labelme_set(root, as_names(annotators, "annotators"), lm_names)
+        return dataset.to_datalist(name or Path(root).name, as_spacing(spacing, 2)), annotator_summary(dataset)
+
+    write(read, out, validation_fraction, test_fraction, seed, template)
+
+
+def isbi2015(
+    root: str,
+    out: str,
+    test2: str = "test",
+    name: str = "isbi2015",
+    validation_fraction: float = 0.0,
+    test_fraction: float = 0.0,
+    seed: int = 0,
+    template: Any = None,
+) -> None:
+    """ISBI 2015 set ROOT/RawImage + ROOT/AnnotationsByMD; ``--test2 validation`` puts Test2Data in validation."""
+
+    def read() -> tuple[dict, list[str]]:
+        dataset = read_isbi2015_set(root, test2)
+        return dataset.to_datalist(name, [ISBI_2015_SPACING_MM] * 2), annotator_summary(dataset)
+
+    write(read, out, validation_fraction, test_fraction, seed, template)
+
+
+def hand(
+    root: str,
+    out: str,
+    spacing: Any = None,
+    landmark_names: Any = None,
+    csv: str = "all.csv",
+    name: str | None = None,
+    validation_fraction: float = 0.0,
+    test_fraction: float = 0.0,
+    seed: int = 0,
+    template: Any = None,
+) -> None:
+    """Hand set ROOT/<csv> + ROOT/images; ``--spacing`` for images whose format has no header spacing."""
+
+    def read() -> tuple[dict, list[str]]:
+        names = as_names(landmark_names, "landmark_names")
+        return hand_datalist(root, as_spacing(spacing, 2), names, csv, name), []
+
+    write(read, out, validation_fraction, test_fraction, seed, template)
+
+
+def nifti(
+    images_dir: str,
+    out: str,
+    markups_dir: str | None = None,
+    landmark_names: Any = None,
+    name: str | None = None,
+    validation_fraction: float = 0.0,
+    test_fraction: float = 0.0,
+    seed: int = 0,
+    template: Any = None,
+) -> None:
+    """NIfTI volumes IMAGES_DIR/X.nii[.gz] with 3D Slicer markups MARKUPS_DIR/X.fcsv or X.mrk.json."""
+
+    def read() -> tuple[dict, list[str]]:
+        names = as_names(landmark_names, "landmark_names")
+        return nifti_datalist(images_dir, markups_dir, names, name), []
+
+    write(read, out, validation_fraction, test_fraction, seed, template)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point: ``prepare_data.py {labelme|isbi2015|hand|nifti} ...``."""
+    try:
+        fire.Fire({"labelme": labelme, "isbi2015": isbi2015, "hand": hand, "nifti": nifti}, command=argv)
+    except (ValueError, KeyError) as e:  # DatalistError is a ValueError: bad input, not a bug
+        print(f"error: {e.args[0] if isinstance(e, KeyError) and e.args else e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,334 @@
+"""Mutual information, information groups and the augmentation-intensity estimate (bundle/information.py)
+and its command-line tool (scripts/estimate_augmentation.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from PIL import Image
+from skimage.metrics import normalized_mutual_information
+
+from bundle.information import (
+    adjust_brightness_contrast,
+    estimate_group_intensities,
+    extract_patches,
+    group_memberships,
+    information_groups,
+    mutual_information,
+    offset_correspondences,
+)
+from bundle.transforms.entropy import local_entropy
+
+ROOT = Path(__file__).resolve().parents[1]
+REAL_DATA = ROOT.parent / "shared" / "data" / "hamedan_ceph"
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("estimate_augmentation", ROOT / "scripts" / "estimate_augmentation.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _entropy_bits(p: np.ndarray) -> float:
+    p = p[p > 0]
+    return float(-(p * np.log2(p)).sum())
+
+
+def _reference_mi(a: np.ndarray, b: np.ndarray, bins: int, value_range) -> float:
+    """H(A) + H(B) - H(A,B) from numpy's own 2D histogram on the common range."""
+    joint, _, _ = np.histogram2d(a.ravel(), b.ravel(), bins=bins, range=[value_range, value_range])
+    joint = joint / joint.sum()
+    return _entropy_bits(joint.sum(1)) + _entropy_bits(joint.sum(0)) - _entropy_bits(joint)
+
+
+# ---------------------------------------------------------------- mutual information
+
+
+def test_mi_matches_histogram2d_reference_on_union_and_fixed_range():
+    rng = np.random.default_rng(0)
+    a = rng.random((40, 40))
+    b = np.clip(0.6 * a + 0.3 * rng.random((40, 40)) + 0.05, 0, 1)
+    union = (min(a.min(), b.min()), max(a.max(), b.max()))
+    assert mutual_information(a, b, bins=16) == pytest.approx(_reference_mi(a, b, 16, union), abs=1e-10)
+    assert mutual_information(a, b, bins=32, value_range=(0, 1)) == pytest.approx(_reference_mi(a, b, 32, (0, 1)), abs=1e-10)
+
+
+def test_mi_matches_skimage_nmi_when_both_patches_span_the_same_range():
+    rng = np.random.default_rng(1)
+    a = rng.random((30, 30))
+    b = np.sqrt(a) + 0.1 * rng.standard_normal((30, 30))
+    b = (b - b.min()) / (b.max() - b.min())
+    a[0, 0], a[0, 1] = 0.0, 1.0  # both patches span exactly [0, 1]: skimage's per-image bins coincide
+    b[5, 5], b[6, 6] = 0.0, 1.0
+    joint, _, _ = np.histogram2d(a.ravel(), b.ravel(), bins=20)
+    h_ab = _entropy_bits(joint / joint.sum())
+    nmi = normalized_mutual_information(a, b, bins=20)  # (H(A) + H(B)) / H(A, B)
+    assert mutual_information(a, b, bins=20) == pytest.approx(h_ab * (nmi - 1), abs=1e-9)
+
+
+def test_mi_analytic_cases_and_inputs():
+    rng = np.random.default_rng(2)
+    a, b = rng.random(200_000), rng.random(200_000)
+    assert mutual_information(a, b, bins=16) < 0.01  # independent noise: only the small-sample bias remains
+    counts, _ = np.histogram(a, bins=16, range=(a.min(), a.max()))
+    assert mutual_information(a, a, bins=16) == pytest.approx(_entropy_bits(counts / counts.sum()), abs=1e-10)
+    vol = rng.random((6, 7, 8))
+    other = vol**2
+    ref = mutual_information(vol, other)
+    assert mutual_information(torch.from_numpy(vol), torch.from_numpy(other).float()) == pytest.approx(ref, abs=1e-6)
+    assert mutual_information(np.zeros((4, 4)), np.zeros((4, 4))) == 0.0
+
+
+def test_mi_common_range_sees_compression_that_per_patch_ranges_would_not():
+    rng = np.random.default_rng(3)
+    a = 0.2 + 0.6 * rng.random((32, 32))
+    darker = 0.5 * a  # same histogram shape on its own range
+    assert mutual_information(a, darker) < mutual_information(a, a) - 0.5
+
+
+@pytest.mark.parametrize(
+    "a, b, kwargs, match",
+    [
+        (np.zeros((3, 3)), np.zeros((3, 4)), {}, "same shape"),
+        (np.array([0.0, np.nan]), np.zeros(2), {}, "patch a contains NaN"),
+        (np.zeros(2), np.array([0.0, np.inf]), {}, "patch b contains NaN"),
+        (np.zeros(0), np.zeros(0), {}, "empty"),
+        (np.zeros(3), np.zeros(3), {"bins": 1}, "bins"),
+        (np.zeros(3), np.zeros(3), {"value_range": (1, 0)}, "value_range"),
+    ],
+)
+def test_mi_bad_inputs(a, b, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        mutual_information(a, b, **kwargs)
+
+
+# ---------------------------------------------------------------- groups and augmentation model
+
+
+def test_information_groups_and_memberships():
+    h = np.array([0.0, 1.99, 2.0, 3.99, 4.0, 6.0])
+    np.testing.assert_array_equal(information_groups(h), [0, 0, 1, 1, 2, 2])
+    hard = group_memberships(torch.tensor(h), (2.0, 4.0), 0.0)
+    np.testing.assert_array_equal(hard.argmax(0).numpy(), information_groups(h))
+    ramp = torch.linspace(0, 6, 601)
+    m = group_memberships(ramp, (2.0, 4.0), 1.0)
+    assert torch.all(m >= 0) and torch.allclose(m.sum(0), torch.ones(601, dtype=m.dtype))
+    at = {float(v): m[:, i] for i, v in enumerate(ramp) if round(float(v), 2) in (1.5, 2.0, 2.5, 4.0)}
+    assert at[1.5].tolist() == pytest.approx([1, 0, 0]) and at[2.0].tolist() == pytest.approx([0.5, 0.5, 0])
+    assert at[2.5].tolist() == pytest.approx([0, 1, 0]) and at[4.0].tolist() == pytest.approx([0, 0.5, 0.5])
+    with pytest.raises(ValueError, match="thresholds"):
+        information_groups(h, (4.0, 2.0))
+    with pytest.raises(ValueError, match="blend_width"):
+        group_memberships(ramp, (2.0, 4.0), -1.0)
+
+
+def test_adjust_brightness_contrast_formula():
+    rng = np.random.default_rng(4)
+    x = rng.random((2, 8, 9))
+    out = adjust_brightness_contrast(torch.from_numpy(x), 1.3, 0.6).numpy()
+    x1 = np.clip(1.3 * x, 0, 1)
+    mean = x1.reshape(2, -1).mean(1)[:, None, None]  # per channel
+    np.testing.assert_allclose(out, np.clip(0.6 * x1 + 0.4 * mean, 0, 1), atol=1e-12)
+
+
+def test_patches_and_offset_correspondences():
+    image = np.arange(100.0).reshape(10, 10)
+    points = np.array([[4.4, 5.6], [1.0, 1.0], [np.nan, 3.0], [8.0, 8.0], [8.0, 9.0]])
+    patches, valid = extract_patches(image, points, 4)
+    assert patches.shape == (5, 4, 4) and valid.tolist() == [True, False, False, True, False]
+    np.testing.assert_array_equal(patches[0], image[2:6, 4:8])
+    np.testing.assert_array_equal(patches[3], image[6:10, 6:10])
+    tmpl = np.array([[10.0, 20.0], [np.nan, np.nan]])
+    others = np.array([[[13.0, 18.0], [5.0, 5.0]]])
+    pts, corr, idx = offset_correspondences(tmpl, others, radius=2, stride=2)
+    assert pts.shape == (18, 2) and corr.shape == (1, 18, 2) and idx.tolist() == [0] * 9 + [1] * 9
+    np.testing.assert_array_equal(corr[0, :9] - pts[:9], np.tile([3.0, -2.0], (9, 1)))
+    assert np.isnan(pts[9:]).all()
+
+
+# ---------------------------------------------------------------- intensity estimation
+
+
+def _three_region_image(rng: np.random.Generator, n: int = 96) -> np.ndarray:
+    """Rows 0-31: 2 grey levels (IIE ~1 bit), 32-63: 8 levels (~3 bits), 64-95: 256 levels (~6 bits)."""
+
+    def levels(k: int, lo: float, hi: float) -> np.ndarray:
+        return lo + (hi - lo) * rng.integers(0, k, (n // 3, n)) / (k - 1)
+
+    x = np.concatenate([levels(2, 0.35, 0.45), levels(8, 0.3, 0.7), levels(256, 0.2, 0.8)])
+    x[0, 0], x[-1, -1] = 0.0, 1.0
+    return x
+
+
+@pytest.fixture(scope="module")
+def synthetic_setup():
+    rng = np.random.default_rng(5)
+    template = _three_region_image(rng)
+    shifts = [(0, -2), (0, 5), (0, 1)]
+    others = [
+        np.clip(np.roll(template, s, axis=(0, 1)) ** g + 0.02 * rng.standard_normal(template.shape), 0, 1)
+        for s, g in zip(shifts, (0.8, 1.2, 0.9))
+    ]
+    axis = np.arange(10, 87, 7)
+    points = np.stack(np.meshgrid(axis, axis, indexing="ij"), -1).reshape(-1, 2).astype(float)
+    correspondences = np.stack([points + np.array(s, dtype=float) for s in shifts])
+    entropy_map = local_entropy(template, 10).numpy()
+    point_entropy = entropy_map[tuple(points.astype(int).T)]
+    return template, others, points, correspondences, point_entropy
+
+
+def _first_crossing(patches: np.ndarray, target: float, kind: str, step: float) -> float:
+    """Independent re-computation of A: the first t with mean MI(patch, augmented patch) < target."""
+
+    def mean_mi(b: float, c: float) -> float:
+        aug = [adjust_brightness_contrast(torch.from_numpy(p)[None], b, c)[0].numpy() for p in patches]
+        return float(np.mean([mutual_information(p, q) for p, q in zip(patches, aug)]))
+
+    for k in range(1, int(round(1 / step)) + 1):
+        t = k * step
+        mi = mean_mi(1 - t, 1.0) if kind == "brightness" else min(mean_mi(1.0, 1 - t), mean_mi(1.0, 1 + t))
+        if mi < target:
+            return t
+    return math.nan
+
+
+def test_estimate_matches_independent_first_crossing_and_differs_between_groups(synthetic_setup):
+    template, others, points, corr, point_entropy = synthetic_setup
+    groups = information_groups(point_entropy)
+    assert sorted(set(groups.tolist())) == [0, 1, 2]
+    res = estimate_group_intensities(template, others, points, corr, point_entropy, patch_size=8, n_keypoints=1000, alpha_hat=0.9, step=0.04)
+    for g, name in enumerate(("low", "medium", "high")):
+        e = res[name]
+        sel = np.flatnonzero((groups == g) & extract_patches(template, points, 8)[1])
+        assert e["n_keypoints"] == len(sel) and e["n_pairs"] == 3 * len(sel)
+        patches = extract_patches(template, points[sel], 8)[0]
+        ref_target = 0.9 * np.mean([mutual_information(patches[i], extract_patches(o, c[sel], 8)[0][i]) for o, c in zip(others, corr) for i in range(len(sel))])
+        assert e["target_mi"] == pytest.approx(ref_target, rel=1e-9)
+        assert e["target_mi"] < e["self_mi"]
+        for kind in ("brightness", "contrast"):
+            assert e[kind] == pytest.approx(_first_crossing(patches, e["target_mi"], kind, 0.04))
+    # the group's information content changes the tolerated intensity (low: binary patches survive strong
+    # darkening until both grey levels share a bin; high: fine grey levels merge much earlier)
+    assert res["low"]["brightness"] - res["high"]["brightness"] >= 0.1
+
+
+def test_larger_alpha_hat_gives_smaller_or_equal_intensities(synthetic_setup):
+    template, others, points, corr, point_entropy = synthetic_setup
+    runs = [estimate_group_intensities(template, others, points, corr, point_entropy, patch_size=8, n_keypoints=8, alpha_hat=a) for a in (0.5, 0.8, 0.95)]
+    for name in ("low", "medium", "high"):
+        for kind in ("brightness", "contrast"):
+            values = [r[name][kind] for r in runs]
+            assert values[0] >= values[1] >= values[2], (name, kind, values)
+    assert runs[0]["high"]["brightness"] > runs[2]["high"]["brightness"]
+
+
+def test_estimate_flags_empty_groups_and_saturation(synthetic_setup):
+    template, others, points, corr, point_entropy = synthetic_setup
+    keep = information_groups(point_entropy) != 1  # no medium candidates at all
+    res = estimate_group_intensities(template, others, points[keep], corr[:, keep], point_entropy[keep], patch_size=8, n_keypoints=5, max_intensity=0.1, step=0.05)
+    assert res["medium"]["brightness"] is None and res["medium"]["contrast"] is None
+    assert "no estimate" in res["medium"]["note"] and res["medium"]["n_keypoints"] == 0
+    assert res["low"]["brightness"] == pytest.approx(0.1) and res["low"]["brightness_at_max"] is True
+    with pytest.raises(ValueError, match="alpha_hat"):
+        estimate_group_intensities(template, others, points, corr, point_entropy, alpha_hat=1.5)
+    with pytest.raises(ValueError, match="point_entropy"):
+        estimate_group_intensities(template, others, points, corr, point_entropy[:3])
+
+
+# ---------------------------------------------------------------- command-line tool
+
+
+def _write_png_datalist(tmp_path: Path, n_images: int = 4) -> Path:
+    rng = np.random.default_rng(6)
+    base = (_three_region_image(rng) * 255).round().astype(np.uint8)  # array axes [x, y]
+    landmarks = np.array([[16.0, 40.0], [48.0, 30.0], [80.0, 60.0]])
+    items = []
+    for i in range(n_images):
+        shift = np.array([0, 2 * i - 3])
+        arr = np.roll(base, tuple(shift), axis=(0, 1))
+        Image.fromarray(arr.T).save(tmp_path / f"{i:03d}.png")  # PNG rows are y: store the transpose
+        items.append({"image": f"{i:03d}.png", "landmarks": (landmarks + shift).tolist()})
+    dl = {"name": "synthetic", "spatial_dims": 2, "landmark_names": ["a", "b", "c"], "training": items, "validation": [], "test": []}
+    path = tmp_path / "datalist.json"
+    path.write_text(json.dumps(dl))
+    return path
+
+
+def test_script_writes_mergeable_yaml(tmp_path, capsys):
+    script = _load_script()
+    datalist = _write_png_datalist(tmp_path)
+    out = tmp_path / "aug" / "augmentation.yaml"
+    script.estimate(str(datalist), str(out), n_images=3, patch_size=8, radius=8, stride=8, n_keypoints=10, step=0.05)
+    aug = yaml.safe_load(out.read_text())["augmentation"]
+    assert aug["thresholds"] == [2.0, 4.0] and aug["alpha_hat"] == 0.8
+    assert aug["source"]["template"].endswith("000.png") and aug["source"]["n_images"] == 3
+    for kind in ("brightness", "contrast"):
+        assert len(aug[kind]) == 3 and all(v is None or 0 < v <= 1 for v in aug[kind])
+    assert all(v is not None for v in aug["brightness"])  # the three regions give every group key points
+    assert [aug["groups"][g]["brightness"] for g in ("low", "medium", "high")] == aug["brightness"]
+    table = capsys.readouterr().out
+    assert "A_bright" in table and "medium" in table and str(out) in table
+    assert not list(out.parent.glob(".*.tmp*"))  # atomic write left no temporary file
+
+
+def test_script_image_orientation_and_entropy_at_points(tmp_path):
+    script = _load_script()
+    datalist = _write_png_datalist(tmp_path, n_images=1)
+    img, _ = script.load_grey(str(tmp_path / "000.png"), 2)
+    expected = np.asarray(Image.open(tmp_path / "000.png"), dtype=np.float64).T / 255.0
+    np.testing.assert_allclose(img, expected, atol=1e-6)  # [x, y] indexing, scaled to [0, 1]
+    points = np.array([[0.0, 0.0], [40.2, 17.7], [95.0, 50.0], [95.0, 95.0], [-3.0, 4.0]])
+    full = local_entropy(img, 10, intensity_range=(0.0, 1.0)).numpy()
+    got = script.entropy_at_points(img, points, 10)
+    np.testing.assert_allclose(got[:4], [full[0, 0], full[40, 18], full[95, 50], full[95, 95]], atol=1e-5)
+    assert np.isnan(got[4])
+    with pytest.raises(ValueError, match="correspondences"):
+        script.estimate(str(datalist), str(tmp_path / "x.yaml"), correspondences="encoder")
+
+
+def test_script_world_to_voxel_for_3d():
+    script = _load_script()
+    affine = np.array([[2.0, 0, 0, -10], [0, 1.5, 0, 5], [0, 0, 3.0, 0], [0, 0, 0, 1]])
+    world = np.array([[-10.0, 5.0, 0.0], [-6.0, 8.0, 9.0]])
+    np.testing.assert_allclose(script.landmarks_to_array_axes(world, affine, 3), [[0, 0, 0], [2, 2, 3]])
+
+
+def test_script_cli(tmp_path):
+    datalist = _write_png_datalist(tmp_path, n_images=3)
+    out = tmp_path / "cli.yaml"
+    cmd = [sys.executable, str(ROOT / "scripts" / "estimate_augmentation.py"), "--datalist", str(datalist), "--output", str(out),
+           "--n_images", "2", "--patch_size", "8", "--radius", "4", "--stride", "4", "--thresholds", "[2,4]", "--step", "0.1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert yaml.safe_load(out.read_text())["augmentation"]["source"]["n_images"] == 2
+    assert "A_contrast" in proc.stdout
+
+
+@pytest.mark.skipif(not REAL_DATA.is_dir(), reason="shared Hamedan data not available")
+def test_real_cephalograms_landmarks_only(tmp_path):
+    """On two real cephalograms with the 19 landmarks alone, sparse groups are reported, not invented."""
+    items = []
+    for i in (1, 3, 4):  # 002 carries a duplicated label
+        js = json.loads((REAL_DATA / "annotations" / "farhadifar" / f"{i:03d}.json").read_text())
+        pts = {s["label"].lower(): s["points"][0] for s in js["shapes"]}
+        items.append({"image": str(REAL_DATA / "images" / f"{i:03d}.png"), "landmarks": [pts.get(f"l{k}") for k in range(1, 20)]})
+    dl = {"name": "ceph", "spatial_dims": 2, "landmark_names": [f"l{k}" for k in range(1, 20)], "training": items}
+    path = tmp_path / "dl.json"
+    path.write_text(json.dumps(dl))
+    res = _load_script().estimate(str(path), str(tmp_path / "a.yaml"), n_images=2, radius=0, n_keypoints=19, step=0.05)
+    groups = res["augmentation"]["groups"]
+    assert sum(groups[g]["n_candidates"] for g in groups) == 19
+    for g in groups.values():
+        assert (g["brightness"] is None) == (g["n_keypoints"] < 3)
+        if g["brightness"] is not None:
+            assert 0 < g["target_mi"] < g["self_mi"]

@@ -1,0 +1,410 @@
+"""Readers to datalists: labelme, ISBI 2015, hand CSV, NIfTI + markups, and the prepare_data CLI."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import pytest
+import SimpleITK as sitk
+from PIL import Image
+
+from bundle.data.datalist import DatalistError, load_datalist
+from bundle.data.hand_csv import hand_datalist, read_landmark_csv
+from bundle.data.isbi2015 import ISBI_2015_LANDMARK_NAMES, isbi2015_datalist, read_isbi_annotation
+from bundle.data.labelme import labelme_datalist, natural_key, read_labelme_set
+from bundle.data.markups import ControlPoint, write_markups
+from bundle.data.nifti import nifti_datalist
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO.parent / "shared" / "data"
+spec = importlib.util.spec_from_file_location("prepare_data", REPO / "scripts" / "prepare_data.py")
+prepare_data = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(prepare_data)
+
+
+def messages(record) -> list[str]:
+    return [str(w.message) for w in record]
+
+
+def has_warning(record, *parts: str) -> bool:
+    return any(all(p in m for p in parts) for m in messages(record))
+
+
+def write_image(path: Path, size=(8, 6)) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(np.zeros(size[::-1], dtype=np.uint8)).save(path)
+
+
+def write_labelme(path: Path, shapes: list[tuple[str, float, float]], kind: str = "point") -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {
+        "version": "5.0.1",
+        "shapes": [
+            {"label": lab, "points": [[x, y]], "shape_type": kind, "group_id": None, "flags": {}}
+            for lab, x, y in shapes
+        ],
+        "imagePath": "x.png",
+        "imageData": None,
+    }
+    path.write_text(json.dumps(data))
+
+
+@pytest.fixture
+def labelme_root(tmp_path) -> Path:
+    root = tmp_path / "ceph"
+    for i in ("001", "002", "003", "010"):
+        write_image(root / "images" / f"{i}.png")
+    ann = root / "annotations"
+    write_labelme(ann / "a" / "001.json", [("l1", 10, 20), ("l2", 30, 40), ("l10", 50, 60)])
+    write_labelme(ann / "b" / "001.json", [("L1", 12, 22), ("L2", 34, 44), ("l10", 50, 60)])
+    write_labelme(ann / "a" / "002.json", [("l1", 5, 5), ("l1", 7, 7), ("l2", 1, 1)])  # l1 twice, no l10
+    write_labelme(ann / "b" / "002.json", [("l1", 9, 9), ("l2", 3, 3)])  # no l10
+    write_labelme(ann / "a" / "010.json", [("l1", 1, 2), ("l2", 3, 4), ("l10", 5, 6)])  # b has no 010
+    return root
+
+
+def test_labelme_reference_is_the_mean_of_annotators_and_defects_are_warned(labelme_root):
+    with pytest.warns(UserWarning) as record:
+        dl = labelme_datalist(labelme_root, spacing=[0.1, 0.2])
+    assert dl["landmark_names"] == ["l1", "l2", "l10"]  # natural order, case folded
+    assert dl["spatial_dims"] == 2 and dl["name"] == "ceph"
+    items = {Path(it["image"]).stem: it for it in dl["training"]}
+    assert list(items) == ["001", "002", "003", "010"]
+    assert items["001"]["landmarks"] == [[11.0, 21.0], [32.0, 42.0], [50.0, 60.0]]
+    # the repeated l1 of a/002 is dropped, not averaged: b's value alone; l10 given by nobody -> null
+    assert items["002"]["landmarks"] == [[9.0, 9.0], [2.0, 2.0], None]
+    assert items["010"]["landmarks"] == [[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]
+    assert "landmarks" not in items["003"]
+    assert all(it["spacing"] == [0.1, 0.2] for it in items.values())
+    a002 = str(labelme_root / "annotations" / "a" / "002.json")
+    assert has_warning(record, a002, "'l1'", "2 times")
+    assert has_warning(record, a002, "'l10'", "missing")
+    assert has_warning(record, str(labelme_root / "annotations" / "b" / "002.json"), "'l10'", "missing")
+    assert has_warning(record, "010.png", "annotator 'b'")
+    assert has_warning(record, "003.png", "no annotation file from any annotator")
+    assert len(record) == 5, messages(record)
+
+
+def test_labelme_inter_annotator_distance_and_selection(labelme_root):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dataset = read_labelme_set(labelme_root)
+        only_b = read_labelme_set(labelme_root, annotators=["b"], landmark_names=["x", "y", "z"])
+    d = dataset.inter_annotator_distances()
+    # 001: l1, l2, l10; 002: l2 only (a's l1 is unusable, l10 absent); 010 has a single annotator
+    np.testing.assert_allclose(np.sort(d), np.sort([math.hypot(2, 2), math.hypot(4, 4), 0.0, math.hypot(2, 2)]))
+    assert only_b.landmark_names == ["x", "y", "z"]
+    assert only_b.reference("001").tolist() == [[12.0, 22.0], [34.0, 44.0], [50.0, 60.0]]
+    assert np.isnan(only_b.reference("002")[2]).all() and only_b.reference("010") is None
+
+
+def test_labelme_bad_input(labelme_root, tmp_path):
+    with pytest.raises(DatalistError, match="not found"):
+        labelme_datalist(tmp_path / "absent")
+    with pytest.raises(DatalistError, match="annotator folder not found.*zz"):
+        labelme_datalist(labelme_root, annotators=["a", "zz"])
+    with warnings.catch_warnings(), pytest.raises(DatalistError, match=r"2 landmark names given for the 3 labels"):
+        warnings.simplefilter("ignore")
+        labelme_datalist(labelme_root, landmark_names=["x", "y"])
+    (labelme_root / "annotations" / "a" / "003.json").write_text('{"shapes": [')
+    with pytest.raises(DatalistError, match=r"a[/\\]003.json: not a readable labelme JSON"):
+        labelme_datalist(labelme_root)
+    write_labelme(labelme_root / "annotations" / "a" / "003.json", [("l1", 1, 2)])
+    data = json.loads((labelme_root / "annotations" / "a" / "003.json").read_text())
+    data["shapes"][0]["points"] = [[1, 2], [3, 4]]
+    (labelme_root / "annotations" / "a" / "003.json").write_text(json.dumps(data))
+    with pytest.raises(DatalistError, match=r"003.json: shapes\[0\] \(label 'l1'\)"):
+        labelme_datalist(labelme_root)
+
+
+def test_labelme_ignores_non_point_shapes_with_a_warning(labelme_root):
+    shapes = [("l1", 1, 2), ("l2", 3, 4), ("l10", 5, 6)]
+    write_labelme(labelme_root / "annotations" / "b" / "010.json", shapes, kind="circle")
+    with pytest.warns(UserWarning) as record:
+        dl = labelme_datalist(labelme_root)
+    assert has_warning(record, "010.json", "'circle'")
+    assert dl["training"][3]["landmarks"] == [[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]  # a's values only
+
+
+def isbi_txt(points: np.ndarray) -> str:
+    return "\n".join(f"{int(x)},{int(y)}" for x, y in points) + "\n1\n3\n2\n1\n"  # classification lines follow
+
+
+@pytest.fixture
+def isbi_root(tmp_path) -> Path:
+    root = tmp_path / "isbi"
+    rng = np.random.default_rng(0)
+    for folder, ids in (("TrainingData", ["001", "002"]), ("Test1Data", ["151"]), ("Test2Data", ["301"])):
+        for i in ids:
+            write_image(root / "RawImage" / folder / f"{i}.bmp")
+            for annotator in ("400_senior", "400_junior"):
+                if (i, annotator) == ("301", "400_junior"):
+                    continue
+                path = root / "AnnotationsByMD" / annotator / f"{i}.txt"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(isbi_txt(rng.integers(0, 1900, size=(19, 2))))
+    return root
+
+
+def test_isbi2015_sections_mean_and_spacing(isbi_root):
+    with pytest.warns(UserWarning, match=r"400_junior[/\\]301.txt: annotation file missing"):
+        dl = isbi2015_datalist(isbi_root)
+    assert dl["landmark_names"] == list(ISBI_2015_LANDMARK_NAMES) and len(dl["landmark_names"]) == 19
+    assert [Path(it["image"]).stem for it in dl["training"]] == ["001", "002"]
+    assert [Path(it["image"]).stem for it in dl["test"]] == ["151", "301"] and dl["validation"] == []
+    senior = read_isbi_annotation(isbi_root / "AnnotationsByMD" / "400_senior" / "002.txt")
+    junior = read_isbi_annotation(isbi_root / "AnnotationsByMD" / "400_junior" / "002.txt")
+    np.testing.assert_array_equal(dl["training"][1]["landmarks"], (senior + junior) / 2)
+    only_senior = read_isbi_annotation(isbi_root / "AnnotationsByMD" / "400_senior" / "301.txt")
+    np.testing.assert_array_equal(dl["test"][1]["landmarks"], only_senior)
+    assert all(it["spacing"] == [0.1, 0.1] for s in ("training", "test") for it in dl[s])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dl2 = isbi2015_datalist(isbi_root, test2_section="validation")
+    assert [Path(it["image"]).stem for it in dl2["validation"]] == ["301"]
+
+
+def test_isbi2015_bad_input(isbi_root, tmp_path):
+    path = isbi_root / "AnnotationsByMD" / "400_senior" / "001.txt"
+    lines = path.read_text().splitlines()
+    lines[4] = "12;40"
+    path.write_text("\n".join(lines))
+    with pytest.raises(DatalistError, match=r"001.txt:5: expected 'x,y' \(landmark 5\)"):
+        isbi2015_datalist(isbi_root)
+    path.write_text("1,2\n3,4\n")
+    with pytest.raises(DatalistError, match=r"001.txt: expected 19 lines"):
+        read_isbi_annotation(path)
+    with pytest.raises(DatalistError, match="not found"):
+        isbi2015_datalist(tmp_path / "absent")
+    with pytest.raises(ValueError, match="test2_section"):
+        isbi2015_datalist(isbi_root, test2_section="training")
+
+
+def write_mha(path: Path, shape_yx=(6, 5), spacing=(0.15, 0.12), slices: int = 0) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    array = np.zeros(((slices,) if slices else ()) + shape_yx, dtype=np.uint8)
+    image = sitk.GetImageFromArray(array)
+    image.SetSpacing(spacing + ((1.0,) if slices else ()))
+    sitk.WriteImage(image, str(path))
+
+
+@pytest.fixture
+def hand_root(tmp_path) -> Path:
+    root = tmp_path / "hand"
+    write_mha(root / "images" / "3001.mha")
+    write_mha(root / "images" / "3002.mha", spacing=(0.11, 0.11), slices=1)
+    write_image(root / "images" / "3003.png")
+    write_image(root / "images" / "3005.png")  # no CSV row
+    (root / "all.csv").write_text("3001,1,2,3,4\n3002,5.5,6,7,8\n3003,9,10,11,12\n3004,1,1,1,1\n")  # 3004: no image
+    return root
+
+
+def test_hand_csv_landmarks_and_header_spacing(hand_root):
+    with pytest.warns(UserWarning) as record:
+        dl = hand_datalist(hand_root)
+    assert dl["landmark_names"] == ["l1", "l2"]
+    items = {Path(it["image"]).stem: it for it in dl["training"]}
+    assert list(items) == ["3001", "3002", "3003", "3005"]
+    assert items["3001"]["landmarks"] == [[1.0, 2.0], [3.0, 4.0]]
+    assert items["3002"]["landmarks"] == [[5.5, 6.0], [7.0, 8.0]]
+    np.testing.assert_allclose(items["3001"]["spacing"], [0.15, 0.12])
+    np.testing.assert_allclose(items["3002"]["spacing"], [0.11, 0.11])
+    assert "spacing" not in items["3003"] and "landmarks" not in items["3005"]
+    assert has_warning(record, "all.csv", "'3004'", "no image")
+    assert has_warning(record, "3005.png", "no row")
+    assert has_warning(record, "2 images carry no spacing", "3003.png")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dl2 = hand_datalist(hand_root, spacing=[0.2, 0.2], landmark_names=["tip", "base"])
+    items2 = {Path(it["image"]).stem: it for it in dl2["training"]}
+    assert items2["3003"]["spacing"] == [0.2, 0.2] and dl2["landmark_names"] == ["tip", "base"]
+    np.testing.assert_allclose(items2["3001"]["spacing"], [0.15, 0.12])  # the header wins for .mha
+
+
+def test_hand_bad_input(hand_root, tmp_path):
+    csv_path = hand_root / "all.csv"
+    csv_path.write_text("3001,1,2,3,4\n3002,5,6,7\n")
+    with pytest.raises(DatalistError, match=r"all.csv:2: .*got 4 columns"):
+        read_landmark_csv(csv_path)
+    csv_path.write_text("3001,1,2,3,4\n\n3002,5,6,7,8,9,10\n")
+    with pytest.raises(DatalistError, match=r"all.csv:3: 7 columns where the first row has 5"):
+        read_landmark_csv(csv_path)
+    csv_path.write_text("3001,1,2,3,x\n")
+    with pytest.raises(DatalistError, match=r"all.csv:1: non-numeric"):
+        read_landmark_csv(csv_path)
+    csv_path.write_text("3001,1,2,3,4\n3001,1,2,3,4\n")
+    with pytest.raises(DatalistError, match=r"all.csv:2: id '3001' appears twice"):
+        read_landmark_csv(csv_path)
+    csv_path.write_text("3001,1,2,3,4\n")
+    with warnings.catch_warnings(), pytest.raises(DatalistError, match="3 landmark names given for the 2"):
+        warnings.simplefilter("ignore")
+        hand_datalist(hand_root, landmark_names=["a", "b", "c"])
+    write_mha(hand_root / "images" / "3001.mha", slices=2)
+    with warnings.catch_warnings(), pytest.raises(DatalistError, match=r"3001.mha: not a 2D image"):
+        warnings.simplefilter("ignore")
+        hand_datalist(hand_root)
+    with pytest.raises(DatalistError, match="not found"):
+        hand_datalist(tmp_path / "absent")
+
+
+def write_nifti(path: Path, shape=(10, 12, 8), spacing=(2.0, 1.5, 3.0), origin=(-10.0, -9.0, -12.0)) -> np.ndarray:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    affine = np.diag(list(spacing) + [1.0])
+    affine[:3, 3] = origin
+    nib.save(nib.Nifti1Image(np.zeros(shape, dtype=np.int16), affine), str(path))
+    return affine
+
+
+def test_nifti_markups_datalist(tmp_path):
+    images, marks = tmp_path / "ct", tmp_path / "marks"
+    write_nifti(images / "a.nii.gz")
+    write_nifti(images / "b.nii")
+    write_nifti(images / "c.nii.gz")  # no markups
+    a_points = [ControlPoint("p1", (0.0, 0.0, 0.0)), ControlPoint("p2", (4.0, 2.0, 6.0)),
+                ControlPoint("p10", (-8.0, 5.5, 9.0))]
+    write_markups(marks / "a.mrk.json", a_points, "RAS")
+    b_points = [ControlPoint("p2", (1.0, -2.0, 3.0)), ControlPoint("p1", (2.0, 3.0, 4.0)),
+                ControlPoint("extra", (0.0, 0.0, 0.0))]
+    write_markups(marks / "b.fcsv", b_points, "LPS")  # stored in LPS, read back in RAS
+    write_markups(marks / "z.fcsv", a_points)  # no volume
+    with pytest.warns(UserWarning) as record:
+        dl = nifti_datalist(images, marks)
+    assert dl["spatial_dims"] == 3 and dl["landmark_names"] == ["extra", "p1", "p2", "p10"]
+    items = {it["image"].split("/")[-1]: it for it in dl["training"]}
+    assert items["a.nii.gz"]["landmarks"] == [None, [0.0, 0.0, 0.0], [4.0, 2.0, 6.0], [-8.0, 5.5, 9.0]]
+    assert items["b.nii"]["landmarks"] == [[0.0, 0.0, 0.0], [2.0, 3.0, 4.0], [1.0, -2.0, 3.0], None]
+    assert "landmarks" not in items["c.nii.gz"]
+    assert has_warning(record, "a.mrk.json", "'extra'", "missing")
+    assert has_warning(record, "b.fcsv", "'p10'", "missing")
+    assert has_warning(record, "z.fcsv", "no volume")
+    assert has_warning(record, "c.nii.gz", "no markups")
+    assert not has_warning(record, "outside")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        named = nifti_datalist(images, marks, landmark_names=["p2", "p1"])
+    assert named["training"][0]["landmarks"] == [[4.0, 2.0, 6.0], [0.0, 0.0, 0.0]]
+
+
+def test_nifti_markups_warnings_and_errors(tmp_path):
+    images = tmp_path / "ct"
+    write_nifti(images / "a.nii.gz")  # covers RAS x in [-11, 9], y in [-9.75, 7.75], z in [-13.5, 10.5]
+    write_markups(images / "a.mrk.json", [ControlPoint("p1", (8.0, 0.0, 0.0)), ControlPoint("p1", (1.0, 1.0, 1.0)),
+                                          ControlPoint("p2", (30.0, 0.0, 0.0)), ControlPoint("p3", None)])
+    with pytest.warns(UserWarning) as record:
+        dl = nifti_datalist(images)  # markups beside the volumes
+    assert dl["training"][0]["landmarks"] == [None, [30.0, 0.0, 0.0], None]
+    assert has_warning(record, "a.mrk.json", "'p1'", "2 times")
+    assert has_warning(record, "a.mrk.json", "'p3'", "no position")
+    assert has_warning(record, "a.mrk.json", "'p2'", "outside", "LPS/RAS")
+    write_markups(images / "a.fcsv", [ControlPoint("p1", (0.0, 0.0, 0.0))])
+    with pytest.raises(DatalistError, match="two markups files for 'a'"):
+        nifti_datalist(images)
+    with pytest.raises(DatalistError, match="not found"):
+        nifti_datalist(tmp_path / "absent")
+    with pytest.raises(DatalistError, match="no markups files"):
+        nifti_datalist(images, tmp_path)
+
+
+def test_split_is_seeded_and_keeps_the_template():
+    items = [{"image": f"/d/{i:03d}.png", "landmarks": [[float(i), 0.0]]} for i in range(20)]
+    items.append({"image": "/d/900.png"})  # unlabelled: never moved to validation / test
+    dl = {"name": "x", "spatial_dims": 2, "landmark_names": ["a"], "training": items, "validation": [], "test": []}
+    with_template = prepare_data.set_template(dl, "005")
+    a = prepare_data.split_training(with_template, 0.25, 0.1, seed=3)
+    b = prepare_data.split_training(with_template, 0.25, 0.1, seed=3)
+    c = prepare_data.split_training(with_template, 0.25, 0.1, seed=4)
+    assert a == b and a != c
+    assert (len(a["training"]), len(a["validation"]), len(a["test"])) == (21 - 5 - 2, 5, 2)
+    ids = {s: [prepare_data.item_id(it) for it in a[s]] for s in ("training", "validation", "test")}
+    assert "005" in ids["training"] and "900" in ids["training"] and a["template"]["image"] == "/d/005.png"
+    assert sorted(sum(ids.values(), []), key=natural_key) == [prepare_data.item_id(it) for it in items]
+    assert ids["validation"] == sorted(ids["validation"], key=natural_key)
+    with pytest.raises(ValueError, match="validation_fraction"):
+        prepare_data.split_training(dl, 1.5, 0.0, 0)
+    with pytest.raises(ValueError, match="must not exceed 1"):
+        prepare_data.split_training(dl, 0.6, 0.6, 0)
+    with pytest.raises(KeyError, match="'777'"):
+        prepare_data.set_template(dl, 777)
+    with pytest.raises(ValueError, match="carries no landmarks"):
+        prepare_data.set_template(dl, "900")
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, str(REPO / "scripts" / "prepare_data.py"), *args]
+    return subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=120)
+
+
+def test_cli_labelme_writes_a_valid_datalist(labelme_root, tmp_path):
+    out = tmp_path / "lists" / "ceph.json"
+    proc = run_cli("labelme", "--root", str(labelme_root), "--out", str(out), "--landmark_names", "sella,nasion,menton",
+                   "--spacing", "0.1", "--test_fraction", "0.5", "--template", "001")
+    assert proc.returncode == 0, proc.stderr
+    assert "warnings: 5" in proc.stdout and "label 'l1' appears 2 times" in proc.stdout
+    assert "inter-annotator distance: mean" in proc.stdout
+    raw = json.loads(out.read_text())
+    assert not Path(raw["training"][0]["image"]).is_absolute()  # relative to the datalist's folder
+    dl = load_datalist(out)
+    assert dl["landmark_names"] == ["sella", "nasion", "menton"]
+    assert Path(dl["template"]["image"]).stem == "001" and dl["template"]["spacing"] == [0.1, 0.1]
+    assert len(dl["test"]) == 1 and len(dl["training"]) == 3  # 002 or 010 goes to test, never the template
+
+
+def test_cli_reports_bad_input_without_a_traceback(tmp_path):
+    proc = run_cli("labelme", "--root", str(tmp_path / "absent"), "--out", str(tmp_path / "x.json"))
+    assert proc.returncode == 2 and "error: labelme data folder not found" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "x.json").exists()
+    proc = run_cli("labelme", "--root", str(tmp_path), "--out", str(tmp_path / "x.json"), "--names", "nope")
+    assert proc.returncode == 2 and "unknown built-in name list 'nope'" in proc.stderr
+
+
+# ---- real data (skipped when ../shared/data is absent) ----
+
+HAMEDAN = DATA / "hamedan_ceph"
+HAND = DATA / "hand_xray"
+
+
+@pytest.mark.skipif(not HAMEDAN.is_dir(), reason="real Hamedan data not available")
+def test_hamedan_real_data():
+    with pytest.warns(UserWarning) as record:
+        dataset = read_labelme_set(HAMEDAN, landmark_names=ISBI_2015_LANDMARK_NAMES)
+    dl = dataset.to_datalist("hamedan_ceph", [0.12, 0.12])
+    assert len(dl["training"]) == 100 and all(len(it["landmarks"]) == 19 for it in dl["training"])
+    assert sum(p is None for it in dl["training"] for p in it["landmarks"]) == 0  # the other doctor covers each defect
+    found = set()
+    for message in messages(record):
+        path, _, rest = message.partition(": label ")
+        found.add((Path(path).parent.name + "/" + Path(path).stem, rest.split("'")[1]))
+    assert found == {
+        ("farhadifar/002", "l17"), ("farhadifar/002", "l18"), ("mollabashi/002", "l11"), ("mollabashi/009", "l15"),
+        ("mollabashi/010", "l12"), ("mollabashi/064", "l7"), ("mollabashi/098", "l5"), ("mollabashi/086", "l16"),
+    }
+    assert len(record) == 8
+    # the README's figure is 11.8 px (its exact pair set is not stated); here 1892 clean pairs
+    d = dataset.inter_annotator_distances()
+    assert d.size == 1892 and abs(d.mean() - 11.8) < 0.6
+
+
+@pytest.mark.skipif(not HAND.is_dir(), reason="real hand data not available")
+def test_hand_real_data_spacing_and_xy_convention():
+    dl = hand_datalist(HAND)
+    items = dl["training"]
+    assert len(items) == 9 and len(dl["landmark_names"]) == 37
+    for it in items:
+        assert all(0.1 <= s <= 0.17 for s in it["spacing"]) and it["spacing"][0] == it["spacing"][1]
+        image = sitk.ReadImage(it["image"])
+        width, height = image.GetSize()[:2]
+        array = sitk.GetArrayFromImage(image)[0]  # (row, column)
+        xy = np.asarray(it["landmarks"])
+        assert (xy[:, 0] < width).all() and (xy[:, 1] < height).all() and (xy >= 0).all()
+        assert (xy[:, 1] >= width).any()  # read as (row, column) some points would fall off the image
+        cols, rows = np.round(xy).astype(int).T
+        assert array[rows, cols].mean() > array.mean() + 30  # landmarks sit on bone, brighter than the mean
