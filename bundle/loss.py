@@ -1,0 +1,161 @@
+"""Multi-scale pixel-wise InfoNCE loss (the CC2D baseline the paper builds on, paper Sec. 3: the InfoNCE objective).
+
+For a query pixel seen in an augmented crop and in the whole image, the crop encoder's feature at the
+query (the anchor q) should be closer to the image encoder's feature at the same pixel (the positive k+)
+than to the image's features elsewhere (the negatives)::
+
+    L_s = -log( exp(q . k+ / T) / sum_k exp(q . k / T) )
+
+At the coarsest scale the keys are every cell of the whole image's map; at finer scales they are a local
+window around the positive (cells outside the map are left out of the softmax). The total is the
+(optionally weighted) sum over scales of the mean over queries.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.nn.modules.loss import _Loss
+
+from bundle.networks.features import points_to_feature_index, sample_features
+
+__all__ = ["MultiScaleInfoNCELoss"]
+
+
+class MultiScaleInfoNCELoss(_Loss):
+    """Pixel-wise InfoNCE between crop-encoder queries and whole-image-encoder keys, summed over scales.
+
+    Args:
+        temperature: T in the softmax ``exp(cos / T)``.
+        local_window: key window size per scale, coarse to fine; ``None`` = every cell of the map. An int
+            means ``None`` at the coarsest scale and that odd size at every finer one.
+        scale_weights: optional weight per scale (default 1 each).
+
+    Call ``loss(image_features, crop_features, image_points, crop_points, image_size, crop_size)``:
+        image_features / crop_features: the two encoders' lists of ``(B, C, *S)`` maps, coarse to fine.
+        image_points: ``(B, Q, D)`` query positions in the whole image's input grid (tensor axis order);
+            queries with a NaN component (in either point) are ignored.
+        crop_points: ``(B, Q, D)`` the same pixels in the crop's input grid.
+        image_size / crop_size: the two input grids' spatial sizes.
+        return_terms: also return the per-scale (unweighted) terms, coarse to fine.
+    """
+
+    def __init__(
+        self,
+        temperature: float = 0.1,
+        local_window: int | Sequence[int | None] = 9,
+        scale_weights: Sequence[float] | None = None,
+    ) -> None:
+        super().__init__()
+        if not temperature > 0:
+            raise ValueError(f"temperature must be positive, got {temperature}")
+        windows = [local_window] if isinstance(local_window, int) else list(local_window)
+        for w in windows:
+            if w is not None and (int(w) != w or w < 1 or w % 2 == 0):
+                raise ValueError(f"local_window sizes must be odd positive integers or None, got {local_window}")
+        self.temperature = float(temperature)
+        self.local_window = local_window
+        self.scale_weights = None if scale_weights is None else [float(w) for w in scale_weights]
+
+    def windows_for(self, num_scales: int) -> list[int | None]:
+        """Key window per scale, coarse to fine."""
+        if isinstance(self.local_window, int):
+            return [None] + [self.local_window] * (num_scales - 1)
+        if len(self.local_window) != num_scales:
+            raise ValueError(
+                f"local_window={self.local_window} has {len(self.local_window)} entries for {num_scales} scales"
+            )
+        return list(self.local_window)
+
+    def forward(
+        self,
+        image_features: Sequence[torch.Tensor],
+        crop_features: Sequence[torch.Tensor],
+        image_points: torch.Tensor,
+        crop_points: torch.Tensor,
+        image_size: Sequence[int],
+        crop_size: Sequence[int],
+        return_terms: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, list[torch.Tensor]]:
+        num_scales = len(image_features)
+        if len(crop_features) != num_scales:
+            raise ValueError(f"image_features has {num_scales} scales but crop_features {len(crop_features)}")
+        weights = self.scale_weights if self.scale_weights is not None else [1.0] * num_scales
+        if len(weights) != num_scales:
+            raise ValueError(f"scale_weights={self.scale_weights} has {len(weights)} entries for {num_scales} scales")
+        if image_points.shape != crop_points.shape or image_points.ndim != 3:
+            raise ValueError(
+                f"image_points {tuple(image_points.shape)} and crop_points {tuple(crop_points.shape)}"
+                " must both be (B, Q, D)"
+            )
+        valid = ~(torch.isnan(image_points).any(-1) | torch.isnan(crop_points).any(-1))
+        image_points = torch.where(valid[..., None], image_points, torch.zeros_like(image_points))
+        crop_points = torch.where(valid[..., None], crop_points, torch.zeros_like(crop_points))
+        _check_inside("image_points", image_points[valid], image_size)
+        _check_inside("crop_points", crop_points[valid], crop_size)
+
+        terms = []
+        for image_map, crop_map, window in zip(image_features, crop_features, self.windows_for(num_scales)):
+            query = F.normalize(sample_features(crop_map, crop_points, crop_size), dim=-1)
+            cell = points_to_feature_index(image_points.to(image_map.dtype), image_size, image_map.shape[2:])
+            cell = cell.round().long()
+            cell = torch.minimum(cell.clamp(min=0), torch.as_tensor(image_map.shape[2:], device=cell.device) - 1)
+            if window is None:
+                logits, target = _global_logits(image_map, query, cell)
+            else:
+                logits, target = _window_logits(image_map, query, cell, window)
+            ce = F.cross_entropy((logits / self.temperature).flatten(0, 1), target.flatten(), reduction="none")
+            ce = ce.reshape(valid.shape)
+            terms.append(ce[valid].sum() / valid.sum().clamp(min=1))
+        total = sum(w * t for w, t in zip(weights, terms))
+        return (total, terms) if return_terms else total
+
+
+def _check_inside(name: str, points: torch.Tensor, size: Sequence[int]) -> None:
+    """Input-grid points must lie on the grid: each component in [-0.5, size - 0.5]."""
+    if points.numel() == 0:
+        return
+    upper = torch.as_tensor(list(size), dtype=points.dtype, device=points.device) - 0.5
+    outside = (points < -0.5) | (points > upper)
+    if outside.any():
+        bad = points[outside.any(-1)][0].tolist()
+        raise ValueError(f"{name} contains {bad}, outside the input grid of size {tuple(size)}")
+
+
+def _global_logits(
+    image_map: torch.Tensor, query: torch.Tensor, cell: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cosines of each query with every cell ``(B, Q, N)`` and the positive's flat index ``(B, Q)``."""
+    keys = image_map.flatten(2)  # (B, C, N)
+    logits = torch.bmm(query, keys)
+    return logits, _flat_index(cell, image_map.shape[2:])
+
+
+def _window_logits(
+    image_map: torch.Tensor, query: torch.Tensor, cell: torch.Tensor, window: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cosines with the ``window**D`` cells centred on each positive (outside cells at -inf) and the centre's index."""
+    spatial = image_map.shape[2:]
+    half = window // 2
+    offsets = torch.tensor(list(itertools.product(range(-half, half + 1), repeat=len(spatial))), device=cell.device)
+    cells = cell[:, :, None, :] + offsets  # (B, Q, K, D)
+    limit = torch.as_tensor(spatial, device=cell.device)
+    inside = ((cells >= 0) & (cells < limit)).all(-1)
+    flat = _flat_index(torch.minimum(cells.clamp(min=0), limit - 1), spatial)  # (B, Q, K)
+    keys = image_map.flatten(2).transpose(1, 2)  # (B, N, C)
+    b, q, k = flat.shape
+    gathered = torch.gather(keys, 1, flat.reshape(b, q * k, 1).expand(-1, -1, keys.shape[-1])).reshape(b, q, k, -1)
+    logits = torch.einsum("bqc,bqkc->bqk", query, gathered).masked_fill(~inside, float("-inf"))
+    target = torch.full((b, q), offsets.shape[0] // 2, dtype=torch.long, device=cell.device)
+    return logits, target
+
+
+def _flat_index(cell: torch.Tensor, spatial: Sequence[int]) -> torch.Tensor:
+    """Row-major flat index of integer cells ``(..., D)`` in a grid of size ``spatial``."""
+    flat = torch.zeros(cell.shape[:-1], dtype=torch.long, device=cell.device)
+    for axis, size in enumerate(spatial):
+        flat = flat * size + cell[..., axis]
+    return flat

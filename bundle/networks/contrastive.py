@@ -1,0 +1,91 @@
+"""The two-encoder model of pixel-wise contrastive learning (the CC2D baseline, paper Sec. 3).
+
+One encoder embeds whole images, a second one with the same architecture but its own weights embeds
+augmented crops; the multi-scale InfoNCE loss (``bundle.loss``) ties the two. At inference only the
+whole-image encoder is used (``forward``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+
+from bundle.networks.encoders import DenseUNetEncoder
+from bundle.networks.vgg import VGG19DenseEncoder
+
+__all__ = ["BACKBONES", "ContrastiveLandmarkNet", "build_encoder"]
+
+BACKBONES = ("light", "vgg19")
+
+
+def build_encoder(
+    backbone: str = "light",
+    spatial_dims: int = 2,
+    in_channels: int = 1,
+    embed_dim: int = 32,
+    strides: Sequence[int] = (16, 8, 4, 2),
+    channels: Sequence[int] = (16, 32, 64, 128, 128),
+    pretrained_path: str | os.PathLike | None = None,
+) -> nn.Module:
+    """Build one dense encoder.
+
+    ``channels`` are the level widths at strides 1, 2, 4, 8, 16 (...) of the light U-Net; for "vgg19" the
+    encoder widths are VGG19's and ``channels[:4]`` are the decoder widths at strides 1, 2, 4, 8.
+    ``pretrained_path`` (a torchvision VGG19 state dict) is only meaningful for "vgg19".
+    """
+    if backbone == "light":
+        if pretrained_path is not None:
+            raise ValueError(
+                f"pretrained_path={str(pretrained_path)!r} is only supported by the 'vgg19' backbone, not 'light'"
+            )
+        return DenseUNetEncoder(spatial_dims, in_channels, embed_dim, strides, channels)
+    if backbone == "vgg19":
+        return VGG19DenseEncoder(spatial_dims, in_channels, embed_dim, strides, tuple(channels)[:4], pretrained_path)
+    raise ValueError(f"unknown backbone {backbone!r}; choose one of {BACKBONES}")
+
+
+class ContrastiveLandmarkNet(nn.Module):
+    """Whole-image encoder + crop encoder with identical architecture and separate weights.
+
+    ``forward(x)`` returns the whole-image encoder's features (the inference path), ``encode_crops(x)``
+    the crop encoder's; both are lists of ``(B, embed_dim, *spatial / stride)`` unit-norm maps, coarse
+    to fine, one per stride in ``self.strides``. Arguments as for :func:`build_encoder`.
+    """
+
+    def __init__(
+        self,
+        spatial_dims: int = 2,
+        backbone: str = "light",
+        in_channels: int = 1,
+        embed_dim: int = 32,
+        strides: Sequence[int] = (16, 8, 4, 2),
+        channels: Sequence[int] = (16, 32, 64, 128, 128),
+        pretrained_path: str | os.PathLike | None = None,
+    ) -> None:
+        super().__init__()
+        settings = dict(
+            backbone=backbone,
+            spatial_dims=spatial_dims,
+            in_channels=in_channels,
+            embed_dim=embed_dim,
+            strides=strides,
+            channels=channels,
+            pretrained_path=pretrained_path,
+        )
+        self.image_encoder = build_encoder(**settings)
+        self.crop_encoder = build_encoder(**settings)
+        self.backbone = backbone
+        self.spatial_dims = spatial_dims
+        self.embed_dim = embed_dim
+        self.strides = self.image_encoder.strides
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Multi-scale features of whole images."""
+        return self.image_encoder(x)
+
+    def encode_crops(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Multi-scale features of augmented crops (training only)."""
+        return self.crop_encoder(x)
