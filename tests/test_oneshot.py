@@ -1,0 +1,185 @@
+"""One-shot template matching (bundle/oneshot.py) with a hand-made stand-in network."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bundle.oneshot import OneShotInferer, apply_homogeneous, refine_peaks
+
+
+def gaussian_blur(x: torch.Tensor, sigma: float) -> torch.Tensor:
+    """Separable Gaussian blur of a ``(B, C, *spatial)`` tensor (replicate border)."""
+    dims = x.ndim - 2
+    radius = max(1, int(3 * sigma))
+    t = torch.arange(-radius, radius + 1, dtype=x.dtype)
+    kernel = torch.exp(-(t**2) / (2 * sigma**2))
+    kernel = kernel / kernel.sum()
+    conv = F.conv2d if dims == 2 else F.conv3d
+    channels = x.shape[1]
+    for axis in range(dims):
+        shape = [channels, 1] + [1] * dims
+        shape[2 + axis] = kernel.numel()
+        pad = [0, 0] * dims
+        pad[2 * (dims - 1 - axis)] = pad[2 * (dims - 1 - axis) + 1] = radius
+        x = conv(F.pad(x, pad, mode="replicate"), kernel.repeat(channels).reshape(shape), groups=channels)
+    return x
+
+
+class PatchDescriptorNet(torch.nn.Module):
+    """Stand-in dense encoder with the real network's interface (list of unit feature maps, coarse to fine).
+
+    At stride s the feature is the zero-mean, unit-norm vector of the image (blurred by s/2) read on a
+    k^D lattice of spacing s around the pixel (a normalised cross-correlation descriptor), averaged
+    over each s^D cell: content-driven and nearly shift-equivariant, so matching is well defined.
+    """
+
+    def __init__(self, strides: tuple[int, ...] = (16, 8, 4, 2), k: int = 5, spatial_dims: int = 2) -> None:
+        super().__init__()
+        self.strides = strides
+        self.k = k
+        self.spatial_dims = spatial_dims
+        self.register_buffer("eye", torch.eye(k**spatial_dims).reshape(k**spatial_dims, 1, *([k] * spatial_dims)))
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        pool = F.avg_pool2d if self.spatial_dims == 2 else F.avg_pool3d
+        conv = F.conv2d if self.spatial_dims == 2 else F.conv3d
+        out = []
+        for s in self.strides:
+            field = conv(gaussian_blur(x, s / 2), self.eye, padding=(self.k // 2) * s, dilation=s)
+            field = field - field.mean(1, keepdim=True)
+            out.append(F.normalize(pool(field, s), dim=1))
+        return out
+
+
+def smooth_random_image(size: tuple[int, ...], seed: int, sigma: float = 3.0) -> torch.Tensor:
+    """``(1, 1, *size)`` smooth random texture with unit standard deviation."""
+    g = torch.Generator().manual_seed(seed)
+    x = gaussian_blur(torch.randn(1, 1, *size, generator=g), sigma)
+    return x / x.std()
+
+
+def crop(big: torch.Tensor, start: tuple[int, ...], size: tuple[int, ...]) -> torch.Tensor:
+    return big[(Ellipsis, *[slice(s, s + n) for s, n in zip(start, size)])]
+
+
+POINTS_2D = torch.tensor([[40.0, 50.0], [70.3, 80.6], [90.0, 40.0], [64.0, 64.0], [50.0, 88.5]])
+
+
+@pytest.fixture(scope="module")
+def scene():
+    torch.manual_seed(0)
+    big = smooth_random_image((160, 160), seed=1)
+    return big, crop(big, (16, 16), (128, 128)), PatchDescriptorNet().eval()
+
+
+def test_apply_homogeneous_forward_inverse_and_nan():
+    m = torch.tensor([[[0.1, 0.0, 5.0], [0.0, 0.2, -3.0], [0.0, 0.0, 1.0]], [[2.0, 0.0, 0.0], [0.0, 2.0, 1.0], [0.0, 0.0, 1.0]]])
+    pts = torch.tensor([[[3.0, 4.0], [float("nan"), 1.0]], [[1.0, 1.0], [0.0, 0.0]]])
+    out = apply_homogeneous(m, pts)
+    assert out.dtype == torch.float64
+    assert torch.allclose(out[0, 0], torch.tensor([5.3, -2.2], dtype=torch.float64))
+    assert torch.isnan(out[0, 1]).all()
+    assert torch.allclose(out[1], torch.tensor([[2.0, 3.0], [0.0, 1.0]], dtype=torch.float64))
+    back = apply_homogeneous(m, out, inverse=True)
+    finite = ~torch.isnan(pts).any(-1)
+    assert torch.allclose(back[finite], pts.double()[finite])
+    with pytest.raises(ValueError, match="homogeneous matrix"):
+        apply_homogeneous(torch.eye(4), pts)
+
+
+def test_refine_peaks_is_subpixel_on_a_smooth_peak():
+    centre = (12.3, 20.7)
+    ii, jj = torch.meshgrid(torch.arange(32.0), torch.arange(40.0), indexing="ij")
+    peak = torch.exp(-((ii - centre[0]) ** 2 + (jj - centre[1]) ** 2) / (2 * 4.0**2))[None, None]
+    pos, value = refine_peaks(peak, step=1)
+    assert torch.allclose(pos[0, 0], torch.tensor(centre, dtype=torch.float64), atol=0.05)
+    integer, _ = refine_peaks(peak, step=0)
+    assert integer[0, 0].tolist() == [12.0, 21.0]
+    assert value[0, 0] == peak.max()
+
+
+def test_identical_image_recovers_template_points_subpixel(scene):
+    _, template, net = scene
+    inferer = OneShotInferer()
+    inferer.set_template(template, POINTS_2D)
+    pred = inferer(template, net)
+    assert pred.shape == (1, 5, 2)
+    assert torch.allclose(pred[0], POINTS_2D.double(), atol=0.02)
+    coarse = OneShotInferer(refine_radius=0)
+    coarse.set_template(template, POINTS_2D)
+    on_grid = coarse(template, net)[0]
+    assert torch.equal(on_grid, on_grid.round())  # without refinement the answer is stuck on the grid
+    assert (on_grid - POINTS_2D).abs().max() > 0.25
+
+
+@pytest.mark.parametrize("combine", ["product", "sum"])
+def test_shifted_image_gives_template_points_plus_shift(scene, combine):
+    big, template, net = scene
+    inferer = OneShotInferer(combine=combine)
+    inferer.set_template(template, POINTS_2D)
+    shifts = torch.tensor([[3, -2], [1, 1], [-5, 4], [7, 0], [-3, -7]])
+    batch = torch.cat([crop(big, (16 - int(sx), 16 - int(sy)), (128, 128)) for sx, sy in shifts])
+    pred = inferer(batch, net)
+    expected = POINTS_2D[None].double() + shifts[:, None].double()
+    assert (pred - expected).norm(dim=-1).max() < 0.5
+
+
+def test_missing_template_landmark_is_predicted_nan(scene):
+    _, template, net = scene
+    points = POINTS_2D.clone()
+    points[2] = float("nan")
+    inferer = OneShotInferer()
+    inferer.set_template(template, points)
+    pred = inferer(template, net)[0]
+    assert torch.isnan(pred[2]).all()
+    keep = [0, 1, 3, 4]
+    assert torch.allclose(pred[keep], POINTS_2D[keep].double(), atol=0.02)
+
+
+def test_grid_to_physical_and_chunking(scene):
+    big, template, net = scene
+    inferer = OneShotInferer()
+    inferer.set_template(template, POINTS_2D)
+    batch = torch.cat([template, crop(big, (13, 18), (128, 128))])
+    grid_pred = inferer(batch, net)
+    matrices = torch.tensor([[[0.1, 0.0, 2.0], [0.0, 0.2, 1.0], [0.0, 0.0, 1.0]], [[0.5, 0.0, 0.0], [0.0, 0.25, 0.0], [0.0, 0.0, 1.0]]])
+    physical = inferer(batch, net, grid_to_physical=matrices)
+    expected = grid_pred * torch.tensor([[[0.1, 0.2]], [[0.5, 0.25]]], dtype=torch.float64) + torch.tensor([[[2.0, 1.0]], [[0.0, 0.0]]], dtype=torch.float64)
+    assert torch.allclose(physical, expected)
+    chunked = OneShotInferer(max_map_elements=2 * 2 * 128 * 128)  # two landmarks (channels) per chunk
+    chunked.set_template(template, POINTS_2D)
+    assert torch.allclose(chunked(batch, net), grid_pred, atol=1e-5)
+
+
+def test_three_dimensional_shift():
+    big = smooth_random_image((48, 48, 48), seed=2, sigma=2.0)
+    template = crop(big, (8, 8, 8), (32, 32, 32))
+    net = PatchDescriptorNet(strides=(4, 2), k=3, spatial_dims=3).eval()
+    points = torch.tensor([[14.0, 16.0, 15.0], [17.5, 13.2, 18.0]])
+    inferer = OneShotInferer(refine_resolution=0.25)
+    inferer.set_template(template, points)
+    shift = torch.tensor([2.0, -1.0, 3.0])
+    moved = crop(big, (6, 9, 5), (32, 32, 32))
+    pred = inferer(moved, net)[0]
+    assert (pred - (points.double() + shift.double())).norm(dim=-1).max() < 0.5
+
+
+def test_scale_weights_and_errors(scene):
+    _, template, net = scene
+    with pytest.raises(ValueError, match="combine"):
+        OneShotInferer(combine="max")
+    with pytest.raises(RuntimeError, match="set_template"):
+        OneShotInferer()(template, net)
+    inferer = OneShotInferer(scale_weights=(1.0, 1.0))
+    inferer.set_template(template, POINTS_2D)
+    with pytest.raises(ValueError, match="scale_weights"):
+        inferer(template, net)
+    with pytest.raises(ValueError, match="input grid"):
+        inferer(template[..., :64, :64], net)
+    with pytest.raises(ValueError, match="template points"):
+        OneShotInferer().set_template(template, torch.zeros(3, 3))
+    finest_only = OneShotInferer(scale_weights=(0.0, 0.0, 0.0, 1.0))
+    finest_only.set_template(template, POINTS_2D)
+    assert torch.allclose(finest_only(template, net)[0], POINTS_2D.double(), atol=0.02)

@@ -1,0 +1,56 @@
+"""Unsupervised template selection (bundle/template_selection.py) with the stand-in network of test_oneshot."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bundle.template_selection import grid_points, select_template
+from test_oneshot import PatchDescriptorNet, crop, smooth_random_image
+
+SHIFTS = [(0, 0), (3, 1), (-2, 3), (1, -3), (-3, -2)]  # image 0 is the "typical" one, the centre of the others
+
+
+@pytest.fixture(scope="module")
+def images():
+    big = smooth_random_image((128, 128), seed=3)
+    population = [crop(big, (16 + sx, 16 + sy), (96, 96))[0] for sx, sy in SHIFTS]
+    population.append(smooth_random_image((96, 96), seed=9)[0])  # an outlier: unrelated texture
+    return population
+
+
+def test_grid_points_cover_the_interior():
+    pts = grid_points((50, 100), 16, margin=0.1)
+    assert pts.shape == (16, 2)
+    assert pts[:, 0].min() == 5 and pts[:, 0].max() == 44  # round(0.1 * 49), round(0.9 * 49)
+    assert pts[:, 1].min() == 10 and pts[:, 1].max() == 89
+    assert len(torch.unique(pts, dim=0)) == 16
+    assert grid_points((20, 20, 20), 27).shape == (27, 3)
+    with pytest.raises(ValueError, match="margin"):
+        grid_points((10, 10), 4, margin=0.5)
+
+
+def test_typical_image_wins_and_outlier_scores_lowest(images):
+    net = PatchDescriptorNet().eval()
+    order = [3, 5, 0, 1, 4, 2]  # the answer must not depend on the position in the list
+    best, scores = select_template(net, [images[i] for i in order], points_per_candidate=49)
+    assert order[best] == 0
+    assert len(scores) == 6
+    assert order[min(range(6), key=scores.__getitem__)] == 5
+    assert scores[order.index(5)] < 0.5 * min(s for i, s in zip(order, scores) if i != 5)
+
+    subset_best, subset_scores = select_template(net, images, candidates=[5, 2, 4], points_per_candidate=49)
+    assert subset_best in (2, 4) and len(subset_scores) == 3
+    assert subset_scores[0] == min(subset_scores)
+
+
+def test_select_template_rejects_bad_input(images):
+    net = PatchDescriptorNet().eval()
+    with pytest.raises(ValueError, match="at least 2 images"):
+        select_template(net, images[:1])
+    with pytest.raises(ValueError, match="candidates"):
+        select_template(net, images, candidates=[7])
+    with pytest.raises(ValueError, match=r"images\[1\]: grid"):
+        select_template(net, [images[0], images[1][:, :64]], points_per_candidate=4)
+    with pytest.raises(ValueError, match=r"images\[0\]: expected a channel-first"):
+        select_template(net, [images[0][0], images[1]], points_per_candidate=4)
