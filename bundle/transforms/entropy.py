@@ -1,39 +1,340 @@
-"""Image information entropy (IIE) map, Sec. 3.2 of the paper (step 1): local grey-value histogram entropy.
+"""Image information entropy (IIE) map, Sec. 3 step 1 of the paper: local grey-value histogram entropy.
 
-PLACEHOLDER reference implementation with the final signature; the fast implementation replaces it.
+The IIE of a pixel is the Shannon entropy (bits) of the histogram of the k x k (k x k x k) window around
+it. With the window's bin counts ``c_b`` and population ``n``::
+
+    H = -sum_b (c_b / n) log2(c_b / n) = (n log2 n - sum_b c_b log2 c_b) / n
+
+The counts of every bin are box sums of that bin's indicator image. On the CPU the image is processed
+in tiles (plus a halo of ``k - 1``), each with only the bins present in it, on a few threads; the box
+sums are contiguous additions of small integers (two bins per 16-bit word when counts fit a byte) and
+``c log2 c`` comes from a lookup table. On a GPU the same sums run over the whole image, a chunk of
+bins at a time. This replaces the per-pixel sliding histogram of ``skimage.filters.rank.entropy``
+(same result to float32 rounding, several times faster; see ``scripts/benchmark.py entropy``).
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import copy
+import itertools
+import math
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Hashable, Mapping, Sequence
 
 import numpy as np
 import torch
+from monai.config import KeysCollection
+from monai.data import MetaTensor
+from monai.transforms import MapTransform
+from monai.utils import TransformBackends, ensure_tuple
+
+__all__ = ["local_entropy", "EntropyMapd"]
+
+# CPU tile edge per spatial rank (measured on a 2-core CPU: larger tiles hold more distinct bins,
+# smaller ones repeat more halo).
+_TILE = {2: (64, 128), 3: (16, 16, 64)}
+# Elements of one bin chunk on the torch path (bounds its memory to a few bytes per element).
+_TORCH_CHUNK_ELEMENTS = 1 << 25
 
 
-def local_entropy(image, window: int | Sequence[int] = 10, bins: int = 256, intensity_range: Sequence[float] | None = None) -> torch.Tensor:
-    """Shannon entropy (bits) of the ``bins``-bin grey-value histogram in the window around each pixel.
+def _window_shape(window: int | Sequence[int], ndim: int) -> tuple[int, ...]:
+    sizes = (window,) * ndim if isinstance(window, (int, np.integer)) else tuple(window)
+    if len(sizes) != ndim or not all(isinstance(k, (int, np.integer)) and k >= 1 for k in sizes):
+        raise ValueError(f"window must be a positive int or {ndim} positive ints, got {window!r}")
+    return tuple(int(k) for k in sizes)
 
-    ``image`` is a spatial array (H, W) or (D, H, W) without channel; windows are cut at the border (only
-    in-image pixels count), centred like ``skimage.filters.rank`` footprints (offsets -k//2 .. k-k//2-1).
+
+def _xlog2x_table(max_count: int) -> np.ndarray:
+    """``c log2 c`` for c = 0 .. max_count (0 at c = 0), float32."""
+    c = np.arange(max_count + 1, dtype=np.float64)
+    return (c * np.log2(np.maximum(c, 1.0))).astype(np.float32)
+
+
+def _count_dtype(max_count: int) -> type:
+    for dtype in (np.uint8, np.uint16, np.uint32):
+        if max_count <= np.iinfo(dtype).max:
+            return dtype
+    raise ValueError(f"window of {max_count} pixels is too large")
+
+
+def _box_sum_flat(x: Any, k: int, step: int) -> Any:
+    """``y[m] = sum_{r < k} x[m + r * step]`` over a flat array (numpy or torch), length ``len(x) - (k - 1) * step``.
+
+    With ``step`` the stride of an axis this is a box sum along that axis; entries whose window runs past
+    the end of the axis are left over as garbage that the caller does not read. It builds width-k sums from
+    width 1, 2, 4, ... partial sums (about log2(k) + popcount(k) contiguous additions per element).
     """
-    x = torch.as_tensor(np.asarray(image), dtype=torch.float64)
-    lo, hi = (float(x.min()), float(x.max())) if intensity_range is None else map(float, intensity_range)
-    scale = bins / (hi - lo) if hi > lo else 0.0
-    idx = ((x - lo) * scale).floor().clamp(0, bins - 1).long()
-    dims = x.ndim
-    win = [window] * dims if isinstance(window, int) else list(window)
-    onehot = torch.nn.functional.one_hot(idx, bins).movedim(-1, 0).double()
-    counts = onehot
-    for d, k in enumerate(win):
-        before, after = k // 2, k - k // 2 - 1
-        n = x.shape[d]
-        c = torch.nn.functional.pad(counts.cumsum(d + 1).movedim(d + 1, -1), (1, 0)).movedim(-1, d + 1)
-        i = torch.arange(n)
-        upper = c.index_select(d + 1, (i + after + 1).clamp(max=n))
-        lower = c.index_select(d + 1, (i - before).clamp(min=0))
-        counts = upper - lower
-    total = counts.sum(0)
-    p = counts / total
-    ent = -(torch.where(p > 0, p * torch.log2(p), torch.zeros_like(p))).sum(0)
-    return ent.float()
+    total, total_width = None, 0
+    power, width = x, 1
+    while True:
+        if k & width:
+            if total is None:
+                total, total_width = power, width
+            else:
+                size = len(x) - (total_width + width - 1) * step
+                total = total[:size] + power[total_width * step : total_width * step + size]
+                total_width += width
+        if 2 * width > k:
+            return total
+        size = len(x) - (2 * width - 1) * step
+        power = power[:size] + power[width * step : width * step + size]
+        width *= 2
+
+
+def _window_counts(indicators: Any, window: Sequence[int]) -> Any:
+    """Per-bin window counts (B, *valid) from a contiguous indicator stack (B, *padded) (numpy or torch).
+
+    The box sums run on the flattened stack (long contiguous additions); the result is a strided view of
+    the valid entries (``valid = padded - window + 1`` per axis), every one of which lies inside the
+    summed buffer.
+    """
+    padded = indicators.shape[1:]
+    steps = [math.prod(padded[axis + 1 :]) for axis in range(len(padded))]
+    flat = indicators.reshape(-1)
+    for k, step in zip(window, steps):
+        flat = _box_sum_flat(flat, k, step)
+    shape = (indicators.shape[0],) + tuple(n - k + 1 for n, k in zip(padded, window))
+    strides = [math.prod(padded)] + steps
+    if isinstance(flat, np.ndarray):
+        return np.lib.stride_tricks.as_strided(flat, shape, [s * flat.itemsize for s in strides], writeable=False)
+    return flat.as_strided(shape, strides)
+
+
+def _window_population(shape: Sequence[int], window: Sequence[int]) -> np.ndarray:
+    """Number of in-image pixels in each pixel's window (the window cut at the borders), int64."""
+    population = np.ones((), dtype=np.int64)
+    for length, k in zip(shape, window):
+        i = np.arange(length)
+        count = np.minimum(i + (k - k // 2 - 1), length - 1) - np.maximum(i - k // 2, 0) + 1
+        population = np.multiply.outer(population, count)
+    return population
+
+
+def _bin_formula(values: Any, lo: float, hi: float, bins: int, xp: Any) -> Any:
+    """floor((v - lo) / (hi - lo) * bins) clipped to [0, bins - 1] on float64 values (numpy or torch)."""
+    if hi == lo:
+        return xp.zeros_like(values)
+    return xp.clip(xp.floor((values - lo) / (hi - lo) * bins), 0, bins - 1)
+
+
+def _bin_indices(image: np.ndarray | torch.Tensor, bins: int, intensity_range: Sequence[float] | None) -> Any:
+    """Histogram bin of every pixel: uint16 numpy array for numpy input, int32 tensor for a tensor."""
+    if intensity_range is not None:
+        if len(intensity_range) != 2 or not float(intensity_range[1]) > float(intensity_range[0]):
+            raise ValueError(f"intensity_range must be (lo, hi) with hi > lo, got {intensity_range!r}")
+    if isinstance(image, torch.Tensor):
+        values = image.to(torch.float64)
+        if not bool(torch.isfinite(values).all()):
+            raise ValueError("local_entropy: the image contains NaN or infinite values")
+        lo, hi = (float(values.min()), float(values.max())) if intensity_range is None else map(float, intensity_range)
+        return _bin_formula(values, lo, hi, bins, torch).to(torch.int32)
+    if image.dtype.kind not in "biuf":
+        raise ValueError(f"local_entropy: unsupported image dtype {image.dtype}")
+    if image.dtype.kind == "f" and not np.isfinite(image).all():
+        raise ValueError("local_entropy: the image contains NaN or infinite values")
+    vmin, vmax = int(image.min()) if image.dtype.kind != "f" else image.min(), image.max()
+    lo, hi = (float(vmin), float(vmax)) if intensity_range is None else map(float, intensity_range)
+    if image.dtype.kind != "f" and int(vmax) - vmin < 1 << 16:
+        # integer image: bin each distinct value once, then look the pixels up by value - min
+        table = _bin_formula(np.arange(vmin, int(vmax) + 1, dtype=np.float64), lo, hi, bins, np).astype(np.uint16)
+        values = image.view(np.uint8) if image.dtype.kind == "b" else image
+        return np.take(table, values - vmin if vmin >= 0 else values.astype(np.int64) - vmin)
+    return _bin_formula(image.astype(np.float64), lo, hi, bins, np).astype(np.uint16)
+
+
+def _packed_table(table: np.ndarray) -> tuple[type, int, np.ndarray]:
+    """Word dtype, bins per word and ``c log2 c`` table indexed by a word's value.
+
+    When every count fits a byte, two bins share a uint16 word (one per byte: box sums add both lanes at
+    once and one table look-up gives ``f(lo) + f(hi)``); otherwise one bin per word of a wide enough dtype.
+    """
+    max_count = len(table) - 1
+    if max_count > 255:
+        return _count_dtype(max_count), 1, table
+    lanes = np.zeros(256, dtype=np.float64)
+    lanes[: max_count + 1] = table
+    return np.uint16, 2, (lanes[None, :] + lanes[:, None]).astype(np.float32).reshape(-1)
+
+
+def _entropy_sums_numpy(padded: np.ndarray, window: tuple[int, ...], bins: int, table: np.ndarray) -> np.ndarray:
+    """sum_b c_b log2 c_b for every pixel; ``padded`` = uint16 bin indices padded with the value ``bins``.
+
+    Tiles (with a halo of k - 1) are processed on a few threads, each with only the bins present in it.
+    """
+    ndim = padded.ndim
+    shape = tuple(s - k + 1 for s, k in zip(padded.shape, window))
+    tile = _TILE[ndim]
+    word, per_word, word_table = _packed_table(table)
+    sums = np.empty(shape, dtype=np.float32)
+
+    def run(start: tuple[int, ...]) -> None:
+        out = tuple(slice(s, min(s + t, n)) for s, t, n in zip(start, tile, shape))
+        block = np.ascontiguousarray(padded[tuple(slice(o.start, o.stop + k - 1) for o, k in zip(out, window))])
+        present = np.flatnonzero(np.bincount(block.ravel(), minlength=bins + 1)[:bins])
+        n_words = -(-len(present) // per_word)
+        # bin present[i] lives in word i % n_words, byte lane i // n_words; padding (value `bins`) in none
+        word_of = np.full(bins + 1, n_words, dtype=np.uint16)
+        word_of[present] = np.arange(len(present)) % n_words
+        unit = np.zeros(bins + 1, dtype=word)
+        unit[present] = np.left_shift(1, 8 * (np.arange(len(present)) // n_words)).astype(word)
+        indicators = np.multiply(
+            np.take(word_of, block).reshape(1, -1) == np.arange(n_words, dtype=np.uint16)[:, None],
+            np.take(unit, block).reshape(1, -1),
+            dtype=word,
+        )
+        terms = np.take(word_table, _window_counts(indicators.reshape((n_words,) + block.shape), window))
+        while len(terms) > 1:  # pairwise sum over words: float32 rounding grows with log2(#words) only
+            half = (len(terms) + 1) // 2
+            terms[: len(terms) - half] += terms[half:]
+            terms = terms[:half]
+        sums[out] = terms[0]
+
+    starts = list(itertools.product(*(range(0, n, t) for n, t in zip(shape, tile))))
+    workers = max(1, min(torch.get_num_threads(), len(starts)))
+    if workers == 1:
+        for start in starts:
+            run(start)
+    else:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            list(pool.map(run, starts))
+    return sums
+
+
+def _entropy_sums_torch(padded: torch.Tensor, window: tuple[int, ...], bins: int, table: np.ndarray) -> torch.Tensor:
+    """Same sums as :func:`_entropy_sums_numpy` with torch on ``padded``'s device, a chunk of bins at a time."""
+    ndim = padded.ndim
+    lut = torch.as_tensor(table, device=padded.device)
+    count_dtype = torch.uint8 if len(table) <= 256 else torch.int32
+    present = torch.nonzero(torch.bincount(padded.flatten(), minlength=bins + 1)[:bins]).flatten().to(padded.dtype)
+    chunk = max(1, _TORCH_CHUNK_ELEMENTS // padded.numel())
+    shape = tuple(s - k + 1 for s, k in zip(padded.shape, window))
+    sums = torch.zeros(shape, dtype=torch.float32, device=padded.device)
+    for first in range(0, len(present), chunk):
+        values = present[first : first + chunk].reshape((-1,) + (1,) * ndim)
+        indicators = (padded[None] == values).to(count_dtype)
+        sums += lut[_window_counts(indicators, window).long()].sum(0)
+    return sums
+
+
+def local_entropy(
+    image: np.ndarray | torch.Tensor,
+    window: int | Sequence[int] = 10,
+    bins: int = 256,
+    intensity_range: Sequence[float] | None = None,
+) -> torch.Tensor:
+    """IIE map (Sec. 3 step 1): Shannon entropy (bits) of the ``bins``-bin histogram in each pixel's window.
+
+    ``image`` is a spatial array (H, W) or (D, H, W) without channel (numpy or torch). Bins are
+    ``floor((v - lo) / (hi - lo) * bins)`` clipped to [0, bins - 1] with (lo, hi) = ``intensity_range``
+    (default: the image's min and max). ``window`` (int or one int per axis; the paper uses 10 in 2D and
+    5 in 3D) is cut at the borders (only in-image pixels count) and centred like
+    ``skimage.filters.rank`` footprints (offsets -k//2 .. k - k//2 - 1). On uint8 input it equals
+    ``skimage.filters.rank.entropy(image, np.ones((k,) * ndim, bool))``. A constant image gives zeros.
+    Returns a float32 tensor of the image's shape on the image's device.
+    """
+    device = image.device if isinstance(image, torch.Tensor) else torch.device("cpu")
+    if isinstance(image, torch.Tensor):
+        image = image.detach().as_subclass(torch.Tensor)
+        if device.type == "cpu":
+            image = image.numpy()
+    else:
+        image = np.asarray(image)
+    if image.ndim not in (2, 3) or 0 in image.shape:
+        raise ValueError(
+            f"local_entropy expects a non-empty 2D or 3D spatial array without channel, got shape {tuple(image.shape)}"
+        )
+    if not isinstance(bins, (int, np.integer)) or not 1 <= bins < np.iinfo(np.uint16).max:
+        raise ValueError(f"bins must be an int in [1, {np.iinfo(np.uint16).max - 1}], got {bins!r}")
+    window = _window_shape(window, image.ndim)
+    table = _xlog2x_table(math.prod(window))
+    pad = [(k // 2, k - k // 2 - 1) for k in window]
+    indices = _bin_indices(image, bins, intensity_range)
+    population = _window_population(indices.shape, window)
+    # H = (n log2 n - S) / n with n log2 n from the same table as S: exactly 0 where a window holds one bin
+    full, population = np.take(table, population), population.astype(np.float32)
+    if isinstance(indices, np.ndarray):
+        sums = _entropy_sums_numpy(np.pad(indices, pad, constant_values=bins), window, bins, table)
+        return torch.from_numpy((full - sums).clip(0) / population)
+    flat_pad = [p for before_after in reversed(pad) for p in before_after]
+    sums = _entropy_sums_torch(torch.nn.functional.pad(indices, flat_pad, value=bins), window, bins, table)
+    full, population = torch.from_numpy(full).to(device), torch.from_numpy(population).to(device)
+    return (full - sums).clip(0) / population
+
+
+def single_channel_spatial(image: Any, key: Hashable, owner: str) -> Any:
+    """The spatial array of a channel-first (1, H, W) or (1, D, H, W) image; a clear error names ``key`` otherwise."""
+    shape = tuple(image.shape)
+    if len(shape) not in (3, 4):
+        raise ValueError(f"{owner}: '{key}' must be channel-first with 2 or 3 spatial dims, got shape {shape}")
+    if shape[0] != 1:
+        raise ValueError(f"{owner}: '{key}' must have exactly 1 channel, got shape {shape}")
+    return image[0]
+
+
+def output_keys_for(
+    keys: tuple[Hashable, ...], output_keys: KeysCollection | None, suffix: str
+) -> tuple[Hashable, ...]:
+    """``output_keys`` as a tuple matching ``keys`` (default: each key with ``suffix`` appended)."""
+    if output_keys is None:
+        return tuple(f"{key}{suffix}" for key in keys)
+    outputs = ensure_tuple(output_keys)
+    if len(outputs) != len(keys):
+        raise ValueError(f"output_keys {outputs!r} must give one key per input key {keys!r}")
+    return outputs
+
+
+def like_input(result: torch.Tensor, image: Any) -> torch.Tensor:
+    """``result`` as a MetaTensor with its own copy of ``image``'s affine, meta and applied operations when
+    ``image`` is a MetaTensor (the map lies on the image's grid); ``result`` itself otherwise."""
+    if isinstance(image, MetaTensor):
+        meta, operations = copy.deepcopy(image.meta), copy.deepcopy(image.applied_operations)
+        return MetaTensor(result, meta=meta, applied_operations=operations)
+    return result
+
+
+class EntropyMapd(MapTransform):
+    """Image information entropy (IIE) map of Sec. 3 step 1 of the paper, as a dictionary transform.
+
+    For each key, reads a channel-first single-channel image (1, H, W) or (1, D, H, W) and writes its
+    IIE map (see :func:`local_entropy`), a float32 (1, *spatial) tensor, to the matching output key. A
+    MetaTensor input gives a MetaTensor output with a copy of the input's affine and meta data.
+
+    Args:
+        keys: keys of the images to process.
+        window: side of the local window in pixels, an int or one int per spatial axis (the paper uses 10
+            in 2D and 5 in 3D); cut at the image borders and centred like ``skimage.filters.rank``.
+        bins: number of grey-value histogram bins.
+        intensity_range: (lo, hi) range binned into ``bins`` bins; values outside are clipped to the end
+            bins. Default: each image's own min and max.
+        output_keys: where to write each map, one per key; default ``f"{key}_entropy"``.
+        allow_missing_keys: don't raise an exception if a key is missing.
+
+    Raises:
+        ValueError: an image with more than one channel, or with other than 2 or 3 spatial dims.
+        KeyError: a missing key when ``allow_missing_keys`` is False.
+    """
+
+    backend = [TransformBackends.TORCH, TransformBackends.NUMPY]
+
+    def __init__(
+        self,
+        keys: KeysCollection,
+        window: int | Sequence[int] = 10,
+        bins: int = 256,
+        intensity_range: Sequence[float] | None = None,
+        output_keys: KeysCollection | None = None,
+        allow_missing_keys: bool = False,
+    ) -> None:
+        super().__init__(keys, allow_missing_keys)
+        self.window = window
+        self.bins = bins
+        self.intensity_range = intensity_range
+        self.output_keys = output_keys_for(self.keys, output_keys, "_entropy")
+
+    def __call__(self, data: Mapping[Hashable, Any]) -> dict[Hashable, Any]:
+        d = dict(data)
+        for key, output_key in self.key_iterator(d, self.output_keys):
+            spatial = single_channel_spatial(d[key], key, type(self).__name__)
+            entropy = local_entropy(spatial, self.window, self.bins, self.intensity_range)
+            d[output_key] = like_input(entropy[None], d[key])
+        return d
