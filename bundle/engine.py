@@ -127,3 +127,33 @@ def with_template(inferer, item: dict, preprocessing, device: torch.device | str
     image, points = prepare_template(item, preprocessing)
     inferer.set_template(image.to(device), points.to(device))
     return inferer
+
+
+def resolve_template(
+    datalist: dict, network: torch.nn.Module, preprocessing, device: torch.device | str, max_images: int = 32
+) -> dict:
+    """The evaluation template: the datalist's ``template``, else one chosen among its labelled training items.
+
+    The choice is unsupervised (``bundle.template_selection.select_template``: the candidate whose features
+    match the other training images best, Quan et al. CVPR 2022); the landmarks play no part in it. At most
+    ``max_images`` training images (the labelled ones first) take part, to bound the cost.
+    """
+    from bundle.template_selection import select_template
+
+    if datalist.get("template") is not None:
+        return dict(datalist["template"], chosen_by="datalist")
+    training = datalist.get("training", [])
+    labelled = [it for it in training if it.get("landmarks") and any(p is not None for p in it["landmarks"])]
+    if not labelled:
+        raise ValueError("the datalist has no 'template' and no training item with 'landmarks' to choose one from")
+    if len(labelled) == 1:
+        return dict(labelled[0], chosen_by="the only labelled training item")
+    unlabelled = [it for it in training if it not in labelled]
+    pool = (labelled + unlabelled)[: max(max_images, 2)]
+    candidates = [i for i, it in enumerate(pool) if it in labelled]
+    images = [torch.as_tensor(preprocessing(dict(it))["image"]).to(device) for it in pool]
+    network.eval()
+    with torch.no_grad():
+        index, scores = select_template(network, images, candidates=candidates)
+    score = float(scores[candidates.index(index)])
+    return dict(pool[index], chosen_by="unsupervised feature matching", selection_score=score)
