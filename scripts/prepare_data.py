@@ -32,7 +32,8 @@ import numpy as np  # noqa: E402
 from bundle.data.datalist import SECTIONS, load_datalist, save_datalist  # noqa: E402
 from bundle.data.hand_csv import hand_datalist  # noqa: E402
 from bundle.data.isbi2015 import ISBI_2015_LANDMARK_NAMES, ISBI_2015_SPACING_MM, read_isbi2015_set  # noqa: E402
-from bundle.data.labelme import MultiAnnotatorSet, natural_key, read_labelme_set  # noqa: E402
+from bundle.data.annotations import MultiAnnotatorSet, natural_key  # noqa: E402
+from bundle.data.labelme import read_labelme_set  # noqa: E402
 from bundle.data.nifti import VOLUME_SUFFIXES, nifti_datalist  # noqa: E402
 from bundle.io_utils import atomic_path  # noqa: E402
 

@@ -19,7 +19,8 @@ from PIL import Image
 from bundle.data.datalist import DatalistError, load_datalist
 from bundle.data.hand_csv import hand_datalist, read_landmark_csv
 from bundle.data.isbi2015 import ISBI_2015_LANDMARK_NAMES, isbi2015_datalist, read_isbi_annotation
-from bundle.data.labelme import labelme_datalist, natural_key, read_labelme_set
+from bundle.data.annotations import natural_key
+from bundle.data.labelme import labelme_datalist, read_labelme_set
 from bundle.data.markups import ControlPoint, write_markups
 from bundle.data.nifti import nifti_datalist
 

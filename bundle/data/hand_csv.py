@@ -16,7 +16,7 @@ from typing import Sequence
 import numpy as np
 
 from bundle.data.datalist import SECTIONS, DatalistError
-from bundle.data.labelme import IMAGE_SUFFIXES, find_images, natural_key
+from bundle.data.annotations import IMAGE_SUFFIXES, find_images, natural_key
 
 HEADER_SUFFIXES = (".mha", ".mhd", ".nrrd", ".nhdr", ".nii.gz", ".nii")
 

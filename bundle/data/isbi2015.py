@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from bundle.data.datalist import DatalistError
-from bundle.data.labelme import MultiAnnotatorSet, find_images
+from bundle.data.annotations import MultiAnnotatorSet, find_images
 
 ISBI_2015_LANDMARK_NAMES = (
     "sella",
