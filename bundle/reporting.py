@@ -160,7 +160,8 @@ class LandmarkReportHandler:
       - 2D overlays only: ``image_key`` ("image") the ``(1, W, H)`` grid image and ``grid_key``
         ("grid_to_physical") its ``(3, 3)`` grid-to-mm matrix; items without them get no overlay.
     At ``EPOCH_STARTED`` the collection is reset; at ``COMPLETED`` it writes ``output_dir``/metrics.json,
-    predictions.csv, sdr_curve.png and overlays/<image stem>.png, and logs MRE and SDR.
+    predictions.csv, sdr_curve.png and overlays/<image stem>.png, and logs MRE and SDR. When no image has
+    a reference landmark (inference on new images), only predictions.csv and the overlays are written.
     """
 
     def __init__(
@@ -257,14 +258,17 @@ class LandmarkReportHandler:
         spacings = np.stack([r["spacing"] for r in self.records])[:, None, :]
         errors_mm = radial_errors(preds, refs)
         errors_px = radial_errors(preds / spacings, refs / spacings)
-        summary = summarize_errors(errors_mm, errors_px, self.thresholds, self.landmark_names)
-        write_metrics_json(self.output_dir / "metrics.json", summary, self.template, self.checkpoint)
         rows = [
             {"image": r["image"], "landmark": name, "point": _datalist_point(r["pred"][j], r["spacing"]), "error_mm": errors_mm[i, j]}
             for i, r in enumerate(self.records)
             for j, name in enumerate(self.landmark_names)
         ]
         write_predictions_csv(self.output_dir / "predictions.csv", rows)
+        if np.isnan(refs).all():  # inference on unlabelled images: predictions only
+            self.logger.info("one-shot detection on %d images without reference landmarks: predictions in %s", len(self.records), self.output_dir)
+            return {"n_images": len(self.records)}
+        summary = summarize_errors(errors_mm, errors_px, self.thresholds, self.landmark_names)
+        write_metrics_json(self.output_dir / "metrics.json", summary, self.template, self.checkpoint)
         save_sdr_curve(self.output_dir / "sdr_curve.png", errors_mm, marks=self.thresholds)
         sdr = ", ".join(f"{k} mm {v:.1f}%" for k, v in summary["sdr"].items())
         self.logger.info(
