@@ -1,4 +1,4 @@
-"""Evaluation reports: metrics.json, predictions.csv, overlay PNGs and the SDR curve (DESIGN.md contract).
+"""Evaluation reports: metrics.json, predictions.csv, overlay PNGs (2D), 3D Slicer markups (3D) and the SDR curve.
 
 Every file is written atomically (``bundle.io_utils``). Figures use matplotlib's Agg canvas directly,
 without pyplot's global state, so they work headless and in threads.
@@ -21,12 +21,14 @@ from matplotlib.figure import Figure
 from monai.data import decollate_batch
 from monai.utils import convert_to_numpy
 
+from bundle.data.markups import ControlPoint, write_mrk_json
 from bundle.io_utils import atomic_path, write_json_atomic, write_text_atomic
 from bundle.metrics import DEFAULT_THRESHOLDS, radial_errors, success_detection_rate, summarize_errors
 from bundle.oneshot import apply_homogeneous
 
 SUMMARY_KEYS = ("n_images", "n_landmarks", "mre_mm", "mre_std_mm", "mre_px", "sdr", "per_landmark_mre_mm")
 AXES = ("x", "y", "z")
+VOLUME_SUFFIXES = (".nii.gz", ".nii", ".mha", ".mhd", ".nrrd", ".nhdr")
 
 
 def write_metrics_json(path: str | os.PathLike, summary: Mapping[str, Any], template: str, checkpoint: str) -> Path:
@@ -140,6 +142,40 @@ def _items(data: Any) -> list[dict]:
     raise TypeError(f"expected a dict or a list of dicts per image, got {type(data).__name__}")
 
 
+def image_stem(path: str | os.PathLike) -> str:
+    """The file name without its image suffix (``a.nii.gz`` -> ``a``; other names: ``Path.stem``)."""
+    name = Path(path).name
+    suffix = next((s for s in VOLUME_SUFFIXES if name.casefold().endswith(s)), None)
+    return name[: -len(suffix)] if suffix else Path(name).stem
+
+
+def _unique(stem: str, taken: set[str]) -> str:
+    """``stem``, or ``stem_2``, ``stem_3``... when already in ``taken`` (which gets the result)."""
+    name, n = stem, 1
+    while name in taken:
+        n += 1
+        name = f"{stem}_{n}"
+    taken.add(name)
+    return name
+
+
+def write_markups_per_image(output_dir: str | os.PathLike, records: Sequence[Mapping[str, Any]], names: Sequence[str]) -> list[Path]:
+    """One 3D Slicer ``.mrk.json`` (RAS) per record, ``output_dir/<image stem>.mrk.json``, of its ``pred`` (L, 3) world mm.
+
+    A NaN prediction is stored as an unplaced point; two images with the same stem get ``_2``, ``_3``... suffixes.
+    """
+    taken: set[str] = set()
+    paths = []
+    for record in records:
+        pred = np.asarray(record["pred"], dtype=np.float64)
+        if pred.shape != (len(names), 3):
+            raise ValueError(f"markups for {record['image']}: predictions {pred.shape} do not fit {len(names)} 3D landmarks")
+        points = [ControlPoint(str(n), tuple(p) if np.isfinite(p).all() else None) for n, p in zip(names, pred)]
+        name = _unique(image_stem(record["image"]), taken)
+        paths.append(write_mrk_json(Path(output_dir) / f"{name}.mrk.json", points, coordinate_system="RAS"))
+    return paths
+
+
 def _datalist_point(point_mm: np.ndarray, spacing: np.ndarray) -> np.ndarray:
     """A physical point in the datalist convention: 2D original pixels (mm / spacing), 3D world mm."""
     return point_mm / spacing if spacing.size == 2 else point_mm
@@ -160,7 +196,8 @@ class LandmarkReportHandler:
       - 2D overlays only: ``image_key`` ("image") the ``(1, W, H)`` grid image and ``grid_key``
         ("grid_to_physical") its ``(3, 3)`` grid-to-mm matrix; items without them get no overlay.
     At ``EPOCH_STARTED`` the collection is reset; at ``COMPLETED`` it writes ``output_dir``/metrics.json,
-    predictions.csv, sdr_curve.png and overlays/<image stem>.png, and logs MRE and SDR. When no image has
+    predictions.csv, sdr_curve.png and overlays/<image stem>.png (2D) or <image stem>.mrk.json (3D, the
+    predictions as a 3D Slicer point list in RAS), and logs MRE and SDR. When no image has
     a reference landmark (inference on new images), only predictions.csv and the overlays are written.
     """
 
@@ -235,12 +272,7 @@ class LandmarkReportHandler:
                 self._overlay(record, item)
 
     def _overlay(self, record: dict, item: Mapping) -> None:
-        stem = Path(record["image"]).stem
-        name, n = stem, 1
-        while name in self._stems:
-            n += 1
-            name = f"{stem}_{n}"
-        self._stems.add(name)
+        name = _unique(Path(record["image"]).stem, self._stems)
         matrix = np.asarray(convert_to_numpy(item[self.grid_key]), dtype=np.float64)
         ref_grid = apply_homogeneous(matrix, record["ref"], inverse=True).numpy()
         pred_grid = apply_homogeneous(matrix, record["pred"], inverse=True).numpy()
@@ -264,6 +296,8 @@ class LandmarkReportHandler:
             for j, name in enumerate(self.landmark_names)
         ]
         write_predictions_csv(self.output_dir / "predictions.csv", rows)
+        if preds.shape[-1] == 3:
+            write_markups_per_image(self.output_dir, self.records, self.landmark_names)
         if np.isnan(refs).all():  # inference on unlabelled images: predictions only
             self.logger.info("one-shot detection on %d images without reference landmarks: predictions in %s", len(self.records), self.output_dir)
             return {"n_images": len(self.records)}

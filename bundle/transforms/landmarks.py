@@ -38,6 +38,25 @@ def grid_to_original_pixels(current_size, original_size) -> np.ndarray:
     return m
 
 
+def world_axis_spacing(affine: np.ndarray) -> np.ndarray:
+    """Voxel size (mm) along the world axes x, y, z of a ``(4, 4)`` voxel-to-world affine.
+
+    Each voxel axis is assigned to the world axis it is closest to (nibabel's ``io_orientation``), so a
+    volume stored in any axis order (e.g. sagittal slices) gives its spacing in world x, y, z order, the
+    order of the landmark components that pixel errors are divided by.
+    """
+    from nibabel.orientations import io_orientation
+
+    affine = np.asarray(affine, float)
+    sizes = np.linalg.norm(affine[:3, :3], axis=0)
+    world_axis = io_orientation(affine)[:, 0]
+    if np.isnan(world_axis).any():
+        raise ValueError(f"degenerate affine, no voxel-to-world orientation: {affine.tolist()}")
+    spacing = np.empty(3)
+    spacing[world_axis.astype(int)] = sizes
+    return spacing
+
+
 class LandmarkTargetsd(MapTransform):
     """Add ``landmarks``, ``label``, ``spacing`` and ``grid_to_physical`` to an evaluation item (see module doc).
 
@@ -75,8 +94,7 @@ class LandmarkTargetsd(MapTransform):
         header = image.meta.get("spacing") if isinstance(image, MetaTensor) else None
         if dims == 3 and isinstance(image, MetaTensor):
             original = image.meta.get("original_affine")
-            affine = np.asarray(original if original is not None else image.affine, float)
-            return np.linalg.norm(affine[:3, :3], axis=0)
+            return world_axis_spacing(np.asarray(original if original is not None else image.affine, float))
         if header is not None and np.all(np.asarray(header, float)[:dims] > 0):
             return np.asarray(header, float)[:dims]
         warnings.warn(

@@ -1,0 +1,201 @@
+"""The 3D CT configuration (configs/train_3d.yaml, evaluate_3d.yaml): world-mm landmarks carried exactly through
+orientation, resampling, crop/pad and resize; the CT window; the configured 3D IIE map against skimage; a seeded
+tiny 3D training + one-shot evaluation that beats chance, with its Slicer markups."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import pytest
+import torch
+from monai.bundle import ConfigParser, run
+from monai.transforms import CenterSpatialCropd, Compose, LoadImaged, Orientationd, Resized, Spacingd, SpatialPadd
+from scipy.ndimage import map_coordinates
+from skimage.filters.rank import entropy as skimage_entropy
+
+from bundle.data.datalist import landmarks_array, load_datalist, save_datalist
+from bundle.data.markups import read_markups
+from bundle.data.synthetic import generate_synthetic_3d
+from bundle.oneshot import apply_homogeneous
+from bundle.transforms.landmarks import LandmarkTargetsd, world_axis_spacing
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN_3D = [str(ROOT / "configs" / f) for f in ("train.yaml", "train_3d.yaml")]
+EVAL_3D = TRAIN_3D + [str(ROOT / "configs" / f) for f in ("evaluate.yaml", "evaluate_3d.yaml")]
+# an oblique, LPS-like voxel-to-world affine with anisotropic voxels
+AFFINE = np.array([[-1.5, 0.1, 0.0, 40.0], [0.0, -1.2, 0.05, 60.0], [0.02, 0.0, 2.0, -30.0], [0.0, 0.0, 0.0, 1.0]])
+SHAPE = (40, 44, 36)
+
+
+def _save(path: Path, volume: np.ndarray, affine: np.ndarray = AFFINE) -> str:
+    nib.save(nib.Nifti1Image(volume, affine), path)
+    return str(path)
+
+
+def _parser(files: list[str], datalist: Path, **overrides) -> ConfigParser:
+    parser = ConfigParser()
+    parser.read_config(files)
+    for key, value in {"bundle_root": str(ROOT), "datalist": str(datalist), **overrides}.items():
+        parser[key] = value
+    return parser
+
+
+@pytest.fixture
+def world_fields(tmp_path):
+    """Three volumes whose values are the world x, y, z (mm) of each voxel centre, and 5 interior landmarks."""
+    rng = np.random.default_rng(0)
+    ijk = np.stack(np.meshgrid(*(np.arange(n) for n in SHAPE), indexing="ij"), -1).astype(np.float64)
+    world = ijk @ AFFINE[:3, :3].T + AFFINE[:3, 3]
+    paths = [_save(tmp_path / f"world_{a}.nii.gz", world[..., a].astype(np.float32)) for a in range(3)]
+    voxels = rng.uniform(12, np.asarray(SHAPE) - 13, size=(5, 3))
+    landmarks = voxels @ AFFINE[:3, :3].T + AFFINE[:3, 3]
+    item = {"image": Path(paths[0]).name, "landmarks": landmarks.tolist()}
+    datalist = save_datalist(
+        {"name": "fields", "spatial_dims": 3, "landmark_names": [f"p{i}" for i in range(5)],
+         "training": [item], "validation": [item], "test": [item], "template": item},
+        tmp_path / "datalist.json",
+    )
+    return paths, landmarks, datalist
+
+
+def _world_at(grid_points: np.ndarray, volumes: list[np.ndarray]) -> np.ndarray:
+    """The (x, y, z) world values that the field volumes hold at grid points (trilinear)."""
+    return np.stack([map_coordinates(v.astype(np.float64), grid_points.T, order=1) for v in volumes], axis=1)
+
+
+def test_world_voxel_world_round_trip_through_the_3d_pipeline(world_fields):
+    """Landmark -> network grid (grid_to_physical inverse) lands where the transformed volume holds that world point."""
+    paths, landmarks, datalist = world_fields
+    # the configured evaluation pipeline: load, RAS, 2.5 x 3 x 2 mm, CT window, resize to the grid, targets
+    parser = _parser(TRAIN_3D, datalist, target_spacing=[2.5, 3.0, 2.0], image_size=[32, 32, 32], hu_window=[-200, 400])
+    preprocessing = parser.get_parsed_content("validate#preprocessing")
+    outputs = [preprocessing({"image": p, "landmarks": landmarks.tolist()}) for p in paths]
+    to_physical = outputs[0]["grid_to_physical"]
+    assert all(torch.equal(o["grid_to_physical"], to_physical) for o in outputs)
+    grid = apply_homogeneous(to_physical, torch.as_tensor(landmarks), inverse=True).numpy()
+    windowed = [o["image"][0].numpy() for o in outputs]
+    world = _world_at(grid, [v * 600.0 - 200.0 for v in windowed])  # undo the [-200, 400] HU window
+    np.testing.assert_allclose(world, landmarks, atol=1e-4)
+    np.testing.assert_allclose(apply_homogeneous(to_physical, torch.as_tensor(grid)).numpy(), landmarks, atol=1e-9)
+    np.testing.assert_allclose(outputs[0]["label"].numpy(), landmarks, atol=1e-4)
+    np.testing.assert_allclose(outputs[0]["spacing"].numpy(), world_axis_spacing(AFFINE))
+
+    # orientation, resampling, pad, crop and resize by hand: the affine follows every one of them
+    keys = ["a", "b", "c"]
+    manual = Compose([
+        LoadImaged(keys, ensure_channel_first=True, image_only=True),
+        Orientationd(keys, axcodes="RAS"),
+        Spacingd(keys, pixdim=(3.0, 2.5, 2.0)),
+        SpatialPadd(keys, spatial_size=(32, 32, 40)),
+        CenterSpatialCropd(keys, roi_size=(20, 26, 30)),
+        Resized(keys, spatial_size=(24, 32, 28), mode="trilinear"),
+        LandmarkTargetsd("a", n_landmarks=5),
+    ])
+    out = manual({**dict(zip(keys, paths)), "landmarks": landmarks.tolist()})
+    assert tuple(out["a"].shape) == (1, 24, 32, 28)
+    grid = apply_homogeneous(out["grid_to_physical"], torch.as_tensor(landmarks), inverse=True).numpy()
+    np.testing.assert_allclose(_world_at(grid, [out[k][0].numpy() for k in keys]), landmarks, atol=1e-4)
+
+
+def test_world_axis_spacing_follows_the_axis_order():
+    sagittal = np.array([[0.0, 0.0, -1.5, 0.0], [2.0, 0.0, 0.0, 0.0], [0.0, -3.0, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0]])
+    np.testing.assert_allclose(world_axis_spacing(sagittal), [1.5, 2.0, 3.0])
+    with pytest.raises(ValueError, match="degenerate"):
+        world_axis_spacing(np.zeros((4, 4)))
+
+
+def test_ct_window_clips_to_minus_200_400_hu(tmp_path, world_fields):
+    _, _, datalist = world_fields
+    parser = _parser(TRAIN_3D, datalist)
+    assert parser.get_parsed_content("hu_window") == [-200, 400]
+    hu = np.array([-1000.0, -200.0, 100.0, 250.0, 400.0, 3000.0], dtype=np.float32)
+    volume = np.tile(hu[:, None, None], (1, 4, 4)).astype(np.int16)
+    path = _save(tmp_path / "ct.nii.gz", volume, np.diag([2.0, 2.0, 2.0, 1.0]))
+    image = Compose(parser.get_parsed_content("load_transforms"))({"image": path})["image"]
+    assert image.dtype == torch.float32 and tuple(image.shape) == (1, 6, 4, 4)
+    np.testing.assert_allclose(image[0, :, 0, 0].numpy(), [0.0, 0.0, 0.5, 0.75, 1.0, 1.0], atol=1e-6)
+
+
+def test_configured_3d_entropy_map_equals_skimage_rank_entropy(world_fields):
+    """The training pipeline's IIE transform (k = 5 by default in 3D) against skimage's 3D rank entropy."""
+    _, _, datalist = world_fields
+    parser = _parser(TRAIN_3D, datalist)
+    entropy_transform = parser.get_parsed_content("train#view_pair_transforms#0")
+    assert entropy_transform.window == 5
+    rng = np.random.default_rng(1)
+    volume = np.clip(rng.normal(0.5, 0.2, (18, 20, 16)), 0.0, 1.0).astype(np.float32)
+    volume[4:10, 5:12, 3:9] = 0.9  # a flat block: zero entropy inside
+    lo, hi = volume.min(), volume.max()
+    binned = np.clip(np.floor((volume - lo) / (hi - lo) * 256), 0, 255).astype(np.uint8)
+    expected = skimage_entropy(binned, np.ones((5, 5, 5), dtype=bool))
+    got = entropy_transform({"image": torch.as_tensor(volume)[None]})["entropy"][0].numpy()
+    np.testing.assert_allclose(got, expected, atol=1e-5)
+
+
+TINY_3D = {
+    "target_spacing": [3.0, 3.0, 3.0],
+    "image_size": [32, 32, 32],
+    "crop_size": [32, 32, 32],
+    "num_queries": 16,
+    "batch_size": 2,
+    "epochs": 4,
+    "epoch_length": 10,
+    "val_interval": 100,
+    "progress_bar": False,
+    "seed": 0,
+    "network_def#channels": [8, 16, 32, 64, 64],
+}
+
+
+def _chance_mre_mm(datalist: dict, n: int = 4000, seed: int = 0) -> float:
+    """Mean radial error of guessing each test landmark uniformly inside its volume (world mm)."""
+    rng = np.random.default_rng(seed)
+    errors = []
+    for item in datalist["test"]:
+        image = nib.load(item["image"])
+        guesses = rng.uniform(-0.5, np.asarray(image.shape) - 0.5, size=(n, 3)) @ image.affine[:3, :3].T + image.affine[:3, 3]
+        for point in landmarks_array(item, len(datalist["landmark_names"]), 3):
+            errors.append(np.linalg.norm(guesses - point, axis=1).mean())
+    return float(np.mean(errors))
+
+
+def _evaluate(datalist: Path, out: Path, ckpt: Path) -> dict:
+    settings = {k: TINY_3D[k] for k in ("target_spacing", "image_size", "progress_bar", "seed", "network_def#channels")}
+    run("evaluating", config_file=EVAL_3D, bundle_root=str(ROOT), datalist=str(datalist), output_dir=str(out),
+        ckpt_path=str(ckpt), **settings)
+    return json.loads((out / "metrics.json").read_text())
+
+
+def test_tiny_3d_training_beats_chance_and_writes_markups(tmp_path):
+    datalist_path = generate_synthetic_3d(tmp_path / "data", n_training=6, n_validation=1, n_test=3,
+                                          shape=(36, 36, 36), spacing=(3.0, 3.0, 3.0), seed=2)
+    datalist = load_datalist(datalist_path)
+    models = tmp_path / "models"
+    run("training", config_file=TRAIN_3D, bundle_root=str(ROOT), datalist=str(datalist_path),
+        output_dir=str(tmp_path / "train"), ckpt_dir=str(models), **TINY_3D)
+    assert (models / "model_final.pt").is_file()
+    trained = _evaluate(datalist_path, tmp_path / "eval", models / "model_final.pt")
+
+    chance = _chance_mre_mm(datalist)
+    assert trained["n_images"] == 3 and trained["n_landmarks"] == len(datalist["landmark_names"])
+    # measured 3.8 mm against 59 mm by chance (3 mm voxels); an untrained network gets 3.7 mm on these
+    # near-identical phantoms at this budget, so beating it is left to the longer demo run
+    assert trained["mre_mm"] < 0.3 * chance, (trained["mre_mm"], chance)
+
+    # predictions.csv holds world RAS mm; one Slicer markups file per test volume holds the same points
+    with open(tmp_path / "eval" / "predictions.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == ["image", "landmark", "x", "y", "z", "error_mm"]
+    for item in datalist["test"]:
+        stem = Path(item["image"]).name[: -len(".nii.gz")]
+        points = read_markups(tmp_path / "eval" / f"{stem}.mrk.json")
+        assert [p.label for p in points] == datalist["landmark_names"]
+        mine = [r for r in rows if Path(r["image"]).name == Path(item["image"]).name]
+        np.testing.assert_allclose([p.position for p in points], [[float(r[a]) for a in "xyz"] for r in mine], atol=1e-5)
+        reference = landmarks_array(item, len(points), 3)
+        errors = np.linalg.norm(np.asarray([p.position for p in points]) - reference, axis=1)
+        np.testing.assert_allclose(errors, [float(r["error_mm"]) for r in mine], atol=1e-4)

@@ -1,0 +1,90 @@
+"""The AFID real-data check (bundle/afids.py): warps carry landmarks exactly; the autoafids resources and the
+experiment's datalist (skipped when the autoafids package is not installed)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import nibabel as nib
+import numpy as np
+import pytest
+from scipy.ndimage import map_coordinates
+
+from bundle.afids import (
+    afids_files,
+    carry_points,
+    group_of,
+    perturb_intensity,
+    prepare_afids_datalist,
+    random_affine,
+    read_afids,
+    resource_dir,
+    warp_volume,
+    working_grid,
+)
+from bundle.data.datalist import load_datalist
+
+needs_autoafids = pytest.mark.skipif(
+    importlib.util.find_spec("autoafids") is None, reason="autoafids not installed (pip install --no-deps -r requirements-3d.txt)"
+)
+
+
+def test_warp_carries_points_exactly_onto_the_moved_anatomy():
+    """A volume holding its own world coordinates, warped: at each carried point it holds the original point."""
+    rng = np.random.default_rng(0)
+    affine = np.array([[1.2, 0.0, 0.0, -30.0], [0.0, 1.0, 0.1, -40.0], [0.0, 0.0, 1.5, -20.0], [0.0, 0.0, 0.0, 1.0]])
+    shape = (50, 60, 40)
+    ijk = np.stack(np.meshgrid(*(np.arange(n) for n in shape), indexing="ij"), -1).astype(np.float64)
+    world = ijk @ affine[:3, :3].T + affine[:3, 3]
+    points = rng.uniform(18, np.asarray(shape) - 19, (6, 3)) @ affine[:3, :3].T + affine[:3, 3]
+    warp = random_affine(rng, points.mean(0), rotate_deg=10, scale=0.08, shear=0.03, translate_mm=5)
+    grid, grid_shape = working_grid(affine, shape, 2.0)
+    np.testing.assert_allclose(np.linalg.norm(grid[:3, :3], axis=0), 2.0)
+    moved = carry_points(warp, points)
+    voxels = (moved - grid[:3, 3]) @ np.linalg.inv(grid[:3, :3]).T
+    held = np.stack([map_coordinates(warp_volume(world[..., a], affine, warp, grid, grid_shape).astype(np.float64), voxels.T, order=1)
+                     for a in range(3)], 1)
+    np.testing.assert_allclose(held, points, atol=1e-3)
+    assert np.abs(moved - points).max() > 1.0  # the warp really moved them
+
+
+def test_perturb_intensity_is_seeded_and_non_negative():
+    volume = np.random.default_rng(1).uniform(0, 500, (12, 14, 10)).astype(np.float32)
+    a = perturb_intensity(np.random.default_rng(5), volume)
+    b = perturb_intensity(np.random.default_rng(5), volume)
+    np.testing.assert_array_equal(a, b)
+    assert a.shape == volume.shape and a.min() >= 0 and not np.allclose(a, volume)
+
+
+def test_group_names():
+    assert group_of("images/t1w_warped_001.nii.gz") == "T1w -> warped T1w"
+    assert group_of("images/t2w.nii.gz") == "T1w -> T2w"
+    assert group_of("images/t2w_warped_000.nii.gz") == "T1w -> warped T2w"
+
+
+@needs_autoafids
+def test_resources_and_ground_truth_afids():
+    files = afids_files(resource_dir())
+    names, points = read_afids(files["afids"])
+    assert len(names) == 32 and names[:2] == ["AC", "PC"] and points.shape == (32, 3)
+    t1 = nib.load(str(files["t1w"]))
+    assert t1.shape == (193, 229, 193)
+    voxels = (points - t1.affine[:3, 3]) @ np.linalg.inv(t1.affine[:3, :3]).T
+    assert ((voxels > 0) & (voxels < np.asarray(t1.shape) - 1)).all()
+    # AC and PC lie on the midline (x close to 0 mm RAS), AC anterior to PC
+    assert abs(points[0, 0]) < 2 and abs(points[1, 0]) < 2 and points[0, 1] > points[1, 1]
+
+
+@needs_autoafids
+def test_prepare_afids_datalist(tmp_path):
+    path = prepare_afids_datalist(tmp_path, n_training=2, n_test=1, spacing=6.0, seed=3)
+    datalist = load_datalist(path)
+    assert len(datalist["training"]) == 2 and all("landmarks" not in it for it in datalist["training"])
+    groups = sorted(group_of(it["image"]) for it in datalist["test"])
+    assert groups == ["T1w -> T2w", "T1w -> warped T1w", "T1w -> warped T2w"]
+    _, afids = read_afids(afids_files()["afids"])
+    np.testing.assert_allclose(datalist["template"]["landmarks"], afids, atol=1e-5)
+    image = nib.load(datalist["training"][0]["image"])
+    np.testing.assert_allclose(np.linalg.norm(image.affine[:3, :3], axis=0), 6.0)
+    warped = next(it for it in datalist["test"] if group_of(it["image"]) == "T1w -> warped T1w")
+    assert np.abs(np.asarray(warped["landmarks"]) - afids).max() > 1.0
