@@ -7,17 +7,29 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 DEMO_DIR ?= output/demo
+MONAILABEL_VENV ?= .venv-monailabel
 PYTEST_ARGS ?= -q
 
-.PHONY: install demo demo-train demo-evaluate test benchmark clean
+.PHONY: install monailabel package demo demo-train demo-evaluate demo-3d test benchmark clean
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: requirements.txt requirements-dev.txt
+$(VENV)/.installed: requirements.txt requirements-dev.txt requirements-3d.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet $(TORCH_SPEC)
 	$(PY) -m pip install --quiet -r requirements-dev.txt
+	$(PY) -m pip install --quiet --no-deps -r requirements-3d.txt
 	touch $@
+
+# MONAI Label server in its own environment (CPU torch and numpy of .venv kept; see docs in README)
+monailabel: $(MONAILABEL_VENV)/.installed
+
+$(MONAILABEL_VENV)/.installed: $(VENV)/.installed requirements-monailabel.txt
+	bash apps/monailabel/install.sh $(VENV) $(MONAILABEL_VENV)
+	touch $@
+
+package: install
+	$(PY) scripts/package.py --output_dir dist
 
 demo: demo-train demo-evaluate
 
@@ -29,11 +41,18 @@ demo-evaluate: install
 	$(PY) -m monai.bundle run evaluating --config_file "['configs/train.yaml','configs/evaluate.yaml']" \
 		--output_dir $(DEMO_DIR)/eval --ckpt_path $(DEMO_DIR)/models/model.pt
 
-test: install
+demo-3d: install
+	$(PY) -m monai.bundle run training --config_file "['configs/train.yaml','configs/train_3d.yaml']" \
+		--output_dir $(DEMO_DIR)_3d --ckpt_dir $(DEMO_DIR)_3d/models --epoch_length 15
+	$(PY) -m monai.bundle run evaluating \
+		--config_file "['configs/train.yaml','configs/train_3d.yaml','configs/evaluate.yaml','configs/evaluate_3d.yaml']" \
+		--output_dir $(DEMO_DIR)_3d/eval --ckpt_path $(DEMO_DIR)_3d/models/model.pt
+
+test: install monailabel
 	$(PY) -m pytest $(PYTEST_ARGS) tests
 
 benchmark: install
 	$(PY) scripts/benchmark.py all
 
 clean:
-	rm -rf output .pytest_cache
+	rm -rf output dist .pytest_cache

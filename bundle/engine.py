@@ -11,11 +11,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+import ignite.distributed as idist
 import torch
+from ignite.engine import Engine, Events
 from monai.engines import SupervisedTrainer
 from monai.engines.utils import IterationEvents
+from monai.handlers import CheckpointLoader, CheckpointSaver
 from monai.utils.enums import CommonKeys as Keys
+
+from bundle.io_utils import atomic_path
 
 TRAIN_KEYS = ("image", "crop", "query", "crop_query")
 
@@ -92,14 +96,6 @@ def physical_to_grid(grid_to_physical: torch.Tensor, points: torch.Tensor) -> to
     return (points.double() @ inverse[:d, :d].T + inverse[:d, d]).to(torch.float32)
 
 
-def template_record(item: dict, how: str, scores: np.ndarray | None = None) -> dict:
-    """What metrics.json records of the template: its image and how it was chosen."""
-    record = {"image": item["image"], "chosen_by": how}
-    if scores is not None:
-        record["selection_score"] = float(np.max(scores))
-    return record
-
-
 def prepare_template(item: dict, preprocessing) -> tuple[torch.Tensor, torch.Tensor]:
     """The template's network-grid image ``(1, 1, *S)`` and its landmarks ``(L, D)`` in grid positions.
 
@@ -157,3 +153,163 @@ def resolve_template(
         index, scores = select_template(network, images, candidates=candidates)
     score = float(scores[candidates.index(index)])
     return dict(pool[index], chosen_by="unsupervised feature matching", selection_score=score)
+
+
+class AtomicCheckpointSaver(CheckpointSaver):
+    """MONAI's ``CheckpointSaver`` whose files are written atomically (temporary file, then rename).
+
+    MONAI turns ignite's atomic writes off; this turns them back on for every checkpoint it writes
+    (final, key metric, interval). ``state_dict``/``load_state_dict`` carry the key-metric ranking so
+    that a resumed run keeps the best ``model.pt`` of the run before it.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        for checkpoint in (self._final_checkpoint, self._key_metric_checkpoint, self._interval_checkpoint):
+            if checkpoint is not None:
+                checkpoint.save_handler._atomic = True
+
+    def state_dict(self) -> dict:
+        return {} if self._key_metric_checkpoint is None else self._key_metric_checkpoint.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if self._key_metric_checkpoint is not None and state_dict:
+            self._key_metric_checkpoint.load_state_dict(state_dict)
+
+
+class LastCheckpointSaver:
+    """Every ``interval`` epochs, the state of every object of ``save_dict`` in one file, written atomically.
+
+    ``save_dict`` maps names to objects with ``state_dict()`` (network, optimizer, LR scheduler, savers);
+    the engine it is attached to is added under ``engine_key`` (the config cannot name the trainer in a
+    handler of that trainer); a wrapped (DDP) network is saved unwrapped. Only rank 0 writes. The file
+    loads with ``torch.load(weights_only=True)`` and resumes training through MONAI's ``CheckpointLoader``.
+    """
+
+    def __init__(self, path: str | Path, save_dict: dict[str, Any], interval: int = 1, engine_key: str | None = "trainer") -> None:
+        if interval < 1:
+            raise ValueError(f"interval must be >= 1, got {interval}")
+        missing = [k for k, v in save_dict.items() if not hasattr(v, "state_dict")]
+        if missing:
+            raise TypeError(f"save_dict entries {missing} have no state_dict()")
+        self.path = Path(path)
+        self.save_dict = dict(save_dict)
+        self.interval = interval
+        self.engine_key = engine_key
+
+    def attach(self, engine: Engine) -> None:
+        """Save every ``interval`` epochs; the engine itself is saved under ``engine_key`` (unless None)."""
+        if self.engine_key is not None:
+            self.save_dict[self.engine_key] = engine
+        engine.add_event_handler(Events.EPOCH_COMPLETED(every=self.interval), self)
+
+    def __call__(self, engine: Engine) -> None:
+        if idist.get_rank() != 0:
+            return
+        state = {}
+        for name, obj in self.save_dict.items():
+            if isinstance(obj, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+                obj = obj.module
+            state[name] = obj.state_dict()
+        with atomic_path(self.path) as tmp:
+            torch.save(state, tmp)
+            tmp.chmod(0o644)
+
+
+class ResumeCheckpointLoader(CheckpointLoader):
+    """MONAI's ``CheckpointLoader`` that also restores the engine it is attached to (under ``engine_key``).
+
+    The trainer's epoch and iteration come back with the network, optimizer and scheduler, so a resumed
+    run goes on from the epoch after the last one saved.
+    """
+
+    def __init__(self, load_path: str, load_dict: dict[str, Any], engine_key: str = "trainer", **kwargs: Any) -> None:
+        super().__init__(load_path=load_path, load_dict=dict(load_dict), **kwargs)
+        self.engine_key = engine_key
+
+    def attach(self, engine: Engine) -> None:
+        self.load_dict[self.engine_key] = engine
+        super().attach(engine)
+
+
+def resume_handlers(resume: str | None, load_dict: dict[str, Any], device: torch.device | str = "cpu") -> list:
+    """``[ResumeCheckpointLoader]`` for the checkpoint ``resume`` (see :func:`resume_path`), or ``[]`` when None."""
+    return [] if resume is None else [ResumeCheckpointLoader(load_path=resume, load_dict=load_dict, map_location=device)]
+
+
+def resume_path(ckpt_dir: str | Path, resume: bool | str, filename: str = "last.pt") -> str | None:
+    """The checkpoint to resume from: ``resume`` itself when it is a path, ``ckpt_dir/filename`` when it is true.
+
+    ``resume: true`` with no such file starts afresh (nothing to resume, e.g. the first run); a path that
+    does not exist is an error.
+    """
+    if isinstance(resume, str) and resume.lower() not in ("true", "false", ""):
+        if not Path(resume).is_file():
+            raise FileNotFoundError(f"resume checkpoint not found: {resume}")
+        return resume
+    if resume is True or (isinstance(resume, str) and resume.lower() == "true"):
+        path = Path(ckpt_dir) / filename
+        return str(path) if path.is_file() else None
+    return None
+
+
+class LandmarkPointsNet(torch.nn.Module):
+    """Inference network for export: image ``(B, 1, *S)`` -> landmark positions ``(B, L, D)`` on the input grid.
+
+    The contrastive network with one-shot matching (paper Sec. 3.4) against a built-in template (image and
+    grid landmarks): the template features at the landmarks are compared with the image's features at
+    every grid position, scales combined as :class:`bundle.oneshot.OneShotInferer` does, and the best grid
+    position is returned as one float tensor, so that TorchScript (trace) and ``verify_net_in_out`` take
+    it. It equals ``OneShotInferer(refine_radius=0)``; the sub-pixel refinement stays in the Python path.
+    Its state dict is the wrapped network's, so the bundle's ``model.pt`` loads into it unchanged.
+    """
+
+    def __init__(self, network: torch.nn.Module, template_image: torch.Tensor, template_points: torch.Tensor, inferer=None) -> None:
+        from bundle.oneshot import OneShotInferer
+
+        super().__init__()
+        self.network = network
+        self.inferer = OneShotInferer(refine_radius=0) if inferer is None else inferer
+        self.inferer.set_template(torch.as_tensor(template_image), torch.as_tensor(template_points))
+        if torch.isnan(self.inferer.template_points).any():
+            raise ValueError("the export template must carry every landmark (no null)")
+        self.grid_size = tuple(int(s) for s in self.inferer.template_image.shape[2:])
+        self.register_buffer("template_image", self.inferer.template_image, persistent=False)
+        self.register_buffer("template_points", self.inferer.template_points, persistent=False)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict:
+        return self.network.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: dict, strict: bool = True, assign: bool = False):
+        return self.network.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from bundle.oneshot import feature_vectors
+
+        grid = self.grid_size
+        mode = "bilinear" if len(grid) == 2 else "trilinear"
+        features = list(self.network(torch.cat([self.template_image.to(x.dtype), x])))
+        queries = feature_vectors([f[:1] for f in features], self.template_points[None], grid)
+        maps = [f[1:].float() for f in features]
+        norms = self.inferer.feature_norms(maps, grid)
+        cosines = [
+            torch.nn.functional.interpolate(torch.einsum("nc,bc...->bn...", q[0], f), size=grid, mode=mode, align_corners=False) / n
+            for q, f, n in zip(queries, maps, norms)
+        ]
+        index = self.inferer._combine(cosines).flatten(2).argmax(dim=-1)
+        coords = []
+        for size in reversed(grid):
+            coords.append(index % size)
+            index = torch.div(index, size, rounding_mode="floor")
+        return torch.stack(coords[::-1], dim=-1).to(torch.float32)
+
+
+class ContrastiveDDP(torch.nn.parallel.DistributedDataParallel):
+    """``DistributedDataParallel`` for the two-encoder network: ``forward`` (image encoder) and ``encode_crops``.
+
+    Both encoders take part in every loss, so every parameter gets its gradient in each backward pass
+    and DDP averages them across processes as usual.
+    """
+
+    def encode_crops(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return self.module.encode_crops(x)

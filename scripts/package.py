@@ -1,0 +1,105 @@
+"""Build the model-zoo archive of the bundle: ``<name>_v<version>.zip`` holding one top-level folder ``<name>/``.
+
+    python scripts/package.py [--output_dir dist] [--name infoguided_landmarks]
+
+What goes in is what the bundle needs to run from its own folder (MONAI model-zoo layout): ``configs/``,
+``models/``, ``docs/``, ``scripts/``, the ``bundle/`` package the configs import, ``LICENSE``,
+``large_files.yml`` and the requirements files. The model zoo refuses files over 25 MB: such a file must
+be listed in ``large_files.yml`` (and is then fetched by MONAI from its URL, not shipped); an unlisted
+one is an error. ``configs/metadata.json`` must carry its ``version`` in its ``changelog``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import fire  # noqa: E402
+import yaml  # noqa: E402
+
+from bundle.io_utils import atomic_path  # noqa: E402
+
+DEFAULT_NAME = "infoguided_landmarks"
+INCLUDE = ("configs", "models", "docs", "scripts", "bundle", "LICENSE", "large_files.yml", "requirements.txt")
+SKIP_PARTS = {"__pycache__", ".ipynb_checkpoints"}
+SKIP_SUFFIXES = {".pyc", ".pyo", ".tmp"}
+MAX_MB = 25.0
+
+
+class PackagingError(ValueError):
+    """The bundle breaks a model-zoo rule; the message names the file at fault."""
+
+
+def large_file_paths(root: Path) -> set[str]:
+    """Paths (relative to the bundle root) listed in ``large_files.yml`` (``large_files: [{path, url, ...}]``)."""
+    path = root / "large_files.yml"
+    if not path.is_file():
+        return set()
+    content = yaml.safe_load(path.read_text()) or {}
+    entries = content.get("large_files") or []
+    if not isinstance(entries, list) or any(not isinstance(e, dict) or "path" not in e for e in entries):
+        raise PackagingError(f"{path}: 'large_files' must be a list of mappings with a 'path' (and 'url')")
+    return {str(Path(e["path"])) for e in entries}
+
+
+def bundle_files(root: Path, max_mb: float = MAX_MB) -> list[Path]:
+    """The files of the archive, relative to ``root``; large files listed in ``large_files.yml`` are left out."""
+    listed = large_file_paths(root)
+    files = []
+    for top in INCLUDE:
+        base = root / top
+        candidates = [base] if base.is_file() else sorted(p for p in base.rglob("*") if p.is_file())
+        for path in candidates:
+            rel = path.relative_to(root)
+            if SKIP_PARTS & set(rel.parts) or path.suffix in SKIP_SUFFIXES or path.name.startswith("."):
+                continue
+            if path.stat().st_size > max_mb * 2**20:
+                if str(rel) in listed:
+                    continue
+                raise PackagingError(f"{rel} is over {max_mb:g} MB: list it in large_files.yml (path, url, hash_val, hash_type)")
+            files.append(rel)
+    if not files:
+        raise PackagingError(f"nothing to package under {root}")
+    return files
+
+
+def check_metadata(root: Path) -> str:
+    """The bundle's version, after the model zoo's checks of ``configs/metadata.json`` and required files."""
+    meta_path = root / "configs" / "metadata.json"
+    if not meta_path.is_file():
+        raise PackagingError(f"missing {meta_path}")
+    meta = json.loads(meta_path.read_text())
+    version = meta.get("version")
+    if not version or version not in meta.get("changelog", {}):
+        raise PackagingError(f"{meta_path}: 'version' {version!r} must be a key of 'changelog'")
+    for required in ("LICENSE", "docs/README.md", "configs/inference.yaml"):
+        if not (root / required).is_file():
+            raise PackagingError(f"the model zoo requires {required} (missing under {root})")
+    if not (root / "models" / "model.pt").is_file() and "models/model.pt" not in large_file_paths(root):
+        raise PackagingError("models/model.pt is neither present nor listed in large_files.yml")
+    return version
+
+
+def package(output_dir: str = "dist", name: str = DEFAULT_NAME, root: str | None = None, max_mb: float = MAX_MB) -> str:
+    """Write ``output_dir/<name>_v<version>.zip`` (top-level folder ``<name>/``) and return its path."""
+    root_path = Path(root).resolve() if root else ROOT
+    version = check_metadata(root_path)
+    files = bundle_files(root_path, max_mb=max_mb)
+    target = Path(output_dir) / f"{name}_v{version}.zip"
+    with atomic_path(target) as tmp:
+        with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+            for rel in files:
+                archive.write(root_path / rel, arcname=f"{name}/{rel.as_posix()}")
+        tmp.chmod(0o644)
+    print(f"{target} ({len(files)} files, {target.stat().st_size / 2**20:.1f} MB)")
+    return str(target)
+
+
+if __name__ == "__main__":
+    fire.Fire(package)

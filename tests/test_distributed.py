@@ -1,0 +1,48 @@
+"""DistributedDataParallel training (configs/multi_gpu_train.yaml) under torchrun: gloo, 2 CPU processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from bundle.data.synthetic import generate_synthetic_2d
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = [
+    "--epochs", "2", "--epoch_length", "2", "--val_interval", "2", "--batch_size", "2",
+    "--image_size", "[64,64]", "--crop_size", "[32,32]", "--num_queries", "4", "--progress_bar", "False",
+]
+
+
+def test_two_gloo_processes_train_and_rank0_writes_one_checkpoint(tmp_path):
+    datalist = generate_synthetic_2d(tmp_path / "data", n_training=4, n_validation=1, n_test=1, size=(64, 72), seed=1)
+    models, logs = tmp_path / "models", tmp_path / "logs"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc_per_node", "2",
+        "--log-dir", str(logs), "--redirects", "3",
+        "-m", "monai.bundle", "run", "training",
+        "--config_file", "['configs/train.yaml','configs/multi_gpu_train.yaml']",
+        "--datalist", str(datalist), "--ckpt_dir", str(models), "--output_dir", str(tmp_path / "out"), *TINY,
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    # both ranks trained both epochs (torchrun keeps one log folder per rank)
+    rank_logs = {p.parent.name: p.read_text() + (p.parent / "stdout.log").read_text() for p in logs.rglob("stderr.log")}
+    assert sorted(rank_logs) == ["0", "1"]
+    for rank, text in rank_logs.items():
+        assert "SupervisedTrainer - INFO - Epoch[2] Complete" in text, f"rank {rank} did not finish:\n{text[-2000:]}"
+    # handlers on rank 0 only: validation metrics are logged by rank 0 alone
+    assert "Metrics -- val_mre_mm" in rank_logs["0"] and "Metrics -- val_mre_mm" not in rank_logs["1"]
+
+    # one set of checkpoints, written by rank 0, unwrapped from DDP (plain network keys)
+    assert sorted(p.name for p in models.iterdir()) == ["last.pt", "model.pt", "model_final.pt"]
+    state = torch.load(models / "model_final.pt", weights_only=True)
+    assert all(not k.startswith("module.") for k in state) and any(k.startswith("crop_encoder.") for k in state)
+    last = torch.load(models / "last.pt", weights_only=True)
+    assert last["trainer"]["epoch_length"] == 2 and last["trainer"]["iteration"] == 4

@@ -1,0 +1,77 @@
+"""Resilience: training killed after an epoch resumes from ckpt_dir/last.pt at the next epoch."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from bundle.data.synthetic import generate_synthetic_2d
+from bundle.engine import resume_path
+
+ROOT = Path(__file__).resolve().parents[1]
+EPOCHS = 6
+TINY = [
+    "--epoch_length", "2", "--val_interval", "2", "--batch_size", "2", "--image_size", "[64,64]",
+    "--crop_size", "[32,32]", "--num_queries", "4", "--progress_bar", "False", "--epochs", str(EPOCHS),
+]
+
+
+def _command(datalist: Path, models: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "monai.bundle", "run", "training", "--config_file", "configs/train.yaml",
+        "--datalist", str(datalist), "--ckpt_dir", str(models), "--output_dir", str(out), *TINY, *extra,
+    ]
+
+
+def test_killed_training_resumes_from_its_last_epoch(tmp_path):
+    datalist = generate_synthetic_2d(tmp_path / "data", n_training=4, n_validation=1, n_test=1, size=(64, 72), seed=2)
+    models = tmp_path / "models"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # killed as soon as the first epoch is saved (SIGKILL: no clean-up of any kind)
+    first = subprocess.Popen(
+        _command(datalist, models, tmp_path / "out1"), cwd=ROOT, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    last = models / "last.pt"
+    deadline = time.monotonic() + 120
+    while not last.is_file() and first.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(first.pid, signal.SIGKILL)
+    output = first.communicate(timeout=30)[0]
+    assert last.is_file(), f"no last.pt before the kill:\n{output[-3000:]}"
+    trainer = torch.load(last, weights_only=True)["trainer"]
+    saved_epoch = trainer["iteration"] // trainer["epoch_length"]
+    assert 1 <= saved_epoch < EPOCHS, f"the first run was not interrupted mid-way (epoch {saved_epoch})"
+    assert not list(models.glob(".*.tmp*")), "a temporary checkpoint was left behind"
+
+    resumed = subprocess.run(
+        _command(datalist, models, tmp_path / "out2", "--resume", "true"),
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,
+    )
+    log = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, log[-3000:]
+    assert f"Restored all variables from {last}" in log
+    epochs_run = [int(e) for e in re.findall(r"SupervisedTrainer - INFO - Epoch\[(\d+)\] Complete", log)]
+    assert epochs_run == list(range(saved_epoch + 1, EPOCHS + 1))
+    state = torch.load(last, weights_only=True)
+    assert state["trainer"]["iteration"] == EPOCHS * 2
+    assert set(state) == {"model", "optimizer", "lr_scheduler", "best_saver", "trainer"}
+    assert (models / "model_final.pt").is_file() and (models / "model.pt").is_file()
+
+
+def test_resume_path_choices(tmp_path):
+    assert resume_path(tmp_path, False) is None
+    assert resume_path(tmp_path, True) is None  # nothing saved yet: a fresh start
+    (tmp_path / "last.pt").write_bytes(b"x")
+    assert resume_path(tmp_path, True) == str(tmp_path / "last.pt")
+    assert resume_path(tmp_path, "true") == str(tmp_path / "last.pt")
+    with pytest.raises(FileNotFoundError, match="nope.pt"):
+        resume_path(tmp_path, str(tmp_path / "nope.pt"))
