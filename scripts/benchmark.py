@@ -154,6 +154,7 @@ def training(iterations: int = 20, warmup: int = 3, config: str = "configs/train
         step_fn = ContrastiveIterationUpdate()
         step_times = []
         for _ in range(warmup + iterations):
+            trainer.state.batch = batch  # as ignite does before each iteration (MONAI decollates it after)
             start = time.perf_counter()
             step_fn(trainer, batch)
             if device.type == "cuda":
