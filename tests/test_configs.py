@@ -1,0 +1,44 @@
+"""The shipped configs instantiate with their defaults (the paths a user's first command takes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from ignite.handlers import ProgressBar
+from monai.bundle import ConfigParser
+from monai.engines import SupervisedEvaluator, SupervisedTrainer
+
+from bundle.data.synthetic import generate_synthetic_2d
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_datalist(tmp_path_factory):
+    return generate_synthetic_2d(tmp_path_factory.mktemp("data"), n_training=3, n_validation=1, n_test=1, seed=1)
+
+
+def parser_for(files, datalist, tmp_path) -> ConfigParser:
+    parser = ConfigParser()
+    parser.read_config([str(ROOT / "configs" / f) for f in files])
+    parser["bundle_root"] = str(ROOT)
+    parser["datalist"] = str(datalist)
+    parser["output_dir"] = str(tmp_path / "out")
+    parser["ckpt_dir"] = str(tmp_path / "models")
+    return parser
+
+
+def test_training_config_defaults_build_a_trainer_with_its_handlers(tiny_datalist, tmp_path):
+    parser = parser_for(["train.yaml"], tiny_datalist, tmp_path)
+    trainer = parser.get_parsed_content("train#trainer")
+    assert isinstance(trainer, SupervisedTrainer)
+    assert any(isinstance(h, ProgressBar) for h in parser.get_parsed_content("train#progress_handlers"))
+    assert isinstance(parser.get_parsed_content("validate#evaluator"), SupervisedEvaluator)
+
+
+def test_evaluation_and_inference_configs_load_the_shipped_model(tiny_datalist, tmp_path):
+    for files in (["train.yaml", "evaluate.yaml"], ["train.yaml", "evaluate.yaml", "inference.yaml"]):
+        parser = parser_for(files, tiny_datalist, tmp_path)
+        assert parser.get_parsed_content("ckpt_path") == str(ROOT / "models" / "model.pt")
+        assert isinstance(parser.get_parsed_content("evaluate#evaluator"), SupervisedEvaluator)
