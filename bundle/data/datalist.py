@@ -30,6 +30,16 @@ class DatalistError(ValueError):
     """A datalist that breaks the contract; the message names the file and the key at fault."""
 
 
+def read_json(path: str | os.PathLike, what: str = "JSON file") -> Any:
+    """The parsed content of a JSON file; an unreadable or invalid file raises ``DatalistError`` naming it."""
+    import json
+
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DatalistError(f"{path}: not a readable {what} ({e})") from e
+
+
 def _check_item(item: Any, where: str, spatial_dims: int, n_landmarks: int, base: Path, check_files: bool) -> dict:
     if not isinstance(item, dict) or "image" not in item:
         raise DatalistError(f"{where}: an item must be an object with an 'image' key, got {item!r:.80}")
@@ -72,15 +82,10 @@ def load_datalist(path: str | os.PathLike, check_files: bool = True) -> dict:
     Raises:
         DatalistError: naming the file and the key at fault (missing file, wrong landmark count, ...).
     """
-    import json
-
     path = Path(path)
     if not path.is_file():
         raise DatalistError(f"datalist not found: {path}")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise DatalistError(f"{path}: not valid JSON ({e})") from e
+    data = read_json(path, "datalist JSON file")
     if not isinstance(data, dict):
         raise DatalistError(f"{path}: the top level must be an object")
     spatial_dims = data.get("spatial_dims")

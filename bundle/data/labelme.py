@@ -9,7 +9,6 @@ annotator's value counts as missing: it is never averaged silently.
 
 from __future__ import annotations
 
-import json
 import math
 import warnings
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import Sequence
 import numpy as np
 
 from bundle.data.annotations import IMAGE_SUFFIXES, MultiAnnotatorSet, find_images, natural_key
-from bundle.data.datalist import DatalistError
+from bundle.data.datalist import DatalistError, read_json
 
 def read_labelme_points(path: str | Path) -> dict[str, list[list[float]]]:
     """The ``point`` shapes of a labelme JSON file as ``{label: [[x, y], ...]}`` (case-folded labels).
@@ -27,10 +26,7 @@ def read_labelme_points(path: str | Path) -> dict[str, list[list[float]]]:
     Shapes of another type are ignored with a warning naming the file and the label.
     """
     path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DatalistError(f"{path}: not a readable labelme JSON file ({e})") from e
+    data = read_json(path, "labelme JSON file")
     shapes = data.get("shapes") if isinstance(data, dict) else None
     if not isinstance(shapes, list):
         raise DatalistError(f"{path}: no 'shapes' list, not a labelme annotation file")

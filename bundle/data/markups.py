@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import math
 import warnings
 from pathlib import Path
@@ -18,7 +17,7 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from bundle.data.datalist import DatalistError
+from bundle.data.datalist import DatalistError, read_json
 from bundle.io_utils import write_json_atomic, write_text_atomic
 
 MARKUPS_SUFFIXES = (".mrk.json", ".fcsv")
@@ -108,10 +107,7 @@ def read_mrk_json(path: str | Path) -> list[ControlPoint]:
     A point whose ``positionStatus`` is not ``defined`` has no position (None).
     """
     path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DatalistError(f"{path}: not a readable markups JSON file ({e})") from e
+    data = read_json(path, "markups JSON file")
     markups = data.get("markups") if isinstance(data, dict) else None
     if not isinstance(markups, list) or not markups:
         raise DatalistError(f"{path}: no 'markups' list, not a 3D Slicer markups file")
