@@ -48,7 +48,7 @@ def _check_item(item: Any, where: str, spatial_dims: int, n_landmarks: int, base
     image = image if image.is_absolute() else (base / image)
     if check_files and not image.exists():
         raise DatalistError(f"{where}.image: file not found: {image}")
-    out["image"] = str(image)
+    out["image"] = os.path.normpath(image)
     if "landmarks" in item and item["landmarks"] is not None:
         lms = item["landmarks"]
         if not isinstance(lms, list) or len(lms) != n_landmarks:
