@@ -8,6 +8,7 @@ crop's query features with the image's. The rest glues checkpoints and templates
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from monai.handlers import CheckpointLoader, CheckpointSaver
 from monai.utils.enums import CommonKeys as Keys
 
 from bundle.io_utils import atomic_path
+from bundle.oneshot import apply_homogeneous
 
 TRAIN_KEYS = ("image", "crop", "query", "crop_query")
 
@@ -89,13 +91,6 @@ def load_weights(network: torch.nn.Module, path: str | Path, device: torch.devic
     return network.to(device)
 
 
-def physical_to_grid(grid_to_physical: torch.Tensor, points: torch.Tensor) -> torch.Tensor:
-    """Map ``(L, D)`` physical points to grid positions with the inverse of a ``(D+1, D+1)`` homogeneous map."""
-    inverse = torch.linalg.inv(grid_to_physical.double())
-    d = points.shape[-1]
-    return (points.double() @ inverse[:d, :d].T + inverse[:d, d]).to(torch.float32)
-
-
 def prepare_template(item: dict, preprocessing) -> tuple[torch.Tensor, torch.Tensor]:
     """The template's network-grid image ``(1, 1, *S)`` and its landmarks ``(L, D)`` in grid positions.
 
@@ -104,18 +99,23 @@ def prepare_template(item: dict, preprocessing) -> tuple[torch.Tensor, torch.Ten
     if not item.get("landmarks"):
         raise ValueError(f"the template {item.get('image')} carries no 'landmarks'")
     data = preprocessing(dict(item))
-    points = physical_to_grid(data["grid_to_physical"], data["label"])
+    points = apply_homogeneous(data["grid_to_physical"], data["label"], inverse=True).to(torch.float32)
     return torch.as_tensor(data["image"]).unsqueeze(0), points
+
+
+def labelled_training_items(datalist: dict) -> list[dict]:
+    """The datalist's training items that carry at least one landmark (the template candidates)."""
+    return [it for it in datalist.get("training", []) if it.get("landmarks") and any(p is not None for p in it["landmarks"])]
 
 
 def default_template(datalist: dict) -> dict:
     """The datalist's ``template``, else its first training item with landmarks (validation during training)."""
     if datalist.get("template") is not None:
-        return dict(datalist["template"], chosen_by="datalist")
-    for item in datalist.get("training", []):
-        if item.get("landmarks") and any(p is not None for p in item["landmarks"]):
-            return dict(item, chosen_by="first labelled training item")
-    raise ValueError("the datalist has no 'template' and no training item with 'landmarks' to serve as one")
+        return dict(datalist["template"])
+    labelled = labelled_training_items(datalist)
+    if not labelled:
+        raise ValueError("the datalist has no 'template' and no training item with 'landmarks' to serve as one")
+    return dict(labelled[0])
 
 
 def with_template(inferer, item: dict, preprocessing, device: torch.device | str):
@@ -136,23 +136,21 @@ def resolve_template(
     """
     from bundle.template_selection import select_template
 
-    if datalist.get("template") is not None:
-        return dict(datalist["template"], chosen_by="datalist")
-    training = datalist.get("training", [])
-    labelled = [it for it in training if it.get("landmarks") and any(p is not None for p in it["landmarks"])]
-    if not labelled:
-        raise ValueError("the datalist has no 'template' and no training item with 'landmarks' to choose one from")
-    if len(labelled) == 1:
-        return dict(labelled[0], chosen_by="the only labelled training item")
-    unlabelled = [it for it in training if it not in labelled]
+    labelled = labelled_training_items(datalist)
+    if datalist.get("template") is not None or len(labelled) < 2:
+        return default_template(datalist)
+    unlabelled = [it for it in datalist["training"] if it not in labelled]
     pool = (labelled + unlabelled)[: max(max_images, 2)]
     candidates = [i for i, it in enumerate(pool) if it in labelled]
     images = [torch.as_tensor(preprocessing(dict(it))["image"]).to(device) for it in pool]
     network.eval()
     with torch.no_grad():
         index, scores = select_template(network, images, candidates=candidates)
-    score = float(scores[candidates.index(index)])
-    return dict(pool[index], chosen_by="unsupervised feature matching", selection_score=score)
+    logging.getLogger(__name__).info(
+        "template chosen without labels among %d labelled training items: %s (score %.3f)",
+        len(candidates), pool[index]["image"], scores[candidates.index(index)],
+    )
+    return dict(pool[index])
 
 
 class AtomicCheckpointSaver(CheckpointSaver):
@@ -287,16 +285,11 @@ class LandmarkPointsNet(torch.nn.Module):
         from bundle.oneshot import feature_vectors
 
         grid = self.grid_size
-        mode = "bilinear" if len(grid) == 2 else "trilinear"
         features = list(self.network(torch.cat([self.template_image.to(x.dtype), x])))
-        queries = feature_vectors([f[:1] for f in features], self.template_points[None], grid)
         maps = [f[1:].float() for f in features]
-        norms = self.inferer.feature_norms(maps, grid)
-        cosines = [
-            torch.nn.functional.interpolate(torch.einsum("nc,bc...->bn...", q[0], f), size=grid, mode=mode, align_corners=False) / n
-            for q, f, n in zip(queries, maps, norms)
-        ]
-        index = self.inferer._combine(cosines).flatten(2).argmax(dim=-1)
+        queries = [q.expand(maps[0].shape[0], -1, -1) for q in feature_vectors([f[:1] for f in features], self.template_points[None], grid)]
+        combined = self.inferer.combined_map(queries, maps, self.inferer.feature_norms(maps, grid), grid)
+        index = combined.flatten(2).argmax(dim=-1)
         coords = []
         for size in reversed(grid):
             coords.append(index % size)

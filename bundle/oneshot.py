@@ -171,6 +171,21 @@ class OneShotInferer(Inferer):
         grid_size = tuple(int(s) for s in grid_size)
         return [_upsampled_norm(_plain(f).float(), grid_size, self._chunk(f.shape[0], grid_size)) for f in features]
 
+    def combined_map(
+        self, queries: Sequence[torch.Tensor], maps: Sequence[torch.Tensor], norms: Sequence[torch.Tensor], grid_size: tuple[int, ...]
+    ) -> torch.Tensor:
+        """Combined similarity ``(B, N, *G)`` of unit queries ``(B, N, C)`` with the feature maps on the grid.
+
+        Per scale: the dot product with the map, interpolated to the grid and divided by the
+        interpolated features' norm (:meth:`feature_norms`), i.e. the cosine; then :meth:`_combine`.
+        """
+        mode = "bilinear" if len(grid_size) == 2 else "trilinear"
+        cosines = [
+            F.interpolate(torch.einsum("bnc,bc...->bn...", q, f), size=grid_size, mode=mode, align_corners=False) / norm
+            for q, f, norm in zip(queries, maps, norms)
+        ]
+        return self._combine(cosines)
+
     def match(
         self,
         queries: Sequence[torch.Tensor],
@@ -189,7 +204,6 @@ class OneShotInferer(Inferer):
         grid_size = tuple(int(s) for s in grid_size)
         spatial_dims = len(grid_size)
         b, n = queries[0].shape[:2]
-        mode = "bilinear" if spatial_dims == 2 else "trilinear"
         chunk = self._chunk(b, grid_size)
         maps = [_plain(f).float() for f in features]
         norms = self.feature_norms(maps, grid_size) if norms is None else norms
@@ -197,11 +211,7 @@ class OneShotInferer(Inferer):
         positions, scores = [], []
         for start in range(0, n, chunk):
             q_chunk = [q[:, start : start + chunk].float() for q in queries]
-            cosines = []
-            for q, f, norm in zip(q_chunk, maps, norms):
-                dot = torch.einsum("bnc,bc...->bn...", q, f)
-                cosines.append(F.interpolate(dot, size=grid_size, mode=mode, align_corners=False) / norm)
-            pos, score = refine_peaks(self._combine(cosines), step=0)
+            pos, score = refine_peaks(self.combined_map(q_chunk, maps, norms, grid_size), step=0)
             if lattice is not None:
                 pos, score = self._refine(q_chunk, maps, pos, lattice, grid_size)
             positions.append(pos)

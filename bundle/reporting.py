@@ -21,6 +21,7 @@ from matplotlib.figure import Figure
 from monai.data import decollate_batch
 from monai.utils import convert_to_numpy
 
+from bundle.data.annotations import image_stem
 from bundle.data.markups import ControlPoint, write_mrk_json
 from bundle.io_utils import atomic_path, write_json_atomic, write_text_atomic
 from bundle.metrics import DEFAULT_THRESHOLDS, radial_errors, success_detection_rate, summarize_errors
@@ -28,7 +29,6 @@ from bundle.oneshot import apply_homogeneous
 
 SUMMARY_KEYS = ("n_images", "n_landmarks", "mre_mm", "mre_std_mm", "mre_px", "sdr", "per_landmark_mre_mm")
 AXES = ("x", "y", "z")
-VOLUME_SUFFIXES = (".nii.gz", ".nii", ".mha", ".mhd", ".nrrd", ".nhdr")
 
 
 def write_metrics_json(path: str | os.PathLike, summary: Mapping[str, Any], template: str, checkpoint: str) -> Path:
@@ -140,13 +140,6 @@ def _items(data: Any) -> list[dict]:
     if isinstance(data, (list, tuple)) and all(isinstance(d, Mapping) for d in data):
         return [dict(d) for d in data]
     raise TypeError(f"expected a dict or a list of dicts per image, got {type(data).__name__}")
-
-
-def image_stem(path: str | os.PathLike) -> str:
-    """The file name without its image suffix (``a.nii.gz`` -> ``a``; other names: ``Path.stem``)."""
-    name = Path(path).name
-    suffix = next((s for s in VOLUME_SUFFIXES if name.casefold().endswith(s)), None)
-    return name[: -len(suffix)] if suffix else Path(name).stem
 
 
 def _unique(stem: str, taken: set[str]) -> str:

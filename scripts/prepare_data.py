@@ -32,9 +32,9 @@ import numpy as np  # noqa: E402
 from bundle.data.datalist import SECTIONS, load_datalist, save_datalist  # noqa: E402
 from bundle.data.hand_csv import hand_datalist  # noqa: E402
 from bundle.data.isbi2015 import ISBI_2015_LANDMARK_NAMES, ISBI_2015_SPACING_MM, read_isbi2015_set  # noqa: E402
-from bundle.data.annotations import MultiAnnotatorSet, natural_key  # noqa: E402
+from bundle.data.annotations import MultiAnnotatorSet, image_stem, natural_key  # noqa: E402
 from bundle.data.labelme import read_labelme_set  # noqa: E402
-from bundle.data.nifti import VOLUME_SUFFIXES, nifti_datalist  # noqa: E402
+from bundle.data.nifti import nifti_datalist  # noqa: E402
 from bundle.io_utils import atomic_path  # noqa: E402
 
 BUILT_IN_NAMES = {"isbi": ISBI_2015_LANDMARK_NAMES}
@@ -42,11 +42,7 @@ BUILT_IN_NAMES = {"isbi": ISBI_2015_LANDMARK_NAMES}
 
 def item_id(item: dict) -> str:
     """An item's id: its image file name without suffix (``001.png`` -> ``001``, ``a.nii.gz`` -> ``a``)."""
-    name = Path(item["image"]).name
-    for suffix in VOLUME_SUFFIXES:
-        if name.endswith(suffix):
-            return name[: -len(suffix)]
-    return Path(name).stem
+    return image_stem(item["image"])
 
 
 def as_names(value: Any, option: str) -> list[str] | None:

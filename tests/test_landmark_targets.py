@@ -8,7 +8,7 @@ import torch
 from PIL import Image
 from monai.transforms import Compose, EnsureChannelFirstd, LoadImaged, Resized
 
-from bundle.engine import physical_to_grid
+from bundle.oneshot import apply_homogeneous
 from bundle.transforms.landmarks import LandmarkTargetsd, grid_to_original_pixels
 
 
@@ -42,7 +42,7 @@ def test_targets_with_anisotropic_spacing_and_resize(tmp_path):
     assert torch.isnan(out["label"][1]).all() and torch.isnan(out["landmarks"][1]).all()
     np.testing.assert_allclose(out["spacing"].numpy(), [0.1, 0.2], rtol=1e-6)
     # the label maps to the grid and back to the same physical point
-    grid = physical_to_grid(out["grid_to_physical"], out["label"][:1])
+    grid = apply_homogeneous(out["grid_to_physical"], out["label"][:1], inverse=True)
     expected_grid = [(45 + 0.5) * 32 / 60 - 0.5, (10 + 0.5) * 32 / 40 - 0.5]
     np.testing.assert_allclose(grid[0].numpy(), expected_grid, rtol=1e-5)
     # the bright pixel is where the grid says (the area-resized peak lies at the nearest grid cell)

@@ -17,6 +17,21 @@ import numpy as np
 from bundle.data.datalist import SECTIONS, DatalistError
 
 IMAGE_SUFFIXES = (".png", ".bmp", ".jpg", ".jpeg", ".tif", ".tiff")
+# formats whose header carries the voxel spacing
+HEADER_IMAGE_SUFFIXES = (".nii.gz", ".nii", ".mha", ".mhd", ".nrrd", ".nhdr")
+
+
+def strip_suffix(name: str, suffixes: Sequence[str]) -> str | None:
+    """``name`` without the first of ``suffixes`` it ends with (case ignored); None when it ends with none."""
+    suffix = next((s for s in suffixes if name.casefold().endswith(s)), None)
+    return None if suffix is None else name[: -len(suffix)]
+
+
+def image_stem(path: str | Path) -> str:
+    """An image's file name without its suffix, multi-part ones included (``a.nii.gz`` -> ``a``, ``b.png`` -> ``b``)."""
+    name = Path(path).name
+    stem = strip_suffix(name, HEADER_IMAGE_SUFFIXES)
+    return Path(name).stem if stem is None else stem
 
 
 def natural_key(text: str) -> list:
@@ -30,11 +45,9 @@ def find_images(folder: Path, suffixes: Sequence[str] = IMAGE_SUFFIXES) -> dict[
         raise DatalistError(f"image folder not found: {folder}")
     found: dict[str, Path] = {}
     for path in sorted(folder.iterdir()):
-        name = path.name.casefold()
-        suffix = next((s for s in suffixes if name.endswith(s)), None)
-        if suffix is None or not path.is_file():
+        stem = strip_suffix(path.name, suffixes)
+        if stem is None or not path.is_file():
             continue
-        stem = path.name[: -len(suffix)]
         if stem in found:
             raise DatalistError(f"two images share the id {stem!r}: {found[stem]} and {path}")
         found[stem] = path.absolute()

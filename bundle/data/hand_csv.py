@@ -16,9 +16,7 @@ from typing import Sequence
 import numpy as np
 
 from bundle.data.datalist import SECTIONS, DatalistError
-from bundle.data.annotations import IMAGE_SUFFIXES, find_images, natural_key
-
-HEADER_SUFFIXES = (".mha", ".mhd", ".nrrd", ".nhdr", ".nii.gz", ".nii")
+from bundle.data.annotations import HEADER_IMAGE_SUFFIXES, IMAGE_SUFFIXES, find_images, natural_key
 
 
 def read_landmark_csv(path: str | Path) -> dict[str, np.ndarray]:
@@ -105,7 +103,7 @@ def hand_datalist(
             raise DatalistError(
                 f"{len(names)} landmark names given for the {n_landmarks} landmarks of {root / csv_name}"
             )
-    images = find_images(root / "images", HEADER_SUFFIXES + IMAGE_SUFFIXES)
+    images = find_images(root / "images", HEADER_IMAGE_SUFFIXES + IMAGE_SUFFIXES)
     for image_id in sorted(set(rows) - set(images), key=natural_key):
         warnings.warn(
             f"{root / csv_name}: id {image_id!r} has no image in {root / 'images'}: row left out", stacklevel=2
@@ -121,7 +119,7 @@ def hand_datalist(
             warnings.warn(
                 f"{path}: no row with id {image_id!r} in {root / csv_name}: kept without landmarks", stacklevel=2
             )
-        if path.name.casefold().endswith(HEADER_SUFFIXES):
+        if path.name.casefold().endswith(HEADER_IMAGE_SUFFIXES):
             item["spacing"] = header_spacing_2d(path)
         elif spacing is not None:
             item["spacing"] = [float(v) for v in spacing]

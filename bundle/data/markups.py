@@ -17,6 +17,7 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
+from bundle.data.annotations import strip_suffix
 from bundle.data.datalist import DatalistError, read_json
 from bundle.io_utils import write_json_atomic, write_text_atomic
 
@@ -40,9 +41,7 @@ class ControlPoint(NamedTuple):
 
 def markups_stem(path: str | Path) -> str | None:
     """The file name without its markups suffix (``a.mrk.json`` -> ``a``), None for other files."""
-    name = Path(path).name
-    suffix = next((s for s in MARKUPS_SUFFIXES if name.casefold().endswith(s)), None)
-    return None if suffix is None else name[: -len(suffix)]
+    return strip_suffix(Path(path).name, MARKUPS_SUFFIXES)
 
 
 def _convert(position: Sequence[float], system: str, scale: float = 1.0) -> tuple[float, float, float]:
