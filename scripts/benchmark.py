@@ -101,18 +101,6 @@ def entropy(repeats: int = 3, seed: int = 0) -> None:
         print(f"{name:48s} {ref_time:10.3f} {our_time:8.3f} {speed_up:8.1f}x {diff:13.2e} {peak:13.0f}{flag}")
 
 
-def _bundle_parser(config_files: list[str], overrides: dict) -> Any:
-    """A MONAI bundle ConfigParser over ``config_files`` (repository paths) with ``overrides`` applied."""
-    from monai.bundle import ConfigParser
-
-    parser = ConfigParser()
-    parser.read_config([str(ROOT / f) for f in config_files])
-    parser["bundle_root"] = str(ROOT)
-    for key, value in overrides.items():
-        parser[key] = value
-    return parser
-
-
 def _peak_memory_note(device: Any) -> str:
     import resource
 
@@ -123,7 +111,7 @@ def _peak_memory_note(device: Any) -> str:
     return f"peak process RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB"
 
 
-def training(iterations: int = 20, warmup: int = 3, config: str = "configs/train.yaml", **overrides: Any) -> None:
+def training(iterations: int = 20, warmup: int = 3, config: str | list[str] = "configs/train.yaml", **overrides: Any) -> None:
     """Training throughput of ``config`` (default 2D settings): full iterations (data pipeline + step) against
     the optimisation step alone on one fixed batch, measured in the same run."""
     import tempfile
@@ -131,12 +119,13 @@ def training(iterations: int = 20, warmup: int = 3, config: str = "configs/train
     import torch
     from ignite.engine import Events
 
+    from bundle.configs import bundle_parser
     from bundle.engine import ContrastiveIterationUpdate
 
     with tempfile.TemporaryDirectory() as tmp:
         settings = {"output_dir": tmp, "ckpt_dir": tmp, "epochs": 1, "epoch_length": warmup + iterations,
                     "val_interval": 10**6, "progress_bar": False, **overrides}
-        parser = _bundle_parser([config], settings)
+        parser = bundle_parser(config, **settings)
         trainer = parser.get_parsed_content("train#trainer")
         device = parser.get_parsed_content("device")
         batch_size = parser.get_parsed_content("batch_size")
@@ -168,15 +157,17 @@ def training(iterations: int = 20, warmup: int = 3, config: str = "configs/train
     print(f"ratio full / step alone: {full / step:.2f} (1.0 = the data pipeline costs nothing); {_peak_memory_note(device)}")
 
 
-def inference(repeats: int = 3, config: str = "configs/train.yaml", **overrides: Any) -> None:
+def inference(repeats: int = 3, config: str | list[str] = "configs/train.yaml", **overrides: Any) -> None:
     """One-shot inference time per test image (matching included) against the network forward alone."""
     import tempfile
 
     import torch
 
+    from bundle.configs import bundle_parser
+
     with tempfile.TemporaryDirectory() as tmp:
         settings = {"output_dir": tmp, "overlays": False, **overrides}
-        parser = _bundle_parser([config, "configs/evaluate.yaml"], settings)
+        parser = bundle_parser([*([config] if isinstance(config, str) else config), "configs/evaluate.yaml"], **settings)
         parser["network"] = "$@network_def.to(@device)"  # timing does not need trained weights
         parser["evaluate#template"] = "$bundle.engine.default_template(@dataset)"
         evaluator = parser.get_parsed_content("evaluate#evaluator")
@@ -208,31 +199,14 @@ def all(repeats: int = 3) -> None:  # noqa: A001 - the CLI's name for every sect
     inference(repeats=repeats)
 
 
-def _merged_config(files: list[str], folder: str) -> str:
-    """The repository configs ``files`` merged in order (nested-id keys applied) into one YAML file in ``folder``."""
-    from monai.bundle import ConfigParser
-
-    parser = ConfigParser()
-    parser.read_config([str(ROOT / f) for f in files])
-    path = str(Path(folder) / "merged.yaml")
-    ConfigParser.export_config_file(parser.config, path, fmt="yaml")
-    return path
-
-
 def training_3d(iterations: int = 10, warmup: int = 2, **overrides: Any) -> None:
     """3D training throughput (configs/train.yaml + configs/train_3d.yaml, synthetic CT) and peak memory."""
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        training(iterations=iterations, warmup=warmup, config=_merged_config(["configs/train.yaml", "configs/train_3d.yaml"], tmp), **overrides)
+    training(iterations=iterations, warmup=warmup, config=["configs/train.yaml", "configs/train_3d.yaml"], **overrides)
 
 
 def inference_3d(repeats: int = 2, **overrides: Any) -> None:
     """3D one-shot inference time per volume (load, resample, window, match, refine) against the forward alone."""
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        inference(repeats=repeats, config=_merged_config(["configs/train.yaml", "configs/train_3d.yaml"], tmp), **overrides)
+    inference(repeats=repeats, config=["configs/train.yaml", "configs/train_3d.yaml"], **overrides)
 
 
 COMMANDS = {"entropy": entropy, "training": training, "inference": inference, "all": all,

@@ -17,6 +17,7 @@ from monai.transforms import CenterSpatialCropd, Compose, LoadImaged, Orientatio
 from scipy.ndimage import map_coordinates
 from skimage.filters.rank import entropy as skimage_entropy
 
+from bundle.configs import bundle_parser
 from bundle.data.datalist import landmarks_array, load_datalist, save_datalist
 from bundle.data.markups import read_markups
 from bundle.data.synthetic import generate_synthetic_3d
@@ -37,11 +38,7 @@ def _save(path: Path, volume: np.ndarray, affine: np.ndarray = AFFINE) -> str:
 
 
 def _parser(files: list[str], datalist: Path, **overrides) -> ConfigParser:
-    parser = ConfigParser()
-    parser.read_config(files)
-    for key, value in {"bundle_root": str(ROOT), "datalist": str(datalist), **overrides}.items():
-        parser[key] = value
-    return parser
+    return bundle_parser(files, datalist=str(datalist), **overrides)
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ from ignite.handlers import ProgressBar
 from monai.bundle import ConfigParser
 from monai.engines import SupervisedEvaluator, SupervisedTrainer
 
+from bundle.configs import bundle_parser
 from bundle.data.synthetic import generate_synthetic_2d
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,13 +21,9 @@ def tiny_datalist(tmp_path_factory):
 
 
 def parser_for(files, datalist, tmp_path) -> ConfigParser:
-    parser = ConfigParser()
-    parser.read_config([str(ROOT / "configs" / f) for f in files])
-    parser["bundle_root"] = str(ROOT)
-    parser["datalist"] = str(datalist)
-    parser["output_dir"] = str(tmp_path / "out")
-    parser["ckpt_dir"] = str(tmp_path / "models")
-    return parser
+    return bundle_parser(
+        [f"configs/{f}" for f in files], datalist=str(datalist), output_dir=str(tmp_path / "out"), ckpt_dir=str(tmp_path / "models")
+    )
 
 
 def test_training_config_defaults_build_a_trainer_with_its_handlers(tiny_datalist, tmp_path):

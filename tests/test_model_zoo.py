@@ -12,11 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from monai.bundle import ConfigParser, ckpt_export, download, verify_metadata, verify_net_in_out
+from monai.bundle import ckpt_export, download, verify_metadata, verify_net_in_out
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import package as packaging  # noqa: E402
+
+from bundle.configs import bundle_parser  # noqa: E402
 
 CONFIGS = [str(ROOT / f"configs/{n}.yaml") for n in ("train", "evaluate", "inference")]
 META = ROOT / "configs" / "metadata.json"
@@ -70,9 +72,7 @@ def test_points_network_verifies_and_exports_to_torchscript_matching_the_inferer
     )
     exported = torch.jit.load(str(ts))
     # reference: the bundle's own one-shot inferer (integer grid peak) on a test image of the datalist
-    parser = ConfigParser()
-    parser.read_config(CONFIGS)
-    parser["bundle_root"] = str(ROOT)
+    parser = bundle_parser(CONFIGS)
     dataset = parser.get_parsed_content("dataset")
     preprocessing = parser.get_parsed_content("validate#preprocessing")
     image = torch.as_tensor(preprocessing(dict(dataset["test"][0]))["image"]).unsqueeze(0).float()

@@ -18,25 +18,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from monai.bundle import ConfigParser
 from monailabel.interfaces.tasks.infer_v2 import InferTask, InferType
 
 from bundle.data.markups import ControlPoint, write_mrk_json
+from bundle.configs import bundle_parser
 from bundle.engine import load_weights, with_template
 
 logger = logging.getLogger(__name__)
 CONFIGS = ("configs/train.yaml", "configs/evaluate.yaml", "configs/inference.yaml")
-
-
-def bundle_parser(bundle_root: Path, **overrides: Any) -> ConfigParser:
-    """The bundle's inference configuration (train + evaluate + inference YAML) with ``overrides``."""
-    parser = ConfigParser()
-    parser.read_config([str(bundle_root / c) for c in CONFIGS])
-    parser["bundle_root"] = str(bundle_root)
-    for key, value in overrides.items():
-        if value is not None:
-            parser[key] = value
-    return parser
 
 
 def landmark_result(names: list[str], points_mm: np.ndarray, spacing: np.ndarray) -> dict[str, Any]:
@@ -81,7 +70,8 @@ class LandmarkInferTask(InferTask):
         self.shipped_path = Path(ckpt_path)
         self.trained_path = None if trained_path is None else Path(trained_path)
         self.ckpt_path = self._current_checkpoint()
-        self.parser = bundle_parser(self.bundle_root, datalist=datalist, ckpt_path=str(self.ckpt_path))
+        overrides = {"ckpt_path": str(self.ckpt_path)} if datalist is None else {"datalist": datalist, "ckpt_path": str(self.ckpt_path)}
+        self.parser = bundle_parser(CONFIGS, self.bundle_root, **overrides)
         self.names = list(self.parser.get_parsed_content("landmark_names"))
         self.spatial_dims = int(self.parser.get_parsed_content("spatial_dims"))
         super().__init__(
