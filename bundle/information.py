@@ -215,8 +215,8 @@ def estimate_group_intensities(
     ``*_at_max`` is True (A is then only a lower bound).
     """
     check_thresholds(thresholds)
-    if not 0 < alpha_hat <= 1:
-        raise ValueError(f"alpha_hat must be in (0, 1], got {alpha_hat!r}")
+    if not alpha_hat > 0:
+        raise ValueError(f"alpha_hat must be positive, got {alpha_hat!r}")
     if not (0 < step <= max_intensity <= 1):
         raise ValueError(f"need 0 < step <= max_intensity <= 1, got step={step!r}, max_intensity={max_intensity!r}")
     if patch_size < 2 or n_keypoints < 1 or min_keypoints < 1:

@@ -11,7 +11,9 @@ Run from the repository root::
 Options of every command: ``--name``; ``--validation_fraction 0.0 --test_fraction 0.0 --seed 0`` move a
 seeded random share of the labelled ``training`` items to ``validation`` / ``test``; ``--template ID``
 makes the item whose file name (without suffix) is ID the datalist's ``template`` (it stays in
-``training`` and leaves ``validation`` / ``test``). Reader warnings (duplicated or missing labels, …)
+``training`` and leaves ``validation`` / ``test``); ``--keep_held_out_images true`` leaves the moved items'
+images in ``training`` without their landmarks, so that the self-supervised stage sees every image while
+their labels stay held out (the transductive protocol of docs/results.md). Reader warnings (duplicated or missing labels, …)
 are printed, then a summary.
 """
 
@@ -87,8 +89,13 @@ def set_template(datalist: dict, template: Any) -> dict:
     return out
 
 
-def split_training(datalist: dict, validation_fraction: float, test_fraction: float, seed: int) -> dict:
-    """Move a seeded random share of the labelled training items (never the template) to validation / test."""
+def split_training(
+    datalist: dict, validation_fraction: float, test_fraction: float, seed: int, keep_held_out_images: bool = False
+) -> dict:
+    """Move a seeded random share of the labelled training items (never the template) to validation / test.
+
+    With ``keep_held_out_images`` the moved items stay in ``training`` as image-only (unlabelled) items.
+    """
     for option, value in (("validation_fraction", validation_fraction), ("test_fraction", test_fraction)):
         if not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
             raise ValueError(f"--{option}: expected a number in [0, 1], got {value!r}")
@@ -103,7 +110,9 @@ def split_training(datalist: dict, validation_fraction: float, test_fraction: fl
     n_test = min(round(test_fraction * len(candidates)), len(candidates) - n_val)
     moved = {candidates[k]: "validation" for k in order[:n_val]}
     moved.update({candidates[k]: "test" for k in order[n_val : n_val + n_test]})
-    out = dict(datalist, training=[it for i, it in enumerate(training) if i not in moved])
+    kept = [(it if i not in moved else {"image": it["image"]}) for i, it in enumerate(training)
+            if keep_held_out_images or i not in moved]
+    out = dict(datalist, training=kept)
     for section in ("validation", "test"):
         joined = datalist[section] + [training[i] for i, s in moved.items() if s == section]
         out[section] = sorted(joined, key=lambda it: natural_key(item_id(it)))
@@ -140,6 +149,7 @@ def write(
     test_fraction: float,
     seed: int,
     template: Any,
+    keep_held_out_images: bool = False,
 ) -> None:
     """Run the reader, print its warnings, split, write ``out`` atomically (validated), print a summary."""
     with warnings.catch_warnings(record=True) as caught:
@@ -148,7 +158,7 @@ def write(
     for w in caught:
         print(f"warning: {w.message}")
     datalist = set_template(datalist, template)
-    datalist = split_training(datalist, validation_fraction, test_fraction, seed)
+    datalist = split_training(datalist, validation_fraction, test_fraction, seed, keep_held_out_images)
     out_path = Path(out)
     with atomic_path(out_path) as tmp:  # the file appears only once it passes load_datalist
         save_datalist(datalist, tmp)
@@ -169,6 +179,7 @@ def labelme(
     test_fraction: float = 0.0,
     seed: int = 0,
     template: Any = None,
+    keep_held_out_images: bool = False,
 ) -> None:
     """Labelme set ROOT/images + ROOT/annotations/<annotator>/*.json; ``--names isbi`` names l1..l19 as ISBI 2015."""
     if names is not None and landmark_names is not None:
@@ -181,7 +192,7 @@ def labelme(
         dataset = read_labelme_set(root, as_names(annotators, "annotators"), lm_names)
         return dataset.to_datalist(name or Path(root).name, as_spacing(spacing, 2)), annotator_summary(dataset)
 
-    write(read, out, validation_fraction, test_fraction, seed, template)
+    write(read, out, validation_fraction, test_fraction, seed, template, keep_held_out_images)
 
 
 def isbi2015(
@@ -193,6 +204,7 @@ def isbi2015(
     test_fraction: float = 0.0,
     seed: int = 0,
     template: Any = None,
+    keep_held_out_images: bool = False,
 ) -> None:
     """ISBI 2015 set ROOT/RawImage + ROOT/AnnotationsByMD; ``--test2 validation`` puts Test2Data in validation."""
 
@@ -200,7 +212,7 @@ def isbi2015(
         dataset = read_isbi2015_set(root, test2)
         return dataset.to_datalist(name, [ISBI_2015_SPACING_MM] * 2), annotator_summary(dataset)
 
-    write(read, out, validation_fraction, test_fraction, seed, template)
+    write(read, out, validation_fraction, test_fraction, seed, template, keep_held_out_images)
 
 
 def hand(
@@ -214,6 +226,7 @@ def hand(
     test_fraction: float = 0.0,
     seed: int = 0,
     template: Any = None,
+    keep_held_out_images: bool = False,
 ) -> None:
     """Hand set ROOT/<csv> + ROOT/images; ``--spacing`` for images whose format has no header spacing."""
 
@@ -221,7 +234,7 @@ def hand(
         names = as_names(landmark_names, "landmark_names")
         return hand_datalist(root, as_spacing(spacing, 2), names, csv, name), []
 
-    write(read, out, validation_fraction, test_fraction, seed, template)
+    write(read, out, validation_fraction, test_fraction, seed, template, keep_held_out_images)
 
 
 def nifti(
@@ -234,6 +247,7 @@ def nifti(
     test_fraction: float = 0.0,
     seed: int = 0,
     template: Any = None,
+    keep_held_out_images: bool = False,
 ) -> None:
     """NIfTI volumes IMAGES_DIR/X.nii[.gz] with 3D Slicer markups MARKUPS_DIR/X.fcsv or X.mrk.json."""
 
@@ -241,7 +255,7 @@ def nifti(
         names = as_names(landmark_names, "landmark_names")
         return nifti_datalist(images_dir, markups_dir, names, name), []
 
-    write(read, out, validation_fraction, test_fraction, seed, template)
+    write(read, out, validation_fraction, test_fraction, seed, template, keep_held_out_images)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -224,7 +224,7 @@ def test_estimate_matches_independent_first_crossing_and_differs_between_groups(
 
 def test_larger_alpha_hat_gives_smaller_or_equal_intensities(synthetic_setup):
     template, others, points, corr, point_entropy = synthetic_setup
-    runs = [estimate_group_intensities(template, others, points, corr, point_entropy, patch_size=8, n_keypoints=8, alpha_hat=a) for a in (0.5, 0.8, 0.95)]
+    runs = [estimate_group_intensities(template, others, points, corr, point_entropy, patch_size=8, n_keypoints=8, alpha_hat=a) for a in (0.5, 0.8, 0.95, 1.7)]
     for name in ("low", "medium", "high"):
         for kind in ("brightness", "contrast"):
             values = [r[name][kind] for r in runs]
@@ -240,7 +240,7 @@ def test_estimate_flags_empty_groups_and_saturation(synthetic_setup):
     assert "no estimate" in res["medium"]["note"] and res["medium"]["n_keypoints"] == 0
     assert res["low"]["brightness"] == pytest.approx(0.1) and res["low"]["brightness_at_max"] is True
     with pytest.raises(ValueError, match="alpha_hat"):
-        estimate_group_intensities(template, others, points, corr, point_entropy, alpha_hat=1.5)
+        estimate_group_intensities(template, others, points, corr, point_entropy, alpha_hat=0.0)
     with pytest.raises(ValueError, match="point_entropy"):
         estimate_group_intensities(template, others, points, corr, point_entropy[:3])
 

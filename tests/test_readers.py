@@ -329,6 +329,12 @@ def test_split_is_seeded_and_keeps_the_template():
     assert "005" in ids["training"] and "900" in ids["training"] and a["template"]["image"] == "/d/005.png"
     assert sorted(sum(ids.values(), []), key=natural_key) == [prepare_data.item_id(it) for it in items]
     assert ids["validation"] == sorted(ids["validation"], key=natural_key)
+    kept = prepare_data.split_training(with_template, 0.25, 0.1, seed=3, keep_held_out_images=True)
+    assert kept["validation"] == a["validation"] and kept["test"] == a["test"]
+    held_out = {it["image"] for it in a["validation"] + a["test"]}
+    assert [it["image"] for it in kept["training"]] == [it["image"] for it in items]  # every image, file order
+    assert all("landmarks" not in it for it in kept["training"] if it["image"] in held_out)
+    assert [it for it in kept["training"] if it["image"] not in held_out] == a["training"]
     with pytest.raises(ValueError, match="validation_fraction"):
         prepare_data.split_training(dl, 1.5, 0.0, 0)
     with pytest.raises(ValueError, match="must not exceed 1"):

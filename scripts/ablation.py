@@ -1,0 +1,267 @@
+"""The paper's ablation (Quan et al. CVPR 2023, Table 3 rows) and the gamma / alpha_hat sweeps on one datalist.
+
+    python scripts/ablation.py run --datalist runs/hamedan/protocol.json --out runs/hamedan \
+        [--iterations 500 --seeds "[0,1]" --augmentation "runs/hamedan/aug_{alpha}.yaml" --only "[name,...]"]
+    python scripts/ablation.py report --out runs/hamedan --docs docs
+
+``run`` trains and evaluates every planned run (:func:`plan`) in turn with the bundle's own commands, the
+same budget for all, and writes ``OUT/<run>/result.json`` (settings, validation and test metrics, training
+time, peak memory); a run whose ``result.json`` exists is skipped, so an interrupted plan continues where it
+stopped. ``augmentation`` is a path pattern with ``{alpha}``: the per-group intensities that
+``scripts/estimate_augmentation.py --alpha_hat ALPHA`` wrote. ``report`` reads the results and writes the
+tables (``docs/results.md`` between its ``<!-- ablation:begin/end -->`` markers) and the MRE bar plot.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import fire  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bundle.io_utils import write_json_atomic, write_text_atomic  # noqa: E402
+
+ROWS = {  # the paper's ablation rows: (entropy_sampling, adaptive_augmentation)
+    "baseline": (False, False),
+    "entropy": (True, False),
+    "adaptive": (False, True),
+    "full": (True, True),
+}
+ROW_TITLES = {
+    "baseline": "baseline (uniform sampling, fixed augmentation)",
+    "entropy": "+ entropy sampling",
+    "adaptive": "+ adaptive augmentation",
+    "full": "+ both (full method)",
+}
+DEFAULT_GAMMA, DEFAULT_ALPHA = 0.3, 0.8
+GAMMAS, ALPHAS = (0.0, 0.1, 0.3, 1.0), (0.4, 0.8, 1.0, 1.7)
+
+
+def plan(seeds) -> list[dict]:
+    """Every run: the four ablation rows for each seed, then the first seed's extra gamma and alpha_hat points
+    (gamma 0 with adaptive augmentation is the "adaptive" row; gamma 0.3 / alpha_hat 0.8 is "full")."""
+    runs = []
+    for seed in seeds:
+        for row, (entropy, adaptive) in ROWS.items():
+            runs.append(dict(name=f"{row}_s{seed}", row=row, seed=seed, entropy_sampling=entropy,
+                             adaptive_augmentation=adaptive, gamma=DEFAULT_GAMMA, alpha_hat=DEFAULT_ALPHA))
+    for gamma in GAMMAS:
+        if gamma not in (0.0, DEFAULT_GAMMA):
+            runs.append(dict(name=f"gamma{gamma}_s{seeds[0]}", row="full", seed=seeds[0], entropy_sampling=True,
+                             adaptive_augmentation=True, gamma=gamma, alpha_hat=DEFAULT_ALPHA))
+    for alpha in ALPHAS:
+        if alpha != DEFAULT_ALPHA:
+            runs.append(dict(name=f"alpha{alpha}_s{seeds[0]}", row="full", seed=seeds[0], entropy_sampling=True,
+                             adaptive_augmentation=True, gamma=DEFAULT_GAMMA, alpha_hat=alpha))
+    return runs
+
+
+def _bundle(command: str, configs: list[str], overrides: dict, log: Path) -> tuple[float, float, str]:
+    """Run ``python -m monai.bundle run COMMAND``; return (seconds, peak RSS in MB, log text). Raises on failure."""
+    args = [sys.executable, "-m", "monai.bundle", "run", command, "--config_file", repr(configs)]
+    for key, value in overrides.items():
+        args += [f"--{key}", str(value)]
+    start = time.perf_counter()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(args, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(proc.pid, 0)
+    seconds = time.perf_counter() - start
+    text = log.read_text()
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise RuntimeError(f"{command} failed (exit {os.waitstatus_to_exitcode(status)}); see {log}:\n{text[-3000:]}")
+    return seconds, usage.ru_maxrss / 1024.0, text
+
+
+def run_one(spec: dict, datalist: str, out: Path, iterations: int, epoch_length: int, augmentation: str) -> dict:
+    """Train one planned run, evaluate it on the datalist's test items, write and return its result."""
+    run_dir = out / spec["name"]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    aug = augmentation.format(alpha=spec["alpha_hat"])
+    if not Path(aug).is_file():
+        raise FileNotFoundError(f"{aug}: no estimated intensities for alpha_hat {spec['alpha_hat']} "
+                                f"(run scripts/estimate_augmentation.py --alpha_hat {spec['alpha_hat']} --output {aug})")
+    epochs = max(1, iterations // epoch_length)
+    train_s, train_rss, log = _bundle(
+        "training", ["configs/train.yaml", aug],
+        dict(datalist=datalist, output_dir=run_dir / "train", ckpt_dir=run_dir / "models", seed=spec["seed"],
+             entropy_sampling=spec["entropy_sampling"], adaptive_augmentation=spec["adaptive_augmentation"],
+             sampling_gamma=spec["gamma"], epochs=epochs, epoch_length=epoch_length, val_interval=epochs,
+             progress_bar=False),
+        run_dir / "train.log",
+    )
+    val = [float(v) for v in re.findall(r"val_mre_mm: ([0-9.]+)", log)]
+    eval_s, eval_rss, _ = _bundle(
+        "evaluating", ["configs/train.yaml", "configs/evaluate.yaml"],
+        dict(datalist=datalist, output_dir=run_dir / "eval", ckpt_path=run_dir / "models" / "model.pt"),
+        run_dir / "eval.log",
+    )
+    metrics = json.loads((run_dir / "eval" / "metrics.json").read_text())
+    result = dict(spec, iterations=epochs * epoch_length, augmentation_file=aug,
+                  validation_mre_mm=val[-1] if val else None, test=metrics,
+                  train_seconds=round(train_s, 1), train_peak_rss_mb=round(train_rss),
+                  eval_seconds=round(eval_s, 1), eval_peak_rss_mb=round(eval_rss))
+    write_json_atomic(run_dir / "result.json", result)
+    return result
+
+
+def run(datalist: str, out: str, iterations: int = 500, epoch_length: int = 100, seeds=(0, 1),
+        augmentation: str = "runs/hamedan/aug_{alpha}.yaml", only=None) -> None:
+    """Run every planned run (or those named in ``only``) that has no ``result.json`` yet."""
+    out_dir = Path(out)
+    for spec in plan(list(seeds)):
+        if only is not None and spec["name"] not in only:
+            continue
+        if (out_dir / spec["name"] / "result.json").is_file():
+            print(f"{spec['name']}: done already")
+            continue
+        res = run_one(spec, datalist, out_dir, iterations, epoch_length, augmentation)
+        t = res["test"]
+        print(f"{spec['name']}: test MRE {t['mre_mm']:.2f} mm ({t['mre_px']:.1f} px), SDR 2 mm {t['sdr']['2.0']:.1f} %, "
+              f"validation {res['validation_mre_mm']}, {res['train_seconds']:.0f} s", flush=True)
+
+
+def load_results(out: str | Path) -> list[dict]:
+    """Every ``result.json`` under ``out``."""
+    return [json.loads(p.read_text()) for p in sorted(Path(out).glob("*/result.json"))]
+
+
+def _sweep_run(results: dict, kind: str, value: float, seed: int) -> dict | None:
+    """The seed's run at ``gamma`` or ``alpha_hat`` = value, the other one at its default (full method)."""
+    if kind == "gamma":
+        name = {0.0: "adaptive", DEFAULT_GAMMA: "full"}.get(value, f"gamma{value}")
+    else:
+        name = "full" if value == DEFAULT_ALPHA else f"alpha{value}"
+    return results.get(f"{name}_s{seed}")
+
+
+def _mean_sd(values: list[float]) -> str:
+    sd = float(np.std(values, ddof=1)) if len(values) > 1 else float("nan")
+    return f"{np.mean(values):.2f} ± {sd:.2f}" if len(values) > 1 else f"{values[0]:.2f}"
+
+
+def _metrics_row(runs: list[dict]) -> list[str]:
+    """MRE mm (mean ± SD over runs) and per run, MRE px, SDR at the four thresholds (mean over runs)."""
+    mm = [r["test"]["mre_mm"] for r in runs]
+    cells = [_mean_sd(mm), " / ".join(f"{v:.2f}" for v in mm), f"{np.mean([r['test']['mre_px'] for r in runs]):.1f}"]
+    cells += [f"{np.mean([r['test']['sdr'][t] for r in runs]):.1f}" for t in ("2.0", "2.5", "3.0", "4.0")]
+    return cells
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+METRIC_HEADER = ["MRE mm (mean ± SD over seeds)", "MRE mm per seed", "MRE px", "SDR 2 mm %", "SDR 2.5 mm %",
+                 "SDR 3 mm %", "SDR 4 mm %"]
+
+
+def tables(results: list[dict]) -> str:
+    """The ablation table (rows × seeds) and the gamma and alpha_hat sweep tables, as markdown."""
+    by_name = {r["name"]: r for r in results}
+    seeds = sorted({r["seed"] for r in results if r["name"] == f"{r['row']}_s{r['seed']}"})
+    rows, baseline = [], None
+    for row in ROWS:
+        runs = [by_name[f"{row}_s{s}"] for s in seeds if f"{row}_s{s}" in by_name]
+        if not runs:
+            continue
+        mean = float(np.mean([r["test"]["mre_mm"] for r in runs]))
+        baseline = mean if row == "baseline" else baseline
+        change = "" if baseline is None or row == "baseline" else f"{100 * (baseline - mean) / baseline:+.1f} %"
+        rows.append([ROW_TITLES[row], str(len(runs))] + _metrics_row(runs) + [change])
+    budget = {r["iterations"] for r in results}
+    text = [f"Budget per run: {', '.join(map(str, sorted(budget)))} iterations of batch 8; seeds {seeds}.", "",
+            _table(["row", "seeds"] + METRIC_HEADER + ["MRE gain over baseline"], rows)]
+    first = seeds[0] if seeds else 0
+    for kind, values, label in (("gamma", GAMMAS, "gamma (sampling weight H^gamma)"),
+                                ("alpha", ALPHAS, "alpha_hat (target MI share)")):
+        sweep = []
+        for v in values:
+            r = _sweep_run(by_name, kind, v, first)
+            if r is None:
+                continue
+            extra = []
+            if kind == "alpha":
+                aug = _load_augmentation(r["augmentation_file"])
+                extra = [" / ".join(f"{a:.2f}" for a in aug["brightness"]), " / ".join(f"{a:.2f}" for a in aug["contrast"])]
+            val = r["validation_mre_mm"]
+            sweep.append([f"{v:g}"] + extra + [f"{val:.2f}" if val is not None else "-"] + _metrics_row([r])[:1] + _metrics_row([r])[2:])
+        if sweep:
+            head = [label] + (["A brightness (low/med/high)", "A contrast (low/med/high)"] if kind == "alpha" else [])
+            head += ["validation MRE mm", "test MRE mm", "MRE px", "SDR 2 mm %", "SDR 2.5 mm %", "SDR 3 mm %", "SDR 4 mm %"]
+            text += ["", f"Sweep of {label}, seed {first}, the other settings of the full method:", "", _table(head, sweep)]
+    return "\n".join(text)
+
+
+def _load_augmentation(path: str) -> dict:
+    import yaml
+
+    return yaml.safe_load(Path(path).read_text())["augmentation"]
+
+
+def plot_mre(results: list[dict], path: Path) -> Path:
+    """MRE bars (mean over seeds, SD as error bars, each seed a dot) and the two sweeps."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    by_name = {r["name"]: r for r in results}
+    seeds = sorted({r["seed"] for r in results if r["name"] == f"{r['row']}_s{r['seed']}"})
+    fig = Figure(figsize=(12.0, 4.0), dpi=100)
+    ax = fig.add_subplot(1, 3, 1)
+    for i, row in enumerate(ROWS):
+        mm = [by_name[f"{row}_s{s}"]["test"]["mre_mm"] for s in seeds if f"{row}_s{s}" in by_name]
+        if not mm:
+            continue
+        ax.bar(i, np.mean(mm), yerr=np.std(mm, ddof=1) if len(mm) > 1 else 0, color="tab:blue", alpha=0.6, capsize=6)
+        ax.plot([i] * len(mm), mm, "o", color="black", markersize=4)
+    ax.set_xticks(range(len(ROWS)), ["baseline", "+entropy", "+adaptive", "+both"])
+    ax.set_ylabel("test MRE (mm)")
+    ax.set_title(f"ablation (seeds {', '.join(map(str, seeds))})")
+    for k, (kind, values, label) in enumerate((("gamma", GAMMAS, "gamma"), ("alpha", ALPHAS, "alpha_hat")), start=2):
+        ax = fig.add_subplot(1, 3, k)
+        pts = [(v, _sweep_run(by_name, kind, v, seeds[0] if seeds else 0)) for v in values]
+        pts = [(v, r) for v, r in pts if r is not None]
+        if pts:
+            ax.plot([v for v, _ in pts], [r["test"]["mre_mm"] for _, r in pts], "o-", label="test")
+            val = [(v, r["validation_mre_mm"]) for v, r in pts if r["validation_mre_mm"] is not None]
+            ax.plot([v for v, _ in val], [m for _, m in val], "s--", label="validation (default template)")
+        ax.set_xlabel(label)
+        ax.set_ylabel("MRE (mm)")
+        ax.set_title(f"{label} sweep (seed {seeds[0] if seeds else 0})")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    FigureCanvasAgg(fig)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png", dpi=fig.dpi)
+    return path
+
+
+def report(out: str, docs: str = "docs") -> None:
+    """Write the tables into ``DOCS/results.md`` (between the ablation markers) and ``DOCS/results_mre.png``."""
+    results = load_results(out)
+    if not results:
+        raise FileNotFoundError(f"{out}: no */result.json yet (run the plan first)")
+    page = Path(docs) / "results.md"
+    begin, end = "<!-- ablation:begin -->", "<!-- ablation:end -->"
+    text = page.read_text() if page.is_file() else f"{begin}\n{end}\n"
+    if begin not in text or end not in text:
+        raise ValueError(f"{page}: the markers {begin} and {end} are missing")
+    head, rest = text.split(begin, 1)
+    table_text = tables(results)
+    write_text_atomic(page, f"{head}{begin}\n{table_text}\n{end}{rest.split(end, 1)[1]}")
+    plot_mre(results, Path(docs) / "results_mre.png")
+    print(table_text)
+
+
+if __name__ == "__main__":
+    fire.Fire({"run": run, "report": report})

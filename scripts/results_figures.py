@@ -1,0 +1,103 @@
+"""Figures of docs/results.md drawn from real images: the IIE map with its three groups, prediction overlays.
+
+    python scripts/results_figures.py iie --image IMAGE --output docs/results_iie_groups.png [--window 10 --thresholds "[2,4]"]
+    python scripts/results_figures.py overlays --datalist D --eval_dir RUN/eval --output_dir docs [--n 2 --width 480]
+
+The figures are downsampled renderings (``width`` pixels wide) for illustration only.
+"""
+
+from __future__ import annotations
+
+import csv
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import fire  # noqa: E402
+import numpy as np  # noqa: E402
+from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
+from matplotlib.colors import ListedColormap  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+from monai.transforms import LoadImage, Resize  # noqa: E402
+
+from bundle.data.datalist import landmarks_array, load_datalist  # noqa: E402
+from bundle.information import GROUP_NAMES, information_groups  # noqa: E402
+from bundle.io_utils import atomic_path  # noqa: E402
+from bundle.reporting import save_overlay_png  # noqa: E402
+from bundle.transforms.entropy import local_entropy  # noqa: E402
+
+
+def _grey(path: str) -> np.ndarray:
+    """The image as a float array indexed [x, y] (MONAI's 2D axis order), channels averaged, scaled to [0, 1]."""
+    img = np.asarray(LoadImage(image_only=True, ensure_channel_first=True)(path), dtype=np.float64).mean(0)
+    lo, hi = img.min(), img.max()
+    return (img - lo) / (hi - lo) if hi > lo else np.zeros_like(img)
+
+
+def _shrink(image_xy: np.ndarray, width: int, mode: str = "area") -> tuple[np.ndarray, float]:
+    """``image_xy`` resized to ``width`` columns (aspect kept) and the scale factor new / old."""
+    scale = width / image_xy.shape[0]
+    size = (width, max(1, round(image_xy.shape[1] * scale)))
+    return np.asarray(Resize(size, mode=mode)(image_xy[None]))[0], scale
+
+
+def iie(image: str, output: str, window: int = 10, thresholds=(2.0, 4.0), width: int = 400) -> Path:
+    """Image, its IIE map (paper Sec. 3 step 1, on the original resolution) and the low/medium/high groups."""
+    grey = _grey(image)
+    entropy = local_entropy(grey, window).numpy()
+    groups = information_groups(entropy, thresholds)
+    shown = [_shrink(grey, width)[0], _shrink(entropy, width)[0], _shrink(groups.astype(np.float64), width, "nearest")[0]]
+    share = [100.0 * np.mean(groups == g) for g in range(3)]
+    fig = Figure(figsize=(12.0, 5.2), dpi=80)
+    titles = ["image", f"IIE map, {window}×{window} window (bits)",
+              "groups: " + ", ".join(f"{n} {s:.0f} %" for n, s in zip(GROUP_NAMES, share))]
+    for k, (data, title) in enumerate(zip(shown, titles)):
+        ax = fig.add_subplot(1, 3, k + 1)
+        if k == 0:
+            ax.imshow(data.T, cmap="gray")
+        elif k == 1:
+            fig.colorbar(ax.imshow(data.T, cmap="magma"), ax=ax, fraction=0.046)
+        else:
+            ax.imshow(data.T, cmap=ListedColormap(["#2c3e91", "#e0a100", "#d62728"]), vmin=0, vmax=2, interpolation="nearest")
+        ax.set_title(title, fontsize=10)
+        ax.set_axis_off()
+    fig.tight_layout()
+    FigureCanvasAgg(fig)
+    with atomic_path(output) as tmp:
+        fig.savefig(tmp, format="png", dpi=fig.dpi)
+    print(f"wrote {output}: group shares low / medium / high = {share[0]:.1f} / {share[1]:.1f} / {share[2]:.1f} %")
+    return Path(output)
+
+
+def overlays(datalist: str, eval_dir: str, output_dir: str = "docs", n: int = 2, width: int = 480) -> list[Path]:
+    """Overlays of the test images with the median and the largest per-image MRE (reference vs prediction)."""
+    dl = load_datalist(datalist)
+    names = dl["landmark_names"]
+    items = {Path(it["image"]).name: it for it in dl["test"]}
+    predicted: dict[str, dict[str, tuple[float, float, float]]] = defaultdict(dict)
+    with open(Path(eval_dir) / "predictions.csv", newline="") as f:
+        for row in csv.DictReader(f):
+            predicted[Path(row["image"]).name][row["landmark"]] = (float(row["x"]), float(row["y"]), float(row["error_mm"] or "nan"))
+    mre = {k: np.nanmean([v[2] for v in p.values()]) for k, p in predicted.items() if k in items}
+    if not mre:
+        raise ValueError(f"{eval_dir}/predictions.csv names none of the test images of {datalist}")
+    order = sorted(mre, key=mre.get)
+    picks = [order[len(order) // 2], order[-1]][:n]
+    written = []
+    for name in picks:
+        grey, scale = _shrink(_grey(items[name]["image"]), width)
+        ref = landmarks_array(items[name], len(names), 2) * scale
+        pred = np.array([predicted[name][lm][:2] for lm in names]) * scale
+        out = Path(output_dir) / f"results_overlay_{Path(name).stem}.png"
+        save_overlay_png(out, grey, ref, pred, names)
+        print(f"wrote {out}: {name}, MRE {mre[name]:.2f} mm (rank {order.index(name) + 1} of {len(order)})")
+        written.append(out)
+    return written
+
+
+if __name__ == "__main__":
+    fire.Fire({"iie": iie, "overlays": overlays})

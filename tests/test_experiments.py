@@ -1,0 +1,127 @@
+"""The ablation driver (scripts/ablation.py) and the results figures (scripts/results_figures.py)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import ablation  # noqa: E402
+import results_figures  # noqa: E402
+
+from bundle.information import information_groups  # noqa: E402
+from bundle.transforms.entropy import local_entropy  # noqa: E402
+
+
+def test_plan_covers_rows_seeds_and_sweeps_once():
+    runs = ablation.plan([0, 1])
+    names = [r["name"] for r in runs]
+    assert len(names) == len(set(names)) == 4 * 2 + 2 + 3
+    assert {(r["entropy_sampling"], r["adaptive_augmentation"]) for r in runs if r["name"].startswith("baseline")} == {(False, False)}
+    # every sweep value has exactly one run for the first seed, shared points included
+    runs_by_name = {r["name"]: r for r in runs}
+    for kind, values in (("gamma", ablation.GAMMAS), ("alpha", ablation.ALPHAS)):
+        picked = [ablation._sweep_run(runs_by_name, kind, v, 0) for v in values]
+        assert all(p is not None for p in picked)
+        key = "alpha_hat" if kind == "alpha" else "gamma"
+        effective = [p[key] if p["entropy_sampling"] or kind == "alpha" else 0.0 for p in picked]
+        assert effective == list(values)
+
+
+def fake_result(out: Path, spec: dict, mre: float, aug_file: Path) -> None:
+    sdr = {t: 100.0 - 10 * mre for t in ("2.0", "2.5", "3.0", "4.0")}
+    result = dict(spec, iterations=500, augmentation_file=str(aug_file), validation_mre_mm=mre + 0.5,
+                  test={"mre_mm": mre, "mre_px": mre / 0.12, "sdr": sdr})
+    (out / spec["name"]).mkdir(parents=True)
+    (out / spec["name"] / "result.json").write_text(json.dumps(result))
+
+
+def test_report_tables_spread_gain_and_markers(tmp_path):
+    aug = tmp_path / "aug.yaml"
+    aug.write_text("augmentation:\n  brightness: [0.1, 0.2, 0.3]\n  contrast: [0.4, 0.5, 0.6]\n")
+    mre = {"baseline_s0": 4.0, "baseline_s1": 3.0, "full_s0": 2.8, "full_s1": 2.4, "entropy_s0": 3.3,
+           "alpha1.7_s0": 2.2, "gamma1.0_s0": 3.9}
+    for spec in ablation.plan([0, 1]):
+        if spec["name"] in mre:
+            fake_result(tmp_path / "runs", spec, mre[spec["name"]], aug)
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "results.md").write_text("intro\n<!-- ablation:begin -->\nold\n<!-- ablation:end -->\noutro\n")
+    ablation.report(str(tmp_path / "runs"), str(docs))
+    page = (docs / "results.md").read_text()
+    assert page.startswith("intro\n<!-- ablation:begin -->\n") and page.endswith("<!-- ablation:end -->\noutro\n")
+    assert "old" not in page
+    baseline_line = next(line for line in page.splitlines() if line.startswith("| baseline"))
+    assert "3.50 ± 0.71" in baseline_line and "4.00 / 3.00" in baseline_line
+    full_line = next(line for line in page.splitlines() if line.startswith("| + both"))
+    assert "2.60 ± 0.28" in full_line and "+25.7 %" in full_line  # (3.5 - 2.6) / 3.5
+    alpha_line = next(line for line in page.splitlines() if line.startswith("| 1.7 |"))
+    assert "0.10 / 0.20 / 0.30" in alpha_line and "2.70" in alpha_line and "2.20" in alpha_line
+    assert (docs / "results_mre.png").stat().st_size > 10_000
+    (docs / "results.md").write_text("no markers\n")
+    with pytest.raises(ValueError, match="markers"):
+        ablation.report(str(tmp_path / "runs"), str(docs))
+    with pytest.raises(FileNotFoundError, match="no \\*/result.json"):
+        ablation.report(str(tmp_path / "empty"), str(docs))
+
+
+def test_a_failing_bundle_command_names_its_log(tmp_path):
+    log = tmp_path / "train.log"
+    with pytest.raises(RuntimeError, match="train.log"):
+        ablation._bundle("training", ["configs/train.yaml"], {"datalist": tmp_path / "absent.json"}, log)
+    assert "absent.json" in log.read_text()
+
+
+def test_missing_augmentation_estimate_is_named(tmp_path):
+    spec = ablation.plan([0])[0]
+    with pytest.raises(FileNotFoundError, match="estimate_augmentation.py --alpha_hat 0.8"):
+        ablation.run_one(spec, "d.json", tmp_path, 10, 10, str(tmp_path / "aug_{alpha}.yaml"))
+
+
+def write_png(path: Path, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    img = np.zeros((60, 80), dtype=np.uint8)  # rows, columns
+    img[:, 40:] = 200
+    img[20:40, 10:30] = rng.integers(0, 255, (20, 20))
+    Image.fromarray(img).save(path)
+    return img
+
+
+def test_iie_figure_reports_the_group_shares(tmp_path, capsys):
+    img = write_png(tmp_path / "a.png", 0)
+    out = results_figures.iie(str(tmp_path / "a.png"), str(tmp_path / "iie.png"), window=5, width=40)
+    assert out.stat().st_size > 5_000
+    groups = information_groups(local_entropy(img.astype(np.float64) / 255.0, 5).numpy())
+    expected = " / ".join(f"{100 * np.mean(groups == g):.1f}" for g in range(3))
+    assert expected in capsys.readouterr().out
+
+
+def test_overlays_pick_the_median_and_the_worst_image(tmp_path):
+    items = []
+    for i in range(3):
+        write_png(tmp_path / f"{i}.png", i)
+        items.append({"image": f"{i}.png", "landmarks": [[10.0, 10.0], [50.0, 30.0]], "spacing": [0.5, 0.5]})
+    dl = {"name": "t", "spatial_dims": 2, "landmark_names": ["a", "b"], "training": [], "validation": [], "test": items}
+    (tmp_path / "dl.json").write_text(json.dumps(dl))
+    (tmp_path / "eval").mkdir()
+    with open(tmp_path / "eval" / "predictions.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["image", "landmark", "x", "y", "error_mm"])
+        for i, err in enumerate((1.0, 5.0, 3.0)):
+            w.writerow([str(tmp_path / f"{i}.png"), "a", 12.0, 10.0, err])
+            w.writerow([str(tmp_path / f"{i}.png"), "b", 50.0, 30.0, ""])
+    written = results_figures.overlays(str(tmp_path / "dl.json"), str(tmp_path / "eval"), str(tmp_path / "docs"), width=40)
+    assert [p.name for p in written] == ["results_overlay_2.png", "results_overlay_1.png"]
+    assert all(p.stat().st_size > 2_000 for p in written)
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "predictions.csv").write_text("image,landmark,x,y,error_mm\n/x/other.png,a,1,1,2.0\n")
+    with pytest.raises(ValueError, match="none of the test images"):
+        results_figures.overlays(str(tmp_path / "dl.json"), str(tmp_path / "other"), str(tmp_path / "docs"))
