@@ -10,6 +10,7 @@ from monai.bundle import ConfigParser
 from monai.engines import SupervisedEvaluator, SupervisedTrainer
 
 from bundle.configs import bundle_parser
+from bundle.engine import load_weights
 from bundle.data.synthetic import generate_synthetic_2d
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,3 +40,13 @@ def test_evaluation_and_inference_configs_load_the_shipped_model(tiny_datalist, 
         parser = parser_for(files, tiny_datalist, tmp_path)
         assert parser.get_parsed_content("ckpt_path") == str(ROOT / "models" / "model.pt")
         assert isinstance(parser.get_parsed_content("evaluate#evaluator"), SupervisedEvaluator)
+
+
+def test_shipped_model_config_builds_and_loads_the_shipped_weights(tiny_datalist, tmp_path):
+    parser = parser_for(["train.yaml", "hamedan_ceph.yaml"], tiny_datalist, tmp_path)
+    trainer = parser.get_parsed_content("train#trainer")
+    assert trainer.state.max_epochs * trainer.state.epoch_length == 500
+    network = parser.get_parsed_content("network")
+    load_weights(network, ROOT / "models" / "model.pt")  # strict: the architecture of the weights it made
+    sampling = parser.get_parsed_content("train#view_pair_transforms")[2]
+    assert sampling.gamma == parser.get_parsed_content("sampling_gamma") > 0

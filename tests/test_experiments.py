@@ -34,6 +34,7 @@ def test_plan_covers_rows_seeds_and_sweeps_once():
         key = "alpha_hat" if kind == "alpha" else "gamma"
         effective = [p[key] if p["entropy_sampling"] or kind == "alpha" else 0.0 for p in picked]
         assert effective == list(values)
+        assert {p["adaptive_augmentation"] for p in picked} == {kind == "alpha"}  # gamma: fixed augmentation
 
 
 def fake_result(out: Path, spec: dict, mre: float, aug_file: Path) -> None:

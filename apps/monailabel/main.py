@@ -30,6 +30,8 @@ class LandmarkApp(MONAILabelApp):
         for path in (str(self.bundle_root), str(APP_DIR)):  # the bundle package and this app's tasks
             if path not in sys.path:
                 sys.path.insert(0, path)
+        from bundle import __version__ as bundle_version
+
         self.model_dir = Path(app_dir) / "model"
         self.datalist = conf.get("datalist", str(self.bundle_root / "data" / "synthetic_2d" / "datalist.json"))
         self.ckpt_path = Path(conf.get("ckpt_path", self.bundle_root / "models" / "model.pt"))
@@ -40,7 +42,7 @@ class LandmarkApp(MONAILabelApp):
             conf=conf,
             name="Information-guided one-shot landmarks",
             description="Landmark suggestions from one template by pixel-wise contrastive features (Quan et al., CVPR 2023)",
-            version="0.2.0",
+            version=bundle_version,
         )
 
     def init_infers(self):
