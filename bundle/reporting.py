@@ -66,6 +66,17 @@ def write_predictions_csv(path: str | os.PathLike, rows: Iterable[Mapping[str, A
     return write_text_atomic(path, buffer.getvalue())
 
 
+def read_predictions_csv(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """Rows of a predictions.csv that :func:`write_predictions_csv` wrote: ``image``, ``landmark``,
+    ``point`` (float array, NaN for an empty cell) and ``error_mm`` (float, NaN when empty)."""
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        axes = [a for a in AXES if a in (reader.fieldnames or [])]
+        return [{"image": row["image"], "landmark": row["landmark"],
+                 "point": np.array([float(row[a] or "nan") for a in axes]),
+                 "error_mm": float(row["error_mm"] or "nan")} for row in reader]
+
+
 def _save_figure(fig: Figure, path: str | os.PathLike) -> Path:
     FigureCanvasAgg(fig)
     with atomic_path(path) as tmp:

@@ -14,7 +14,6 @@ tables (``docs/results.md`` between its ``<!-- ablation:begin/end -->`` markers)
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import re
@@ -31,6 +30,7 @@ import fire  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bundle.io_utils import write_json_atomic, write_text_atomic  # noqa: E402
+from bundle.reporting import read_predictions_csv  # noqa: E402
 
 ROWS = {  # the paper's ablation rows: (entropy_sampling, adaptive_augmentation)
     "baseline": (False, False),
@@ -55,19 +55,17 @@ def plan(seeds) -> list[dict]:
     entropy sampling with the fixed augmentation (gamma 0 is the "baseline" row, 0.3 the "entropy" row), so
     that it measures the sampling alone. The extra points run in the order most informative first.
     """
-    runs = []
-    for seed in seeds:
-        for row, (entropy, adaptive) in ROWS.items():
-            runs.append(dict(name=f"{row}_s{seed}", row=row, seed=seed, entropy_sampling=entropy,
-                             adaptive_augmentation=adaptive, gamma=DEFAULT_GAMMA, alpha_hat=DEFAULT_ALPHA))
-    extra = [("alpha", 1.7), ("gamma", 0.1), ("gamma", 1.0), ("alpha", 1.0), ("alpha", 0.4)]
-    for kind, value in extra:
+    def spec(name: str, row: str, seed: int, gamma: float = DEFAULT_GAMMA, alpha_hat: float = DEFAULT_ALPHA) -> dict:
+        entropy, adaptive = ROWS[row]
+        return dict(name=f"{name}_s{seed}", row=row, seed=seed, entropy_sampling=entropy,
+                    adaptive_augmentation=adaptive, gamma=gamma, alpha_hat=alpha_hat)
+
+    runs = [spec(row, row, seed) for seed in seeds for row in ROWS]
+    for kind, value in [("alpha", 1.7), ("gamma", 0.1), ("gamma", 1.0), ("alpha", 1.0), ("alpha", 0.4)]:
         if kind == "alpha":
-            runs.append(dict(name=f"alpha{value}_s{seeds[0]}", row="full", seed=seeds[0], entropy_sampling=True,
-                             adaptive_augmentation=True, gamma=DEFAULT_GAMMA, alpha_hat=value))
+            runs.append(spec(f"alpha{value}", "full", seeds[0], alpha_hat=value))
         else:
-            runs.append(dict(name=f"gamma{value}_s{seeds[0]}", row="entropy", seed=seeds[0], entropy_sampling=True,
-                             adaptive_augmentation=False, gamma=value, alpha_hat=DEFAULT_ALPHA))
+            runs.append(spec(f"gamma{value}", "entropy", seeds[0], gamma=value))
     return runs
 
 
@@ -146,8 +144,8 @@ def load_results(out: str | Path) -> list[dict]:
         result = json.loads(path.read_text())
         predictions = path.parent / "eval" / "predictions.csv"
         if predictions.is_file():
-            with open(predictions, newline="") as f:
-                errors = np.array([float(row["error_mm"]) for row in csv.DictReader(f) if row["error_mm"]])
+            errors = np.array([row["error_mm"] for row in read_predictions_csv(predictions)])
+            errors = errors[np.isfinite(errors)]
             result["median_mm"] = float(np.median(errors))
             result["gross_pct"] = float(100.0 * np.mean(errors > GROSS_MM))
         results.append(result)
@@ -164,8 +162,8 @@ def _sweep_run(results: dict, kind: str, value: float, seed: int) -> dict | None
 
 
 def _mean_sd(values: list[float]) -> str:
-    sd = float(np.std(values, ddof=1)) if len(values) > 1 else float("nan")
-    return f"{np.mean(values):.2f} ± {sd:.2f}" if len(values) > 1 else f"{values[0]:.2f}"
+    """``mean ± SD`` (sample SD) of two or more values, the value alone for one."""
+    return f"{np.mean(values):.2f} ± {np.std(values, ddof=1):.2f}" if len(values) > 1 else f"{values[0]:.2f}"
 
 
 def _metrics_row(runs: list[dict]) -> list[str]:
@@ -217,7 +215,8 @@ def tables(results: list[dict]) -> str:
                 aug = _load_augmentation(r["augmentation_file"])
                 extra = [" / ".join(f"{a:.2f}" for a in aug["brightness"]), " / ".join(f"{a:.2f}" for a in aug["contrast"])]
             val = r["validation_mre_mm"]
-            sweep.append([f"{v:g}"] + extra + [f"{val:.2f}" if val is not None else "-"] + _metrics_row([r])[:1] + _metrics_row([r])[2:])
+            cells = _metrics_row([r])
+            sweep.append([f"{v:g}"] + extra + [f"{val:.2f}" if val is not None else "-"] + cells[:1] + cells[2:])
         if sweep:
             head = [label] + (["A brightness (low/med/high)", "A contrast (low/med/high)"] if kind == "alpha" else [])
             head += ["validation MRE mm", "test MRE mm"] + METRIC_HEADER[2:]

@@ -8,7 +8,6 @@ The figures are downsampled renderings (``width`` pixels wide) for illustration 
 
 from __future__ import annotations
 
-import csv
 import sys
 from collections import defaultdict
 from pathlib import Path
@@ -22,20 +21,14 @@ import numpy as np  # noqa: E402
 from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from matplotlib.colors import ListedColormap  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
-from monai.transforms import LoadImage, Resize  # noqa: E402
+from monai.transforms import Resize  # noqa: E402
 
 from bundle.data.datalist import landmarks_array, load_datalist  # noqa: E402
 from bundle.information import GROUP_NAMES, information_groups  # noqa: E402
 from bundle.io_utils import atomic_path  # noqa: E402
-from bundle.reporting import save_overlay_png  # noqa: E402
+from bundle.reporting import read_predictions_csv, save_overlay_png  # noqa: E402
 from bundle.transforms.entropy import local_entropy  # noqa: E402
-
-
-def _grey(path: str) -> np.ndarray:
-    """The image as a float array indexed [x, y] (MONAI's 2D axis order), channels averaged, scaled to [0, 1]."""
-    img = np.asarray(LoadImage(image_only=True, ensure_channel_first=True)(path), dtype=np.float64).mean(0)
-    lo, hi = img.min(), img.max()
-    return (img - lo) / (hi - lo) if hi > lo else np.zeros_like(img)
+from estimate_augmentation import load_grey  # noqa: E402  (a sibling script: scripts/ is on sys.path)
 
 
 def _shrink(image_xy: np.ndarray, width: int, mode: str = "area") -> tuple[np.ndarray, float]:
@@ -47,7 +40,7 @@ def _shrink(image_xy: np.ndarray, width: int, mode: str = "area") -> tuple[np.nd
 
 def iie(image: str, output: str, window: int = 10, thresholds=(2.0, 4.0), width: int = 400) -> Path:
     """Image, its IIE map (paper Sec. 3 step 1, on the original resolution) and the low/medium/high groups."""
-    grey = _grey(image)
+    grey = load_grey(image, 2)[0]  # indexed [x, y], channels averaged, in [0, 1]
     entropy = local_entropy(grey, window).numpy()
     groups = information_groups(entropy, thresholds)
     shown = [_shrink(grey, width)[0], _shrink(entropy, width)[0], _shrink(groups.astype(np.float64), width, "nearest")[0]]
@@ -78,20 +71,19 @@ def overlays(datalist: str, eval_dir: str, output_dir: str = "docs", n: int = 2,
     dl = load_datalist(datalist)
     names = dl["landmark_names"]
     items = {Path(it["image"]).name: it for it in dl["test"]}
-    predicted: dict[str, dict[str, tuple[float, float, float]]] = defaultdict(dict)
-    with open(Path(eval_dir) / "predictions.csv", newline="") as f:
-        for row in csv.DictReader(f):
-            predicted[Path(row["image"]).name][row["landmark"]] = (float(row["x"]), float(row["y"]), float(row["error_mm"] or "nan"))
-    mre = {k: np.nanmean([v[2] for v in p.values()]) for k, p in predicted.items() if k in items}
+    predicted: dict[str, dict[str, dict]] = defaultdict(dict)
+    for row in read_predictions_csv(Path(eval_dir) / "predictions.csv"):
+        predicted[Path(row["image"]).name][row["landmark"]] = row
+    mre = {k: np.nanmean([v["error_mm"] for v in p.values()]) for k, p in predicted.items() if k in items}
     if not mre:
         raise ValueError(f"{eval_dir}/predictions.csv names none of the test images of {datalist}")
     order = sorted(mre, key=mre.get)
     picks = [order[len(order) // 2], order[-1]][:n]
     written = []
     for name in picks:
-        grey, scale = _shrink(_grey(items[name]["image"]), width)
+        grey, scale = _shrink(load_grey(items[name]["image"], 2)[0], width)
         ref = landmarks_array(items[name], len(names), 2) * scale
-        pred = np.array([predicted[name][lm][:2] for lm in names]) * scale
+        pred = np.array([predicted[name][lm]["point"] for lm in names]) * scale
         out = Path(output_dir) / f"results_overlay_{Path(name).stem}.png"
         save_overlay_png(out, grey, ref, pred, names)
         print(f"wrote {out}: {name}, MRE {mre[name]:.2f} mm (rank {order.index(name) + 1} of {len(order)})")

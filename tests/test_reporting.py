@@ -19,6 +19,7 @@ from bundle.reporting import (
     save_overlay_png,
     save_sdr_curve,
     write_metrics_json,
+    read_predictions_csv,
     write_predictions_csv,
 )
 
@@ -60,6 +61,12 @@ def test_write_predictions_csv_2d_3d_and_missing(tmp_path):
     assert table[3] == ["b.png", "sella", "1.000000", "2.000000", ""]
     table3 = _read_csv(write_predictions_csv(tmp_path / "p3.csv", [{"image": "v.nii.gz", "landmark": "l", "point": [-1.5, 2, 3], "error_mm": 1}]))
     assert table3 == [["image", "landmark", "x", "y", "z", "error_mm"], ["v.nii.gz", "l", "-1.500000", "2.000000", "3.000000", "1.000000"]]
+    back = read_predictions_csv(tmp_path / "p.csv")
+    assert [(r["image"], r["landmark"]) for r in back] == [("a.png", "sella"), ("a.png", "nasion"), ("b.png", "sella")]
+    np.testing.assert_allclose(back[0]["point"], [10.25, 20.5])
+    assert back[0]["error_mm"] == pytest.approx(0.854)
+    assert np.isnan(back[1]["point"]).all() and np.isnan(back[1]["error_mm"]) and np.isnan(back[2]["error_mm"])
+    np.testing.assert_allclose(read_predictions_csv(tmp_path / "p3.csv")[0]["point"], [-1.5, 2.0, 3.0])
     with pytest.raises(ValueError, match="row 1"):
         write_predictions_csv(tmp_path / "bad.csv", [rows[0], {**rows[0], "point": [1.0, 2.0, 3.0]}])
     with pytest.raises(ValueError, match="no prediction rows"):
