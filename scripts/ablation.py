@@ -2,7 +2,7 @@
 
     python scripts/ablation.py run --datalist runs/hamedan/protocol.json --out runs/hamedan \
         [--iterations 500 --seeds "[0,1]" --augmentation "runs/hamedan/aug_{alpha}.yaml" --only "[name,...]"]
-    python scripts/ablation.py report --out runs/hamedan --docs docs
+    python scripts/ablation.py report --out runs/hamedan --docs docs [--long runs/hamedan_long]
 
 ``run`` trains and evaluates every planned run (:func:`plan`) in turn with the bundle's own commands, the
 same budget for all, and writes ``OUT/<run>/result.json`` (settings, validation and test metrics, training
@@ -225,6 +225,28 @@ def tables(results: list[dict]) -> str:
     return "\n".join(text)
 
 
+def length_table(short: list[dict], long: list[dict]) -> str:
+    """The ablation rows trained longer (``long``) beside the same runs at the sweep budget (``short``), as markdown.
+
+    Each long run is matched by name (row and seed) with its short run; the gain is over the long baseline
+    of the same seed.
+    """
+    short_by_name = {r["name"]: r for r in short}
+    long_by_name = {r["name"]: r for r in long}
+    rows = []
+    for row in ROWS:
+        for r in sorted((r for r in long if r["row"] == row and r["name"] == f"{row}_s{r['seed']}"), key=lambda r: r["seed"]):
+            base = long_by_name.get(f"baseline_s{r['seed']}")
+            gain = "" if base is None or row == "baseline" else f"{100 * (base['test']['mre_mm'] - r['test']['mre_mm']) / base['test']['mre_mm']:+.1f} %"
+            before = short_by_name.get(r["name"])
+            cells = _metrics_row([r])
+            rows.append([ROW_TITLES[row], str(r["seed"]), str(r["iterations"]),
+                         f"{before['test']['mre_mm']:.2f} ({before['iterations']})" if before else "-"]
+                        + cells[:1] + cells[2:] + [gain])
+    head = ["row", "seed", "iterations", "MRE mm at the sweep budget (iterations)", "MRE mm"] + METRIC_HEADER[2:]
+    return _table(head + ["MRE gain over the baseline of this length"], rows)
+
+
 def _load_augmentation(path: str) -> dict:
     import yaml
 
@@ -268,11 +290,18 @@ def plot_mre(results: list[dict], path: Path) -> Path:
     return path
 
 
-def report(out: str, docs: str = "docs") -> None:
-    """Write the tables into ``DOCS/results.md`` (between the ablation markers) and ``DOCS/results_mre.png``."""
+def report(out: str, docs: str = "docs", long: str | None = None) -> None:
+    """Write the tables into ``DOCS/results.md`` (between the ablation markers) and ``DOCS/results_mre.png``.
+
+    ``long``: the output folder of ablation rows run again with a longer budget (``run --iterations``);
+    their table (:func:`length_table`) follows the others.
+    """
     results = load_results(out)
     if not results:
         raise FileNotFoundError(f"{out}: no */result.json yet (run the plan first)")
+    long_results = load_results(long) if long is not None else []
+    if long is not None and not long_results:
+        raise FileNotFoundError(f"{long}: no */result.json yet (run the plan there first)")
     page = Path(docs) / "results.md"
     begin, end = "<!-- ablation:begin -->", "<!-- ablation:end -->"
     text = page.read_text() if page.is_file() else f"{begin}\n{end}\n"
@@ -280,6 +309,9 @@ def report(out: str, docs: str = "docs") -> None:
         raise ValueError(f"{page}: the markers {begin} and {end} are missing")
     head, rest = text.split(begin, 1)
     table_text = tables(results)
+    if long_results:
+        budget = ", ".join(map(str, sorted({r["iterations"] for r in long_results})))
+        table_text += f"\n\nTraining length: the same rows trained for {budget} iterations:\n\n{length_table(results, long_results)}"
     write_text_atomic(page, f"{head}{begin}\n{table_text}\n{end}{rest.split(end, 1)[1]}")
     plot_mre(results, Path(docs) / "results_mre.png")
     print(table_text)

@@ -74,6 +74,28 @@ def test_report_tables_spread_gain_and_markers(tmp_path):
         ablation.report(str(tmp_path / "empty"), str(docs))
 
 
+def test_report_adds_the_longer_runs_beside_their_short_runs(tmp_path):
+    aug = tmp_path / "aug.yaml"
+    aug.write_text("augmentation:\n  brightness: [0.1, 0.2, 0.3]\n  contrast: [0.4, 0.5, 0.6]\n")
+    specs = {s["name"]: s for s in ablation.plan([0])}
+    for name, mre in (("baseline_s0", 4.0), ("full_s0", 5.0)):
+        fake_result(tmp_path / "short", specs[name], mre, aug)
+    for name, mre in (("baseline_s0", 2.5), ("full_s0", 2.0)):
+        fake_result(tmp_path / "long", specs[name], mre, aug)
+        result = json.loads((tmp_path / "long" / name / "result.json").read_text())
+        (tmp_path / "long" / name / "result.json").write_text(json.dumps(dict(result, iterations=3000)))
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "results.md").write_text("<!-- ablation:begin -->\n<!-- ablation:end -->\n")
+    ablation.report(str(tmp_path / "short"), str(docs), long=str(tmp_path / "long"))
+    page = (docs / "results.md").read_text()
+    assert "trained for 3000 iterations" in page
+    full_line = [line for line in page.splitlines() if line.startswith("| + both")][-1]
+    assert "| 0 | 3000 | 5.00 (500) | 2.00 |" in full_line and "+20.0 %" in full_line  # (2.5 - 2.0) / 2.5
+    with pytest.raises(FileNotFoundError, match="missing"):
+        ablation.report(str(tmp_path / "short"), str(docs), long=str(tmp_path / "missing"))
+
+
 def test_a_failing_bundle_command_names_its_log(tmp_path):
     log = tmp_path / "train.log"
     with pytest.raises(RuntimeError, match="train.log"):
