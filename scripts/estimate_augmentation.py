@@ -24,23 +24,15 @@ import fire  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import yaml  # noqa: E402
-from monai.transforms import LoadImage, Resize, ScaleIntensity  # noqa: E402
+from monai.transforms import Resize  # noqa: E402
 
 from bundle.data.datalist import load_datalist, landmarks_array  # noqa: E402
+from bundle.data.images import load_grey  # noqa: E402
 from bundle.information import GROUP_NAMES, check_thresholds, estimate_group_intensities, offset_correspondences  # noqa: E402
 from bundle.io_utils import write_text_atomic  # noqa: E402
 from bundle.transforms.entropy import local_entropy  # noqa: E402
 
 CORRESPONDENCE_SOURCES = ("landmarks",)
-
-
-def load_grey(path: str, spatial_dims: int) -> tuple[np.ndarray, np.ndarray]:
-    """Image as a spatial float array in [0, 1] (channels averaged) and its voxel-to-world affine."""
-    img = LoadImage(image_only=True, ensure_channel_first=True)(path)
-    if img.ndim - 1 != spatial_dims:
-        raise ValueError(f"{path}: expected a {spatial_dims}D image, LoadImage gave shape {tuple(img.shape)}")
-    grey = ScaleIntensity(minv=0.0, maxv=1.0)(img.float().mean(0, keepdim=True))
-    return grey[0].numpy().astype(np.float64), np.asarray(img.affine, dtype=np.float64)
 
 
 def landmarks_to_array_axes(landmarks: np.ndarray, affine: np.ndarray, spatial_dims: int) -> np.ndarray:

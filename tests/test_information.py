@@ -17,6 +17,7 @@ import yaml
 from PIL import Image
 from skimage.metrics import normalized_mutual_information
 
+from bundle.data.images import load_grey
 from bundle.information import (
     adjust_brightness_contrast,
     estimate_group_intensities,
@@ -284,7 +285,7 @@ def test_script_writes_mergeable_yaml(tmp_path, capsys):
 def test_script_image_orientation_and_entropy_at_points(tmp_path):
     script = _load_script()
     datalist = _write_png_datalist(tmp_path, n_images=1)
-    img, _ = script.load_grey(str(tmp_path / "000.png"), 2)
+    img, _ = load_grey(str(tmp_path / "000.png"), 2)
     expected = np.asarray(Image.open(tmp_path / "000.png"), dtype=np.float64).T / 255.0
     np.testing.assert_allclose(img, expected, atol=1e-6)  # [x, y] indexing, scaled to [0, 1]
     points = np.array([[0.0, 0.0], [40.2, 17.7], [95.0, 50.0], [95.0, 95.0], [-3.0, 4.0]])

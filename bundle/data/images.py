@@ -1,0 +1,15 @@
+"""Images read for analysis outside the training pipeline (augmentation estimates, figures)."""
+
+from __future__ import annotations
+
+import numpy as np
+from monai.transforms import LoadImage, ScaleIntensity
+
+
+def load_grey(path: str, spatial_dims: int) -> tuple[np.ndarray, np.ndarray]:
+    """Image as a spatial float array in [0, 1] (channels averaged; 2D indexed ``[x, y]``) and its voxel-to-world affine."""
+    img = LoadImage(image_only=True, ensure_channel_first=True)(path)
+    if img.ndim - 1 != spatial_dims:
+        raise ValueError(f"{path}: expected a {spatial_dims}D image, LoadImage gave shape {tuple(img.shape)}")
+    grey = ScaleIntensity(minv=0.0, maxv=1.0)(img.float().mean(0, keepdim=True))
+    return grey[0].numpy().astype(np.float64), np.asarray(img.affine, dtype=np.float64)
