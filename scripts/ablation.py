@@ -2,14 +2,17 @@
 
     python scripts/ablation.py run --datalist runs/hamedan/protocol.json --out runs/hamedan \
         [--iterations 500 --seeds "[0,1]" --augmentation "runs/hamedan/aug_{alpha}.yaml" --only "[name,...]"]
+    python scripts/ablation.py select --datalist runs/hamedan/protocol.json --out runs/hamedan
     python scripts/ablation.py report --out runs/hamedan --docs docs [--long runs/hamedan_long]
 
 ``run`` trains and evaluates every planned run (:func:`plan`) in turn with the bundle's own commands, the
 same budget for all, and writes ``OUT/<run>/result.json`` (settings, validation and test metrics, training
 time, peak memory); a run whose ``result.json`` exists is skipped, so an interrupted plan continues where it
 stopped. ``augmentation`` is a path pattern with ``{alpha}``: the per-group intensities that
-``scripts/estimate_augmentation.py --alpha_hat ALPHA`` wrote. ``report`` reads the results and writes the
-tables (``docs/results.md`` between its ``<!-- ablation:begin/end -->`` markers) and the MRE bar plot.
+``scripts/estimate_augmentation.py --alpha_hat ALPHA`` wrote. ``select`` scores each finished run on the
+labelled images outside the test split (:func:`selection_datalist`), the ranking that chooses the shipped
+model. ``report`` reads the results and writes the tables (``docs/results.md`` between its
+``<!-- ablation:begin/end -->`` markers) and the MRE bar plot.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ if str(ROOT) not in sys.path:
 import fire  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bundle.data.datalist import load_datalist  # noqa: E402
+from bundle.engine import labelled_training_items  # noqa: E402
 from bundle.io_utils import write_json_atomic, write_text_atomic  # noqa: E402
 from bundle.reporting import read_predictions_csv  # noqa: E402
 
@@ -133,6 +138,49 @@ def run(datalist: str, out: str, iterations: int = 500, epoch_length: int = 100,
               f"validation {res['validation_mre_mm']}, {res['train_seconds']:.0f} s", flush=True)
 
 
+def selection_datalist(datalist: dict, template_image: str) -> dict:
+    """``datalist`` (as :func:`bundle.data.datalist.load_datalist` returns it) with ``template_image``'s training
+    item as its template and, as ``test``, its validation items and its other labelled training items.
+
+    The MRE on these items ranks trained models without touching the test images: the labelled training
+    items play no other part than template candidates (the self-supervised stage reads no landmark), so
+    they are as unseen as the test images, and there are six times more of them than validation items.
+    """
+    def absolute(items: list[dict]) -> list[dict]:  # the new datalist is written elsewhere than the original
+        return [dict(it, image=str(Path(it["image"]).resolve())) for it in items]
+
+    target = str(Path(template_image).resolve())
+    labelled = absolute(labelled_training_items(datalist))
+    template = [it for it in labelled if it["image"] == target]
+    if not template:
+        raise ValueError(f"the template {template_image} is not a labelled training item of the datalist")
+    others = [it for it in labelled if it is not template[0]]
+    sections = {section: absolute(datalist.get(section, [])) for section in ("training", "validation")}
+    return dict(datalist, **sections, template=template[0], test=sections["validation"] + others)
+
+
+def select(datalist: str, out: str) -> None:
+    """Evaluate every finished run of ``out`` on its :func:`selection_datalist` (the template its test evaluation
+    chose) and add the result to its ``result.json`` as ``selection`` (metrics) and ``selection_mre_mm``."""
+    full = load_datalist(datalist)
+    for path in sorted(Path(out).glob("*/result.json")):
+        result = json.loads(path.read_text())
+        if "selection_mre_mm" in result:
+            print(f"{result['name']}: selected already")
+            continue
+        run_dir = path.parent
+        template = json.loads((run_dir / "eval" / "metrics.json").read_text())["template"]
+        write_json_atomic(run_dir / "selection_datalist.json", selection_datalist(full, template))
+        _bundle("evaluating", ["configs/train.yaml", "configs/evaluate.yaml"],
+                dict(datalist=run_dir / "selection_datalist.json", output_dir=run_dir / "selection",
+                     ckpt_path=run_dir / "models" / "model.pt", overlays=False),
+                run_dir / "selection.log")
+        metrics = json.loads((run_dir / "selection" / "metrics.json").read_text())
+        write_json_atomic(path, dict(result, selection=metrics, selection_mre_mm=metrics["mre_mm"]))
+        print(f"{result['name']}: selection MRE {metrics['mre_mm']:.2f} mm on {metrics['n_images']} images, "
+              f"test {result['test']['mre_mm']:.2f} mm", flush=True)
+
+
 GROSS_MM = 10.0  # an error above this is a gross failure (a match on the wrong structure)
 
 
@@ -171,10 +219,24 @@ def _metrics_row(runs: list[dict]) -> list[str]:
     mm = [r["test"]["mre_mm"] for r in runs]
     cells = [_mean_sd(mm), " / ".join(f"{v:.2f}" for v in mm), f"{np.mean([r['test']['mre_px'] for r in runs]):.1f}"]
     cells += [f"{np.mean([r['test']['sdr'][t] for r in runs]):.1f}" for t in ("2.0", "2.5", "3.0", "4.0")]
-    for key in ("median_mm", "gross_pct"):
+    for key, digits in (("median_mm", 2), ("gross_pct", 1), ("selection_mre_mm", 2)):
         values = [r[key] for r in runs if key in r]
-        cells.append(f"{np.mean(values):.{2 if key == 'median_mm' else 1}f}" if len(values) == len(runs) else "-")
+        cells.append(f"{np.mean(values):.{digits}f}" if len(values) == len(runs) else "-")
     return cells
+
+
+def selector_agreement(results: list[dict]) -> str:
+    """How well each model-selection score ranks the runs as the test MRE does (Spearman's rho over the runs)."""
+    from scipy.stats import spearmanr
+
+    lines = []
+    for key, label in (("validation_mre_mm", "validation MRE (validation images, the datalist's first labelled item as template)"),
+                       ("selection_mre_mm", "selection MRE (labelled non-test images, the run's own template)")):
+        runs = [r for r in results if r.get(key) is not None]
+        if len(runs) >= 3:
+            rho = spearmanr([r[key] for r in runs], [r["test"]["mre_mm"] for r in runs]).statistic
+            lines.append(f"- {label}: Spearman's rho with the test MRE {rho:+.2f} over {len(runs)} runs")
+    return "\n".join(lines)
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
@@ -183,7 +245,8 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 
 METRIC_HEADER = ["MRE mm (mean ± SD over seeds)", "MRE mm per seed", "MRE px", "SDR 2 mm %", "SDR 2.5 mm %",
-                 "SDR 3 mm %", "SDR 4 mm %", "median error mm", f"errors > {GROSS_MM:g} mm %"]
+                 "SDR 3 mm %", "SDR 4 mm %", "median error mm", f"errors > {GROSS_MM:g} mm %",
+                 "selection MRE mm (labelled non-test images)"]
 
 
 def tables(results: list[dict]) -> str:
@@ -312,10 +375,13 @@ def report(out: str, docs: str = "docs", long: str | None = None) -> None:
     if long_results:
         budget = ", ".join(map(str, sorted({r["iterations"] for r in long_results})))
         table_text += f"\n\nTraining length: the same rows trained for {budget} iterations:\n\n{length_table(results, long_results)}"
+    agreement = selector_agreement(results + long_results)
+    if agreement:
+        table_text += f"\n\nHow well the scores computed without test images rank the runs:\n\n{agreement}"
     write_text_atomic(page, f"{head}{begin}\n{table_text}\n{end}{rest.split(end, 1)[1]}")
     plot_mre(results, Path(docs) / "results_mre.png")
     print(table_text)
 
 
 if __name__ == "__main__":
-    fire.Fire({"run": run, "report": report})
+    fire.Fire({"run": run, "select": select, "report": report})

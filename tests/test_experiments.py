@@ -66,6 +66,8 @@ def test_report_tables_spread_gain_and_markers(tmp_path):
     assert "2.60 ± 0.28" in full_line and "+25.7 %" in full_line  # (3.5 - 2.6) / 3.5
     alpha_line = next(line for line in page.splitlines() if line.startswith("| 1.7 |"))
     assert "0.10 / 0.20 / 0.30" in alpha_line and "2.70" in alpha_line and "2.20" in alpha_line
+    assert "validation MRE (validation images, the datalist's first labelled item as template): Spearman's rho with the test MRE +1.00 over 7 runs" in page
+    assert "selection MRE (" not in page  # no run was scored on the selection images
     assert (docs / "results_mre.png").stat().st_size > 10_000
     (docs / "results.md").write_text("no markers\n")
     with pytest.raises(ValueError, match="markers"):
@@ -94,6 +96,20 @@ def test_report_adds_the_longer_runs_beside_their_short_runs(tmp_path):
     assert "| 0 | 3000 | 5.00 (500) | 2.00 |" in full_line and "+20.0 %" in full_line  # (2.5 - 2.0) / 2.5
     with pytest.raises(FileNotFoundError, match="missing"):
         ablation.report(str(tmp_path / "short"), str(docs), long=str(tmp_path / "missing"))
+
+
+def test_selection_datalist_scores_on_labelled_items_outside_test(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    item = lambda name, labelled: dict(image=f"img/{name}.png", **({"landmarks": [[1.0, 2.0]]} if labelled else {}))  # noqa: E731
+    datalist = {"name": "d", "spatial_dims": 2, "landmark_names": ["a"],
+                "training": [item("t0", True), item("u0", False), item("t1", True), item("t2", True)],
+                "validation": [item("v0", True)], "test": [item("x0", True)]}
+    chosen = ablation.selection_datalist(datalist, "img/../img/t1.png")
+    assert chosen["template"]["image"] == str(tmp_path / "img" / "t1.png")
+    assert [Path(it["image"]).name for it in chosen["test"]] == ["v0.png", "t0.png", "t2.png"]  # never x0, never t1
+    assert all(Path(it["image"]).is_absolute() for it in chosen["training"] + chosen["test"])
+    with pytest.raises(ValueError, match="u0.png is not a labelled training item"):
+        ablation.selection_datalist(datalist, "img/u0.png")
 
 
 def test_a_failing_bundle_command_names_its_log(tmp_path):
