@@ -288,25 +288,34 @@ def tables(results: list[dict]) -> str:
     return "\n".join(text)
 
 
-def length_table(short: list[dict], long: list[dict]) -> str:
-    """The ablation rows trained longer (``long``) beside the same runs at the sweep budget (``short``), as markdown.
+def _run_title(run: dict) -> str:
+    """The run's ablation row, with its gamma or alpha_hat where a sweep changed it."""
+    extra = []
+    if run["entropy_sampling"] and run["gamma"] != DEFAULT_GAMMA:
+        extra.append(f"gamma {run['gamma']:g}")
+    if run["adaptive_augmentation"] and run["alpha_hat"] != DEFAULT_ALPHA:
+        extra.append(f"alpha_hat {run['alpha_hat']:g}")
+    return ", ".join([ROW_TITLES[run["row"]]] + extra)
 
-    Each long run is matched by name (row and seed) with its short run; the gain is over the long baseline
-    of the same seed.
+
+def length_table(short: list[dict], long: list[dict]) -> str:
+    """The runs trained longer (``long``) beside the same runs at the sweep budget (``short``), as markdown.
+
+    Each long run is matched by name (row, sweep value and seed) with its short run; the gain is over the
+    long baseline of the same seed.
     """
     short_by_name = {r["name"]: r for r in short}
     long_by_name = {r["name"]: r for r in long}
     rows = []
-    for row in ROWS:
-        for r in sorted((r for r in long if r["row"] == row and r["name"] == f"{row}_s{r['seed']}"), key=lambda r: r["seed"]):
-            base = long_by_name.get(f"baseline_s{r['seed']}")
-            gain = "" if base is None or row == "baseline" else f"{100 * (base['test']['mre_mm'] - r['test']['mre_mm']) / base['test']['mre_mm']:+.1f} %"
-            before = short_by_name.get(r["name"])
-            cells = _metrics_row([r])
-            rows.append([ROW_TITLES[row], str(r["seed"]), str(r["iterations"]),
-                         f"{before['test']['mre_mm']:.2f} ({before['iterations']})" if before else "-"]
-                        + cells[:1] + cells[2:] + [gain])
-    head = ["row", "seed", "iterations", "MRE mm at the sweep budget (iterations)", "MRE mm"] + METRIC_HEADER[2:]
+    for r in sorted(long, key=lambda r: (list(ROWS).index(r["row"]), r["name"])):
+        base = long_by_name.get(f"baseline_s{r['seed']}")
+        gain = "" if base is None or r is base else f"{100 * (base['test']['mre_mm'] - r['test']['mre_mm']) / base['test']['mre_mm']:+.1f} %"
+        before = short_by_name.get(r["name"])
+        cells = _metrics_row([r])
+        rows.append([_run_title(r), str(r["seed"]), str(r["iterations"]),
+                     f"{before['test']['mre_mm']:.2f} ({before['iterations']})" if before else "-"]
+                    + cells[:1] + cells[2:] + [gain])
+    head = ["run", "seed", "iterations", "MRE mm at the sweep budget (iterations)", "MRE mm"] + METRIC_HEADER[2:]
     return _table(head + ["MRE gain over the baseline of this length"], rows)
 
 

@@ -82,7 +82,7 @@ def test_report_adds_the_longer_runs_beside_their_short_runs(tmp_path):
     specs = {s["name"]: s for s in ablation.plan([0])}
     for name, mre in (("baseline_s0", 4.0), ("full_s0", 5.0)):
         fake_result(tmp_path / "short", specs[name], mre, aug)
-    for name, mre in (("baseline_s0", 2.5), ("full_s0", 2.0)):
+    for name, mre in (("baseline_s0", 2.5), ("full_s0", 2.0), ("alpha1.0_s0", 3.0)):
         fake_result(tmp_path / "long", specs[name], mre, aug)
         result = json.loads((tmp_path / "long" / name / "result.json").read_text())
         (tmp_path / "long" / name / "result.json").write_text(json.dumps(dict(result, iterations=3000)))
@@ -94,6 +94,8 @@ def test_report_adds_the_longer_runs_beside_their_short_runs(tmp_path):
     assert "trained for 3000 iterations" in page
     full_line = [line for line in page.splitlines() if line.startswith("| + both")][-1]
     assert "| 0 | 3000 | 5.00 (500) | 2.00 |" in full_line and "+20.0 %" in full_line  # (2.5 - 2.0) / 2.5
+    sweep_line = next(line for line in page.splitlines() if line.startswith("| + both (full method), alpha_hat 1 |"))
+    assert "| 0 | 3000 | - | 3.00 |" in sweep_line and "-20.0 %" in sweep_line  # no short run of it here
     with pytest.raises(FileNotFoundError, match="missing"):
         ablation.report(str(tmp_path / "short"), str(docs), long=str(tmp_path / "missing"))
 
