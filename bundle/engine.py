@@ -125,30 +125,46 @@ def with_template(inferer, item: dict, preprocessing, device: torch.device | str
     return inferer
 
 
+TEMPLATE_RULES = ("landmarks", "features")
+
+
 def resolve_template(
-    datalist: dict, network: torch.nn.Module, preprocessing, device: torch.device | str, max_images: int = 32
+    datalist: dict, network: torch.nn.Module, preprocessing, device: torch.device | str, max_images: int = 32,
+    rule: str = "landmarks",
 ) -> dict:
     """The evaluation template: the datalist's ``template``, else one chosen among its labelled training items.
 
-    The choice is unsupervised (``bundle.template_selection.select_template``: the candidate whose features
-    match the other training images best, Quan et al. CVPR 2022); the landmarks play no part in it. At most
-    ``max_images`` training images (the labelled ones first) take part, to bound the cost.
+    ``rule``: ``"landmarks"`` picks the item whose landmarks, matched one-shot into each other candidate,
+    land closest to that candidate's own landmarks
+    (:func:`bundle.template_selection.select_template_by_landmarks`); ``"features"`` reads no landmark and
+    picks the candidate whose features match the other training images best
+    (:func:`bundle.template_selection.select_template`, Quan et al. CVPR 2022), the choice of which image
+    to annotate. At most ``max_images`` training images (the labelled ones first) take part, to bound the cost.
     """
-    from bundle.template_selection import select_template
+    from bundle.template_selection import select_template, select_template_by_landmarks
 
+    if rule not in TEMPLATE_RULES:
+        raise ValueError(f"template rule must be one of {TEMPLATE_RULES}, got {rule!r}")
     labelled = labelled_training_items(datalist)
     if datalist.get("template") is not None or len(labelled) < 2:
         return default_template(datalist)
     unlabelled = [it for it in datalist["training"] if it not in labelled]
-    pool = (labelled + unlabelled)[: max(max_images, 2)]
+    pool = (labelled if rule == "landmarks" else labelled + unlabelled)[: max(max_images, 2)]
     candidates = [i for i, it in enumerate(pool) if it in labelled]
-    images = [torch.as_tensor(preprocessing(dict(it))["image"]).to(device) for it in pool]
+    prepared = [preprocessing(dict(it)) for it in pool]
+    images = [torch.as_tensor(d["image"]).to(device) for d in prepared]
     network.eval()
     with torch.no_grad():
-        index, scores = select_template(network, images, candidates=candidates)
+        if rule == "landmarks":
+            matrices = [torch.as_tensor(d["grid_to_physical"], dtype=torch.float64) for d in prepared]
+            points = [apply_homogeneous(m, d["label"], inverse=True).to(torch.float32) for m, d in zip(matrices, prepared)]
+            index, scores = select_template_by_landmarks(network, images, points, matrices)
+            how = f"mean one-shot error {scores[index]:.2f} mm over the other {len(pool) - 1} candidates"
+        else:
+            index, scores = select_template(network, images, candidates=candidates)
+            how = f"score {scores[candidates.index(index)]:.3f}, no landmark read"
     logging.getLogger(__name__).info(
-        "template chosen without labels among %d labelled training items: %s (score %.3f)",
-        len(candidates), pool[index]["image"], scores[candidates.index(index)],
+        "template chosen among %d labelled training items (rule %r): %s (%s)", len(candidates), rule, pool[index]["image"], how
     )
     return dict(pool[index])
 

@@ -1,4 +1,8 @@
-"""Unsupervised choice of the image to annotate as the one-shot template.
+"""Choice of the one-shot template among candidate images.
+
+``select_template`` needs no labels (which image to annotate); ``select_template_by_landmarks`` ranks
+images that are labelled already by how well their landmarks transfer to the others.
+
 
 The idea of Quan et al., "Which images to label for few-shot medical landmark detection" (CVPR 2022):
 label the image whose features best represent the others. Criterion used here (no landmark is read,
@@ -17,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from bundle.oneshot import OneShotInferer, feature_vectors
+from bundle.oneshot import OneShotInferer, apply_homogeneous, feature_vectors
 
 
 def grid_points(grid_size: Sequence[int], n_points: int, margin: float = 0.1) -> torch.Tensor:
@@ -101,3 +105,69 @@ def select_template(
     scores = [totals[c] / (n_images - 1) for c in candidates]
     best = candidates[max(range(len(candidates)), key=scores.__getitem__)]
     return best, scores
+
+
+@torch.no_grad()
+def landmark_transfer_errors(
+    network,
+    images: Sequence[torch.Tensor],
+    points: Sequence[torch.Tensor],
+    grid_to_physical: Sequence[torch.Tensor],
+    inferer: OneShotInferer | None = None,
+    templates: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Matrix ``(N, N)``: entry ``[c, j]`` is the mean radial error (mm) of one-shot detection in image ``j`` with
+    image ``c`` as the template, against ``j``'s own landmarks (NaN on the diagonal and where no landmark is shared).
+
+    Args:
+        images: channel-first grid images ``(1, *spatial)`` of one size.
+        points: each image's landmarks ``(L, D)`` in grid positions (NaN = missing).
+        grid_to_physical: each image's homogeneous grid-to-mm matrix ``(D+1, D+1)``.
+        inferer: the matcher; default ``OneShotInferer()`` (with the sub-pixel refinement used at inference).
+        templates: the rows to compute (default all); the other rows stay NaN.
+    """
+    n_images = len(images)
+    if not n_images == len(points) == len(grid_to_physical) or n_images < 2:
+        raise ValueError(f"need at least 2 images with one points array and one matrix each, got {n_images}, {len(points)}, {len(grid_to_physical)}")
+    inferer = OneShotInferer() if inferer is None else inferer
+    grid_size = tuple(torch.as_tensor(images[0]).shape[1:])
+    device = _device(network, torch.as_tensor(images[0]).device)
+    features = [list(network(_as_batch(image, i, grid_size, device))) for i, image in enumerate(images)]
+    norms = [inferer.feature_norms(f, grid_size) for f in features]
+    pts = [torch.as_tensor(p, dtype=torch.float32, device=device) for p in points]
+    physical = [apply_homogeneous(m, p) for m, p in zip(grid_to_physical, pts)]
+    errors = torch.full((n_images, n_images), float("nan"), dtype=torch.float64)
+    for c in range(n_images) if templates is None else [int(t) for t in templates]:
+        known = ~torch.isnan(pts[c]).any(dim=1)
+        if not bool(known.any()):
+            continue
+        queries = feature_vectors(features[c], pts[c][known][None], grid_size)
+        for j in range(n_images):
+            if j == c:
+                continue
+            found, _ = inferer.match(queries, features[j], grid_size, norms[j])
+            distance = (apply_homogeneous(grid_to_physical[j], found[0]) - physical[j][known].to(found)).norm(dim=-1)
+            if bool(torch.isfinite(distance).any()):
+                errors[c, j] = distance.nanmean().cpu()
+    return errors
+
+
+def select_template_by_landmarks(
+    network,
+    images: Sequence[torch.Tensor],
+    points: Sequence[torch.Tensor],
+    grid_to_physical: Sequence[torch.Tensor],
+    inferer: OneShotInferer | None = None,
+) -> tuple[int, list[float]]:
+    """Among labelled images, the template whose landmarks transfer best: the lowest mean of its row of
+    :func:`landmark_transfer_errors` (leave-one-out one-shot MRE over the other images).
+
+    Returns:
+        ``(index, scores)``: the chosen index and each image's mean transfer error in mm (lower is better).
+    """
+    errors = landmark_transfer_errors(network, images, points, grid_to_physical, inferer)
+    scores = errors.nanmean(dim=1)
+    if bool(torch.isnan(scores).all()):
+        raise ValueError("no image shares a landmark with another: cannot rank templates by landmarks")
+    index = int(torch.where(torch.isnan(scores), torch.inf, scores).argmin())
+    return index, [float(v) for v in scores]

@@ -3,6 +3,7 @@
     python scripts/ablation.py run --datalist runs/hamedan/protocol.json --out runs/hamedan \
         [--iterations 500 --seeds "[0,1]" --augmentation "runs/hamedan/aug_{alpha}.yaml" --only "[name,...]"]
     python scripts/ablation.py select --datalist runs/hamedan/protocol.json --out runs/hamedan
+    python scripts/ablation.py template_rules --datalist runs/hamedan/protocol.json --run_dir runs/hamedan/entropy_s0
     python scripts/ablation.py report --out runs/hamedan --docs docs [--long runs/hamedan_long]
 
 ``run`` trains and evaluates every planned run (:func:`plan`) in turn with the bundle's own commands, the
@@ -11,7 +12,8 @@ time, peak memory); a run whose ``result.json`` exists is skipped, so an interru
 stopped. ``augmentation`` is a path pattern with ``{alpha}``: the per-group intensities that
 ``scripts/estimate_augmentation.py --alpha_hat ALPHA`` wrote. ``select`` scores each finished run on the
 labelled images outside the test split (:func:`selection_datalist`), the ranking that chooses the shipped
-model. ``report`` reads the results and writes the tables (``docs/results.md`` between its
+model. ``template_rules`` compares the template rules of the evaluation on one run, without test images.
+``report`` reads the results and writes the tables (``docs/results.md`` between its
 ``<!-- ablation:begin/end -->`` markers) and the MRE bar plot.
 """
 
@@ -179,6 +181,45 @@ def select(datalist: str, out: str) -> None:
         write_json_atomic(path, dict(result, selection=metrics, selection_mre_mm=metrics["mre_mm"]))
         print(f"{result['name']}: selection MRE {metrics['mre_mm']:.2f} mm on {metrics['n_images']} images, "
               f"test {result['test']['mre_mm']:.2f} mm", flush=True)
+
+
+def template_rules(datalist: str, run_dir: str, pool_size: int = 32) -> dict:
+    """Compare the two template rules of ``bundle.engine.resolve_template`` on images outside the test split.
+
+    Both rules choose among the first ``pool_size`` labelled training items (a template the datalist names is
+    ignored), as the evaluation does; each
+    chosen template is then scored by its one-shot MRE on the other labelled training items and the
+    validation items, which neither rule saw. Writes and returns ``RUN_DIR/template_rules.json``.
+    """
+    import torch
+
+    from bundle.configs import bundle_parser
+    from bundle.engine import resolve_template
+    from bundle.oneshot import apply_homogeneous
+    from bundle.template_selection import landmark_transfer_errors
+
+    run_path = Path(run_dir)
+    parser = bundle_parser(["configs/train.yaml", "configs/evaluate.yaml"], datalist=datalist,
+                           ckpt_path=str(run_path / "models" / "model.pt"), device="cpu")
+    network, preprocessing = parser.get_parsed_content("network"), parser.get_parsed_content("validate#preprocessing")
+    full = load_datalist(datalist)
+    labelled = labelled_training_items(full)
+    pool, held = labelled[:pool_size], labelled[pool_size:] + list(full.get("validation", []))
+    if not held:
+        raise ValueError(f"{datalist}: no labelled item outside the first {pool_size} labelled training items to score on")
+    chosen = {rule: resolve_template(dict(full, training=pool, template=None), network, preprocessing, "cpu", max_images=pool_size, rule=rule)
+              for rule in ("features", "landmarks")}
+    prepared = [preprocessing(dict(it)) for it in [chosen["features"], chosen["landmarks"]] + held]
+    matrices = [torch.as_tensor(d["grid_to_physical"], dtype=torch.float64) for d in prepared]
+    errors = landmark_transfer_errors(
+        network, [torch.as_tensor(d["image"]) for d in prepared],
+        [apply_homogeneous(m, d["label"], inverse=True).float() for m, d in zip(matrices, prepared)], matrices, templates=[0, 1])
+    result = {rule: {"template": chosen[rule]["image"], "held_out_mre_mm": float(errors[row, 2:].nanmean())}
+              for row, rule in enumerate(("features", "landmarks"))}
+    result["n_pool"], result["n_held_out"] = len(pool), len(held)
+    write_json_atomic(run_path / "template_rules.json", result)
+    print(json.dumps(result, indent=1))
+    return result
 
 
 GROSS_MM = 10.0  # an error above this is a gross failure (a match on the wrong structure)
@@ -393,4 +434,4 @@ def report(out: str, docs: str = "docs", long: str | None = None) -> None:
 
 
 if __name__ == "__main__":
-    fire.Fire({"run": run, "select": select, "report": report})
+    fire.Fire({"run": run, "select": select, "template_rules": template_rules, "report": report})

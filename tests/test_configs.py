@@ -42,6 +42,26 @@ def test_evaluation_and_inference_configs_load_the_shipped_model(tiny_datalist, 
         assert isinstance(parser.get_parsed_content("evaluate#evaluator"), SupervisedEvaluator)
 
 
+def test_evaluation_picks_a_labelled_training_template_by_either_rule(tiny_datalist, tmp_path):
+    import json
+
+    datalist = json.loads(Path(tiny_datalist).read_text())
+    del datalist["template"]  # the bundle must choose one
+    no_template = Path(tiny_datalist).parent / "no_template.json"  # beside the original: same relative paths
+    no_template.write_text(json.dumps(datalist))
+    labelled = {Path(it["image"]).name for it in datalist["training"] if it.get("landmarks")}
+    assert len(labelled) >= 2
+    for rule in ("landmarks", "features"):
+        parser = bundle_parser(["configs/train.yaml", "configs/evaluate.yaml"], datalist=str(no_template),
+                               output_dir=str(tmp_path / "out"), template_rule=rule)
+        assert Path(parser.get_parsed_content("evaluate#template")["image"]).name in labelled
+    parser = bundle_parser(["configs/train.yaml", "configs/evaluate.yaml"], datalist=str(no_template),
+                           output_dir=str(tmp_path / "out"), template_rule="nearest")
+    with pytest.raises(RuntimeError) as failure:  # MONAI wraps the error of a config expression
+        parser.get_parsed_content("evaluate#template")
+    assert "template rule must be one of ('landmarks', 'features'), got 'nearest'" in str(failure.value.__cause__)
+
+
 def test_shipped_model_config_builds_and_loads_the_shipped_weights(tiny_datalist, tmp_path):
     parser = parser_for(["train.yaml", "hamedan_ceph.yaml"], tiny_datalist, tmp_path)
     trainer = parser.get_parsed_content("train#trainer")

@@ -114,6 +114,25 @@ def test_selection_datalist_scores_on_labelled_items_outside_test(tmp_path, monk
         ablation.selection_datalist(datalist, "img/u0.png")
 
 
+def test_template_rules_score_both_choices_outside_the_pool(tmp_path):
+    import torch
+
+    from bundle.configs import bundle_parser
+    from bundle.data.synthetic import generate_synthetic_2d
+
+    datalist = Path(generate_synthetic_2d(tmp_path / "data", n_training=5, n_validation=1, n_test=1, seed=2))
+    network = bundle_parser(["configs/train.yaml"], datalist=str(datalist)).get_parsed_content("network_def")
+    (tmp_path / "run" / "models").mkdir(parents=True)
+    torch.save(network.state_dict(), tmp_path / "run" / "models" / "model.pt")
+    result = ablation.template_rules(str(datalist), str(tmp_path / "run"), pool_size=3)
+    pool = [it["image"] for it in json.loads(datalist.read_text())["training"][:3]]
+    assert result["n_pool"] == 3 and result["n_held_out"] == 2 + 1  # two more labelled training items, one validation
+    for rule in ("features", "landmarks"):
+        assert Path(result[rule]["template"]).name in {Path(p).name for p in pool}
+        assert 0.0 < result[rule]["held_out_mre_mm"] < 200.0
+    assert json.loads((tmp_path / "run" / "template_rules.json").read_text()) == result
+
+
 def test_a_failing_bundle_command_names_its_log(tmp_path):
     log = tmp_path / "train.log"
     with pytest.raises(RuntimeError, match="train.log"):

@@ -1,11 +1,11 @@
-"""Unsupervised template selection (bundle/template_selection.py) with the stand-in network of test_oneshot."""
+"""Template selection (bundle/template_selection.py) with the stand-in network of test_oneshot."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from bundle.template_selection import grid_points, select_template
+from bundle.template_selection import grid_points, landmark_transfer_errors, select_template, select_template_by_landmarks
 from test_oneshot import PatchDescriptorNet, crop, smooth_random_image
 
 SHIFTS = [(0, 0), (3, 1), (-2, 3), (1, -3), (-3, -2)]  # image 0 is the "typical" one, the centre of the others
@@ -54,3 +54,26 @@ def test_select_template_rejects_bad_input(images):
         select_template(net, [images[0], images[1][:, :64]], points_per_candidate=4)
     with pytest.raises(ValueError, match=r"images\[0\]: expected a channel-first"):
         select_template(net, [images[0][0], images[1]], points_per_candidate=4)
+
+
+def test_landmark_rule_avoids_a_misannotated_template(images):
+    """Crops of one texture: a point P of the big image is at P - shift in each crop. Image 2's annotation
+    is 8 px off, so its landmarks transfer 8 px (4 mm at 0.5 mm per pixel) off everywhere."""
+    net = PatchDescriptorNet().eval()
+    anchors = torch.tensor([[40.0, 45.0], [60.0, 30.0], [55.0, 62.0]])
+    points = [anchors - torch.tensor(shift, dtype=torch.float32) for shift in SHIFTS]
+    points[2] = points[2] + torch.tensor([8.0, 0.0])
+    points[3][1] = float("nan")  # a missing landmark is left out
+    to_mm = [torch.diag(torch.tensor([0.5, 0.5, 1.0], dtype=torch.float64))] * len(SHIFTS)
+    crops = images[: len(SHIFTS)]
+    errors = landmark_transfer_errors(net, crops, points, to_mm)
+    assert torch.isnan(errors.diagonal()).all()
+    good = [0, 1, 3, 4]
+    assert max(float(errors[c, j]) for c in good for j in good if c != j) < 0.5
+    assert all(3.0 < float(errors[2, j]) < 5.0 for j in good)
+    best, scores = select_template_by_landmarks(net, crops, points, to_mm)
+    assert best != 2 and scores[2] == max(scores)
+    only = landmark_transfer_errors(net, crops, points, to_mm, templates=[1])
+    assert torch.isnan(only[[0, 2, 3, 4]]).all() and torch.allclose(only[1], errors[1], equal_nan=True)
+    with pytest.raises(ValueError, match="at least 2 images"):
+        landmark_transfer_errors(net, crops, points[:2], to_mm)
