@@ -187,9 +187,8 @@ def template_rules(datalist: str, run_dir: str, pool_size: int = 32) -> dict:
     """Compare the two template rules of ``bundle.engine.resolve_template`` on images outside the test split.
 
     Both rules choose among the first ``pool_size`` labelled training items (a template the datalist names is
-    ignored), as the evaluation does; each
-    chosen template is then scored by its one-shot MRE on the other labelled training items and the
-    validation items, which neither rule saw. Writes and returns ``RUN_DIR/template_rules.json``.
+    ignored), as the evaluation does; each chosen template is then scored by its one-shot MRE on the other
+    labelled training items and the validation items, which neither rule saw. Writes and returns ``RUN_DIR/template_rules.json``.
     """
     import torch
 
