@@ -217,7 +217,6 @@ def template_rules(datalist: str, run_dir: str, pool_size: int = 32) -> dict:
               for row, rule in enumerate(("features", "landmarks"))}
     result["n_pool"], result["n_held_out"] = len(pool), len(held)
     write_json_atomic(run_path / "template_rules.json", result)
-    print(json.dumps(result, indent=1))
     return result
 
 
