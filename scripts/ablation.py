@@ -92,8 +92,10 @@ def _bundle(command: str, configs: list[str], overrides: dict, log: Path) -> tup
     return seconds, usage.ru_maxrss / 1024.0, text
 
 
-def run_one(spec: dict, datalist: str, out: Path, iterations: int, epoch_length: int, augmentation: str) -> dict:
-    """Train one planned run, evaluate it on the datalist's test items, write and return its result."""
+def run_one(spec: dict, datalist: str, out: Path, iterations: int, epoch_length: int, augmentation: str,
+            template_rule: str = "landmarks") -> dict:
+    """Train one planned run, evaluate it on the datalist's test items (template chosen by ``template_rule``),
+    write and return its result."""
     run_dir = out / spec["name"]
     run_dir.mkdir(parents=True, exist_ok=True)
     aug = augmentation.format(alpha=spec["alpha_hat"])
@@ -112,11 +114,12 @@ def run_one(spec: dict, datalist: str, out: Path, iterations: int, epoch_length:
     val = [float(v) for v in re.findall(r"val_mre_mm: ([0-9.]+)", log)]
     eval_s, eval_rss, _ = _bundle(
         "evaluating", ["configs/train.yaml", "configs/evaluate.yaml"],
-        dict(datalist=datalist, output_dir=run_dir / "eval", ckpt_path=run_dir / "models" / "model.pt"),
+        dict(datalist=datalist, output_dir=run_dir / "eval", ckpt_path=run_dir / "models" / "model.pt",
+             template_rule=template_rule),
         run_dir / "eval.log",
     )
     metrics = json.loads((run_dir / "eval" / "metrics.json").read_text())
-    result = dict(spec, iterations=epochs * epoch_length, augmentation_file=aug,
+    result = dict(spec, iterations=epochs * epoch_length, augmentation_file=aug, template_rule=template_rule,
                   validation_mre_mm=val[-1] if val else None, test=metrics,
                   train_seconds=round(train_s, 1), train_peak_rss_mb=round(train_rss),
                   eval_seconds=round(eval_s, 1), eval_peak_rss_mb=round(eval_rss))
@@ -125,7 +128,7 @@ def run_one(spec: dict, datalist: str, out: Path, iterations: int, epoch_length:
 
 
 def run(datalist: str, out: str, iterations: int = 500, epoch_length: int = 100, seeds=(0, 1),
-        augmentation: str = "runs/hamedan/aug_{alpha}.yaml", only=None) -> None:
+        augmentation: str = "runs/hamedan/aug_{alpha}.yaml", only=None, template_rule: str = "landmarks") -> None:
     """Run every planned run (or those named in ``only``) that has no ``result.json`` yet."""
     out_dir = Path(out)
     for spec in plan(list(seeds)):
@@ -134,7 +137,7 @@ def run(datalist: str, out: str, iterations: int = 500, epoch_length: int = 100,
         if (out_dir / spec["name"] / "result.json").is_file():
             print(f"{spec['name']}: done already")
             continue
-        res = run_one(spec, datalist, out_dir, iterations, epoch_length, augmentation)
+        res = run_one(spec, datalist, out_dir, iterations, epoch_length, augmentation, template_rule)
         t = res["test"]
         print(f"{spec['name']}: test MRE {t['mre_mm']:.2f} mm ({t['mre_px']:.1f} px), SDR 2 mm {t['sdr']['2.0']:.1f} %, "
               f"validation {res['validation_mre_mm']}, {res['train_seconds']:.0f} s", flush=True)
@@ -301,8 +304,9 @@ def tables(results: list[dict]) -> str:
         baseline = mean if row == "baseline" else baseline
         change = "" if baseline is None or row == "baseline" else f"{round(100 * (baseline - mean) / baseline, 1) or 0.0:+.1f} %"
         rows.append([ROW_TITLES[row], str(len(runs))] + _metrics_row(runs) + [change])
-    budget = {r["iterations"] for r in results}
-    text = [f"Budget per run: {', '.join(map(str, sorted(budget)))} iterations of batch 8; seeds {seeds}.", "",
+    budget, rules = {r["iterations"] for r in results}, {r["template_rule"] for r in results}
+    text = [f"Budget per run: {', '.join(map(str, sorted(budget)))} iterations of batch 8; seeds {seeds}; "
+            f"test template chosen by the rule {' / '.join(sorted(rules))!r}.", "",
             _table(["row", "seeds"] + METRIC_HEADER + ["MRE gain over baseline"], rows)]
     first = seeds[0] if seeds else 0
     for kind, values, label in (("gamma", GAMMAS, "gamma (sampling weight H^gamma)"),
@@ -350,11 +354,14 @@ def length_table(short: list[dict], long: list[dict]) -> str:
         base = long_by_name.get(f"baseline_s{r['seed']}")
         gain = "" if base is None or r is base else f"{100 * (base['test']['mre_mm'] - r['test']['mre_mm']) / base['test']['mre_mm']:+.1f} %"
         before = short_by_name.get(r["name"])
+        label_free = r["test"] if r["template_rule"] == "features" else r.get("test_features_rule")
         cells = _metrics_row([r])
-        rows.append([_run_title(r), str(r["seed"]), str(r["iterations"]),
-                     f"{before['test']['mre_mm']:.2f} ({before['iterations']})" if before else "-"]
+        rows.append([_run_title(r), str(r["seed"]), str(r["iterations"]), r["template_rule"],
+                     f"{before['test']['mre_mm']:.2f} ({before['iterations']}, {before['template_rule']})" if before else "-",
+                     f"{label_free['mre_mm']:.2f}" if label_free else "-"]
                     + cells[:1] + cells[2:] + [gain])
-    head = ["run", "seed", "iterations", "MRE mm at the sweep budget (iterations)", "MRE mm"] + METRIC_HEADER[2:]
+    head = ["run", "seed", "iterations", "template rule", "MRE mm at the sweep budget (iterations, rule)",
+            "MRE mm, rule 'features'", "MRE mm"] + METRIC_HEADER[2:]
     return _table(head + ["MRE gain over the baseline of this length"], rows)
 
 

@@ -39,7 +39,7 @@ def test_plan_covers_rows_seeds_and_sweeps_once():
 
 def fake_result(out: Path, spec: dict, mre: float, aug_file: Path) -> None:
     sdr = {t: 100.0 - 10 * mre for t in ("2.0", "2.5", "3.0", "4.0")}
-    result = dict(spec, iterations=500, augmentation_file=str(aug_file), validation_mre_mm=mre + 0.5,
+    result = dict(spec, iterations=500, augmentation_file=str(aug_file), validation_mre_mm=mre + 0.5, template_rule="features",
                   test={"mre_mm": mre, "mre_px": mre / 0.12, "sdr": sdr})
     (out / spec["name"]).mkdir(parents=True)
     (out / spec["name"] / "result.json").write_text(json.dumps(result))
@@ -85,7 +85,9 @@ def test_report_adds_the_longer_runs_beside_their_short_runs(tmp_path):
     for name, mre in (("baseline_s0", 2.5), ("full_s0", 2.0), ("alpha1.0_s0", 3.0)):
         fake_result(tmp_path / "long", specs[name], mre, aug)
         result = json.loads((tmp_path / "long" / name / "result.json").read_text())
-        (tmp_path / "long" / name / "result.json").write_text(json.dumps(dict(result, iterations=3000)))
+        if name == "baseline_s0":  # also evaluated with the label-free template
+            result["test_features_rule"] = dict(result["test"], mre_mm=2.9)
+        (tmp_path / "long" / name / "result.json").write_text(json.dumps(dict(result, iterations=3000, template_rule="landmarks")))
     docs = tmp_path / "docs"
     docs.mkdir()
     (docs / "results.md").write_text("<!-- ablation:begin -->\n<!-- ablation:end -->\n")
@@ -93,9 +95,11 @@ def test_report_adds_the_longer_runs_beside_their_short_runs(tmp_path):
     page = (docs / "results.md").read_text()
     assert "trained for 3000 iterations" in page
     full_line = [line for line in page.splitlines() if line.startswith("| + both")][-1]
-    assert "| 0 | 3000 | 5.00 (500) | 2.00 |" in full_line and "+20.0 %" in full_line  # (2.5 - 2.0) / 2.5
+    assert "| 0 | 3000 | landmarks | 5.00 (500, features) | - | 2.00 |" in full_line and "+20.0 %" in full_line  # (2.5 - 2.0) / 2.5
+    baseline_line = [line for line in page.splitlines() if line.startswith("| baseline")][-1]
+    assert "| 0 | 3000 | landmarks | 4.00 (500, features) | 2.90 | 2.50 |" in baseline_line
     sweep_line = next(line for line in page.splitlines() if line.startswith("| + both (full method), alpha_hat 1 |"))
-    assert "| 0 | 3000 | - | 3.00 |" in sweep_line and "-20.0 %" in sweep_line  # no short run of it here
+    assert "| 0 | 3000 | landmarks | - | - | 3.00 |" in sweep_line and "-20.0 %" in sweep_line  # no short run of it here
     with pytest.raises(FileNotFoundError, match="missing"):
         ablation.report(str(tmp_path / "short"), str(docs), long=str(tmp_path / "missing"))
 
