@@ -65,7 +65,7 @@ def test_evaluation_picks_a_labelled_training_template_by_either_rule(tiny_datal
 def test_shipped_model_config_builds_and_loads_the_shipped_weights(tiny_datalist, tmp_path):
     parser = parser_for(["train.yaml", "hamedan_ceph.yaml"], tiny_datalist, tmp_path)
     trainer = parser.get_parsed_content("train#trainer")
-    assert trainer.state.max_epochs * trainer.state.epoch_length == 500
+    assert trainer.state.max_epochs * trainer.state.epoch_length == 3000
     network = parser.get_parsed_content("network")
     load_weights(network, ROOT / "models" / "model.pt")  # strict: the architecture of the weights it made
     sampling = parser.get_parsed_content("train#view_pair_transforms")[2]
