@@ -91,6 +91,13 @@ def load_weights(network: torch.nn.Module, path: str | Path, device: torch.devic
     return network.to(device)
 
 
+def grid_landmarks(data: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Landmarks ``(L, D)`` (float32) in grid positions of an item that the evaluation pipeline (ending with
+    ``LandmarkTargetsd``) prepared, and its grid-to-physical matrix (float64)."""
+    matrix = torch.as_tensor(data["grid_to_physical"], dtype=torch.float64)
+    return apply_homogeneous(matrix, data["label"], inverse=True).to(torch.float32), matrix
+
+
 def prepare_template(item: dict, preprocessing) -> tuple[torch.Tensor, torch.Tensor]:
     """The template's network-grid image ``(1, 1, *S)`` and its landmarks ``(L, D)`` in grid positions.
 
@@ -99,8 +106,7 @@ def prepare_template(item: dict, preprocessing) -> tuple[torch.Tensor, torch.Ten
     if not item.get("landmarks"):
         raise ValueError(f"the template {item.get('image')} carries no 'landmarks'")
     data = preprocessing(dict(item))
-    points = apply_homogeneous(data["grid_to_physical"], data["label"], inverse=True).to(torch.float32)
-    return torch.as_tensor(data["image"]).unsqueeze(0), points
+    return torch.as_tensor(data["image"]).unsqueeze(0), grid_landmarks(data)[0]
 
 
 def labelled_training_items(datalist: dict) -> list[dict]:
@@ -156,8 +162,7 @@ def resolve_template(
     network.eval()
     with torch.no_grad():
         if rule == "landmarks":
-            matrices = [torch.as_tensor(d["grid_to_physical"], dtype=torch.float64) for d in prepared]
-            points = [apply_homogeneous(m, d["label"], inverse=True).to(torch.float32) for m, d in zip(matrices, prepared)]
+            points, matrices = zip(*(grid_landmarks(d) for d in prepared))
             index, scores = select_template_by_landmarks(network, images, points, matrices)
             how = f"mean one-shot error {scores[index]:.2f} mm over the other {len(pool) - 1} candidates"
         else:

@@ -3,7 +3,6 @@
 ``select_template`` needs no labels (which image to annotate); ``select_template_by_landmarks`` ranks
 images that are labelled already by how well their landmarks transfer to the others.
 
-
 The idea of Quan et al., "Which images to label for few-shot medical landmark detection" (CVPR 2022):
 label the image whose features best represent the others. Criterion used here (no landmark is read,
 so nothing leaks): for a candidate c, points p are laid on a regular grid over its interior; each p is
@@ -41,6 +40,12 @@ def _as_batch(image: torch.Tensor, index: int, grid_size: tuple[int, ...], devic
     if tuple(x.shape[1:]) != grid_size:
         raise ValueError(f"images[{index}]: grid {tuple(x.shape[1:])} differs from images[0] grid {grid_size}")
     return x[None].float().to(device)
+
+
+def _encode(network, inferer: OneShotInferer, image: torch.Tensor, index: int, grid_size: tuple[int, ...], device: torch.device):
+    """The network's feature maps of ``images[index]`` and their grid norms (:meth:`OneShotInferer.feature_norms`)."""
+    features = list(network(_as_batch(image, index, grid_size, device)))
+    return features, inferer.feature_norms(features, grid_size)
 
 
 def _device(network, default: torch.device) -> torch.device:
@@ -85,8 +90,7 @@ def select_template(
     points = grid_points(grid_size, points_per_candidate, margin).to(device)[None]
 
     def encode(index: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        features = list(network(_as_batch(images[index], index, grid_size, device)))
-        return features, inferer.feature_norms(features, grid_size)
+        return _encode(network, inferer, images[index], index, grid_size, device)
 
     cached = {c: encode(c) for c in candidates}
     queries = {c: feature_vectors(cached[c][0], points, grid_size) for c in candidates}
@@ -132,8 +136,7 @@ def landmark_transfer_errors(
     inferer = OneShotInferer() if inferer is None else inferer
     grid_size = tuple(torch.as_tensor(images[0]).shape[1:])
     device = _device(network, torch.as_tensor(images[0]).device)
-    features = [list(network(_as_batch(image, i, grid_size, device))) for i, image in enumerate(images)]
-    norms = [inferer.feature_norms(f, grid_size) for f in features]
+    features, norms = zip(*(_encode(network, inferer, image, i, grid_size, device) for i, image in enumerate(images)))
     pts = [torch.as_tensor(p, dtype=torch.float32, device=device) for p in points]
     physical = [apply_homogeneous(m, p) for m, p in zip(grid_to_physical, pts)]
     errors = torch.full((n_images, n_images), float("nan"), dtype=torch.float64)

@@ -196,8 +196,7 @@ def template_rules(datalist: str, run_dir: str, pool_size: int = 32) -> dict:
     import torch
 
     from bundle.configs import bundle_parser
-    from bundle.engine import resolve_template
-    from bundle.oneshot import apply_homogeneous
+    from bundle.engine import grid_landmarks, resolve_template
     from bundle.template_selection import landmark_transfer_errors
 
     run_path = Path(run_dir)
@@ -212,10 +211,8 @@ def template_rules(datalist: str, run_dir: str, pool_size: int = 32) -> dict:
     chosen = {rule: resolve_template(dict(full, training=pool, template=None), network, preprocessing, "cpu", max_images=pool_size, rule=rule)
               for rule in ("features", "landmarks")}
     prepared = [preprocessing(dict(it)) for it in [chosen["features"], chosen["landmarks"]] + held]
-    matrices = [torch.as_tensor(d["grid_to_physical"], dtype=torch.float64) for d in prepared]
-    errors = landmark_transfer_errors(
-        network, [torch.as_tensor(d["image"]) for d in prepared],
-        [apply_homogeneous(m, d["label"], inverse=True).float() for m, d in zip(matrices, prepared)], matrices, templates=[0, 1])
+    points, matrices = zip(*(grid_landmarks(d) for d in prepared))
+    errors = landmark_transfer_errors(network, [torch.as_tensor(d["image"]) for d in prepared], points, matrices, templates=[0, 1])
     result = {rule: {"template": chosen[rule]["image"], "held_out_mre_mm": float(errors[row, 2:].nanmean())}
               for row, rule in enumerate(("features", "landmarks"))}
     result["n_pool"], result["n_held_out"] = len(pool), len(held)
