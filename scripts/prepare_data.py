@@ -7,6 +7,7 @@ Run from the repository root::
     python scripts/prepare_data.py isbi2015 --root DIR --out ... [--test2 validation]
     python scripts/prepare_data.py hand --root DIR --out ... [--spacing "[0.1,0.1]"] [--csv all.csv]
     python scripts/prepare_data.py nifti --images_dir DIR [--markups_dir DIR] --out ... [--landmark_names ...]
+    python scripts/prepare_data.py dicom --root DIR --out ... [--csv marks.csv] [--spacing ...] [--markups_dir DIR]
 
 Options of every command: ``--name``; ``--validation_fraction 0.0 --test_fraction 0.0 --seed 0`` move a
 seeded random share of the labelled ``training`` items to ``validation`` / ``test``; ``--template ID``
@@ -32,6 +33,7 @@ import fire  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bundle.data.datalist import SECTIONS, load_datalist, save_datalist  # noqa: E402
+from bundle.data.dicom import dicom_series_datalist, dicom_xray_datalist, find_dicom_files  # noqa: E402
 from bundle.data.hand_csv import hand_datalist  # noqa: E402
 from bundle.data.isbi2015 import ISBI_2015_LANDMARK_NAMES, ISBI_2015_SPACING_MM, read_isbi2015_set  # noqa: E402
 from bundle.data.annotations import MultiAnnotatorSet, image_stem, natural_key  # noqa: E402
@@ -258,10 +260,43 @@ def nifti(
     write(read, out, validation_fraction, test_fraction, seed, template, keep_held_out_images)
 
 
+def dicom(
+    root: str,
+    out: str,
+    csv: str | None = None,
+    spacing: Any = None,
+    markups_dir: str | None = None,
+    landmark_names: Any = None,
+    name: str | None = None,
+    validation_fraction: float = 0.0,
+    test_fraction: float = 0.0,
+    seed: int = 0,
+    template: Any = None,
+    keep_held_out_images: bool = False,
+) -> None:
+    """DICOM: single-frame X-ray files in ROOT (any suffix) with a landmark CSV ``id,x1,y1,...`` (``--csv``),
+    or, when ROOT holds no DICOM file itself, one CT series per sub-folder ROOT/X/ with 3D Slicer markups
+    X.fcsv / X.mrk.json (in ``--markups_dir``, default ROOT). X-ray spacing is read from the headers at load
+    time; ``--spacing`` is written only for files whose header has none."""
+
+    def read() -> tuple[dict, list[str]]:
+        names = as_names(landmark_names, "landmark_names")
+        root_path = Path(root)
+        if root_path.is_dir() and find_dicom_files(root_path):
+            if markups_dir is not None:
+                raise ValueError(f"--markups_dir is for CT series folders, but {root} holds DICOM X-ray files")
+            return dicom_xray_datalist(root, csv, as_spacing(spacing, 2), names, name), []
+        if csv is not None or spacing is not None:
+            raise ValueError(f"--csv / --spacing are for X-ray files, but {root} holds no DICOM file itself")
+        return dicom_series_datalist(root, markups_dir, names, name), []
+
+    write(read, out, validation_fraction, test_fraction, seed, template, keep_held_out_images)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    """Entry point: ``prepare_data.py {labelme|isbi2015|hand|nifti} ...``."""
+    """Entry point: ``prepare_data.py {labelme|isbi2015|hand|nifti|dicom} ...``."""
     try:
-        fire.Fire({"labelme": labelme, "isbi2015": isbi2015, "hand": hand, "nifti": nifti}, command=argv)
+        fire.Fire({"labelme": labelme, "isbi2015": isbi2015, "hand": hand, "nifti": nifti, "dicom": dicom}, command=argv)
     except (ValueError, KeyError) as e:  # DatalistError is a ValueError: bad input, not a bug
         print(f"error: {e.args[0] if isinstance(e, KeyError) and e.args else e}", file=sys.stderr)
         sys.exit(2)
