@@ -1,0 +1,481 @@
+"""DICOM X-rays (2D) and CT series (3D) through the bundle's configured load transforms, on files written here.
+
+The files are written byte by byte by the small explicit-VR little-endian writer below (no DICOM library:
+the code under test reads them with ITK / GDCM), from stored values chosen here; every expected number is
+computed from those values and the DICOM rules in the test, not by the code under test.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import struct
+import uuid
+import warnings
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import pytest
+import SimpleITK as sitk
+import torch
+from monai.bundle import run
+from monai.transforms import Compose, LoadImaged
+from PIL import Image
+
+from bundle.configs import bundle_parser
+from bundle.data.datalist import load_datalist, save_datalist
+from bundle.data.dicom import DicomError, XRayDicomd, dicom_series_datalist, dicom_xray_datalist, header_spacing, voi_window
+from bundle.data.markups import ControlPoint, write_markups
+from bundle.data.synthetic import generate_synthetic_2d
+from bundle.transforms.landmarks import LandmarkTargetsd
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN_2D = ["configs/train.yaml"]
+TRAIN_3D = ["configs/train.yaml", "configs/train_3d.yaml"]
+
+
+# ---- a minimal DICOM writer (PS3.10 file, explicit VR little endian, uncompressed) ----
+
+DX_STORAGE = "1.2.840.10008.5.1.4.1.1.1.1"  # Digital X-Ray Image Storage - For Presentation
+CT_STORAGE = "1.2.840.10008.5.1.4.1.1.2"
+EXPLICIT_LITTLE = "1.2.840.10008.1.2.1"
+# keyword: (group, element, VR)
+ELEMENTS = {
+    "SOPClassUID": (0x0008, 0x0016, "UI"), "SOPInstanceUID": (0x0008, 0x0018, "UI"), "Modality": (0x0008, 0x0060, "CS"),
+    "PatientID": (0x0010, 0x0020, "LO"), "SliceThickness": (0x0018, 0x0050, "DS"),
+    "EstimatedRadiographicMagnificationFactor": (0x0018, 0x1114, "DS"), "ImagerPixelSpacing": (0x0018, 0x1164, "DS"),
+    "StudyInstanceUID": (0x0020, 0x000D, "UI"), "SeriesInstanceUID": (0x0020, 0x000E, "UI"),
+    "InstanceNumber": (0x0020, 0x0013, "IS"), "ImagePositionPatient": (0x0020, 0x0032, "DS"),
+    "ImageOrientationPatient": (0x0020, 0x0037, "DS"), "FrameOfReferenceUID": (0x0020, 0x0052, "UI"),
+    "SamplesPerPixel": (0x0028, 0x0002, "US"), "PhotometricInterpretation": (0x0028, 0x0004, "CS"),
+    "NumberOfFrames": (0x0028, 0x0008, "IS"), "Rows": (0x0028, 0x0010, "US"), "Columns": (0x0028, 0x0011, "US"),
+    "PixelSpacing": (0x0028, 0x0030, "DS"), "BitsAllocated": (0x0028, 0x0100, "US"), "BitsStored": (0x0028, 0x0101, "US"),
+    "HighBit": (0x0028, 0x0102, "US"), "PixelRepresentation": (0x0028, 0x0103, "US"),
+    "WindowCenter": (0x0028, 0x1050, "DS"), "WindowWidth": (0x0028, 0x1051, "DS"),
+    "RescaleIntercept": (0x0028, 0x1052, "DS"), "RescaleSlope": (0x0028, 0x1053, "DS"),
+    "PixelData": (0x7FE0, 0x0010, "OW"),
+}
+
+
+def new_uid() -> str:
+    return f"2.25.{uuid.uuid4().int}"
+
+
+def _element(group: int, element: int, vr: str, value) -> bytes:
+    if vr == "US":
+        data = b"".join(struct.pack("<H", int(v)) for v in np.atleast_1d(value))
+    elif vr in ("OW", "OB"):
+        data = bytes(value)
+    else:
+        values = value if isinstance(value, (list, tuple, np.ndarray)) else [value]
+        data = "\\".join(v if isinstance(v, str) else f"{float(v):.10g}" if vr == "DS" else str(v) for v in values).encode()
+    if len(data) % 2:
+        data += b"\0" if vr in ("UI", "OB") else b" "
+    if vr in ("OW", "OB"):
+        return struct.pack("<HH2s2xI", group, element, vr.encode(), len(data)) + data
+    return struct.pack("<HH2sH", group, element, vr.encode(), len(data)) + data
+
+
+def write_dicom(path: Path, sop_class: str, **attributes) -> Path:
+    """A DICOM file with the ``ELEMENTS`` keywords given, in tag order, after the PS3.10 preamble and file meta."""
+    instance = attributes.setdefault("SOPInstanceUID", new_uid())
+    attributes["SOPClassUID"] = sop_class
+    meta = b"".join([
+        _element(0x0002, 0x0001, "OB", b"\0\1"), _element(0x0002, 0x0002, "UI", sop_class),
+        _element(0x0002, 0x0003, "UI", instance), _element(0x0002, 0x0010, "UI", EXPLICIT_LITTLE),
+        _element(0x0002, 0x0012, "UI", "2.25.1"),
+    ])
+    body = b"".join(_element(*ELEMENTS[k], v) for k, v in sorted(attributes.items(), key=lambda kv: ELEMENTS[kv[0]][:2]))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"\0" * 128 + b"DICM" + struct.pack("<HH2sHI", 2, 0, b"UL", 4, len(meta)) + meta + body)
+    return path
+
+
+def write_xray(path: Path, stored: np.ndarray, bits_stored: int | None = None, photometric: str = "MONOCHROME2",
+               signed: bool = False, **tags) -> Path:
+    """A DX file of ``stored`` ((rows, columns), or (frames, rows, columns)) with the given attributes."""
+    bits = bits_stored or stored.dtype.itemsize * 8
+    attributes = dict(
+        Modality="DX", PatientID="test", StudyInstanceUID=new_uid(), SeriesInstanceUID=new_uid(),
+        SamplesPerPixel=1, PhotometricInterpretation=photometric, Rows=stored.shape[-2], Columns=stored.shape[-1],
+        BitsAllocated=stored.dtype.itemsize * 8, BitsStored=bits, HighBit=bits - 1, PixelRepresentation=int(signed),
+        PixelData=np.ascontiguousarray(stored).astype(stored.dtype.newbyteorder("<")).tobytes(), **tags,
+    )
+    if stored.ndim == 3:
+        attributes["NumberOfFrames"] = stored.shape[0]
+    return write_dicom(path, DX_STORAGE, **attributes)
+
+
+def load_2d(path: Path, item: dict | None = None) -> dict:
+    """The configured 2D load transforms (configs/train.yaml) and LandmarkTargetsd on one file."""
+    transforms = bundle_parser(TRAIN_2D).get_parsed_content("load_transforms")
+    targets = LandmarkTargetsd(keys="image", n_landmarks=1)
+    return Compose([*transforms, targets])({"image": str(path), **(item or {})})
+
+
+def minmax(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, np.float64)
+    return (x - x.min()) / (x.max() - x.min())
+
+
+def ramp(rows: int = 20, columns: int = 30, top: int = 4095, seed: int = 0) -> np.ndarray:
+    """Stored values (rows, columns) covering 0..top, in a random order (no symmetry to hide a transpose)."""
+    values = np.linspace(0, top, rows * columns).round()
+    return np.random.default_rng(seed).permutation(values).reshape(rows, columns)
+
+
+# ---- 2D X-rays: geometry and spacing ----
+
+
+@pytest.mark.parametrize(
+    "tags, expected",
+    [
+        ({"PixelSpacing": [0.2, 0.1]}, [0.1, 0.2]),  # row spacing \ column spacing -> [x, y]
+        ({"ImagerPixelSpacing": [0.15, 0.125]}, [0.125, 0.15]),
+        ({"ImagerPixelSpacing": [0.15, 0.125], "EstimatedRadiographicMagnificationFactor": 1.25}, [0.1, 0.12]),
+        ({"PixelSpacing": [0.12, 0.12], "ImagerPixelSpacing": [0.3, 0.3], "EstimatedRadiographicMagnificationFactor": 2},
+         [0.12, 0.12]),
+    ],
+)
+def test_spacing_from_each_header_tag(tmp_path, tags, expected):
+    stored = ramp().astype(np.uint16)
+    path = write_xray(tmp_path / "x.dcm", stored, bits_stored=12, **tags)
+    d = load_2d(path, {"landmarks": [[3.0, 4.0]]})
+    image = d["image"]
+    assert tuple(image.shape) == (1, 30, 20)  # channel, x = column, y = row: the singleton frame axis dropped
+    np.testing.assert_allclose(d["spacing"].numpy(), expected, rtol=1e-6)
+    np.testing.assert_allclose(d["label"].numpy(), [[3.0 * expected[0], 4.0 * expected[1]]], rtol=1e-6)
+    # the datalist's spacing still overrides the header
+    d = load_2d(path, {"spacing": [0.5, 0.25]})
+    np.testing.assert_allclose(d["spacing"].numpy(), [0.5, 0.25])
+
+
+def test_no_spacing_tag_warns_and_uses_pixels(tmp_path):
+    path = write_xray(tmp_path / "x.dcm", ramp(top=255).astype(np.uint8))
+    with pytest.warns(UserWarning, match=r"no spacing for .*x\.dcm"):
+        d = load_2d(path)
+    np.testing.assert_array_equal(d["spacing"].numpy(), [1.0, 1.0])
+
+
+def test_pixels_are_indexed_column_row_like_png(tmp_path):
+    stored = ramp(top=255, seed=1).astype(np.uint8)
+    png = tmp_path / "x.png"
+    Image.fromarray(stored).save(png)
+    dicom = write_xray(tmp_path / "x.dcm", stored, PixelSpacing=[0.1, 0.1])
+    from_dicom, from_png = load_2d(dicom)["image"][0].numpy(), load_2d(png)["image"][0].numpy()
+    np.testing.assert_allclose(from_dicom, minmax(stored).T, atol=1e-6)  # [x, y] = [column, row]
+    np.testing.assert_array_equal(from_dicom, from_png)
+
+
+# ---- 2D X-rays: intensities ----
+
+
+def test_monochrome1_is_inverted(tmp_path):
+    stored = ramp(top=3000).astype(np.uint16)
+    path = write_xray(tmp_path / "m1.dcm", stored, bits_stored=12, photometric="MONOCHROME1", PixelSpacing=[0.1, 0.1])
+    image = load_2d(path)["image"][0].numpy().T
+    np.testing.assert_allclose(image, minmax(-stored.astype(np.float64)), atol=1e-6)
+    # the brightest pixel of the result is where the stored value is lowest
+    assert np.unravel_index(image.argmax(), image.shape) == np.unravel_index(stored.argmin(), stored.shape)
+
+
+def test_12_bit_stored_in_16_ignores_the_upper_bits(tmp_path):
+    stored = ramp(top=4095, seed=2).astype(np.uint16)
+    garbage = np.random.default_rng(3).integers(0, 16, stored.shape).astype(np.uint16) << 12  # overlay-like bits 12-15
+    path = write_xray(tmp_path / "b12.dcm", stored | garbage, bits_stored=12, PixelSpacing=[0.1, 0.1])
+    loaded = LoadImaged(keys="image")({"image": str(path)})
+    raw = XRayDicomd(keys="image")(loaded)["image"].numpy().T
+    np.testing.assert_array_equal(raw, stored)  # values before ScaleIntensityd: the 12 stored bits
+    np.testing.assert_allclose(load_2d(path)["image"][0].numpy().T, stored / 4095.0, atol=1e-6)
+
+
+def test_signed_12_bit_and_rescale(tmp_path):
+    values = ramp(top=1500, seed=4) - 700  # -700..800
+    stored = (values.astype(np.int16).view(np.uint16)) & np.uint16(0x0FFF)  # 12-bit two's complement
+    path = write_xray(tmp_path / "s.dcm", stored, bits_stored=12, signed=True, RescaleSlope=0.5, RescaleIntercept=10,
+                      PixelSpacing=[0.1, 0.1])
+    raw = XRayDicomd(keys="image")(LoadImaged(keys="image")({"image": str(path)}))["image"].numpy().T
+    np.testing.assert_allclose(raw, 0.5 * values + 10, atol=1e-4)
+
+
+def dicom_linear_window(x: np.ndarray, c: float, w: float) -> np.ndarray:
+    """PS3.3 C.11.2.1.2.1, LINEAR, output range [0, 1], written out case by case."""
+    out = np.empty_like(x, dtype=np.float64)
+    for idx, v in np.ndenumerate(x):
+        if v <= c - 0.5 - (w - 1) / 2:
+            out[idx] = 0.0
+        elif v > c - 0.5 + (w - 1) / 2:
+            out[idx] = 1.0
+        else:
+            out[idx] = ((v - (c - 0.5)) / (w - 1) + 0.5)
+    return out
+
+
+@pytest.mark.parametrize("photometric", ["MONOCHROME2", "MONOCHROME1"])
+def test_rescale_then_voi_window(tmp_path, photometric):
+    stored = ramp(top=4000, seed=5).astype(np.uint16)
+    slope, intercept, center, width = 2.0, -1000.0, 3000.0, 4001.0
+    path = write_xray(tmp_path / "w.dcm", stored, bits_stored=12, photometric=photometric, RescaleSlope=slope,
+                      RescaleIntercept=intercept, WindowCenter=center, WindowWidth=width, PixelSpacing=[0.1, 0.1])
+    modality = slope * stored + intercept  # -1000..7000: the window [1000, 5000] clips both ends
+    windowed = dicom_linear_window(modality, center, width)
+    expected = windowed if photometric == "MONOCHROME2" else 1.0 - windowed
+    raw = XRayDicomd(keys="image")(LoadImaged(keys="image")({"image": str(path)}))["image"].numpy().T
+    np.testing.assert_allclose(raw, expected, atol=1e-6)
+    assert 0.2 < (expected == 0).mean() + (expected == 1).mean() < 0.8  # the window does clip, and not everything
+    np.testing.assert_allclose(load_2d(path)["image"][0].numpy().T, expected, atol=1e-6)  # already spans [0, 1]
+
+
+def test_voi_functions():
+    x = np.array([0.0, 99.5, 100.0, 200.0, 300.0, 400.0])
+    np.testing.assert_allclose(voi_window(x, 200.0, 201.0), [0.0, 0.0, 0.0025, 0.5025, 1.0, 1.0])
+    np.testing.assert_allclose(voi_window(x, 200.0, 200.0, "LINEAR_EXACT"), [0.0, 0.0, 0.0, 0.5, 1.0, 1.0])
+    np.testing.assert_allclose(voi_window(np.array([200.0, 250.0]), 200.0, 100.0, "SIGMOID"), [0.5, 1 / (1 + np.exp(-2))])
+    with pytest.raises(ValueError, match="unknown VOI LUT function"):
+        voi_window(x, 1.0, 2.0, "CUBIC")
+
+
+# ---- bad input ----
+
+
+def test_two_frame_file_is_refused_naming_it(tmp_path):
+    stored = np.stack([ramp(), ramp(seed=1)]).astype(np.uint16)
+    path = write_xray(tmp_path / "cine.dcm", stored, bits_stored=12, PixelSpacing=[0.1, 0.1])
+    loaded = LoadImaged(keys="image")({"image": str(path)})
+    with pytest.raises(DicomError, match=r"cine\.dcm: 2 frames \(NumberOfFrames \(0028,0008\)"):
+        XRayDicomd(keys="image")(loaded)
+    with pytest.raises(RuntimeError) as record:  # through the configured pipeline, the cause names the file
+        load_2d(path)
+    assert "cine.dcm: 2 frames" in str(record.value.__cause__)
+
+
+def test_malformed_spacing_tag_names_file_and_tag(tmp_path):
+    path = write_xray(tmp_path / "bad.dcm", ramp(top=255).astype(np.uint8), PixelSpacing=[0.1, 0.0])
+    loaded = LoadImaged(keys="image")({"image": str(path)})
+    with pytest.raises(DicomError, match=r"bad\.dcm: PixelSpacing \(0028,0030\) must be two positive numbers"):
+        XRayDicomd(keys="image")(loaded)
+    with pytest.raises(DicomError, match=r"x\.dcm: ImagerPixelSpacing \(0018,1164\) must hold 2 values"):
+        header_spacing({"0018|1164": "0.1"}, "x.dcm")
+
+
+def test_non_dicom_images_pass_unchanged(tmp_path):
+    png = tmp_path / "x.png"
+    Image.fromarray(ramp(top=255).astype(np.uint8)).save(png)
+    loaded = LoadImaged(keys="image")({"image": str(png)})
+    assert XRayDicomd(keys="image")(loaded)["image"] is loaded["image"]
+
+
+# ---- 3D: a CT series in a non-axial orientation against the same volume as NIfTI, NRRD and MHA ----
+
+SHAPE_3D = (24, 28, 20)  # (columns i, rows j, slices k)
+
+
+def oblique_sagittal_geometry() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Row and column direction cosines (LPS), slice normal and the 4x4 voxel (i, j, k) -> LPS affine.
+
+    Sagittal slices tilted by 36.87 degrees (cosines 0.6 / 0.8, 1.25 mm pixels): every affine entry is
+    exact in float32, the precision of a NIfTI header. (With a general angle the float32 roundoff can flip
+    MONAI's choice of where ``Spacingd`` puts its output grid, a fraction of a voxel: the world positions
+    still agree, the voxel-by-voxel comparison below would not.)
+    """
+    row = np.array([0.0, 0.6, 0.8])  # along a row (column index i): posterior and superior
+    col = np.array([0.0, 0.8, -0.6])  # down a column (row index j): posterior and inferior
+    normal = np.cross(row, col)  # -x (LPS): slices run to the patient's right
+    spacing = np.array([1.25, 1.25, 2.5])  # column, row, slice
+    affine = np.eye(4)
+    affine[:3, :3] = np.stack([row, col, normal], axis=1) * spacing
+    affine[:3, 3] = [30.0, -40.0, 25.0]
+    return row, col, normal, affine
+
+
+def blob_volume(affine_lps: np.ndarray, centre_ras: np.ndarray) -> np.ndarray:
+    """HU volume (i, j, k): -1000 background and a Gaussian bone-like blob (peak 1000 HU) at ``centre_ras``."""
+    ijk = np.stack(np.meshgrid(*(np.arange(n) for n in SHAPE_3D), indexing="ij"), -1).astype(np.float64)
+    ras = (ijk @ affine_lps[:3, :3].T + affine_lps[:3, 3]) * [-1.0, -1.0, 1.0]
+    r2 = ((ras - centre_ras) ** 2).sum(-1)
+    return np.round(-1000.0 + 2000.0 * np.exp(-r2 / (2 * 6.0**2))).astype(np.int16)
+
+
+def write_ct_series(folder: Path, hu: np.ndarray, affine_lps: np.ndarray, row: np.ndarray, col: np.ndarray) -> Path:
+    """One CT slice file per k (unsigned stored = HU + 1024, RescaleIntercept -1024), in shuffled file names."""
+    folder.mkdir(parents=True, exist_ok=True)
+    study, series, frame = new_uid(), new_uid(), new_uid()
+    order = np.random.default_rng(0).permutation(hu.shape[2])
+    for k in range(hu.shape[2]):
+        write_dicom(
+            folder / f"IM{order[k]:04d}", CT_STORAGE, Modality="CT", PatientID="test", StudyInstanceUID=study,
+            SeriesInstanceUID=series, FrameOfReferenceUID=frame, InstanceNumber=k + 1,
+            ImagePositionPatient=list(affine_lps[:3, :3] @ [0, 0, k] + affine_lps[:3, 3]),
+            ImageOrientationPatient=list(np.concatenate([row, col])),
+            PixelSpacing=[np.linalg.norm(affine_lps[:3, 1]), np.linalg.norm(affine_lps[:3, 0])],
+            SliceThickness=np.linalg.norm(affine_lps[:3, 2]), SamplesPerPixel=1, PhotometricInterpretation="MONOCHROME2",
+            Rows=hu.shape[1], Columns=hu.shape[0], BitsAllocated=16, BitsStored=12, HighBit=11, PixelRepresentation=0,
+            RescaleIntercept=-1024, RescaleSlope=1,
+            PixelData=np.ascontiguousarray((hu[:, :, k].T.astype(np.int32) + 1024).astype("<u2")).tobytes(),
+        )
+    return folder
+
+
+def world_centroid(image: torch.Tensor) -> np.ndarray:
+    """Intensity-weighted centroid (above half maximum) of a channel-first volume, in world RAS mm."""
+    v = image[0].numpy().astype(np.float64)
+    w = np.where(v > 0.5 * v.max(), v, 0.0)
+    ijk = np.stack(np.meshgrid(*(np.arange(n) for n in v.shape), indexing="ij"), -1)
+    voxel = (ijk * w[..., None]).reshape(-1, 3).sum(0) / w.sum()
+    affine = np.asarray(image.affine, np.float64)
+    return affine[:3, :3] @ voxel + affine[:3, 3]
+
+
+def test_ct_series_equals_the_same_volume_as_nifti_nrrd_and_mha(tmp_path):
+    row, col, _, affine_lps = oblique_sagittal_geometry()
+    centre = np.array([-6.0, 18.0, 27.0])  # RAS, inside the volume
+    hu = blob_volume(affine_lps, centre)
+    series = write_ct_series(tmp_path / "series", hu, affine_lps, row, col)
+    affine_ras = np.diag([-1.0, -1.0, 1.0, 1.0]) @ affine_lps
+    nifti = tmp_path / "ct.nii.gz"
+    nib.save(nib.Nifti1Image(hu, affine_ras), str(nifti))
+    others = []
+    for suffix in (".nrrd", ".mha"):
+        image = sitk.GetImageFromArray(np.transpose(hu, (2, 1, 0)))  # sitk arrays are (k, j, i)
+        image.SetSpacing([float(s) for s in np.linalg.norm(affine_lps[:3, :3], axis=0)])
+        image.SetDirection((affine_lps[:3, :3] / np.linalg.norm(affine_lps[:3, :3], axis=0)).ravel().tolist())
+        image.SetOrigin(affine_lps[:3, 3].tolist())
+        sitk.WriteImage(image, str(tmp_path / f"ct{suffix}"))
+        others.append(tmp_path / f"ct{suffix}")
+
+    load = Compose(bundle_parser(TRAIN_3D).get_parsed_content("load_transforms"))
+    reference = load({"image": str(nifti)})["image"]
+    assert reference.shape[1:] != hu.shape  # reoriented and resampled to 2 mm
+    # the blob's world position is the one it was drawn at (up to the resampling and rounding)
+    assert np.linalg.norm(world_centroid(reference) - centre) < 0.3
+    for path in [series, *others]:
+        image = load({"image": str(path)})["image"]
+        assert image.shape == reference.shape, path
+        np.testing.assert_allclose(np.asarray(image.affine), np.asarray(reference.affine), atol=1e-4, err_msg=str(path))
+        np.testing.assert_allclose(image.numpy(), reference.numpy(), atol=1e-4, err_msg=str(path))  # HU alike
+        assert np.linalg.norm(world_centroid(image) - world_centroid(reference)) < 1e-3, path
+        # the datalist's world landmark maps to the same grid position in both: LandmarkTargetsd's map
+        d = LandmarkTargetsd(keys="image", n_landmarks=1)({"image": image, "landmarks": [centre.tolist()]})
+        r = LandmarkTargetsd(keys="image", n_landmarks=1)({"image": reference, "landmarks": [centre.tolist()]})
+        grid = np.linalg.solve(d["grid_to_physical"].numpy(), np.append(centre, 1.0))
+        np.testing.assert_allclose(r["grid_to_physical"].numpy() @ grid, np.append(centre, 1.0), atol=1e-3)
+        np.testing.assert_allclose(d["spacing"].numpy(), r["spacing"].numpy(), atol=1e-5)
+
+
+# ---- prepare_data: DICOM files and series folders ----
+
+
+def test_dicom_datalists_for_xray_files_and_ct_series(tmp_path):
+    xrays = tmp_path / "xrays"
+    write_xray(xrays / "001.dcm", ramp().astype(np.uint16), bits_stored=12, PixelSpacing=[0.1, 0.1])
+    write_xray(xrays / "002", ramp(seed=1).astype(np.uint16), bits_stored=12)  # no suffix, no spacing
+    (xrays / "notes.txt").write_text("not an image")
+    (xrays / "marks.csv").write_text("001,1,2,3,4\n002,5,6,7,8\n")
+    with pytest.warns(UserWarning, match=r"1 DICOM files carry neither .*002"):
+        dl = dicom_xray_datalist(xrays, xrays / "marks.csv", landmark_names=["a", "b"])
+    assert [Path(it["image"]).name for it in dl["training"]] == ["001.dcm", "002"]
+    assert dl["training"][1]["landmarks"] == [[5.0, 6.0], [7.0, 8.0]] and "spacing" not in dl["training"][0]
+    dl = dicom_xray_datalist(xrays, xrays / "marks.csv", spacing=[0.2, 0.2])
+    assert dl["training"][1]["spacing"] == [0.2, 0.2] and "spacing" not in dl["training"][0]
+    write_xray(xrays / "003.dcm", np.zeros((2, 4, 4), np.uint16), PixelSpacing=[0.1, 0.1])
+    with pytest.raises(DicomError, match=r"003\.dcm: 2 frames"):
+        dicom_xray_datalist(xrays, xrays / "marks.csv")
+
+    row, col, _, affine_lps = oblique_sagittal_geometry()
+    cts = tmp_path / "cts"
+    write_ct_series(cts / "a", blob_volume(affine_lps, np.array([-6.0, 18.0, 27.0])), affine_lps, row, col)
+    write_markups(cts / "a.mrk.json", [ControlPoint("tip", (-6.0, 18.0, 27.0))], "LPS")
+    dl = dicom_series_datalist(cts)
+    assert dl["spatial_dims"] == 3 and dl["landmark_names"] == ["tip"]
+    assert Path(dl["training"][0]["image"]).name == "a" and dl["training"][0]["landmarks"] == [[-6.0, 18.0, 27.0]]
+
+    spec = importlib.util.spec_from_file_location("prepare_data", ROOT / "scripts" / "prepare_data.py")
+    prepare_data = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prepare_data)
+    out = tmp_path / "lists" / "ct.json"
+    prepare_data.main(["dicom", str(cts), str(out)])
+    assert load_datalist(out)["training"][0]["landmarks"] == [[-6.0, 18.0, 27.0]]
+    (xrays / "003.dcm").unlink()
+    out = tmp_path / "lists" / "xr.json"
+    prepare_data.main(["dicom", str(xrays), str(out), "--csv", str(xrays / "marks.csv"), "--spacing", "0.3"])
+    items = load_datalist(out)["training"]
+    assert [it.get("spacing") for it in items] == [None, [0.3, 0.3]]
+
+
+# ---- the target: the same landmarks from a PNG and from its DICOM copy, header spacing for mm ----
+
+
+def dicom_copy(png: Path, path: Path, spacing: list[float]) -> Path:
+    """The PNG as a MONOCHROME1, 12-of-16-bit DX file with a rescale: the same picture once decoded."""
+    grey = np.asarray(Image.open(png).convert("L"), dtype=np.uint16)  # (rows, columns)
+    stored = 4095 - grey * 16  # MONOCHROME1: bright = low; 0..4080 in 12 bits
+    return write_xray(path, stored.astype(np.uint16), bits_stored=12, photometric="MONOCHROME1", RescaleSlope=0.5,
+                      RescaleIntercept=-20, PixelSpacing=[spacing[1], spacing[0]],
+                      ImagerPixelSpacing=[3 * spacing[1], 3 * spacing[0]])
+
+
+def read_predictions(path: Path) -> dict[tuple[str, str], list[float]]:
+    with path.open() as f:
+        return {(Path(r["image"]).stem, r["landmark"]): [float(r["x"]), float(r["y"]), float(r["error_mm"] or "nan")]
+                for r in csv.DictReader(f)}
+
+
+def png_and_dicom_datalists(tmp_path: Path) -> tuple[Path, Path]:
+    """A small synthetic set as PNG (with the datalist's spacing) and as DICOM copies (spacing from the headers)."""
+    png_list = generate_synthetic_2d(tmp_path / "png", n_training=1, n_validation=0, n_test=2, seed=5)
+    datalist = load_datalist(png_list)
+    dicom = {}
+    for item in datalist["training"] + datalist["test"] + [datalist["template"]]:
+        name = Path(item["image"]).stem + ".dcm"
+        dicom[item["image"]] = str(dicom_copy(Path(item["image"]), tmp_path / "dcm" / name, item["spacing"]))
+
+    def as_dicom(item: dict) -> dict:  # no datalist spacing: the header's must give the same mm
+        return {"image": dicom[item["image"]], "landmarks": item["landmarks"]}
+
+    dicom_list = save_datalist({**datalist, "training": [as_dicom(it) for it in datalist["training"]],
+                                "test": [as_dicom(it) for it in datalist["test"]],
+                                "template": as_dicom(datalist["template"])}, tmp_path / "dcm" / "datalist.json")
+    return png_list, dicom_list
+
+
+def same_predictions(png: dict, dcm: dict) -> float:
+    """Largest difference (pixels) between the x, y of two predictions.csv tables with the same rows."""
+    assert png.keys() == dcm.keys() and len(png) > 0
+    return float(np.abs(np.array([png[k][:2] for k in sorted(png)]) - np.array([dcm[k][:2] for k in sorted(png)])).max())
+
+
+def test_evaluating_gives_the_same_landmarks_and_mm_on_png_and_dicom(tmp_path):
+    png_list, dicom_list = png_and_dicom_datalists(tmp_path)
+    config = [str(ROOT / "configs" / f) for f in ("train.yaml", "evaluate.yaml")]
+    results = {}
+    for kind, path in (("png", png_list), ("dcm", dicom_list)):
+        out = tmp_path / f"eval_{kind}"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            run("evaluating", config_file=config, bundle_root=str(ROOT), datalist=str(path), output_dir=str(out),
+                ckpt_path=str(ROOT / "models" / "model.pt"), progress_bar=False, overlays=False)
+        results[kind] = (read_predictions(out / "predictions.csv"), json.loads((out / "metrics.json").read_text()))
+    (png, png_metrics), (dcm, dcm_metrics) = results["png"], results["dcm"]
+    assert len(png) == 2 * 16 and same_predictions(png, dcm) < 0.01  # pixels
+    errors_png = np.array([png[k][2] for k in sorted(png)])
+    errors_dcm = np.array([dcm[k][2] for k in sorted(png)])
+    assert np.isfinite(errors_png).all() and errors_png.max() > 0
+    np.testing.assert_allclose(errors_dcm, errors_png, atol=1e-3)  # mm from PixelSpacing (not the x3 imager spacing)
+    assert abs(dcm_metrics["mre_mm"] - png_metrics["mre_mm"]) < 1e-3 and dcm_metrics["n_images"] == 2
+
+
+def test_inferring_gives_the_same_landmarks_on_png_and_dicom(tmp_path):
+    png_list, dicom_list = png_and_dicom_datalists(tmp_path)
+    predictions = {}
+    for kind, path in (("png", png_list), ("dcm", dicom_list)):
+        out = tmp_path / f"infer_{kind}"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            # the standalone inference config, its template taken from the datalist's template item
+            run("inferring", config_file=str(ROOT / "configs" / "inference.yaml"), bundle_root=str(ROOT), datalist=str(path), images=[it["image"] for it in load_datalist(path)["test"]],
+                output_dir=str(out), ckpt_path=str(ROOT / "models" / "model.pt"), overlays=False)
+        predictions[kind] = read_predictions(out / "predictions.csv")
+    assert len(predictions["png"]) == 2 * 16
+    assert same_predictions(predictions["png"], predictions["dcm"]) < 0.01  # pixels
