@@ -26,6 +26,7 @@ from PIL import Image
 
 from bundle.configs import bundle_parser
 from bundle.data.datalist import load_datalist, save_datalist
+from bundle.data.images import load_grey
 from bundle.data.dicom import DicomError, XRayDicomd, dicom_series_datalist, dicom_xray_datalist, header_spacing, voi_window
 from bundle.data.markups import ControlPoint, write_markups
 from bundle.data.synthetic import generate_synthetic_2d
@@ -167,6 +168,10 @@ def test_pixels_are_indexed_column_row_like_png(tmp_path):
     from_dicom, from_png = load_2d(dicom)["image"][0].numpy(), load_2d(png)["image"][0].numpy()
     np.testing.assert_allclose(from_dicom, minmax(stored).T, atol=1e-6)  # [x, y] = [column, row]
     np.testing.assert_array_equal(from_dicom, from_png)
+    # the analysis loader (augmentation estimate, figures) reads it alike, with the header spacing in its affine
+    grey, affine = load_grey(str(dicom), 2)
+    np.testing.assert_allclose(grey, minmax(stored).T, atol=1e-6)
+    np.testing.assert_allclose(np.abs(np.diag(affine)), [0.1, 0.1, 1.0])
 
 
 # ---- 2D X-rays: intensities ----
