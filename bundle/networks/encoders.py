@@ -39,17 +39,29 @@ def validate_strides(strides: Sequence[int], num_levels: int) -> tuple[int, ...]
 
 
 def check_spatial_size(x: torch.Tensor, spatial_dims: int, divisor: int) -> None:
-    """Raise ValueError unless ``x`` is ``(B, C, *spatial)`` with every spatial size divisible by ``divisor``."""
-    if x.ndim != spatial_dims + 2:
+    """Raise ValueError unless ``x`` is ``(B, C, *spatial)`` with every spatial size divisible by ``divisor``.
+
+    Written for TorchScript too (the exported networks keep this check).
+    """
+    if x.dim() != spatial_dims + 2:
         raise ValueError(
-            f"expected a (B, C, {spatial_dims} spatial) input of {spatial_dims + 2} dims, got shape {tuple(x.shape)}"
+            "expected a (B, C, " + str(spatial_dims) + " spatial) input of " + str(spatial_dims + 2)
+            + " dims, got shape " + str(list(x.shape))
         )
     for size in x.shape[2:]:
-        if size % divisor:
+        if size % divisor != 0:
             raise ValueError(
-                f"input spatial size {tuple(x.shape[2:])}: {size} is not divisible by the encoder's"
-                f" deepest stride {divisor}"
+                "input spatial size " + str(list(x.shape[2:])) + ": " + str(size) + " is not divisible by the"
+                " encoder's deepest stride " + str(divisor)
             )
+
+
+@torch.jit.interface
+class _TensorModule(nn.Module):
+    """TorchScript interface of a module mapping one tensor to one tensor (decoder blocks looked up by level)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (the name nn.Sequential uses)
+        pass
 
 
 class PyramidDecoder(nn.Module):
@@ -100,15 +112,18 @@ class PyramidDecoder(nn.Module):
             }
         )
 
-    def forward(self, skips: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def forward(self, skips: list[torch.Tensor]) -> list[torch.Tensor]:
         """``skips[k]`` is the backbone's level-``k`` map; returns the normalised embeddings, coarse to fine."""
         y = skips[self.top_level]
-        outputs = {}
+        outputs: dict[int, torch.Tensor] = {}
         for level in range(self.top_level, self.levels[-1] - 1, -1):
             if level < self.top_level:
-                y = self.fuse[str(level)](torch.cat([self.up[str(level)](y), skips[level]], dim=1))
-            if str(level) in self.heads:
-                outputs[level] = F.normalize(self.heads[str(level)](y), dim=1)
+                up: _TensorModule = self.up[str(level)]
+                fuse: _TensorModule = self.fuse[str(level)]
+                y = fuse.forward(torch.cat([up.forward(y), skips[level]], dim=1))
+            if level in self.levels:
+                head: _TensorModule = self.heads[str(level)]
+                outputs[level] = F.normalize(head.forward(y), dim=1)
         return [outputs[level] for level in self.levels]
 
 
