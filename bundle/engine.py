@@ -272,52 +272,6 @@ def resume_path(ckpt_dir: str | Path, resume: bool | str, filename: str = "last.
     return None
 
 
-class LandmarkPointsNet(torch.nn.Module):
-    """Inference network for export: image ``(B, 1, *S)`` -> landmark positions ``(B, L, D)`` on the input grid.
-
-    The contrastive network with one-shot matching (paper Sec. 3.4) against a built-in template (image and
-    grid landmarks): the template features at the landmarks are compared with the image's features at
-    every grid position, scales combined as :class:`bundle.oneshot.OneShotInferer` does, and the best grid
-    position is returned as one float tensor, so that TorchScript (trace) and ``verify_net_in_out`` take
-    it. It equals ``OneShotInferer(refine_radius=0)``; the sub-pixel refinement stays in the Python path.
-    Its state dict is the wrapped network's, so the bundle's ``model.pt`` loads into it unchanged.
-    """
-
-    def __init__(self, network: torch.nn.Module, template_image: torch.Tensor, template_points: torch.Tensor, inferer=None) -> None:
-        from bundle.oneshot import OneShotInferer
-
-        super().__init__()
-        self.network = network
-        self.inferer = OneShotInferer(refine_radius=0) if inferer is None else inferer
-        self.inferer.set_template(torch.as_tensor(template_image), torch.as_tensor(template_points))
-        if torch.isnan(self.inferer.template_points).any():
-            raise ValueError("the export template must carry every landmark (no null)")
-        self.grid_size = tuple(int(s) for s in self.inferer.template_image.shape[2:])
-        self.register_buffer("template_image", self.inferer.template_image, persistent=False)
-        self.register_buffer("template_points", self.inferer.template_points, persistent=False)
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict:
-        return self.network.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, state_dict: dict, strict: bool = True, assign: bool = False):
-        return self.network.load_state_dict(state_dict, strict=strict, assign=assign)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from bundle.oneshot import feature_vectors
-
-        grid = self.grid_size
-        features = list(self.network(torch.cat([self.template_image.to(x.dtype), x])))
-        maps = [f[1:].float() for f in features]
-        queries = [q.expand(maps[0].shape[0], -1, -1) for q in feature_vectors([f[:1] for f in features], self.template_points[None], grid)]
-        combined = self.inferer.combined_map(queries, maps, self.inferer.feature_norms(maps, grid), grid)
-        index = combined.flatten(2).argmax(dim=-1)
-        coords = []
-        for size in reversed(grid):
-            coords.append(index % size)
-            index = torch.div(index, size, rounding_mode="floor")
-        return torch.stack(coords[::-1], dim=-1).to(torch.float32)
-
-
 class ContrastiveDDP(torch.nn.parallel.DistributedDataParallel):
     """``DistributedDataParallel`` for the two-encoder network: ``forward`` (image encoder) and ``encode_crops``.
 
