@@ -1,0 +1,107 @@
+"""Write a template feature file (``bundle.export``): the network's feature vectors at K templates' landmarks.
+
+    python scripts/build_template.py --datalist runs/hamedan/protocol.json --output models/template_features.pt \
+        --templates "['019']" --first_labelled 5 [--ckpt_path models/model.pt]
+
+The shipped ``models/template_features.pt`` is built this way from the Hamedan protocol datalist, made by
+
+    python scripts/prepare_data.py labelme ../shared/data/hamedan_ceph runs/hamedan/protocol.json --names isbi \
+        --spacing "[0.12,0.12]" --validation_fraction 0.1 --test_fraction 0.3 --seed 0 --keep_held_out_images true
+
+with K = 6 templates: image 019 (the evaluation's template, chosen by the default rule ``landmarks``, see
+docs/README.md) and the first 5 labelled training items. The file holds (K, L, S, C) feature vectors and the
+landmark names, no pixel data, so it can ship where the images may not.
+
+Templates: ``--templates`` names images (file stem or path) among the datalist's items with landmarks, and
+``--first_labelled N`` adds the first N labelled training items; with neither, the datalist's own
+``templates`` / ``template`` items, else one chosen among its labelled training items by ``--rule``. The
+features are computed with ``configs/inference.yaml``'s network and preprocessing and the weights
+``--ckpt_path``, whose SHA-256 the file records (the features fit only those weights).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import fire  # noqa: E402
+import torch  # noqa: E402
+
+from bundle.configs import bundle_parser  # noqa: E402
+from bundle.data.annotations import image_stem  # noqa: E402
+from bundle.data.datalist import open_datalist  # noqa: E402
+from bundle.engine import labelled_training_items  # noqa: E402
+from bundle.export import compute_template, save_template  # noqa: E402
+
+
+def _labelled_items(datalist: dict) -> list[dict]:
+    """Every item of the datalist that carries landmarks (template, templates, then each split)."""
+    items = [datalist["template"]] if datalist.get("template") else []
+    items += list(datalist.get("templates") or [])
+    for split in ("training", "validation", "test"):
+        items += [it for it in datalist.get(split) or [] if it.get("landmarks")]
+    return items
+
+
+def select_items(datalist: dict, templates: list[str] | None = None, first_labelled: int = 0) -> list[dict]:
+    """The named ``templates`` (stem or path), then the first ``first_labelled`` labelled training items, no repeats."""
+    chosen: list[dict] = []
+    pool = _labelled_items(datalist)
+    for name in templates or []:
+        matches = [it for it in pool if image_stem(it["image"]) == image_stem(str(name)) or it["image"] == str(name)]
+        if not matches:
+            raise ValueError(f"template {name!r}: no item with landmarks of that name in the datalist")
+        chosen.append(matches[0])
+    for item in labelled_training_items(datalist)[: max(int(first_labelled), 0)]:
+        chosen.append(item)
+    unique, seen = [], set()
+    for item in chosen:
+        if item["image"] not in seen:
+            seen.add(item["image"])
+            unique.append(dict(item))
+    return unique
+
+
+def build(
+    datalist: str,
+    output: str = "models/template_features.pt",
+    templates: list[str] | str | None = None,
+    first_labelled: int = 0,
+    ckpt_path: str | None = None,
+    rule: str = "landmarks",
+    device: str | None = None,
+) -> str:
+    """Compute the template features of the chosen items of ``datalist`` and write them to ``output``."""
+    if isinstance(templates, (str, int)):
+        templates = [str(templates)]
+    data = open_datalist(datalist)
+    overrides = {"datalist": str(datalist)}
+    if ckpt_path is not None:
+        overrides["ckpt_path"] = str(ckpt_path)
+    if device is not None:
+        overrides["device"] = torch.device(device)
+    parser = bundle_parser("configs/inference.yaml", ROOT, **overrides)
+    network = parser.get_parsed_content("encoder")
+    preprocessing = parser.get_parsed_content("preprocessing")
+    device_ = parser.get_parsed_content("device")
+    checkpoint = parser.get_parsed_content("ckpt_path")
+    items = select_items(data, templates, first_labelled)
+    if not items:
+        from bundle.engine import resolve_templates
+
+        items = resolve_templates(data, network, preprocessing, device_, rule=rule)
+    template = compute_template(network, items, preprocessing, data["landmark_names"], device_, checkpoint)
+    template["sources"] = [f"{data.get('name', Path(datalist).stem)}/{Path(it['image']).name}" for it in items]
+    path = save_template(output, template)
+    valid = (~torch.isnan(template["queries"]).any(-1).any(-1)).sum(1).tolist()
+    print(f"{path}: {len(items)} templates ({', '.join(template['sources'])}), landmarks per template {valid}, "
+          f"{path.stat().st_size / 1024:.0f} KB")
+    return str(path)
+
+
+if __name__ == "__main__":
+    fire.Fire(build)
