@@ -4,4 +4,4 @@ Implements Quan et al., "Information-guided pixel augmentation for pixel-wise co
 CVPR 2023, on top of MONAI and Ignite. See ``docs/README.md`` for the model card.
 """
 
-__version__ = "0.4.0"
+__version__ = "0.5.0"

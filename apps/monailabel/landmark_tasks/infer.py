@@ -25,7 +25,7 @@ from bundle.configs import bundle_parser
 from bundle.engine import load_weights, with_template
 
 logger = logging.getLogger(__name__)
-CONFIGS = ("configs/train.yaml", "configs/evaluate.yaml", "configs/inference.yaml")
+CONFIGS = ("configs/train.yaml", "configs/evaluate.yaml")  # the datalist's template; inference.yaml is standalone
 
 
 def landmark_result(names: list[str], points_mm: np.ndarray, spacing: np.ndarray) -> dict[str, Any]:
