@@ -1,12 +1,15 @@
 """Build the model-zoo archive of the bundle: ``<name>_v<version>.zip`` holding one top-level folder ``<name>/``.
 
-    python scripts/package.py [--output_dir dist] [--name infoguided_landmarks]
+    python scripts/package.py [--output_dir dist] [--name cephalometric_xray_landmark_detection]
 
 What goes in is what the bundle needs to run from its own folder (MONAI model-zoo layout): ``configs/``,
 ``models/``, ``docs/``, ``scripts/``, the ``bundle/`` package the configs import, ``LICENSE``,
 ``large_files.yml`` and the requirements files. The model zoo refuses files over 25 MB: such a file must
 be listed in ``large_files.yml`` (and is then fetched by MONAI from its URL, not shipped); an unlisted
 one is an error. ``configs/metadata.json`` must carry its ``version`` in its ``changelog``.
+Each ``configs/*.yaml`` also goes in as ``configs/*.json`` (the same content): ``monai.bundle.load`` builds a
+bundle's network from ``configs/<workflow_type>.json`` only. The default name follows the zoo's convention
+(anatomy, data type, task: the shipped weights and template are for lateral cephalograms).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import yaml  # noqa: E402
 
 from bundle.io_utils import atomic_path  # noqa: E402
 
-DEFAULT_NAME = "infoguided_landmarks"
+DEFAULT_NAME = "cephalometric_xray_landmark_detection"
 INCLUDE = ("configs", "models", "docs", "scripts", "bundle", "LICENSE", "large_files.yml", "requirements.txt")
 SKIP_PARTS = {"__pycache__", ".ipynb_checkpoints"}
 SKIP_SUFFIXES = {".pyc", ".pyo", ".tmp"}
@@ -69,6 +72,20 @@ def bundle_files(root: Path, max_mb: float = MAX_MB) -> list[Path]:
     return files
 
 
+def json_configs(root: Path, files: list[Path]) -> dict[str, str]:
+    """JSON twins of the YAML configs among ``files``: ``{"configs/x.json": text}`` (a JSON file of the same
+    name that is already there wins)."""
+    present = {rel.as_posix() for rel in files}
+    twins = {}
+    for rel in files:
+        if rel.parts[0] == "configs" and rel.suffix in (".yaml", ".yml"):
+            target = rel.with_suffix(".json").as_posix()
+            if target not in present:
+                content = yaml.safe_load((root / rel).read_text())
+                twins[target] = json.dumps(content, indent=4) + "\n"
+    return twins
+
+
 def check_metadata(root: Path) -> str:
     """The bundle's version, after the model zoo's checks of ``configs/metadata.json`` and required files."""
     meta_path = root / "configs" / "metadata.json"
@@ -96,6 +113,8 @@ def package(output_dir: str = "dist", name: str = DEFAULT_NAME, root: str | None
         with zipfile.ZipFile(tmp, "w", compression=zipfile.ZIP_DEFLATED) as archive:
             for rel in files:
                 archive.write(root_path / rel, arcname=f"{name}/{rel.as_posix()}")
+            for rel, text in json_configs(root_path, files).items():
+                archive.writestr(f"{name}/{rel}", text)
         tmp.chmod(0o644)
     print(f"{target} ({len(files)} files, {target.stat().st_size / 2**20:.1f} MB)")
     return str(target)
