@@ -36,10 +36,17 @@ def test_training_config_defaults_build_a_trainer_with_its_handlers(tiny_datalis
 
 
 def test_evaluation_and_inference_configs_load_the_shipped_model(tiny_datalist, tmp_path):
-    for files in (["train.yaml", "evaluate.yaml"], ["train.yaml", "evaluate.yaml", "inference.yaml"]):
-        parser = parser_for(files, tiny_datalist, tmp_path)
+    parser = parser_for(["train.yaml", "evaluate.yaml"], tiny_datalist, tmp_path)
+    assert parser.get_parsed_content("ckpt_path") == str(ROOT / "models" / "model.pt")
+    assert isinstance(parser.get_parsed_content("evaluate#evaluator"), SupervisedEvaluator)
+    assert parser.get_parsed_content("dataset_dir") == str(Path(tiny_datalist).parent)  # the zoo's key
+    # inference.yaml alone: the built-in template, or the datalist's when one is given
+    for overrides in ({}, {"datalist": str(tiny_datalist)}):
+        parser = bundle_parser("configs/inference.yaml", output_dir=str(tmp_path / "out"), **overrides)
         assert parser.get_parsed_content("ckpt_path") == str(ROOT / "models" / "model.pt")
-        assert isinstance(parser.get_parsed_content("evaluate#evaluator"), SupervisedEvaluator)
+        assert isinstance(parser.get_parsed_content("evaluator"), SupervisedEvaluator)
+        expected = 19 if not overrides else len(ConfigParser.load_config_file(tiny_datalist)["landmark_names"])
+        assert len(parser.get_parsed_content("landmark_names")) == expected
 
 
 def test_evaluation_picks_a_labelled_training_template_by_either_rule(tiny_datalist, tmp_path):

@@ -1,4 +1,5 @@
-"""Model zoo: metadata against the shipped schema, TorchScript export, network I/O check, the zip and its use."""
+"""Model zoo: metadata against the shipped schema, the standalone inference config, its scriptable network and
+built-in template, the zip (with JSON configs) and its use; the zoo's own CI when a checkout is given."""
 
 from __future__ import annotations
 
@@ -12,17 +13,24 @@ from pathlib import Path
 
 import pytest
 import torch
-from monai.bundle import ckpt_export, download, verify_metadata, verify_net_in_out
+from monai.bundle import ConfigWorkflow, ckpt_export, download, load, verify_metadata, verify_net_in_out
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import package as packaging  # noqa: E402
 
 from bundle.configs import bundle_parser  # noqa: E402
+from bundle.data.synthetic import generate_synthetic_2d  # noqa: E402
 
-CONFIGS = [str(ROOT / f"configs/{n}.yaml") for n in ("train", "evaluate", "inference")]
+INFERENCE = str(ROOT / "configs" / "inference.yaml")
 META = ROOT / "configs" / "metadata.json"
 SCHEMA = ROOT / "docs" / "meta_schema_20240725.json"
+TEMPLATE = ROOT / "models" / "template_features.pt"
+
+
+@pytest.fixture(scope="module")
+def tiny_datalist(tmp_path_factory):
+    return generate_synthetic_2d(tmp_path_factory.mktemp("data"), n_training=2, n_validation=0, n_test=2, seed=3)
 
 
 def _pins(path: Path) -> dict[str, str]:
@@ -50,6 +58,12 @@ def test_metadata_verifies_offline_against_the_shipped_schema_and_zoo_rules():
     fmt = meta["network_data_format"]
     assert list(fmt["inputs"]) == ["image"] and list(fmt["outputs"]) == ["pred"]
     assert fmt["outputs"]["pred"]["format"] == "points" and "points" in fmt["post_processed_outputs"]
+    # the shipped weights' model: 1x192x192 in, their template's 19 cephalometric landmarks out
+    names = torch.load(TEMPLATE, weights_only=True)["landmark_names"]
+    assert len(names) == 19 and names[:2] == ["sella", "nasion"]
+    assert fmt["inputs"]["image"]["num_channels"] == 1 and fmt["inputs"]["image"]["spatial_shape"] == [192, 192]
+    for out in (fmt["outputs"]["pred"], fmt["post_processed_outputs"]["points"]):
+        assert out["num_channels"] == 19 and list(out["channel_def"].values()) == names
     for required in ("LICENSE", "docs/README.md", "configs/inference.yaml", "models/model.pt"):
         assert (ROOT / required).is_file(), required
 
@@ -63,33 +77,93 @@ def test_verify_metadata_rejects_a_broken_file(tmp_path):
         verify_metadata(meta_file=str(bad), filepath=str(SCHEMA))
 
 
-def test_points_network_verifies_and_exports_to_torchscript_matching_the_inferer(tmp_path):
-    verify_net_in_out(net_id="points_network_def", meta_file=str(META), config_file=CONFIGS, device="cpu", bundle_root=str(ROOT))
+def test_shipped_template_file_fits_the_shipped_weights_and_holds_no_image():
+    from bundle.export import file_sha256, load_template
+
+    template = load_template(TEMPLATE, ROOT / "models" / "model.pt")
+    assert TEMPLATE.stat().st_size < 300 * 1024
+    assert template["checkpoint_sha256"] == file_sha256(ROOT / "models" / "model.pt")
+    assert template["queries"].shape == (6, 19, 4, 32) and template["strides"] == [16, 8, 4, 2]
+    assert template["sources"][0] == "hamedan_ceph/019.png" and len(set(template["sources"])) == 6
+    norms = template["queries"].norm(dim=-1)
+    assert torch.allclose(norms[~torch.isnan(norms)], torch.ones(()), atol=1e-5)  # unit feature vectors only
+
+
+def test_standalone_inference_config_has_the_zoo_keys_and_the_inference_properties():
+    import yaml
+
+    config = yaml.safe_load(Path(INFERENCE).read_text())
+    for key in ("imports", "bundle_root", "device", "network_def", "inferer", "preprocessing", "postprocessing",
+                "dataset_dir", "dataset", "evaluator", "output_dir", "run"):
+        assert key in config, key
+    assert not any("#" in key for key in config)  # nothing patches another file's keys: it loads alone
+    workflow = ConfigWorkflow(config_file=INFERENCE, meta_file=str(META), logging_file=str(ROOT / "configs/logging.conf"),
+                              workflow_type="inference", bundle_root=str(ROOT))
+    workflow.initialize()
+    assert workflow.check_properties() == []
+
+
+def test_network_def_verifies_scripts_and_matches_the_python_path(tmp_path, tiny_datalist):
+    from bundle.export import TemplateFeatureInferer
+
+    verify_net_in_out(net_id="network_def", meta_file=str(META), config_file=INFERENCE, device="cpu", bundle_root=str(ROOT))
     ts = tmp_path / "model.ts"
-    ckpt_export(
-        net_id="points_network_def", filepath=str(ts), ckpt_file=str(ROOT / "models/model.pt"), meta_file=str(META),
-        config_file=CONFIGS, use_trace=True, input_shape=[1, 1, 192, 192], bundle_root=str(ROOT),
+    ckpt_export(  # what the zoo's CI does: torch.jit.script (no trace)
+        net_id="network_def", filepath=str(ts), ckpt_file=str(ROOT / "models/model.pt"), meta_file=str(META),
+        config_file=INFERENCE, bundle_root=str(ROOT),
     )
     exported = torch.jit.load(str(ts))
-    # reference: the bundle's own one-shot inferer (integer grid peak) on a test image of the datalist
-    parser = bundle_parser(CONFIGS)
-    dataset = parser.get_parsed_content("dataset")
-    preprocessing = parser.get_parsed_content("validate#preprocessing")
-    image = torch.as_tensor(preprocessing(dict(dataset["test"][0]))["image"]).unsqueeze(0).float()
-    network = parser.get_parsed_content("network").eval()
-    image_t, points_t = parser.get_parsed_content("points_template")
-    from bundle.oneshot import OneShotInferer
-
-    inferer = OneShotInferer(refine_radius=0)
-    inferer.set_template(image_t, points_t)
-    expected = inferer(image, network).float()
+    parser = bundle_parser("configs/inference.yaml")
+    preprocessing = parser.get_parsed_content("preprocessing")
+    test = json.loads(Path(tiny_datalist).read_text())["test"][0]
+    image = torch.as_tensor(preprocessing({"image": str(Path(tiny_datalist).parent / test["image"])})["image"])[None].float()
+    # reference: the Python path on the grid without sub-pixel refinement, 6 templates by the geometric median
+    inferer = TemplateFeatureInferer(parser.get_parsed_content("template"), refine_radius=0)
+    expected = inferer(image, parser.get_parsed_content("encoder").eval()).float()
     with torch.no_grad():
         got = exported(image)
-    assert got.shape == (1, len(dataset["landmark_names"]), 2)
-    torch.testing.assert_close(got, expected)
+    assert got.shape == (1, 19, 2) and got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
     extra = {"metadata.json": ""}
     torch.jit.load(str(ts), _extra_files=extra)
     assert json.loads(extra["metadata.json"])["version"] == json.loads(META.read_text())["version"]
+
+
+def test_template_features_give_what_the_template_image_gives(tiny_datalist, tmp_path):
+    """A template feature file built from a datalist's template matches as the template image itself does."""
+    from bundle.engine import with_templates
+    from bundle.export import TemplateFeatureInferer, load_template
+    from bundle.oneshot import OneShotInferer
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import build_template
+
+    path = build_template.build(str(tiny_datalist), output=str(tmp_path / "t.pt"))
+    template = load_template(path, ROOT / "models" / "model.pt")
+    datalist = json.loads(Path(tiny_datalist).read_text())
+    assert template["queries"].shape[:2] == (1, len(datalist["landmark_names"]))
+    parser = bundle_parser("configs/inference.yaml", datalist=str(tiny_datalist))
+    network = parser.get_parsed_content("encoder").eval()
+    preprocessing = parser.get_parsed_content("preprocessing")
+    item = {**datalist["test"][0], "image": str(Path(tiny_datalist).parent / datalist["test"][0]["image"])}
+    data = preprocessing(item)
+    image, g2p = torch.as_tensor(data["image"])[None], torch.as_tensor(data["grid_to_physical"])[None]
+    template_item = {**datalist["template"], "image": str(Path(tiny_datalist).parent / datalist["template"]["image"])}
+    reference = with_templates(OneShotInferer(), [template_item], preprocessing, "cpu")(image, network, g2p)
+    torch.testing.assert_close(TemplateFeatureInferer(template)(image, network, g2p), reference)
+    # the config computes the same features itself when given the datalist
+    torch.testing.assert_close(parser.get_parsed_content("template")["queries"], template["queries"])
+
+
+def test_scripted_geometric_median_equals_the_kshot_one():
+    from bundle.export import geometric_median_script
+    from bundle.kshot import geometric_median
+
+    points = torch.randn(6, 3, 19, 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 5
+    points[1, 0, 3] = float("nan")
+    points[:, 2, 4] = float("nan")
+    points[2:, 1, 7] = points[0, 1, 7]
+    torch.testing.assert_close(torch.jit.script(geometric_median_script)(points), geometric_median(points), equal_nan=True)
 
 
 def test_package_refuses_an_unlisted_large_file(tmp_path):
@@ -115,7 +189,7 @@ def _predictions(path: Path) -> list[tuple[str, float, float]]:
         return [(r["landmark"], float(r["x"]), float(r["y"])) for r in csv.DictReader(f)]
 
 
-def test_zip_downloads_through_monai_and_runs_inference_from_the_unpacked_copy(tmp_path):
+def test_zip_downloads_through_monai_and_runs_inference_from_the_unpacked_copy(tmp_path, tiny_datalist):
     zipped = Path(packaging.package(output_dir=str(tmp_path / "dist")))
     meta = json.loads(META.read_text())
     assert zipped.name == f"{packaging.DEFAULT_NAME}_v{meta['version']}.zip"
@@ -124,29 +198,47 @@ def test_zip_downloads_through_monai_and_runs_inference_from_the_unpacked_copy(t
         assert {n.split("/")[0] for n in names} == {packaging.DEFAULT_NAME}
         assert all(i.file_size <= 25 * 2**20 for i in archive.infolist())
         assert f"{packaging.DEFAULT_NAME}/models/model.pt" in names and not any("__pycache__" in n for n in names)
+        assert f"{packaging.DEFAULT_NAME}/models/template_features.pt" in names
+        import yaml
+
+        for config in ("train", "inference"):  # JSON twins for monai.bundle.load, the same content
+            twin = json.loads(archive.read(f"{packaging.DEFAULT_NAME}/configs/{config}.json"))
+            assert twin == yaml.safe_load((ROOT / "configs" / f"{config}.yaml").read_text())
 
     bundles = tmp_path / "bundles"
     download(name=packaging.DEFAULT_NAME, url=zipped.as_uri(), bundle_dir=str(bundles), progress=False)
     unpacked = bundles / packaging.DEFAULT_NAME
     assert (unpacked / "configs" / "metadata.json").is_file()
 
-    image = ROOT / "data/synthetic_2d/images/test_001.png"
-    if not image.is_file():  # the embedded set is generated on first use
-        from bundle.data.datalist import open_datalist
-
-        open_datalist(ROOT / "data/synthetic_2d/datalist.json")
+    image = Path(tiny_datalist).parent / json.loads(Path(tiny_datalist).read_text())["test"][0]["image"]
     outputs = {}
     for where, cwd in (("repo", ROOT), ("zip", unpacked)):
         command = [
-            sys.executable, "-m", "monai.bundle", "run", "inferring", "--config_file",
-            "['configs/train.yaml','configs/evaluate.yaml','configs/inference.yaml']",
-            "--images", f"['{image}']", "--output_dir", str(tmp_path / where), "--progress_bar", "False",
+            sys.executable, "-m", "monai.bundle", "run", "inferring", "--config_file", "configs/inference.yaml",
+            "--images", f"['{image}']", "--output_dir", str(tmp_path / where),
         ]
         env = dict(os.environ, PYTHONPATH=str(cwd), OMP_NUM_THREADS="1")
         done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr[-3000:]
         outputs[where] = _predictions(tmp_path / where / "predictions.csv")
-    # the unpacked bundle (its own code, weights and regenerated template) predicts what the repository does
-    assert len(outputs["zip"]) == len(meta["network_data_format"]["outputs"]["pred"]["channel_def"])
+    # the unpacked bundle (its own code, weights and built-in template, no data) predicts what the repository does
+    assert [name for name, _, _ in outputs["zip"]] == list(meta["network_data_format"]["outputs"]["pred"]["channel_def"].values())
     assert outputs["zip"] == outputs["repo"]
-    assert (unpacked / "data/synthetic_2d/datalist.json").is_file()  # the template set was regenerated there
+    assert not (unpacked / "data").exists()  # nothing was generated or downloaded
+
+    # monai.bundle.load builds the networks from the JSON configs and loads the weights
+    sys.path.insert(0, str(unpacked))
+    try:
+        for workflow_type, target in (("inference", "LandmarkPointsNet"), ("train", "ContrastiveLandmarkNet")):
+            net = load(name=packaging.DEFAULT_NAME, bundle_dir=str(bundles), workflow_type=workflow_type, device="cpu")
+            assert type(net).__name__ == target
+    finally:
+        sys.path.remove(str(unpacked))
+
+
+@pytest.mark.skipif(not os.environ.get("MODEL_ZOO_DIR"), reason="MODEL_ZOO_DIR (a Project-MONAI/model-zoo checkout) not set")
+def test_the_zoo_verify_bundle_full_passes(tmp_path):
+    command = [sys.executable, str(ROOT / "scripts/verify_zoo.py"), os.environ["MODEL_ZOO_DIR"], "--workdir", str(tmp_path)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert "PASSED: the zoo's verify_bundle.py -m full" in done.stdout

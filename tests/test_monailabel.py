@@ -58,9 +58,9 @@ def _multipart(field: str, path: Path) -> tuple[bytes, dict]:
 def _cli_predictions(image: Path, out: Path) -> dict[str, tuple[float, float]]:
     """The bundle's own command-line inference on ``image`` (the reference the server must match)."""
     command = [
-        sys.executable, "-m", "monai.bundle", "run", "inferring", "--config_file",
-        "['configs/train.yaml','configs/evaluate.yaml','configs/inference.yaml']",
-        "--images", f"['{image}']", "--output_dir", str(out), "--progress_bar", "False", "--overlays", "False",
+        sys.executable, "-m", "monai.bundle", "run", "inferring", "--config_file", "configs/inference.yaml",
+        "--datalist", str(ROOT / "data/synthetic_2d/datalist.json"),  # the server's template
+        "--images", f"['{image}']", "--output_dir", str(out), "--overlays", "False",
     ]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stderr[-3000:]
