@@ -114,20 +114,32 @@ def labelled_training_items(datalist: dict) -> list[dict]:
     return [it for it in datalist.get("training", []) if it.get("landmarks") and any(p is not None for p in it["landmarks"])]
 
 
+def template_items(datalist: dict) -> list[dict]:
+    """The datalist's own templates: its ``templates`` list, then its ``template`` item unless listed already."""
+    listed = [dict(it) for it in datalist.get("templates") or []]
+    single = datalist.get("template")
+    if single is not None and all(it["image"] != single["image"] for it in listed):
+        listed.append(dict(single))
+    return listed
+
+
 def default_template(datalist: dict) -> dict:
-    """The datalist's ``template``, else its first training item with landmarks (validation during training)."""
-    if datalist.get("template") is not None:
-        return dict(datalist["template"])
+    """The datalist's first labelled training item (the template when the datalist names none)."""
     labelled = labelled_training_items(datalist)
     if not labelled:
-        raise ValueError("the datalist has no 'template' and no training item with 'landmarks' to serve as one")
+        raise ValueError("the datalist has no 'template' or 'templates' and no training item with 'landmarks' to serve as one")
     return dict(labelled[0])
 
 
-def with_template(inferer, item: dict, preprocessing, device: torch.device | str):
-    """Give ``inferer`` (a ``bundle.oneshot.OneShotInferer``) the template ``item`` and return it."""
-    image, points = prepare_template(item, preprocessing)
-    inferer.set_template(image.to(device), points.to(device))
+def default_templates(datalist: dict) -> list[dict]:
+    """The datalist's templates (:func:`template_items`), else its first labelled training item (validation)."""
+    return template_items(datalist) or [default_template(datalist)]
+
+
+def with_templates(inferer, items: list[dict], preprocessing, device: torch.device | str):
+    """Give ``inferer`` (a ``bundle.oneshot.OneShotInferer``) the template ``items`` and return it."""
+    prepared = [prepare_template(item, preprocessing) for item in items]
+    inferer.set_templates([image.to(device) for image, _ in prepared], [points.to(device) for _, points in prepared])
     return inferer
 
 
@@ -152,7 +164,9 @@ def resolve_template(
     if rule not in TEMPLATE_RULES:
         raise ValueError(f"template rule must be one of {TEMPLATE_RULES}, got {rule!r}")
     labelled = labelled_training_items(datalist)
-    if datalist.get("template") is not None or len(labelled) < 2:
+    if datalist.get("template") is not None:
+        return dict(datalist["template"])
+    if len(labelled) < 2:
         return default_template(datalist)
     unlabelled = [it for it in datalist["training"] if it not in labelled]
     pool = (labelled if rule == "landmarks" else labelled + unlabelled)[: max(max_images, 2)]
@@ -172,6 +186,46 @@ def resolve_template(
         "template chosen among %d labelled training items (rule %r): %s (%s)", len(candidates), rule, pool[index]["image"], how
     )
     return dict(pool[index])
+
+
+def pseudo_template_pool(datalist: dict, templates: list[dict]) -> list[dict]:
+    """Training items that may become pseudo-templates, their landmarks dropped: not a template and not an
+    image of the validation or test split (those are never used to label the test images)."""
+    held_out = {it["image"] for split in ("validation", "test") for it in datalist.get(split) or []}
+    taken = held_out | {it["image"] for it in templates}
+    return [{k: v for k, v in it.items() if k != "landmarks"} for it in datalist.get("training", []) if it["image"] not in taken]
+
+
+def resolve_templates(
+    datalist: dict, network: torch.nn.Module, preprocessing, device: torch.device | str, rule: str = "landmarks",
+    max_images: int = 32, pseudo_candidates: int = 0, pseudo_templates: int = 0, cycle_tolerance: float = 2.0,
+    combine: str = "geometric_median",
+) -> list[dict]:
+    """The evaluation templates: the datalist's ``templates`` / ``template`` (k-shot), else one chosen by
+    :func:`resolve_template`; then, when ``pseudo_templates`` > 0, that many pseudo-templates.
+
+    Pseudo-templates: the first ``pseudo_candidates`` images of :func:`pseudo_template_pool` are labelled by
+    matching from the templates (combined by ``combine``) and the ``pseudo_templates`` most reliable ones by
+    forward-backward cycle error are added, each without its landmarks whose cycle error exceeds
+    ``cycle_tolerance`` grid pixels (:func:`bundle.pseudo_labels.select_pseudo_templates`).
+    """
+    from bundle.oneshot import OneShotInferer
+    from bundle.pseudo_labels import pseudo_label, select_pseudo_templates
+
+    if pseudo_templates < 0 or pseudo_candidates < 0:
+        raise ValueError(f"pseudo_candidates and pseudo_templates must be >= 0, got {pseudo_candidates}, {pseudo_templates}")
+    templates = template_items(datalist) or [resolve_template(datalist, network, preprocessing, device, max_images, rule)]
+    if pseudo_templates == 0:
+        return templates
+    pool = pseudo_template_pool(datalist, templates)[:pseudo_candidates]
+    if len(pool) < pseudo_templates:
+        raise ValueError(
+            f"pseudo_templates={pseudo_templates} but only {len(pool)} training images outside the templates and the "
+            f"validation/test splits are available (pseudo_candidates={pseudo_candidates})"
+        )
+    inferer = with_templates(OneShotInferer(template_combine=combine), templates, preprocessing, device)
+    labelled = pseudo_label(network, inferer, pool, preprocessing, device)
+    return templates + select_pseudo_templates(labelled, pseudo_templates, cycle_tolerance)
 
 
 class AtomicCheckpointSaver(CheckpointSaver):

@@ -3,7 +3,8 @@
 A landmark is found in a new image as the position whose dense features are most similar (cosine) to
 the template image's features at that landmark, combining every scale of the network (the product of
 the per-scale similarity maps, as in CC2D), then refined to sub-pixel precision by evaluating the same
-similarity on a fine lattice around the peak.
+similarity on a fine lattice around the peak. With several templates (k-shot), each one is matched and
+their predictions are combined per landmark by a robust estimator (``bundle.kshot``).
 
 Coordinates: points are float positions on the network's input grid ("grid"), components in the order
 of the tensor's spatial axes, the centre of the first pixel at 0. ``grid_to_physical`` is a homogeneous
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from monai.data import MetaTensor
 from monai.inferers import Inferer
 
+from bundle.kshot import COMBINE_RULES, combine_landmarks
 from bundle.networks.features import sample_features
 
 COMBINE_MODES = ("product", "sum")
@@ -92,7 +94,7 @@ def refine_peaks(maps: torch.Tensor, step: int = 1) -> tuple[torch.Tensor, torch
 
 
 class OneShotInferer(Inferer):
-    """One-shot inference: landmarks of a single annotated template found in each input by feature matching.
+    """One-shot (k-shot) inference: landmarks of annotated templates found in each input by feature matching.
 
     For every landmark and scale s, the similarity map is the cosine between the template feature at
     the landmark and the input's features linearly interpolated at each grid position (the
@@ -102,7 +104,10 @@ class OneShotInferer(Inferer):
     is evaluated on a lattice of step ``refine_resolution`` within ``refine_radius`` pixels of the peak
     and its maximum refined by :func:`refine_peaks`, so predictions are not tied to the grid.
     The template features are recomputed at each call with the network given, so the template follows
-    training. The caller sets eval mode; no gradients are kept.
+    training. The caller sets eval mode; no gradients are kept. With K templates (:meth:`set_templates`)
+    each is matched on its own and the K predictions of a landmark are combined by ``template_combine``
+    (:func:`bundle.kshot.combine_landmarks`), in physical mm when a grid-to-physical map is given; a
+    template that lacks a landmark does not vote for it.
 
     Args:
         combine: "product" or "sum".
@@ -110,6 +115,7 @@ class OneShotInferer(Inferer):
         refine_radius: half-width in grid pixels of the sub-pixel search; 0 disables it.
         refine_resolution: lattice step in grid pixels of the sub-pixel search.
         max_map_elements: bound on ``batch x landmarks x grid voxels`` per chunk of landmarks (memory).
+        template_combine: how several templates' predictions are combined, one of ``bundle.kshot.COMBINE_RULES``.
     """
 
     def __init__(
@@ -119,6 +125,7 @@ class OneShotInferer(Inferer):
         refine_radius: float = 1.0,
         refine_resolution: float = 0.1,
         max_map_elements: int = 2**25,
+        template_combine: str = "geometric_median",
     ) -> None:
         super().__init__()
         if combine not in COMBINE_MODES:
@@ -127,25 +134,50 @@ class OneShotInferer(Inferer):
             raise ValueError(f"refine_radius must be >= 0 and refine_resolution > 0, got {refine_radius}, {refine_resolution}")
         if max_map_elements < 1:
             raise ValueError(f"max_map_elements must be positive, got {max_map_elements}")
+        if template_combine not in COMBINE_RULES:
+            raise ValueError(f"template_combine must be one of {COMBINE_RULES}, got {template_combine!r}")
         self.combine = combine
         self.scale_weights = None if scale_weights is None else [float(w) for w in scale_weights]
         self.refine_radius = float(refine_radius)
         self.refine_resolution = float(refine_resolution)
         self.max_map_elements = int(max_map_elements)
-        self.template_image: torch.Tensor | None = None
-        self.template_points: torch.Tensor | None = None
+        self.template_combine = template_combine
+        self.templates: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def set_template(self, image: torch.Tensor, points) -> None:
-        """Store the template's grid image ``(1, 1, *spatial)`` and landmarks ``(L, D)`` in grid pixels (NaN = missing)."""
-        image = _plain(torch.as_tensor(image))
-        points = torch.as_tensor(_plain(points), dtype=torch.float32)
-        spatial_dims = image.ndim - 2
-        if image.ndim < 4 or image.shape[:2] != (1, 1):
-            raise ValueError(f"template image must be (1, 1, *spatial), got {tuple(image.shape)}")
-        if points.ndim != 2 or points.shape[1] != spatial_dims:
-            raise ValueError(f"template points must be (L, {spatial_dims}), got {tuple(points.shape)}")
-        self.template_image = image.detach().float()
-        self.template_points = points
+        """Use one template: its grid image ``(1, 1, *spatial)`` and landmarks ``(L, D)`` in grid pixels (NaN = missing)."""
+        self.set_templates([image], [points])
+
+    def set_templates(self, images: Sequence[torch.Tensor], points: Sequence) -> None:
+        """Use K templates: grid images ``(1, 1, *spatial)`` of one size and landmarks ``(L, D)`` (same L; NaN = missing)."""
+        if len(images) != len(points) or not images:
+            raise ValueError(f"need one landmark array per template image and at least one template, got {len(images)} and {len(points)}")
+        templates = []
+        for k, (image, pts) in enumerate(zip(images, points)):
+            image = _plain(torch.as_tensor(image))
+            pts = torch.as_tensor(_plain(pts), dtype=torch.float32)
+            spatial_dims = image.ndim - 2
+            if image.ndim < 4 or image.shape[:2] != (1, 1):
+                raise ValueError(f"template {k}: image must be (1, 1, *spatial), got {tuple(image.shape)}")
+            if pts.ndim != 2 or pts.shape[1] != spatial_dims:
+                raise ValueError(f"template {k}: points must be (L, {spatial_dims}), got {tuple(pts.shape)}")
+            if templates and (image.shape != templates[0][0].shape or pts.shape != templates[0][1].shape):
+                raise ValueError(
+                    f"template {k}: image {tuple(image.shape)} and points {tuple(pts.shape)} differ from template 0's "
+                    f"{tuple(templates[0][0].shape)} and {tuple(templates[0][1].shape)}"
+                )
+            templates.append((image.detach().float(), pts))
+        self.templates = templates
+
+    @property
+    def template_image(self) -> torch.Tensor | None:
+        """The first (or only) template's grid image."""
+        return self.templates[0][0] if self.templates else None
+
+    @property
+    def template_points(self) -> torch.Tensor | None:
+        """The first (or only) template's grid landmarks."""
+        return self.templates[0][1] if self.templates else None
 
     def _combine(self, cosines: Sequence[torch.Tensor]) -> torch.Tensor:
         """Combine per-scale cosine maps (same shape) into one score map."""
@@ -234,26 +266,48 @@ class OneShotInferer(Inferer):
         return torch.minimum(refined.clamp_min(0.0), upper), value
 
     @torch.no_grad()
-    def __call__(self, inputs: torch.Tensor, network, grid_to_physical=None) -> torch.Tensor:  # type: ignore[override]
-        """Predicted landmarks ``(B, L, D)`` (float64): grid pixels, or physical mm when ``grid_to_physical`` is given."""
-        if self.template_image is None or self.template_points is None:
-            raise RuntimeError("OneShotInferer: call set_template(image, points) before inference")
+    def predict_per_template(self, inputs: torch.Tensor, network, cycle: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each template's predictions ``(K, B, L, D)`` on the grid (float64, NaN where a template lacks a landmark).
+
+        With ``cycle``, also the forward-backward cycle error ``(K, B, L)`` in grid pixels: the input's feature
+        at the match is matched back into the template, and the distance to the template's landmark is taken
+        (a label-free reliability of the match; NaN where the landmark is missing).
+        """
+        if not self.templates:
+            raise RuntimeError("OneShotInferer: call set_template(image, points) or set_templates(...) before inference")
         inputs = _plain(inputs)
         grid_size = tuple(inputs.shape[2:])
         if tuple(self.template_image.shape[2:]) != grid_size:
             raise ValueError(f"template grid {tuple(self.template_image.shape[2:])} differs from the input grid {grid_size}")
         b = inputs.shape[0]
         n_landmarks, spatial_dims = self.template_points.shape
-        valid = ~torch.isnan(self.template_points).any(dim=1)
-        out = torch.full((b, n_landmarks, spatial_dims), float("nan"), dtype=torch.float64, device=inputs.device)
-        if bool(valid.any()):
-            template_features = list(network(self.template_image.to(device=inputs.device, dtype=inputs.dtype)))
-            features = list(network(inputs))
+        out = torch.full((len(self.templates), b, n_landmarks, spatial_dims), float("nan"), dtype=torch.float64, device=inputs.device)
+        errors = torch.full(out.shape[:-1], float("nan"), dtype=torch.float64, device=inputs.device) if cycle else None
+        features = list(network(inputs))
+        norms = self.feature_norms(features, grid_size)
+        for k, (template_image, template_points) in enumerate(self.templates):
+            valid = ~torch.isnan(template_points).any(dim=1)
+            if not bool(valid.any()):
+                continue
+            template_features = list(network(template_image.to(device=inputs.device, dtype=inputs.dtype)))
             if len(template_features) != len(features):
                 raise ValueError("the network returned a different number of scales for the template and the input")
-            points = self.template_points[valid].to(inputs.device)[None]
+            points = template_points[valid].to(inputs.device)[None]
             queries = [v.expand(b, -1, -1) for v in feature_vectors(template_features, points, grid_size)]
-            out[:, valid] = self.match(queries, features, grid_size)[0]
+            found = self.match(queries, features, grid_size, norms)[0]
+            out[k][:, valid] = found
+            if cycle:
+                back_queries = [v.reshape(1, -1, v.shape[-1]) for v in feature_vectors(features, found.float(), grid_size)]
+                back = self.match(back_queries, template_features, grid_size)[0].reshape(b, -1, spatial_dims)
+                errors[k][:, valid] = (back - points.double()).norm(dim=-1)
+        return out, errors
+
+    def __call__(self, inputs: torch.Tensor, network, grid_to_physical=None) -> torch.Tensor:  # type: ignore[override]
+        """Predicted landmarks ``(B, L, D)`` (float64): grid pixels, or physical mm when ``grid_to_physical`` is given.
+
+        Several templates' predictions are combined by ``template_combine`` (in the space returned).
+        """
+        per_template, _ = self.predict_per_template(inputs, network)
         if grid_to_physical is not None:
-            out = apply_homogeneous(grid_to_physical, out)
-        return out
+            per_template = apply_homogeneous(grid_to_physical, per_template)
+        return combine_landmarks(per_template, self.template_combine)

@@ -26,17 +26,26 @@ from bundle.data.markups import ControlPoint, write_mrk_json
 from bundle.io_utils import atomic_path, write_json_atomic, write_text_atomic
 from bundle.metrics import DEFAULT_THRESHOLDS, radial_errors, success_detection_rate, summarize_errors
 from bundle.oneshot import apply_homogeneous
+from bundle.transforms.landmarks import physical_to_datalist
 
 SUMMARY_KEYS = ("n_images", "n_landmarks", "mre_mm", "mre_std_mm", "mre_px", "sdr", "per_landmark_mre_mm")
 AXES = ("x", "y", "z")
 
 
-def write_metrics_json(path: str | os.PathLike, summary: Mapping[str, Any], template: str, checkpoint: str) -> Path:
-    """Write metrics.json: the :func:`bundle.metrics.summarize_errors` keys plus ``template`` and ``checkpoint``."""
+def write_metrics_json(path: str | os.PathLike, summary: Mapping[str, Any], template: str | Sequence[str], checkpoint: str) -> Path:
+    """Write metrics.json: the :func:`bundle.metrics.summarize_errors` keys plus ``template`` and ``checkpoint``.
+
+    ``template`` is one image or a list of them (k-shot): ``template`` gets the first, and ``templates`` the
+    whole list when it holds more than one.
+    """
     missing = [k for k in SUMMARY_KEYS if k not in summary]
     if missing:
         raise KeyError(f"summary for {path} lacks keys {missing}")
-    return write_json_atomic(path, {**{k: summary[k] for k in SUMMARY_KEYS}, "template": str(template), "checkpoint": str(checkpoint)})
+    templates = [str(template)] if isinstance(template, (str, os.PathLike)) else [str(t) for t in template]
+    extra = {"templates": templates} if len(templates) > 1 else {}
+    return write_json_atomic(
+        path, {**{k: summary[k] for k in SUMMARY_KEYS}, "template": templates[0] if templates else "", **extra, "checkpoint": str(checkpoint)}
+    )
 
 
 def _number(value) -> str:
@@ -180,11 +189,6 @@ def write_markups_per_image(output_dir: str | os.PathLike, records: Sequence[Map
     return paths
 
 
-def _datalist_point(point_mm: np.ndarray, spacing: np.ndarray) -> np.ndarray:
-    """A physical point in the datalist convention: 2D original pixels (mm / spacing), 3D world mm."""
-    return point_mm / spacing if spacing.size == 2 else point_mm
-
-
 class LandmarkReportHandler:
     """Ignite handler writing the evaluation reports of one-shot detection at ``Events.COMPLETED``.
 
@@ -209,7 +213,7 @@ class LandmarkReportHandler:
         self,
         output_dir: str | os.PathLike,
         landmark_names: Sequence[str],
-        template: str = "",
+        template: str | Sequence[str] = "",
         checkpoint: str = "",
         thresholds: Sequence[float] = DEFAULT_THRESHOLDS,
         overlays: bool = True,
@@ -295,7 +299,7 @@ class LandmarkReportHandler:
         errors_mm = radial_errors(preds, refs)
         errors_px = radial_errors(preds / spacings, refs / spacings)
         rows = [
-            {"image": r["image"], "landmark": name, "point": _datalist_point(r["pred"][j], r["spacing"]), "error_mm": errors_mm[i, j]}
+            {"image": r["image"], "landmark": name, "point": physical_to_datalist(r["pred"][j], r["spacing"]), "error_mm": errors_mm[i, j]}
             for i, r in enumerate(self.records)
             for j, name in enumerate(self.landmark_names)
         ]

@@ -169,7 +169,7 @@ def inference(repeats: int = 3, config: str | list[str] = "configs/train.yaml", 
         settings = {"output_dir": tmp, "overlays": False, **overrides}
         parser = bundle_parser([*([config] if isinstance(config, str) else config), "configs/evaluate.yaml"], **settings)
         parser["network"] = "$@network_def.to(@device)"  # timing does not need trained weights
-        parser["evaluate#template"] = "$bundle.engine.default_template(@dataset)"
+        parser["evaluate#templates"] = "$bundle.engine.default_templates(@dataset)"
         evaluator = parser.get_parsed_content("evaluate#evaluator")
         device = parser.get_parsed_content("device")
         n_images = len(parser.get_parsed_content("evaluate#dataset"))

@@ -39,7 +39,7 @@ def chance_mre_mm(datalist: dict, size_px: tuple[int, int], n: int = 4000, seed:
     return float(np.mean(errors))
 
 
-def evaluate(datalist: Path, out: Path, ckpt: Path) -> dict:
+def evaluate(datalist: Path, out: Path, ckpt: Path, **overrides) -> dict:
     run(
         "evaluating",
         config_file=[str(ROOT / "configs/train.yaml"), str(ROOT / "configs/evaluate.yaml")],
@@ -48,6 +48,7 @@ def evaluate(datalist: Path, out: Path, ckpt: Path) -> dict:
         output_dir=str(out),
         ckpt_path=str(ckpt),
         **{k: TINY[k] for k in ("image_size", "progress_bar", "seed")},
+        **overrides,
     )
     return json.loads((out / "metrics.json").read_text())
 
@@ -87,3 +88,14 @@ def test_tiny_training_learns_better_than_chance_and_than_untrained(tmp_path):
     chance = chance_mre_mm(datalist, (256, 288))
     assert trained["mre_mm"] < chance / 8, (trained["mre_mm"], chance)
     assert trained["mre_mm"] < 0.5 * untrained["mre_mm"], (trained["mre_mm"], untrained["mre_mm"])
+
+    # k-shot: three labelled training images as `templates`, plus two pseudo-templates labelled by them
+    kshot = dict(datalist, templates=[it for it in datalist["training"] if it.get("landmarks")][:3])
+    kshot.pop("template", None)
+    kshot_path = tmp_path / "data" / "kshot.json"
+    kshot_path.write_text(json.dumps(kshot))
+    combined = evaluate(kshot_path, tmp_path / "eval_kshot", models / "model.pt", pseudo_candidates=4, pseudo_templates=2)
+    assert len(combined["templates"]) == 5 and combined["template"] == kshot["templates"][0]["image"]
+    held_out = {it["image"] for it in datalist["test"] + datalist["validation"]}
+    assert not held_out & set(combined["templates"])
+    assert combined["mre_mm"] < chance / 8, (combined["mre_mm"], chance)

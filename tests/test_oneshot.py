@@ -178,8 +178,48 @@ def test_scale_weights_and_errors(scene):
         inferer(template, net)
     with pytest.raises(ValueError, match="input grid"):
         inferer(template[..., :64, :64], net)
-    with pytest.raises(ValueError, match="template points"):
+    with pytest.raises(ValueError, match="points must be"):
         OneShotInferer().set_template(template, torch.zeros(3, 3))
+    with pytest.raises(ValueError, match="differ from template 0"):
+        OneShotInferer().set_templates([template, template], [POINTS_2D, POINTS_2D[:3]])
+    with pytest.raises(ValueError, match="template_combine"):
+        OneShotInferer(template_combine="vote")
     finest_only = OneShotInferer(scale_weights=(0.0, 0.0, 0.0, 1.0))
     finest_only.set_template(template, POINTS_2D)
     assert torch.allclose(finest_only(template, net)[0], POINTS_2D.double(), atol=0.02)
+
+
+def test_k_shot_outvotes_a_template_that_fails_and_fills_its_missing_landmark(scene):
+    big, template, net = scene
+    wrong = POINTS_2D.clone()
+    wrong[1] = torch.tensor([20.0, 110.0])  # one template annotated landmark 1 on another structure
+    wrong[3] = float("nan")  # and lacks landmark 3
+    other = crop(big, (20, 12), (128, 128))  # a second correct template: the scene shifted by (-4, 4)
+    image = crop(big, (13, 18), (128, 128))  # the input: shifted by (3, -2)
+    truth = (POINTS_2D + torch.tensor([3.0, -2.0])).double()
+    alone = OneShotInferer()
+    alone.set_template(template, wrong)
+    single = alone(image, net)[0]
+    assert (single[1] - truth[1]).norm() > 40 and torch.isnan(single[3]).all()
+    for rule in ("geometric_median", "median"):
+        inferer = OneShotInferer(template_combine=rule)
+        inferer.set_templates([template, other, template], [POINTS_2D, POINTS_2D + torch.tensor([-4.0, 4.0]), wrong])
+        pred = inferer(image, net)[0]
+        assert (pred - truth).norm(dim=-1).max() < 0.5, rule
+    mean = OneShotInferer(template_combine="mean")
+    mean.set_templates([template, other, template], [POINTS_2D, POINTS_2D + torch.tensor([-4.0, 4.0]), wrong])
+    assert (mean(image, net)[0][1] - truth[1]).norm() > 10  # the non-robust mean is pulled away
+
+
+def test_cycle_error_is_small_for_true_matches_and_large_on_an_unrelated_image(scene):
+    big, template, net = scene
+    points = POINTS_2D.clone()
+    points[4] = float("nan")
+    inferer = OneShotInferer()
+    inferer.set_template(template, points)
+    batch = torch.cat([crop(big, (13, 18), (128, 128)), smooth_random_image((128, 128), seed=7)])
+    per_template, cycle = inferer.predict_per_template(batch, net, cycle=True)
+    assert per_template.shape == (1, 2, 5, 2) and cycle.shape == (1, 2, 5)
+    assert torch.isnan(cycle[0, :, 4]).all()
+    assert cycle[0, 0, :4].max() < 1.0
+    assert cycle[0, 1, :4].mean() > 5.0

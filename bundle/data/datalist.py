@@ -1,10 +1,10 @@
-"""The datalist contract of DESIGN.md: reading, validating and writing landmark datalists.
+"""The datalist contract (README, "Data: the datalist"): reading, validating and writing landmark datalists.
 
 A datalist is a decathlon-style JSON file::
 
     {"name": ..., "spatial_dims": 2, "landmark_names": [...],
      "training": [{"image": ..., "landmarks": [[x, y], ...] | absent}, ...],
-     "validation": [...], "test": [...], "template": {...}}
+     "validation": [...], "test": [...], "template": {...}, "templates": [{...}, ...]}
 
 2D landmarks are ``[x, y]`` pixel coordinates of the original file (x = column, y = row, the centre of
 the top-left pixel at ``[0, 0]``); 3D landmarks are ``[x, y, z]`` world millimetres (RAS). A missing
@@ -105,10 +105,23 @@ def load_datalist(path: str | os.PathLike, check_files: bool = True) -> dict:
             for i, it in enumerate(items)
         ]
     if data.get("template") is not None:
-        out["template"] = _check_item(data["template"], f"{path}:template", spatial_dims, len(names), base, check_files)
-        if "landmarks" not in out["template"]:
-            raise DatalistError(f"{path}:template: the template must carry 'landmarks'")
+        out["template"] = _check_template(data["template"], f"{path}:template", spatial_dims, len(names), base, check_files)
+    templates = data.get("templates")
+    if templates is not None:
+        if not isinstance(templates, list):
+            raise DatalistError(f"{path}: 'templates' must be a list of items with landmarks")
+        out["templates"] = [
+            _check_template(it, f"{path}:templates[{i}]", spatial_dims, len(names), base, check_files) for i, it in enumerate(templates)
+        ]
     return out
+
+
+def _check_template(item: Any, where: str, spatial_dims: int, n_landmarks: int, base: Path, check_files: bool) -> dict:
+    """A checked template item: it must carry at least one landmark."""
+    item = _check_item(item, where, spatial_dims, n_landmarks, base, check_files)
+    if not any(p is not None for p in item.get("landmarks") or []):
+        raise DatalistError(f"{where}: a template must carry 'landmarks', at least one of them not null")
+    return item
 
 
 def save_datalist(datalist: dict, path: str | os.PathLike) -> Path:
@@ -132,6 +145,8 @@ def save_datalist(datalist: dict, path: str | os.PathLike) -> Path:
             out[section] = [rel(it) for it in out[section]]
     if out.get("template") is not None:
         out["template"] = rel(out["template"])
+    if out.get("templates") is not None:
+        out["templates"] = [rel(it) for it in out["templates"]]
     return write_json_atomic(path, out)
 
 

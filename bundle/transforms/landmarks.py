@@ -57,6 +57,14 @@ def world_axis_spacing(affine: np.ndarray) -> np.ndarray:
     return spacing
 
 
+def physical_to_datalist(points_mm, spacing) -> np.ndarray:
+    """Physical points ``(..., D)`` in the datalist convention (the inverse of ``label``): 2D original pixels
+    (mm / spacing), 3D world mm unchanged."""
+    points_mm = np.asarray(points_mm, dtype=np.float64)
+    spacing = np.asarray(spacing, dtype=np.float64)
+    return points_mm / spacing if spacing.size == 2 else points_mm
+
+
 class LandmarkTargetsd(MapTransform):
     """Add ``landmarks``, ``label``, ``spacing`` and ``grid_to_physical`` to an evaluation item (see module doc).
 

@@ -1,6 +1,6 @@
 """MONAI Label infer task: landmarks suggested on a new image by one-shot matching (paper Sec. 3.4).
 
-No input from the user: the bundle's weights and template (the datalist's ``template`` item, or one chosen
+No input from the user: the bundle's weights and templates (the datalist's ``templates`` / ``template`` items, or one chosen
 among its labelled training items) give every landmark. The result is returned in the forms viewers read:
 a 3D Slicer markups file (``.mrk.json``, also under ``markups`` in the result JSON), the points as ``landmarks`` (image
 pixels in 2D / world mm in 3D) and OHIF-style ``centroids`` (``{name: [index, i, j, k]}``, voxel indices).
@@ -22,7 +22,7 @@ from monailabel.interfaces.tasks.infer_v2 import InferTask, InferType
 
 from bundle.data.markups import ControlPoint, write_mrk_json
 from bundle.configs import bundle_parser
-from bundle.engine import load_weights, with_template
+from bundle.engine import load_weights, with_templates
 
 logger = logging.getLogger(__name__)
 CONFIGS = ("configs/train.yaml", "configs/evaluate.yaml")  # the datalist's template; inference.yaml is standalone
@@ -86,9 +86,9 @@ class LandmarkInferTask(InferTask):
         self.device = self.parser.get_parsed_content("device")
         self.network = self.parser.get_parsed_content("network")  # loads ckpt_path
         self._loaded_mtime = self.ckpt_path.stat().st_mtime
-        template = self.parser.get_parsed_content("evaluate#template")
-        self._config["template"] = template["image"]
-        self.inferer = with_template(self.parser.get_parsed_content("evaluate#inferer"), template, self.preprocessing, self.device)
+        templates = self.parser.get_parsed_content("evaluate#templates")
+        self._config["template"] = [t["image"] for t in templates]
+        self.inferer = with_templates(self.parser.get_parsed_content("evaluate#inferer"), templates, self.preprocessing, self.device)
 
     def is_valid(self) -> bool:
         return self._current_checkpoint().is_file()

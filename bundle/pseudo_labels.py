@@ -1,0 +1,84 @@
+"""Pseudo-labels from one-shot matching, with a label-free reliability of each landmark.
+
+From the labelled template(s), unlabelled images are labelled by (k-shot) matching. Each predicted
+landmark gets the forward-backward cycle error of its match (the input's feature at the match, matched
+back into the template, lands this many grid pixels from the template's landmark; the median over the
+templates): a match on the wrong structure rarely returns to where it started. Two uses:
+
+- pseudo-templates (:func:`select_pseudo_templates`): the images whose matches are most reliable, with
+  their unreliable landmarks left out (``null``), become extra templates for k-shot matching;
+- the paper's one-shot stage 2 (CC2D's second stage): every training image with its pseudo-labels trains
+  a heatmap detector (``configs/train_stage2.yaml``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from bundle.oneshot import OneShotInferer, apply_homogeneous
+from bundle.kshot import combine_landmarks
+from bundle.transforms.landmarks import physical_to_datalist
+
+logger = logging.getLogger(__name__)
+
+
+@torch.no_grad()
+def pseudo_label(
+    network: torch.nn.Module, inferer: OneShotInferer, items: Sequence[dict], preprocessing, device: torch.device | str
+) -> list[dict]:
+    """Label ``items`` by matching from the inferer's templates.
+
+    Returns one dict per item: ``item`` (a copy of the datalist item whose ``landmarks`` are the combined
+    predictions in the datalist convention), ``cycle_error`` (``(L,)`` grid pixels, median over the
+    templates; NaN where no template gives the landmark). ``preprocessing`` is the evaluation pipeline
+    (ending with ``LandmarkTargetsd``); the caller's network is put in eval mode.
+    """
+    network.eval()
+    labelled = []
+    for item in items:
+        data = preprocessing({k: v for k, v in item.items() if k != "landmarks"})
+        image = torch.as_tensor(data["image"])[None].float().to(device)
+        per_template, cycle = inferer.predict_per_template(image, network, cycle=True)
+        matrix = torch.as_tensor(data["grid_to_physical"], dtype=torch.float64)
+        physical = combine_landmarks(apply_homogeneous(matrix, per_template[:, 0].cpu()), inferer.template_combine)
+        points = physical_to_datalist(physical.numpy(), torch.as_tensor(data["spacing"]).numpy())
+        landmarks = [None if not np.isfinite(p).all() else [float(v) for v in p] for p in points]
+        errors = cycle[:, 0].cpu()
+        median = torch.where(torch.isnan(errors).all(0), float("nan"), errors.nanmedian(dim=0).values)
+        labelled.append({"item": {**item, "landmarks": landmarks}, "cycle_error": median.numpy()})
+    return labelled
+
+
+def reliable_landmarks(labelled: dict, cycle_tolerance: float) -> dict:
+    """The pseudo-labelled item with every landmark whose cycle error exceeds ``cycle_tolerance`` set to ``None``."""
+    item = dict(labelled["item"])
+    item["landmarks"] = [
+        p if p is not None and np.isfinite(e) and e <= cycle_tolerance else None for p, e in zip(item["landmarks"], labelled["cycle_error"])
+    ]
+    return item
+
+
+def reliability(labelled: dict, cycle_tolerance: float) -> tuple[float, float]:
+    """Sort key of a pseudo-labelled image (higher is better): the fraction of its landmarks whose cycle
+    closes within ``cycle_tolerance``, then the negated median cycle error."""
+    errors = np.asarray(labelled["cycle_error"], dtype=np.float64)
+    closes = np.isfinite(errors) & (errors <= cycle_tolerance)
+    finite = errors[np.isfinite(errors)]
+    return float(closes.mean()), -float(np.median(finite)) if finite.size else -np.inf
+
+
+def select_pseudo_templates(labelled: Sequence[dict], keep: int, cycle_tolerance: float = 2.0) -> list[dict]:
+    """The ``keep`` most reliable pseudo-labelled images (:func:`reliability`) as template items, their
+    unreliable landmarks left out (:func:`reliable_landmarks`)."""
+    if keep < 0:
+        raise ValueError(f"the number of pseudo-templates to keep must be >= 0, got {keep}")
+    ranked = sorted(labelled, key=lambda entry: reliability(entry, cycle_tolerance), reverse=True)
+    chosen = [reliable_landmarks(entry, cycle_tolerance) for entry in ranked[:keep]]
+    for entry, item in zip(ranked, chosen):
+        kept = sum(p is not None for p in item["landmarks"])
+        logger.info("pseudo-template %s: %d of %d landmarks kept (cycle error <= %.1f px)", item["image"], kept, len(item["landmarks"]), cycle_tolerance)
+    return chosen
