@@ -1,0 +1,110 @@
+"""k-shot and pseudo-template measurements on a protocol datalist (docs/results.md, "Several templates").
+
+    python scripts/kshot_study.py selection --datalist runs/hamedan/protocol.json --template 019 --out runs/kshot
+    python scripts/kshot_study.py test --datalist runs/hamedan/protocol.json --out runs/kshot \
+        --runs "[{'name': 'one', 'template': '019'}, {'name': 'five', 'first_labelled': 5}]"
+
+``selection`` chooses the pseudo-template settings without the test images: the template's labels are the
+only ones used; the first ``pool`` other labelled training images are stripped of their landmarks and serve
+as the pseudo-template candidates, and every labelled image outside the test split that is neither the
+template nor a candidate (the validation split and the remaining labelled training images) is evaluated,
+for each setting of ``pseudo_templates`` (M, kept) x ``pseudo_cycle_tolerance``. ``test`` runs the given
+settings on the test split. Each run writes ``OUT/<name>/metrics.json`` (the bundle's evaluating command)
+and the script prints MRE, SDR 2 mm, the share of errors above 10 mm and the wall time.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import fire  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bundle.data.datalist import load_datalist, save_datalist  # noqa: E402
+from bundle.engine import labelled_training_items  # noqa: E402
+from bundle.io_utils import write_json_atomic  # noqa: E402
+from bundle.reporting import read_predictions_csv  # noqa: E402
+
+CONFIGS = ["configs/train.yaml", "configs/evaluate.yaml"]
+
+
+def _find(items: list[dict], stem: str) -> dict:
+    matches = [it for it in items if Path(it["image"]).stem == str(stem)]
+    if len(matches) != 1:
+        raise ValueError(f"{len(matches)} labelled training items named {stem!r}")
+    return matches[0]
+
+
+def _evaluate(datalist: dict, out: Path, ckpt_path: str, **overrides) -> dict:
+    """Run the bundle's evaluating command on ``datalist``; return its metrics plus gross-error share and seconds."""
+    from monai.bundle import run
+
+    out.mkdir(parents=True, exist_ok=True)
+    path = save_datalist(datalist, out / "datalist.json")
+    start = time.perf_counter()
+    run("evaluating", config_file=[str(ROOT / c) for c in CONFIGS], bundle_root=str(ROOT), datalist=str(path),
+        output_dir=str(out), ckpt_path=ckpt_path, overlays=False, progress_bar=False, **overrides)
+    seconds = time.perf_counter() - start
+    metrics = json.loads((out / "metrics.json").read_text())
+    errors = np.array([r["error_mm"] for r in read_predictions_csv(out / "predictions.csv")])
+    errors = errors[np.isfinite(errors)]
+    result = {**overrides, "mre_mm": metrics["mre_mm"], "sdr_2mm": metrics["sdr"]["2.0"], "sdr_4mm": metrics["sdr"]["4.0"],
+              "median_mm": float(np.median(errors)), "over_10mm_percent": float(100 * np.mean(errors > 10.0)),
+              "n_images": metrics["n_images"], "templates": metrics.get("templates", [metrics["template"]]), "seconds": seconds}
+    write_json_atomic(out / "result.json", result)
+    print(f"{out.name}: MRE {result['mre_mm']:.2f} mm, SDR 2 mm {result['sdr_2mm']:.1f} %, > 10 mm "
+          f"{result['over_10mm_percent']:.1f} %, {len(result['templates'])} templates, {seconds:.0f} s", flush=True)
+    return result
+
+
+def selection(datalist: str, template: str, out: str = "runs/kshot", pool: int = 30, keep=(0, 3, 5, 10),
+              tolerances=(1.0, 2.0, 4.0), ckpt_path: str = "models/model.pt") -> list[dict]:
+    """Pseudo-template settings scored on labelled non-test images (see the module doc)."""
+    full = load_datalist(datalist)
+    labelled = labelled_training_items(full)
+    chosen = _find(labelled, template)
+    others = [it for it in labelled if it is not chosen]
+    candidates = [{"image": it["image"]} for it in others[:pool]]
+    scored = [dict(it) for it in others[pool:]] + [dict(it) for it in full["validation"]]
+    study = {"name": f"{full.get('name', 'datalist')} selection", "spatial_dims": full["spatial_dims"],
+             "landmark_names": full["landmark_names"], "training": candidates, "validation": [], "test": scored,
+             "template": chosen}
+    results = []
+    for m in keep:
+        for tol in tolerances if m else tolerances[:1]:
+            name = f"sel_m{m}_tol{tol:g}"
+            results.append({"name": name, **_evaluate(study, Path(out) / name, ckpt_path, pseudo_candidates=pool,
+                                                      pseudo_templates=m, pseudo_cycle_tolerance=tol)})
+    write_json_atomic(Path(out) / "selection.json", results)
+    return results
+
+
+def test(datalist: str, runs: list, out: str = "runs/kshot", ckpt_path: str = "models/model.pt") -> list[dict]:
+    """Each run on the test split: ``template`` (an image stem: that labelled training item alone) or
+    ``first_labelled`` (the first K labelled training items as ``templates``), plus any config overrides
+    (``pseudo_candidates``, ``pseudo_templates``, ``pseudo_cycle_tolerance``, ``template_combine``)."""
+    full = load_datalist(datalist)
+    labelled = labelled_training_items(full)
+    results = []
+    for spec in runs:
+        spec = dict(spec)
+        name = spec.pop("name")
+        variant = dict(full)
+        if "template" in spec:
+            variant["template"] = _find(labelled, spec.pop("template"))
+        if "first_labelled" in spec:
+            variant["templates"] = labelled[: int(spec.pop("first_labelled"))]
+        results.append({"name": name, **_evaluate(variant, Path(out) / name, ckpt_path, **spec)})
+    write_json_atomic(Path(out) / "test.json", results)
+    return results
+
+
+if __name__ == "__main__":
+    fire.Fire({"selection": selection, "test": test})
