@@ -42,12 +42,19 @@ def _find(items: list[dict], stem: str) -> dict:
     return matches[0]
 
 
+def _absolute(item: dict) -> dict:
+    """The item with its image path absolute (load_datalist gives paths relative to the working directory)."""
+    return {**item, "image": str(Path(item["image"]).resolve())}
+
+
 def _evaluate(datalist: dict, out: Path, ckpt_path: str, **overrides) -> dict:
     """Run the bundle's evaluating command on ``datalist``; return its metrics plus gross-error share and seconds."""
     from monai.bundle import run
 
     out.mkdir(parents=True, exist_ok=True)
-    path = save_datalist(datalist, out / "datalist.json")
+    absolute = {k: ([_absolute(it) for it in v] if k in ("training", "validation", "test", "templates") else _absolute(v) if k == "template" else v)
+                for k, v in datalist.items()}
+    path = save_datalist(absolute, out / "datalist.json")
     start = time.perf_counter()
     run("evaluating", config_file=[str(ROOT / c) for c in CONFIGS], bundle_root=str(ROOT), datalist=str(path),
         output_dir=str(out), ckpt_path=ckpt_path, overlays=False, progress_bar=False, **overrides)

@@ -1,4 +1,4 @@
-"""Write a landmark datalist (DESIGN.md "Public contract") from a labelled data set.
+"""Write a landmark datalist (the README's datalist contract) from a labelled data set.
 
 Run from the repository root::
 

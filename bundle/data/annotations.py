@@ -90,7 +90,7 @@ class MultiAnnotatorSet:
         return np.concatenate(dists) if dists else np.zeros(0)
 
     def to_datalist(self, name: str, spacing: Sequence[float] | None = None) -> dict:
-        """The DESIGN.md datalist: reference landmarks (``null`` where missing), optional fixed ``spacing``."""
+        """The datalist item: reference landmarks (``null`` where missing), optional fixed ``spacing``."""
         dims = None
         sections: dict[str, list[dict]] = {s: [] for s in SECTIONS}
         for image_id in sorted(self.images, key=natural_key):

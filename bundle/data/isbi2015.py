@@ -9,7 +9,7 @@ Layout::
 
 Each annotation file holds 19 lines ``x,y`` in pixels (x = column, y = row), then classification labels
 that are ignored. The reference is the mean of the senior and the junior doctor; the pixel spacing is
-0.1 mm. The paper's reference numbers (DESIGN.md) are measured on this set.
+0.1 mm. The paper's reference numbers are measured on this set.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """3D Slicer point lists (.fcsv and .mrk.json): reading to, and writing from, RAS world millimetres.
 
-3D landmarks of a datalist are RAS world coordinates (DESIGN.md). Slicer files state their frame:
+3D landmarks of a datalist are RAS world coordinates (the datalist contract). Slicer files state their frame:
 ``.fcsv`` in a header line ``# CoordinateSystem = RAS|LPS`` (``0`` = RAS, ``1`` = LPS in files older
 than Slicer 4.11, RAS when the line is absent); ``.mrk.json`` in ``markups[i].coordinateSystem``
 (LPS when absent, the schema's default). LPS and RAS differ by the sign of x and y.

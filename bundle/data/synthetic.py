@@ -18,7 +18,7 @@ canonical model with perturbed shape parameters, seen through a smooth invertibl
 (voxel) into the model frame; landmarks by inverting the same map, so both share one exact geometry.
 Intensity gain / offset / gamma (2D), tissue levels (3D), texture and noise vary per subject.
 
-Datalists follow DESIGN.md: 2D landmarks ``[x, y]`` in pixels (x the column), 3D landmarks ``[x, y, z]``
+Datalists follow the README's contract: 2D landmarks ``[x, y]`` in pixels (x the column), 3D landmarks ``[x, y, z]``
 world millimetres in RAS (``world = affine @ [i, j, k, 1]`` with nibabel's affine).
 """
 

@@ -1,4 +1,4 @@
-"""MONAI dictionary transforms of the paper's method (public names of DESIGN.md)."""
+"""MONAI dictionary transforms of the paper's method (the public names of the README)."""
 
 from bundle.transforms.entropy import EntropyMapd, local_entropy
 from bundle.transforms.intensity import InfoGuidedIntensityd
