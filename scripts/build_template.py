@@ -5,7 +5,7 @@
 
 The shipped ``models/template_features.pt`` is built this way from the Hamedan protocol datalist, made by
 
-    python scripts/prepare_data.py labelme ../shared/data/hamedan_ceph runs/hamedan/protocol.json --names isbi \
+    python scripts/prepare_data.py labelme HAMEDAN_DIR runs/hamedan/protocol.json --names isbi \
         --spacing "[0.12,0.12]" --validation_fraction 0.1 --test_fraction 0.3 --seed 0 --keep_held_out_images true
 
 with K = 6 templates: image 019 (the evaluation's template, chosen by the default rule ``landmarks``, see
