@@ -219,13 +219,15 @@ def resolve_templates(
         return templates
     pool = pseudo_template_pool(datalist, templates)[:pseudo_candidates]
     if len(pool) < pseudo_templates:
-        raise ValueError(
-            f"pseudo_templates={pseudo_templates} but only {len(pool)} training images outside the templates and the "
-            f"validation/test splits are available (pseudo_candidates={pseudo_candidates})"
+        logging.getLogger(__name__).warning(
+            "pseudo_templates=%d but only %d training images outside the templates and the validation/test splits "
+            "(pseudo_candidates=%d): all of them are labelled and kept", pseudo_templates, len(pool), pseudo_candidates,
         )
+    if not pool:
+        return templates
     inferer = with_templates(OneShotInferer(template_combine=combine), templates, preprocessing, device)
     labelled = pseudo_label(network, inferer, pool, preprocessing, device)
-    return templates + select_pseudo_templates(labelled, pseudo_templates, cycle_tolerance)
+    return templates + select_pseudo_templates(labelled, min(pseudo_templates, len(pool)), cycle_tolerance)
 
 
 class AtomicCheckpointSaver(CheckpointSaver):
