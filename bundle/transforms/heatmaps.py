@@ -1,0 +1,79 @@
+"""Heatmap training targets of the stage-2 detector (CC2D's second stage; the supervised fine-tuning).
+
+:class:`GaussianHeatmapd` renders, after ``LandmarkTargetsd``, one Gaussian per landmark on the network
+grid (sigma in grid pixels) as a multi-channel ``heatmap`` with the image's metadata, and a per-landmark
+``landmark_mask`` (0 where the landmark is missing, ``null`` in the datalist: that channel is left out of
+the loss). Being a MetaTensor on the same grid as the image, the heatmap goes through MONAI's
+``RandAffined`` together with the image (same random rotation, scale and translation), so the target
+follows the augmented image exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable, Mapping, Sequence
+
+import torch
+from monai.config import KeysCollection
+from monai.data import MetaTensor
+from monai.transforms import MapTransform
+
+from bundle.engine import grid_landmarks
+
+__all__ = ["GaussianHeatmapd", "render_gaussian_heatmaps"]
+
+
+def render_gaussian_heatmaps(points: torch.Tensor, grid_size: Sequence[int], sigma: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gaussians ``exp(-|x - p|^2 / (2 sigma^2))`` ``(L, *grid_size)`` (float32, peak 1 at a point on a pixel
+    centre) at grid ``points`` ``(L, D)``, and the mask ``(L,)`` (1 = valid, 0 = NaN point, all-zero channel)."""
+    if sigma <= 0:
+        raise ValueError(f"sigma must be positive, got {sigma}")
+    points = torch.as_tensor(points, dtype=torch.float64)
+    dims = len(grid_size)
+    if points.ndim != 2 or points.shape[1] != dims:
+        raise ValueError(f"points must be (L, {dims}), got {tuple(points.shape)}")
+    valid = torch.isfinite(points).all(dim=1)
+    safe = torch.where(valid[:, None], points, torch.zeros_like(points))
+    total = torch.zeros((points.shape[0], *grid_size), dtype=torch.float64)
+    for axis, size in enumerate(grid_size):
+        coord = torch.arange(size, dtype=torch.float64)
+        d2 = (coord[None, :] - safe[:, axis : axis + 1]) ** 2  # (L, size)
+        shape = [points.shape[0]] + [1] * dims
+        shape[axis + 1] = size
+        total = total + d2.reshape(shape)
+    heatmaps = torch.exp(-total / (2.0 * sigma**2)) * valid.reshape(-1, *([1] * dims))
+    return heatmaps.to(torch.float32), valid.to(torch.float32)
+
+
+class GaussianHeatmapd(MapTransform):
+    """Add ``heatmap_key`` ``(L, *S)`` and ``mask_key`` ``(L,)`` to an item prepared by ``LandmarkTargetsd``.
+
+    The landmarks' grid positions come from the item's ``label`` and ``grid_to_physical``
+    (:func:`bundle.engine.grid_landmarks`), the grid from the image ``keys`` (one key); the heatmap is a
+    MetaTensor with the image's metadata (affine), ready for a joint spatial augmentation.
+    """
+
+    def __init__(
+        self, keys: KeysCollection, sigma: float = 2.0, heatmap_key: str = "heatmap", mask_key: str = "landmark_mask",
+        allow_missing_keys: bool = False,
+    ) -> None:
+        super().__init__(keys, allow_missing_keys)
+        if len(self.keys) != 1:
+            raise ValueError(f"GaussianHeatmapd takes one image key, got {self.keys}")
+        if sigma <= 0:
+            raise ValueError(f"sigma must be positive, got {sigma}")
+        self.sigma = float(sigma)
+        self.heatmap_key = heatmap_key
+        self.mask_key = mask_key
+
+    def __call__(self, data: Mapping[Hashable, torch.Tensor]) -> dict:
+        d = dict(data)
+        image = d[self.first_key(d)]
+        if "label" not in d or "grid_to_physical" not in d:
+            raise KeyError("GaussianHeatmapd needs 'label' and 'grid_to_physical': put LandmarkTargetsd before it")
+        points, _ = grid_landmarks(d)
+        heatmaps, mask = render_gaussian_heatmaps(points, tuple(image.shape[1:]), self.sigma)
+        if isinstance(image, MetaTensor):
+            heatmaps = MetaTensor(heatmaps, meta=dict(image.meta), applied_operations=list(image.applied_operations))
+        d[self.heatmap_key] = heatmaps
+        d[self.mask_key] = mask
+        return d

@@ -1,0 +1,164 @@
+"""Stage 2 (CC2D's second stage) and fine-tuning: heatmap targets, joint augmentation, masked loss, encoder
+initialisation, the heatmap inferer, and a tiny pseudo-label training + evaluation through monai.bundle.run."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from monai.bundle import ConfigParser, run
+from monai.data import MetaTensor
+from monai.transforms import RandAffined
+
+from bundle.data.datalist import load_datalist
+from bundle.data.synthetic import generate_synthetic_2d
+from bundle.networks.contrastive import ContrastiveLandmarkNet
+from bundle.networks.detector import HeatmapDetector
+from bundle.oneshot import refine_peaks
+from bundle.stage2 import HeatmapInferer, MaskedHeatmapLoss
+from bundle.transforms.heatmaps import GaussianHeatmapd, render_gaussian_heatmaps
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = {"image_size": [64, 64], "crop_size": [32, 32], "num_queries": 8, "batch_size": 4, "progress_bar": False, "seed": 0}
+
+
+def _item(points: np.ndarray, size=(48, 56)) -> dict:
+    """An item as LandmarkTargetsd leaves it, with grid = physical (identity grid_to_physical)."""
+    image = MetaTensor(torch.rand(1, *size))
+    return {"image": image, "label": torch.as_tensor(points, dtype=torch.float32), "grid_to_physical": torch.eye(3, dtype=torch.float64)}
+
+
+def test_heatmap_peak_is_at_the_landmark_subpixel():
+    points = np.array([[10.3, 20.6], [30.0, 7.25], [np.nan, np.nan]])
+    d = GaussianHeatmapd("image", sigma=2.0)(_item(points))
+    heatmap, mask = d["heatmap"], d["landmark_mask"]
+    assert heatmap.shape == (3, 48, 56) and mask.tolist() == [1.0, 1.0, 0.0]
+    assert float(heatmap[2].abs().max()) == 0.0
+    # analytic values: exp(-|x - p|^2 / (2 sigma^2)) at pixel centres
+    assert float(heatmap[0, 10, 21]) == pytest.approx(math.exp(-(0.3**2 + 0.4**2) / 8.0), abs=1e-6)
+    assert float(heatmap[1, 30, 7]) == pytest.approx(math.exp(-(0.25**2) / 8.0), abs=1e-6)
+    # a parabola through the log-heatmap is exact; through the heatmap itself close
+    exact, _ = refine_peaks(torch.log(heatmap[None, :2].clamp_min(1e-30)), step=1)
+    assert torch.allclose(exact[0], torch.as_tensor(points[:2]), atol=1e-4)
+    approx, _ = refine_peaks(heatmap[None, :2], step=1)
+    assert torch.allclose(approx[0], torch.as_tensor(points[:2]), atol=0.1)
+
+
+def test_rand_affine_keeps_the_heatmap_peak_at_the_transformed_landmark():
+    points = np.array([[20.4, 25.7], [30.2, 18.9]])
+    d = GaussianHeatmapd("image", sigma=2.5)(_item(points, size=(56, 56)))
+    affine = RandAffined(
+        ["image", "heatmap"], prob=1.0, rotate_range=0.4, scale_range=(0.15, 0.15), translate_range=(4, 4),
+        mode=["bilinear", "bilinear"], padding_mode="zeros",
+    )
+    affine.set_random_state(3)
+    out = affine(d)
+    # the heatmap keeps the image's metadata and follows the same transform
+    assert torch.allclose(out["heatmap"].affine, out["image"].affine)
+    matrix = out["heatmap"].affine.double()
+    matrix = matrix[[0, 1, -1]][:, [0, 1, -1]]  # the 2D part of MONAI's (4, 4) affine
+    assert not torch.allclose(matrix, torch.eye(3, dtype=matrix.dtype))
+    # a landmark at index p (identity affine before) is at index inv(A_out) p after the transform
+    moved = (torch.linalg.inv(matrix) @ torch.cat([torch.as_tensor(points), torch.ones(2, 1)], 1).T).T[:, :2]
+    found, _ = refine_peaks(torch.log(out["heatmap"].as_tensor()[None].clamp_min(1e-30)), step=1)
+    assert torch.allclose(found[0], moved, atol=0.25), (found, moved)
+
+
+def test_masked_loss_ignores_missing_landmarks():
+    torch.manual_seed(0)
+    target, _ = render_gaussian_heatmaps(torch.tensor([[5.0, 6.0], [9.0, 3.0], [2.0, 2.0]]), (16, 16), 2.0)
+    target = target[None].repeat(2, 1, 1, 1)
+    mask = torch.tensor([[1.0, 0.0, 1.0], [1.0, 0.0, 0.0]])
+    for kind in ("bce", "mse"):
+        loss = MaskedHeatmapLoss(kind, pos_weight=10.0)
+        pred = torch.randn(2, 3, 16, 16, requires_grad=True)
+        value = loss(pred, (target, mask))
+        value.backward()
+        assert float(pred.grad[:, 1].abs().max()) == 0.0 and float(pred.grad[1, 2].abs().max()) == 0.0
+        changed = pred.detach().clone()
+        changed[:, 1] += 100.0
+        changed[1, 2] -= 50.0
+        assert float(loss(changed, (target, mask))) == pytest.approx(float(value), rel=1e-6)
+        # equals the mean over the valid channels
+        valid = [loss(pred[b : b + 1, c : c + 1].detach(), target[b : b + 1, c : c + 1]) for b, c in ((0, 0), (0, 2), (1, 0))]
+        assert float(value) == pytest.approx(float(sum(valid)) / 3, rel=1e-5)
+
+
+def test_detector_encoder_loads_the_stage1_weights(tmp_path):
+    torch.manual_seed(1)
+    stage1 = ContrastiveLandmarkNet(spatial_dims=2)
+    torch.save(stage1.state_dict(), tmp_path / "model.pt")
+    detector = HeatmapDetector(spatial_dims=2, n_landmarks=5, init_checkpoint=tmp_path / "model.pt")
+    reference = stage1.image_encoder.state_dict()
+    loaded = detector.image_encoder.state_dict()
+    assert loaded.keys() == reference.keys()
+    assert all(torch.equal(loaded[k], reference[k]) for k in reference)
+    random = HeatmapDetector(spatial_dims=2, n_landmarks=5)
+    assert not all(torch.equal(random.image_encoder.state_dict()[k], reference[k]) for k in reference)
+    out = detector.eval()(torch.rand(2, 1, 32, 48))
+    assert out.shape == (2, 5, 32, 48)
+    torch.save({"something": torch.zeros(1)}, tmp_path / "other.pt")
+    with pytest.raises(RuntimeError, match="image_encoder"):
+        HeatmapDetector(spatial_dims=2, n_landmarks=5, init_checkpoint=tmp_path / "other.pt")
+
+
+def test_heatmap_inferer_returns_physical_landmarks():
+    points = torch.tensor([[[4.2, 9.7], [12.5, 3.1]]], dtype=torch.float64)
+    maps, _ = render_gaussian_heatmaps(points[0], (20, 16), 1.5)
+    logits = torch.logit(maps.clamp(1e-6, 1 - 1e-6))[None]
+    matrix = torch.tensor([[0.5, 0.0, 1.0], [0.0, 0.25, -2.0], [0.0, 0.0, 1.0]], dtype=torch.float64)
+    found = HeatmapInferer()(torch.zeros(1, 1, 20, 16), lambda x: logits, grid_to_physical=matrix[None])
+    assert found.shape == (1, 2, 2) and found.dtype == torch.float64
+    expected = points @ matrix[:2, :2].T + matrix[:2, 2]
+    assert torch.allclose(found, expected, atol=0.06)
+
+
+def test_finetune_config_uses_the_first_labelled_training_items(tmp_path):
+    datalist_path = generate_synthetic_2d(tmp_path / "data", n_training=8, n_validation=1, n_test=1, seed=5)
+    parser = ConfigParser()
+    parser.read_config([str(ROOT / f"configs/{c}.yaml") for c in ("train", "train_stage2", "finetune")])
+    parser.update({"bundle_root": str(ROOT), "datalist": str(datalist_path), "n_labelled": 2})
+    items = parser.get_parsed_content("stage2#items")
+    labelled = [it for it in load_datalist(datalist_path)["training"] if it.get("landmarks")]
+    assert [it["image"] for it in items] == [it["image"] for it in labelled[:2]]
+    assert parser.get_parsed_content("stage2#templates") == []
+    assert parser.get_parsed_content("ckpt_dir").endswith("models/finetune")
+
+
+def test_tiny_stage2_training_and_evaluation_beat_chance(tmp_path):
+    from tests.test_end_to_end import chance_mre_mm
+
+    datalist_path = generate_synthetic_2d(tmp_path / "data", n_training=8, n_validation=1, n_test=2, seed=3)
+    datalist = load_datalist(datalist_path)
+    common = dict(bundle_root=str(ROOT), datalist=str(datalist_path), **TINY)
+    run("training", config_file=str(ROOT / "configs/train.yaml"), output_dir=str(tmp_path / "t1"),
+        ckpt_dir=str(tmp_path / "m1"), epochs=2, epoch_length=10, val_interval=2, **common)
+    stage2 = [str(ROOT / f"configs/{c}.yaml") for c in ("train", "train_stage2")]
+    run("training", config_file=stage2, output_dir=str(tmp_path / "t2"), ckpt_dir=str(tmp_path / "m2"),
+        stage1_ckpt=str(tmp_path / "m1" / "model.pt"), epochs=3, epoch_length=10, val_interval=3, **common)
+    assert (tmp_path / "m2" / "model.pt").is_file() and (tmp_path / "m2" / "model_final.pt").is_file()
+    pseudo = json.loads((tmp_path / "t2" / "pseudo_labels.json").read_text())
+    held_out = {it["image"] for it in datalist["validation"] + datalist["test"]}
+    templates = set(pseudo["pseudo_labels"]["templates"])
+    expected = templates | {it["image"] for it in datalist["training"] if it["image"] not in held_out}
+    assert {it["image"] for it in pseudo["training"]} == expected and len(pseudo["training"]) == len(expected)
+    assert not held_out & {it["image"] for it in pseudo["training"]}
+    assert set(pseudo["pseudo_labels"]["cycle_error"]) == {it["image"] for it in pseudo["training"]} - set(pseudo["pseudo_labels"]["templates"])
+
+    out = tmp_path / "eval"
+    run("evaluating", config_file=stage2 + [str(ROOT / f"configs/{c}.yaml") for c in ("evaluate", "evaluate_detector")],
+        output_dir=str(out), ckpt_path=str(tmp_path / "m2" / "model.pt"), **common)
+    metrics = json.loads((out / "metrics.json").read_text())
+    for key in ("n_images", "n_landmarks", "mre_mm", "mre_std_mm", "mre_px", "sdr", "per_landmark_mre_mm", "template", "checkpoint"):
+        assert key in metrics
+    assert metrics["n_images"] == 2 and metrics["template"] == pseudo["pseudo_labels"]["templates"][0]
+    with open(out / "predictions.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 2 * len(datalist["landmark_names"])
+    chance = chance_mre_mm(datalist, (256, 288))
+    assert metrics["mre_mm"] < chance / 4, (metrics["mre_mm"], chance)
