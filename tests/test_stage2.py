@@ -137,10 +137,10 @@ def test_tiny_stage2_training_and_evaluation_beat_chance(tmp_path):
     datalist = load_datalist(datalist_path)
     common = dict(bundle_root=str(ROOT), datalist=str(datalist_path), **TINY)
     run("training", config_file=str(ROOT / "configs/train.yaml"), output_dir=str(tmp_path / "t1"),
-        ckpt_dir=str(tmp_path / "m1"), epochs=2, epoch_length=10, val_interval=2, **common)
+        ckpt_dir=str(tmp_path / "m1"), epochs=2, epoch_length=15, val_interval=2, **common)
     stage2 = [str(ROOT / f"configs/{c}.yaml") for c in ("train", "train_stage2")]
     run("training", config_file=stage2, output_dir=str(tmp_path / "t2"), ckpt_dir=str(tmp_path / "m2"),
-        stage1_ckpt=str(tmp_path / "m1" / "model.pt"), epochs=3, epoch_length=10, val_interval=3, **common)
+        stage1_ckpt=str(tmp_path / "m1" / "model.pt"), epochs=4, epoch_length=15, val_interval=4, **common)
     assert (tmp_path / "m2" / "model.pt").is_file() and (tmp_path / "m2" / "model_final.pt").is_file()
     pseudo = json.loads((tmp_path / "t2" / "pseudo_labels.json").read_text())
     held_out = {it["image"] for it in datalist["validation"] + datalist["test"]}

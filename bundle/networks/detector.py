@@ -98,6 +98,10 @@ class HeatmapDetector(nn.Module):
             Convolution(spatial_dims, head_channels, head_channels, kernel_size=3, act="relu", norm="batch"),
             Convolution(spatial_dims, head_channels, self.n_landmarks, kernel_size=1, conv_only=True),
         )
+        # background prior of the logits (RetinaNet's focal-loss initialisation): heatmaps are mostly ~0, so
+        # training does not spend its first iterations learning the bias
+        final = self.head[-1].conv
+        nn.init.constant_(final.bias, -4.6)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         size = tuple(x.shape[2:])
