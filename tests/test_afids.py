@@ -4,6 +4,7 @@ experiment's datalist (skipped when the autoafids package is not installed)."""
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import nibabel as nib
 import numpy as np
@@ -23,6 +24,8 @@ from bundle.afids import (
     working_grid,
 )
 from bundle.data.datalist import load_datalist
+
+ROOT = Path(__file__).resolve().parents[1]
 
 needs_autoafids = pytest.mark.skipif(
     importlib.util.find_spec("autoafids") is None, reason="autoafids not installed (pip install --no-deps -r requirements-3d.txt)"
@@ -79,7 +82,7 @@ def test_resources_and_ground_truth_afids():
 def test_prepare_afids_datalist(tmp_path):
     path = prepare_afids_datalist(tmp_path, n_training=2, n_test=1, spacing=6.0, seed=3)
     datalist = load_datalist(path)
-    assert len(datalist["training"]) == 2 and all("landmarks" not in it for it in datalist["training"])
+    assert len(datalist["training"]) == 2
     groups = sorted(group_of(it["image"]) for it in datalist["test"])
     assert groups == ["T1w -> T2w", "T1w -> warped T1w", "T1w -> warped T2w"]
     _, afids = read_afids(afids_files()["afids"])
@@ -88,3 +91,18 @@ def test_prepare_afids_datalist(tmp_path):
     np.testing.assert_allclose(np.linalg.norm(image.affine[:3, :3], axis=0), 6.0)
     warped = next(it for it in datalist["test"] if group_of(it["image"]) == "T1w -> warped T1w")
     assert np.abs(np.asarray(warped["landmarks"]) - afids).max() > 1.0
+    # the training warps carry their AFIDs (k-shot templates; training never reads them), each moved by its warp
+    for item in datalist["training"]:
+        assert np.asarray(item["landmarks"]).shape == (32, 3) and np.abs(np.asarray(item["landmarks"]) - afids).max() > 1.0
+
+    # afids_check --templates k: the T1w template and the first k - 1 training warps with their AFIDs
+    spec = importlib.util.spec_from_file_location("afids_check", ROOT / "scripts" / "afids_check.py")
+    afids_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(afids_check)
+    kshot = load_datalist(afids_check.kshot_datalist(datalist, 3, tmp_path / "datalist_k3.json"))
+    assert "template" not in kshot and [it["image"] for it in kshot["templates"]] == [datalist["template"]["image"]] + [
+        it["image"] for it in datalist["training"]]
+    np.testing.assert_allclose(kshot["templates"][2]["landmarks"], datalist["training"][1]["landmarks"])
+    assert kshot["test"] == datalist["test"] and afids_check.setting_name(1, 5) == "k1_pseudo5"
+    with pytest.raises(ValueError, match="at most 3 templates"):
+        afids_check.kshot_datalist(datalist, 4, tmp_path / "datalist_k4.json")
