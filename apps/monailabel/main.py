@@ -1,22 +1,32 @@
-"""MONAI Label app of the bundle: landmark suggestion on new images and training on the server's images.
+"""MONAI Label app of the bundle: an annotation loop for anatomical landmarks.
 
     monailabel start_server --app apps/monailabel --studies STUDIES [--conf datalist PATH] [--conf ckpt_path PATH]
 
-Infer task ``landmarks``: every landmark of the bundle's template on the image, from the shipped model
-(``models/model.pt`` or ``--conf ckpt_path``; the app's own ``model/model.pt`` as soon as the train task
-has written it), with no user input.
-Train task ``landmarks``: the bundle's self-supervised training on the datastore's images.
-Conf keys: ``bundle_root`` (default: the repository holding this app), ``datalist`` (default: the
-bundle's embedded synthetic datalist, generated when missing), ``ckpt_path``, ``epochs``.
+- Infer task ``landmarks``: every landmark on an image of the datastore (``?image=ID``) or an uploaded file, no
+  user input. Templates: the datastore's images with a saved label (k-shot, combined per landmark by the
+  bundle's ``template_combine``), else the bundle's templates (the datalist's, resolved on first use).
+- Train task ``landmarks``: fine-tunes the served weights on the datastore's images; the new weights replace
+  the served ones only when they score better on the saved labels (see landmark_tasks/train.py).
+- Strategies ``first`` / ``last`` (sorted ids, unlabelled only) beside MONAI Label's ``random``.
+
+Image ids are confined to the datastore: a path, ``..`` or an unknown id is answered 4xx, as is an unreadable
+image or label (the message names it). Start-up does no heavy work: network, templates and the bundle's
+template search wait for the first request.
+
+Conf keys: ``bundle_root`` (default: the repository holding this app), ``datalist`` (default: the bundle's
+embedded synthetic datalist, generated when missing), ``ckpt_path`` (the shipped weights), ``epochs``.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 
 from monailabel.interfaces.app import MONAILabelApp
+from monailabel.interfaces.exception import MONAILabelException
+from monailabel.config import settings
 
 APP_DIR = Path(__file__).resolve().parent
 logger = logging.getLogger(__name__)
@@ -31,26 +41,96 @@ class LandmarkApp(MONAILabelApp):
             if path not in sys.path:
                 sys.path.insert(0, path)
         from bundle import __version__ as bundle_version
+        from landmark_tasks.common import BundleContext
 
         self.model_dir = Path(app_dir) / "model"
-        self.datalist = conf.get("datalist", str(self.bundle_root / "data" / "synthetic_2d" / "datalist.json"))
-        self.ckpt_path = Path(conf.get("ckpt_path", self.bundle_root / "models" / "model.pt"))
+        self.context = BundleContext(
+            self.bundle_root,
+            conf.get("datalist", str(self.bundle_root / "data" / "synthetic_2d" / "datalist.json")),
+            Path(conf.get("ckpt_path", self.bundle_root / "models" / "model.pt")),
+            self.model_dir,
+        )
         self.train_defaults = {"epochs": int(conf.get("epochs", 10))}
         super().__init__(
             app_dir=app_dir,
             studies=studies,
             conf=conf,
             name="Information-guided one-shot landmarks",
-            description="Landmark suggestions from one template by pixel-wise contrastive features (Quan et al., CVPR 2023)",
+            description="Landmark suggestions from the labelled images (k-shot) by pixel-wise contrastive features "
+                        "(Quan et al., CVPR 2023), fine-tuned on the server's images",
             version=bundle_version,
+        )
+        if "monailabel.app" in sys.modules:  # the server process (not a training child)
+            from landmark_tasks.guards import install_infer_guard, install_train_guard
+            from landmark_tasks.train import validate_options
+
+            install_infer_guard()
+            install_train_guard(lambda params: validate_options(params, spatial_dims=self.context.spatial_dims))
+
+    # ---- MONAI Label hooks ---------------------------------------------------------------------------
+    def init_datastore(self):
+        from landmark_tasks.datastore import LandmarkDatastore
+
+        if self.studies.startswith(("http://", "https://")):
+            return super().init_datastore()
+        return LandmarkDatastore(
+            self.studies,
+            check_image=lambda path, name: self.context.prepare({"image": path}, name),
+            check_label=lambda label, image, image_id: self.context.label_landmarks(label, image, f"image {image_id!r}"),
+            auto_reload=settings.MONAI_LABEL_DATASTORE_AUTO_RELOAD,
+            read_only=settings.MONAI_LABEL_DATASTORE_READ_ONLY,
         )
 
     def init_infers(self):
         from landmark_tasks.infer import LandmarkInferTask
 
-        return {"landmarks": LandmarkInferTask(self.bundle_root, self.ckpt_path, self.model_dir / "model.pt", datalist=self.datalist)}
+        return {"landmarks": LandmarkInferTask(self.context, datastore=self.datastore)}
 
     def init_trainers(self):
         from landmark_tasks.train import BundleTrainTask
 
-        return {"landmarks": BundleTrainTask(self.bundle_root, self.model_dir, self.datalist, self.train_defaults)}
+        return {"landmarks": BundleTrainTask(self.context, self.train_defaults)}
+
+    def init_strategies(self):
+        from landmark_tasks.strategy import OrderedStrategy
+
+        return {**super().init_strategies(), "first": OrderedStrategy(last=False), "last": OrderedStrategy(last=True)}
+
+    def infer(self, request, datastore=None):
+        """Confine ``image`` to the datastore (or an upload of this request) and answer errors 4xx with their cause."""
+        from fastapi import HTTPException
+        from landmark_tasks.common import ImageError
+        from landmark_tasks.guards import upload_name
+
+        request = dict(request)
+        image = request.get("image")
+        name = upload_name(image)
+        datastore = datastore or self.datastore()
+        if name is not None:
+            request["image_name"] = name
+            request.pop("image_id", None)
+        else:
+            if not isinstance(image, str) or not image:
+                raise HTTPException(status_code=400, detail="landmarks infer: give an image id of the datastore (?image=ID) or upload a file")
+            if os.path.isabs(image) or ".." in Path(image).parts or "\\" in image or "/" in image:
+                raise HTTPException(
+                    status_code=400,
+                    detail=f"landmarks infer: {image!r} is a path; only image ids of the datastore are accepted (or upload the file)",
+                )
+            uri = datastore.get_image_uri(image)
+            if not uri or not os.path.isfile(uri):
+                raise HTTPException(status_code=404, detail=f"landmarks infer: no image {image!r} in the datastore")
+            request.update(image=uri, image_id=image, image_name=image)
+        try:
+            return super().infer(request, datastore)
+        except HTTPException:
+            raise
+        except ImageError as e:
+            raise HTTPException(status_code=422, detail=str(e)) from None
+        except MONAILabelException as e:
+            raise HTTPException(status_code=400, detail=e.msg) from None
+        except (FileNotFoundError, ValueError) as e:
+            raise HTTPException(status_code=422, detail=f"landmarks infer on {request.get('image_name')!r}: {e}") from None
+        except Exception as e:
+            logger.exception("landmarks infer failed")
+            raise HTTPException(status_code=500, detail=f"landmarks infer on {request.get('image_name')!r} failed: {type(e).__name__}: {e}") from None

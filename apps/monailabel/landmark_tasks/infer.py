@@ -1,9 +1,15 @@
-"""MONAI Label infer task: landmarks suggested on a new image by one-shot matching (paper Sec. 3.4).
+"""MONAI Label infer task: landmarks suggested on an image by one-shot / k-shot matching (paper Sec. 3.4).
 
-No input from the user: the bundle's weights and templates (the datalist's ``templates`` / ``template`` items, or one chosen
-among its labelled training items) give every landmark. The result is returned in the forms viewers read:
-a 3D Slicer markups file (``.mrk.json``, also under ``markups`` in the result JSON), the points as ``landmarks`` (image
-pixels in 2D / world mm in 3D) and OHIF-style ``centroids`` (``{name: [index, i, j, k]}``, voxel indices).
+No input from the user. Templates (k-shot): every image of the datastore with a saved label (tag ``final``,
+a 3D Slicer ``.mrk.json`` / ``.fcsv``), their predictions combined per landmark by the bundle's
+``template_combine`` rule (the geometric median by default); the image being inferred is never its own
+template. With no saved label, the bundle's templates (``evaluate#templates`` of the configured datalist,
+resolved on the first request and cached). The reply names the templates it used.
+
+The result is returned in the forms viewers read: a 3D Slicer markups file (``.mrk.json``, also under
+``markups`` in the result JSON, in the image's own LPS frame so that Slicer shows it over the image), the
+points as ``landmarks`` (image pixels in 2D / world mm in 3D) and OHIF-style ``centroids``
+(``{name: [index, i, j, k]}``).
 """
 
 from __future__ import annotations
@@ -14,18 +20,18 @@ import os
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 from monailabel.interfaces.tasks.infer_v2 import InferTask, InferType
 
 from bundle.data.markups import ControlPoint, write_mrk_json
-from bundle.configs import bundle_parser
-from bundle.engine import load_weights, with_templates
+from bundle.engine import load_weights
+
+from .common import BundleContext, file_key
 
 logger = logging.getLogger(__name__)
-CONFIGS = ("configs/train.yaml", "configs/evaluate.yaml")  # the datalist's template; inference.yaml is standalone
 
 
 def landmark_result(names: list[str], points_mm: np.ndarray, spacing: np.ndarray) -> dict[str, Any]:
@@ -45,86 +51,111 @@ def landmark_result(names: list[str], points_mm: np.ndarray, spacing: np.ndarray
     return {"landmarks": landmarks, "landmark_names": list(names), "centroids": centroids}
 
 
-def markups_points(names: list[str], points_mm: np.ndarray) -> list[ControlPoint]:
+def markups_points(names: list[str], points: np.ndarray, frame: dict | None = None) -> list[ControlPoint]:
     """Control points in RAS for ``write_mrk_json``.
 
-    3D points are world RAS mm already. A 2D image read by 3D Slicer (ITK) has its pixel (x, y) at LPS
-    ``(x * sx, y * sy, 0)``, i.e. RAS ``(-x * sx, -y * sy, 0)``.
+    3D points are world RAS mm already. 2D points are pixels, placed in the image's LPS frame
+    (:meth:`BundleContext.pixels_to_lps`; without ``frame``: LPS = pixels), then given as RAS.
     """
     out = []
-    for name, p in zip(names, points_mm):
+    for name, p in zip(names, points):
         if not np.isfinite(p).all():
             out.append(ControlPoint(name, None))
         elif p.shape[0] == 2:
-            out.append(ControlPoint(name, (-float(p[0]), -float(p[1]), 0.0)))
+            lps = BundleContext.pixels_to_lps(p[None], frame or {"spacing": np.ones(2), "affine": None})[0]
+            out.append(ControlPoint(name, (-float(lps[0]), -float(lps[1]), float(lps[2]))))
         else:
             out.append(ControlPoint(name, tuple(float(v) for v in p)))
     return out
 
 
 class LandmarkInferTask(InferTask):
-    """Suggest every landmark of the bundle's template on the requested image (no clicks, no labels)."""
+    """Suggest every landmark on the requested image from the datastore's labelled images (or the bundle's templates)."""
 
-    def __init__(self, bundle_root: Path, ckpt_path: Path, trained_path: Path | None = None, datalist: str | None = None) -> None:
-        self.bundle_root = Path(bundle_root)
-        self.shipped_path = Path(ckpt_path)
-        self.trained_path = None if trained_path is None else Path(trained_path)
-        self.ckpt_path = self._current_checkpoint()
-        overrides = {"ckpt_path": str(self.ckpt_path)} if datalist is None else {"datalist": datalist, "ckpt_path": str(self.ckpt_path)}
-        self.parser = bundle_parser(CONFIGS, self.bundle_root, **overrides)
-        self.names = list(self.parser.get_parsed_content("landmark_names"))
-        self.spatial_dims = int(self.parser.get_parsed_content("spatial_dims"))
+    def __init__(self, context: BundleContext, datastore: Callable[[], Any] | None = None) -> None:
+        self.context = context
+        self.datastore = datastore
+        self.names = context.names
+        self.spatial_dims = context.spatial_dims
         super().__init__(
             type=InferType.DETECTION,
             labels={n: i + 1 for i, n in enumerate(self.names)},
             dimension=self.spatial_dims,
-            description="One-shot landmark suggestion (information-guided pixel-wise contrastive features)",
-            config={"template": None},
+            description="One-shot / k-shot landmark suggestion (information-guided pixel-wise contrastive features)",
+            config={"template_combine": context.template_combine},
         )
         self._lock = threading.Lock()
-        self.preprocessing = self.parser.get_parsed_content("validate#preprocessing")
-        self.device = self.parser.get_parsed_content("device")
-        self.network = self.parser.get_parsed_content("network")  # loads ckpt_path
-        self._loaded_mtime = self.ckpt_path.stat().st_mtime
-        templates = self.parser.get_parsed_content("evaluate#templates")
-        self._config["template"] = [t["image"] for t in templates]
-        self.inferer = with_templates(self.parser.get_parsed_content("evaluate#inferer"), templates, self.preprocessing, self.device)
+        # loaded on the first request (start-up stays fast)
+        self.network = None
+        self.ckpt_key = None
+        self.inferer = None
+        self.template_key = None
+        self.templates: list[dict] = []
 
     def is_valid(self) -> bool:
-        return self._current_checkpoint().is_file()
+        return self.context.served_checkpoint().is_file()
 
-    def _current_checkpoint(self) -> Path:
-        """The app's own trained weights once the train task has written them, else the shipped ones."""
-        if self.trained_path is not None and self.trained_path.is_file():
-            return self.trained_path
-        return self.shipped_path
+    def _load_network(self) -> None:
+        """The served weights, reloaded whenever the train task published new ones."""
+        path = self.context.served_checkpoint()
+        key = file_key(path)
+        if key == self.ckpt_key:
+            return
+        if self.network is None:
+            self.network = self.context.new_network(path)
+        else:
+            load_weights(self.network, path, self.context.device)
+        self.ckpt_key = key
+        logger.info(f"serving weights {path}")
 
-    def _reload_if_retrained(self) -> None:
-        """Pick up the weights the train task wrote since the last request."""
-        path = self._current_checkpoint()
-        mtime = path.stat().st_mtime
-        if (path, mtime) != (self.ckpt_path, self._loaded_mtime):
-            load_weights(self.network, path, self.device)
-            self.ckpt_path, self._loaded_mtime = path, mtime
-            logger.info(f"reloaded weights from {path}")
+    def _select_templates(self, exclude: str | None) -> list[dict]:
+        """Labelled datastore images except ``exclude`` (a datastore id), else the bundle's templates."""
+        items = []
+        if self.datastore is not None:
+            items = [it for it in self.context.datastore_items(self.datastore(), with_labels_only=True) if it["id"] != exclude]
+        if items:
+            return [dict(it, source="datastore") for it in items]
+        return [dict(it, source="bundle") for it in self.context.bundle_templates()]
+
+    def _update_inferer(self, templates: list[dict]) -> None:
+        key = tuple((t["image"], json.dumps(t.get("landmarks")), t.get("label") and file_key(t["label"])) for t in templates)
+        if key == self.template_key:
+            return
+        items = [{k: v for k, v in t.items() if k in ("image", "landmarks", "spacing")} for t in templates]
+        self.inferer = self.context.new_inferer(items)
+        self.template_key, self.templates = key, templates
+        logger.info(f"templates: {[t.get('id', t['image']) for t in templates]}")
 
     def __call__(self, request: dict) -> tuple[str, dict]:
         image = request.get("image")
+        name = request.get("image_name") or (Path(image).name if image else image)
         if not image or not Path(image).is_file():
-            raise FileNotFoundError(f"landmarks infer: image not found: {image!r}")
+            raise FileNotFoundError(f"landmarks infer: image not found: {name!r}")
+        data = self.context.prepare({"image": str(image)}, name)
         with self._lock, torch.no_grad():
-            self._reload_if_retrained()
-            data = self.preprocessing({"image": str(image)})
-            self.network.eval()
-            batch = torch.as_tensor(data["image"]).unsqueeze(0).to(self.device)
-            g2p = torch.as_tensor(data["grid_to_physical"]).unsqueeze(0).to(self.device)
+            self._load_network()
+            self._update_inferer(self._select_templates(request.get("image_id")))
+            batch = torch.as_tensor(data["image"]).unsqueeze(0).to(self.context.device)
+            g2p = torch.as_tensor(data["grid_to_physical"]).unsqueeze(0).to(self.context.device)
             points_mm = self.inferer(batch, self.network, g2p)[0].cpu().numpy()
+            templates, checkpoint = list(self.templates), str(self.context.served_checkpoint())
         spacing = np.asarray(torch.as_tensor(data["spacing"]).cpu(), dtype=np.float64).reshape(-1)
         result = landmark_result(self.names, points_mm, spacing)
-        fd, path = tempfile.mkstemp(suffix=".mrk.json")
+        frame = self.context.frame(image, data) if self.spatial_dims == 2 else None
+        points = points_mm / spacing if self.spatial_dims == 2 else points_mm
+        fd, path = tempfile.mkstemp(prefix="landmarks-", suffix=".mrk.json")
         os.close(fd)
-        write_mrk_json(path, markups_points(self.names, points_mm), coordinate_system="LPS" if self.spatial_dims == 2 else "RAS")
-        result["markups"] = json.loads(Path(path).read_text())
-        result["template"] = self._config["template"]
-        result["checkpoint"] = str(self.ckpt_path)
+        try:
+            write_mrk_json(path, markups_points(self.names, points, frame), coordinate_system="LPS" if self.spatial_dims == 2 else "RAS")
+            result["markups"] = json.loads(Path(path).read_text())
+        except BaseException:
+            Path(path).unlink(missing_ok=True)
+            raise
+        result["templates"] = [
+            {"image": t.get("id", t["image"]), "source": t["source"]} for t in templates
+        ]
+        result["template"] = [t["image"] for t in templates]
+        result["template_source"] = templates[0]["source"] if templates else None
+        result["template_combine"] = self.context.template_combine
+        result["checkpoint"] = checkpoint
         return path, result

@@ -1,0 +1,238 @@
+"""What the infer and train tasks share: the bundle's configs, the served checkpoint, the datastore's saved labels
+as templates and the bundle's own templates (resolved lazily, once, and cached on disk for the training process).
+
+Coordinates. A 2D image's pixel ``(x, y)`` (column, row; the datalist convention) lies where 3D Slicer puts it
+when it loads the file: LPS ``(x * sx, y * sy, 0)`` for PNG / JPEG / TIFF (no origin, spacing 1 unless the
+datalist gives one), and for DICOM the header's frame (ImagePositionPatient, ImageOrientationPatient, pixel
+spacing; what ITK reads and ``XRayDicomd`` keeps as ``original_affine``). Saved labels (Slicer ``.mrk.json`` /
+``.fcsv``) are mapped back to pixels through the same frame.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from bundle.configs import bundle_parser
+from bundle.data.dicom import dicom_tags
+from bundle.data.markups import ControlPoint, read_markups
+from bundle.io_utils import write_json_atomic
+
+logger = logging.getLogger(__name__)
+CONFIGS = ("configs/train.yaml", "configs/evaluate.yaml")  # the datalist's template(s); inference.yaml is standalone
+IMAGE_EXTENSIONS = ("*.png", "*.jpg", "*.jpeg", "*.bmp", "*.tif", "*.tiff", "*.dcm", "*.nii.gz", "*.nii", "*.nrrd", "*.mha")
+# ".json" first: the datastore keeps the LAST matching extension, so "a.mrk.json" gets ".mrk.json"
+LABEL_EXTENSIONS = ("*.json", "*.mrk.json", "*.fcsv")
+FINAL_TAG = "final"
+
+
+class ImageError(ValueError):
+    """An image the bundle cannot read (the message names it)."""
+
+
+class LabelError(ValueError):
+    """A saved label that is not a usable landmark file (the message names it)."""
+
+
+def file_key(path: str | Path) -> tuple[str, int, int]:
+    """Identity of a file's current content for caches: path, mtime (ns) and size."""
+    st = os.stat(path)
+    return (str(path), st.st_mtime_ns, st.st_size)
+
+
+class BundleContext:
+    """The bundle as the app uses it: configs, device, preprocessing, network and templates (all lazy)."""
+
+    def __init__(self, bundle_root: Path, datalist: str, shipped_ckpt: Path, model_dir: Path) -> None:
+        self.bundle_root = Path(bundle_root)
+        self.datalist = Path(datalist).resolve()
+        self.shipped_ckpt = Path(shipped_ckpt).resolve()
+        self.model_dir = Path(model_dir)
+        self.served_path = self.model_dir / "model.pt"
+        self.templates_cache = self.model_dir / "bundle_templates.json"
+        self._lock = threading.RLock()
+        self.parser = bundle_parser(CONFIGS, self.bundle_root, datalist=str(self.datalist), ckpt_path=str(self.shipped_ckpt))
+        self.names: list[str] = list(self.parser.get_parsed_content("landmark_names"))
+        self.spatial_dims = int(self.parser.get_parsed_content("spatial_dims"))
+        self.template_combine = str(self.parser.get_parsed_content("template_combine"))
+        self._preprocessing = None
+        self._device = None
+        self._bundle_templates: list[dict] | None = None
+        self._frames: dict[tuple, dict] = {}
+
+    # ---- bundle pieces -------------------------------------------------------------------------------
+    @property
+    def preprocessing(self):
+        with self._lock:
+            if self._preprocessing is None:
+                self._preprocessing = self.parser.get_parsed_content("validate#preprocessing")
+            return self._preprocessing
+
+    @property
+    def device(self) -> torch.device:
+        with self._lock:
+            if self._device is None:
+                self._device = self.parser.get_parsed_content("device")
+            return self._device
+
+    def served_checkpoint(self) -> Path:
+        """The weights the infer task serves: the app's ``model/model.pt`` once training published one, else the shipped ones."""
+        return self.served_path if self.served_path.is_file() else self.shipped_ckpt
+
+    def new_network(self, checkpoint: str | Path | None = None) -> torch.nn.Module:
+        """A fresh network of the configured architecture with ``checkpoint`` (default: the served one) loaded."""
+        from bundle.engine import load_weights
+
+        network = self.parser.get_parsed_content("network_def", lazy=False)
+        return load_weights(network, checkpoint or self.served_checkpoint(), self.device).eval()
+
+    def new_inferer(self, items: Sequence[dict]):
+        """A fresh one-shot / k-shot inferer (``evaluate#inferer``) holding the template ``items``."""
+        from bundle.engine import with_templates
+
+        return with_templates(self.parser.get_parsed_content("evaluate#inferer", lazy=False), list(items), self.preprocessing, self.device)
+
+    def prepare(self, item: dict, name: str | None = None) -> dict:
+        """The evaluation pipeline on ``item``; unreadable images raise :class:`ImageError` naming ``name``."""
+        try:
+            return self.preprocessing(dict(item))
+        except Exception as e:  # MONAI wraps reader errors in RuntimeError chains: report the innermost cause
+            cause = e
+            while cause.__cause__ is not None:
+                cause = cause.__cause__
+            raise ImageError(f"cannot read image {name or Path(item['image']).name!r}: {type(cause).__name__}: {cause}") from e
+
+    # ---- frames: pixels <-> LPS mm ---------------------------------------------------------------------
+    def frame(self, image: str | Path, data: dict | None = None) -> dict:
+        """``{"spacing", "affine"}`` of a 2D image: pixel -> LPS mm (``affine`` 3x3 or None = pixel * spacing)."""
+        key = file_key(image)
+        with self._lock:
+            if key in self._frames:
+                return self._frames[key]
+        if data is None:
+            data = self.prepare({"image": str(image)})
+        spacing = np.asarray(torch.as_tensor(data["spacing"]).cpu(), dtype=np.float64).reshape(-1)
+        affine = None
+        meta = getattr(data["image"], "meta", {})
+        original = meta.get("original_affine") if meta else None
+        if meta and dicom_tags(meta) and original is not None and np.asarray(original).shape == (3, 3):
+            ras = np.asarray(original, dtype=np.float64)
+            affine = np.diag([-1.0, -1.0, 1.0]) @ ras  # ITK/MONAI's RAS -> LPS
+        frame = {"spacing": spacing, "affine": affine}
+        with self._lock:
+            self._frames[key] = frame
+        return frame
+
+    @staticmethod
+    def pixels_to_lps(points_px: np.ndarray, frame: dict) -> np.ndarray:
+        """``(L, 2)`` pixels -> ``(L, 3)`` LPS mm (z = 0 unless the DICOM frame says otherwise)."""
+        p = np.asarray(points_px, dtype=np.float64)
+        if frame["affine"] is None:
+            xy = p * frame["spacing"]
+        else:
+            xy = (frame["affine"] @ np.c_[p, np.ones(len(p))].T).T[:, :2]
+        return np.c_[xy, np.zeros(len(p))]
+
+    @staticmethod
+    def lps_to_pixels(points_lps: np.ndarray, frame: dict) -> np.ndarray:
+        p = np.asarray(points_lps, dtype=np.float64)[:, :2]
+        if frame["affine"] is None:
+            return p / frame["spacing"]
+        inverse = np.linalg.inv(frame["affine"])
+        return (inverse @ np.c_[p, np.ones(len(p))].T).T[:, :2]
+
+    # ---- saved labels --------------------------------------------------------------------------------
+    def label_landmarks(self, label_path: str | Path, image_path: str | Path, where: str) -> list:
+        """The landmarks of a saved Slicer label as pixel ``[x, y]`` per landmark name (None where missing).
+
+        Control points are matched by label to the landmark names; a file whose labels name none of them but
+        holds exactly one point per landmark is read in order (Slicer's default labels ``F-1``, ``F-2``, ...).
+        """
+        try:
+            points = read_markups(label_path)
+        except Exception as e:
+            raise LabelError(f"label of {where}: not a 3D Slicer markups file (.mrk.json / .fcsv): {e}") from e
+        return self.points_to_landmarks(points, image_path, where)
+
+    def points_to_landmarks(self, points: Sequence[ControlPoint], image_path: str | Path, where: str) -> list:
+        if self.spatial_dims != 2:
+            by_name = {p.label: p.position for p in points}
+            return [None if by_name.get(n) is None else list(by_name[n]) for n in self.names]
+        by_name = {p.label: p.position for p in points}
+        if not any(n in by_name for n in self.names):
+            if len(points) != len(self.names):
+                raise LabelError(
+                    f"label of {where}: its {len(points)} points name none of the {len(self.names)} landmarks "
+                    f"({', '.join(self.names[:4])}, ...)"
+                )
+            by_name = {n: p.position for n, p in zip(self.names, points)}
+        frame = self.frame(image_path)
+        out = []
+        for name in self.names:
+            ras = by_name.get(name)
+            if ras is None:
+                out.append(None)
+                continue
+            lps = np.array([[-ras[0], -ras[1], ras[2]]])
+            out.append([float(v) for v in self.lps_to_pixels(lps, frame)[0]])
+        if all(p is None for p in out):
+            raise LabelError(f"label of {where}: no landmark is placed")
+        return out
+
+    def datastore_items(self, datastore, with_labels_only: bool = False) -> list[dict]:
+        """Every datastore image (sorted ids) as a datalist item ``{"image", "id"[, "landmarks"]}``.
+
+        A label saved with the ``final`` tag gives ``landmarks``; an unreadable one is logged and skipped.
+        """
+        items = []
+        for image_id in sorted(datastore.list_images()):
+            uri = datastore.get_image_uri(image_id)
+            if not uri:
+                continue
+            item: dict[str, Any] = {"image": uri, "id": image_id}
+            label = datastore.get_label_uri(image_id, FINAL_TAG) if FINAL_TAG in datastore.get_labels_by_image_id(image_id) else ""
+            if label and os.path.isfile(label):
+                try:
+                    item["landmarks"] = self.label_landmarks(label, uri, f"image {image_id!r}")
+                    item["label"] = label
+                except (LabelError, ImageError) as e:
+                    logger.warning(f"saved label skipped: {e}")
+            if item.get("landmarks") or not with_labels_only:
+                items.append(item)
+        return items
+
+    # ---- the bundle's templates ----------------------------------------------------------------------
+    def bundle_templates(self) -> list[dict]:
+        """The bundle's templates (``evaluate#templates`` of the configured datalist), resolved on first use.
+
+        When the datalist names no template, ``evaluate#templates`` chooses one among its labelled training
+        items by matching (slow on large datalists): that happens once, and the result is kept in
+        ``model/bundle_templates.json`` (keyed by the datalist's path and mtime) so that other processes of the
+        app (the training task runs in a child process) read it instead of searching again.
+        """
+        with self._lock:
+            if self._bundle_templates is not None:
+                return self._bundle_templates
+            key = {"datalist": str(self.datalist), "mtime_ns": os.stat(self.datalist).st_mtime_ns}
+            if self.templates_cache.is_file():
+                try:
+                    cached = json.loads(self.templates_cache.read_text())
+                    if cached.get("key") == key and cached.get("templates"):
+                        self._bundle_templates = cached["templates"]
+                        return self._bundle_templates
+                except (OSError, ValueError):
+                    pass
+            self.parser["ckpt_path"] = str(self.served_checkpoint())
+            templates = [dict(t, image=str(Path(t["image"]).resolve())) for t in self.parser.get_parsed_content("evaluate#templates")]
+            templates = json.loads(json.dumps(templates, default=float))  # plain JSON types
+            write_json_atomic(self.templates_cache, {"key": key, "templates": templates})
+            self._bundle_templates = templates
+            logger.info(f"bundle templates resolved: {[t['image'] for t in templates]}")
+            return templates

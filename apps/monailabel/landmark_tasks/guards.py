@@ -1,0 +1,96 @@
+"""Server-side guards of the app around two MONAI Label 0.8.5 endpoints (installed by the app in the server process).
+
+- ``POST /infer/{model}`` with a ``file``: MONAI Label writes the upload to a temporary file and removes it only
+  after a successful reply, so a failed request left it in the temp dir for good, and it passes the upload as a
+  plain path, which the app could not tell from a path a client typed. Here the app writes the upload itself
+  (``landmarks-upload-*`` in the temp dir), registers it as an upload, runs the endpoint on it and removes it in
+  every case; the app's ``infer`` accepts a path only when it is a registered upload (else a datastore image id).
+- ``POST /train/{model}``: the training options are checked before the task is queued, so a bad value
+  (``{"epochs": "abc"}``) is answered 422 naming the key instead of failing later in the training process.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import re
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+from typing import Callable
+
+from fastapi import HTTPException
+
+logger = logging.getLogger(__name__)
+_uploads: dict[str, str] = {}  # path of an upload being inferred -> the client's file name
+_lock = threading.Lock()
+_SUFFIX = re.compile(r"^(\.[A-Za-z0-9]{1,8}){1,3}$")
+
+
+def upload_name(path: object) -> str | None:
+    """The client's file name when ``path`` is an upload that the guard registered, else None."""
+    with _lock:
+        return _uploads.get(path) if isinstance(path, str) else None
+
+
+def _suffix(filename: str | None) -> str:
+    suffix = "".join(Path(filename or "").suffixes)
+    return suffix if _SUFFIX.match(suffix) else ""
+
+
+def install_infer_guard() -> bool:
+    """Wrap ``monailabel.endpoints.infer.run_inference`` (called by the route at request time)."""
+    try:
+        import monailabel.endpoints.infer as endpoint
+    except ImportError:  # pragma: no cover - another monailabel layout
+        logger.warning("monailabel.endpoints.infer not found: uploads are not guarded")
+        return False
+    original = endpoint.run_inference
+    if getattr(original, "_landmark_guard", False):
+        return True
+
+    @functools.wraps(original)
+    def run_inference(background_tasks, model, image="", session_id="", params="{}", file=None, label=None, output=None):
+        if not file:
+            return original(background_tasks, model, image, session_id, params, file, label, output)
+        fd, path = tempfile.mkstemp(prefix="landmarks-upload-", suffix=_suffix(file.filename))
+        try:
+            with os.fdopen(fd, "wb") as out:
+                shutil.copyfileobj(file.file, out)
+            with _lock:
+                _uploads[path] = os.path.basename(file.filename or "upload")
+            return original(background_tasks, model, path, session_id, params, None, label, output)
+        finally:
+            with _lock:
+                _uploads.pop(path, None)
+            Path(path).unlink(missing_ok=True)
+
+    run_inference._landmark_guard = True
+    endpoint.run_inference = run_inference
+    return True
+
+
+def install_train_guard(validate: Callable[[dict], object]) -> bool:
+    """Wrap ``monailabel.endpoints.train.run_model``: ``validate(params)`` raising ValueError -> 422."""
+    try:
+        import monailabel.endpoints.train as endpoint
+    except ImportError:  # pragma: no cover
+        logger.warning("monailabel.endpoints.train not found: train requests are checked in the training process only")
+        return False
+    original = endpoint.run_model
+    if getattr(original, "_landmark_guard", False):
+        return True
+
+    @functools.wraps(original)
+    def run_model(model, params=None, run_sync=False, enqueue=False):
+        try:
+            validate(dict(params or {}))
+        except ValueError as e:
+            raise HTTPException(status_code=422, detail=str(e)) from None
+        return original(model, params, run_sync, enqueue)
+
+    run_model._landmark_guard = True
+    endpoint.run_model = run_model
+    return True
