@@ -8,8 +8,12 @@ the MRE (mm, world space) per group beside the no-matching baseline (the templat
     python scripts/afids_check.py --workdir output/afids [--iterations 60] [--spacing 3]
     # the same checkpoint, k = 5 labelled templates: the T1w and 4 warped training copies with their AFIDs
     python scripts/afids_check.py --workdir output/afids --templates 5
-    # the same checkpoint, the T1w template plus 5 pseudo-templates among the 8 unlabelled training warps
+    # the same checkpoint, the T1w template plus 5 pseudo-templates among the 8 training warps (their AFIDs unread)
     python scripts/afids_check.py --workdir output/afids --pseudo_templates 5 [--pseudo_candidates 8]
+
+Pseudo-templates are chosen as the evaluating command's ``pseudo_*`` keys choose them and written as a datalist
+(``WORKDIR/data/datalist_k1_pseudo5.json``) that the evaluation then reads; the script also prints how far each
+pseudo-template's kept AFIDs lie from the AFIDs carried through its warp (read for this report only).
 
 Training runs once per workdir: when ``WORKDIR/models/model_final.pt`` exists it is reused (``--retrain
 true`` trains again). Each evaluation writes ``WORKDIR/eval_<setting>/`` and adds its table under
@@ -65,6 +69,39 @@ def kshot_datalist(datalist: dict, k: int, path: Path) -> Path:
     out = {key: value for key, value in datalist.items() if key != "template"}
     out["templates"] = [datalist["template"]] + [dict(it) for it in labelled[: k - 1]]
     return save_datalist(out, path)
+
+
+def pseudo_template_datalist(
+    configs: list[str], datalist_path: Path, ckpt: Path, path: Path, datalist: dict, common: dict, pseudo_templates: int,
+    pseudo_candidates: int, pseudo_cycle_tolerance: float, template_combine: str,
+) -> tuple[Path, list[dict]]:
+    """The templates of ``datalist_path`` plus ``pseudo_templates`` pseudo-templates, chosen exactly as the evaluating
+    command's ``pseudo_*`` keys do (``bundle.engine.resolve_templates``), written as a datalist (``path``) whose
+    ``templates`` list them, so that the pseudo-labels are kept; and, per pseudo-template, how many AFIDs passed the
+    cycle check and their errors against the AFIDs carried through its warp (read only here, for the report)."""
+    from bundle.configs import bundle_parser
+    from bundle.data.datalist import save_datalist
+    from bundle.engine import resolve_templates, template_items
+
+    overrides = {k: v for k, v in common.items() if k != "bundle_root"}
+    parser = bundle_parser(configs, bundle_root=ROOT, datalist=str(datalist_path), ckpt_path=str(ckpt), **overrides)
+    source = parser.get_parsed_content("dataset")
+    chosen = resolve_templates(
+        source, parser.get_parsed_content("network"), parser.get_parsed_content("validate#preprocessing"),
+        parser.get_parsed_content("device"), pseudo_candidates=pseudo_candidates, pseudo_templates=pseudo_templates,
+        cycle_tolerance=pseudo_cycle_tolerance, combine=template_combine,
+    )
+    truth = {it["image"]: np.asarray(it["landmarks"], float) for it in datalist["training"] if it.get("landmarks")}
+    n_own = len(template_items(source))
+    report = []
+    for item in chosen[n_own:]:
+        kept = np.array([p is not None for p in item["landmarks"]])
+        errors = np.linalg.norm(np.asarray([p if p is not None else [np.nan] * 3 for p in item["landmarks"]], float) - truth[item["image"]], axis=1)
+        report.append({"image": Path(item["image"]).name, "kept": int(kept.sum()),
+                       "kept_mre_mm": float(errors[kept].mean()) if kept.any() else float("nan")})
+    out = {key: value for key, value in source.items() if key != "template"}
+    out["templates"] = chosen
+    return save_datalist(out, path), report
 
 
 def setting_name(templates: int, pseudo_templates: int) -> str:
@@ -138,9 +175,15 @@ def main(
     evaluation = configs + [str(ROOT / "configs" / f) for f in ("evaluate.yaml", "evaluate_3d.yaml")]
     eval_dir = work / f"eval_{setting}"
     candidates = len(datalist["training"]) if pseudo_candidates is None else pseudo_candidates
+    pseudo = []
+    if pseudo_templates:
+        eval_datalist, pseudo = pseudo_template_datalist(
+            evaluation, eval_datalist, ckpt, work / "data" / f"datalist_{setting}.json", datalist, common,
+            pseudo_templates=pseudo_templates, pseudo_candidates=candidates, pseudo_cycle_tolerance=pseudo_cycle_tolerance,
+            template_combine=template_combine,
+        )
     run("evaluating", config_file=evaluation, datalist=str(eval_datalist), output_dir=str(eval_dir), ckpt_path=str(ckpt),
-        pseudo_templates=pseudo_templates, pseudo_candidates=candidates if pseudo_templates else 0,
-        pseudo_cycle_tolerance=pseudo_cycle_tolerance, template_combine=template_combine, **common)
+        template_combine=template_combine, **common)
     evaluated = time.perf_counter()
 
     metrics = json.loads((eval_dir / "metrics.json").read_text())
@@ -153,6 +196,9 @@ def main(
           f"{training.get('batch_size', '?')} in {training.get('train_seconds', float('nan')):.0f} s"
           f"{'' if trained - prepared > 1 else ' (reused)'}, evaluation {evaluated - trained:.0f} s "
           f"(CPU threads: {__import__('torch').get_num_threads()})")
+    for entry in pseudo:
+        print(f"pseudo-template {entry['image']}: {entry['kept']} of {len(template)} AFIDs kept (cycle <= {pseudo_cycle_tolerance} "
+              f"voxels), their error against the AFIDs carried through its warp: {entry['kept_mre_mm']:.2f} mm")
     print(f"{'test group':<22}{'volumes':>8}{'MRE mm':>9}{'SD mm':>8}{'SDR 4mm %':>11}{'no-matching MRE mm':>20}")
     table = {}
     for group, entry in sorted(groups.items()):
@@ -163,7 +209,7 @@ def main(
         print(f"{group:<22}{t['volumes']:>8d}{t['mre_mm']:>9.2f}{t['sd_mm']:>8.2f}{t['sdr_4mm']:>11.1f}{t['baseline_mre_mm']:>20.2f}")
     summary = {"spacing_mm": spacing, "image_size": list(image_size), "training": training, "templates": used,
                "template_combine": template_combine, "pseudo_candidates": candidates if pseudo_templates else 0,
-               "pseudo_cycle_tolerance": pseudo_cycle_tolerance, "eval_seconds": evaluated - trained, "groups": table}
+               "pseudo_cycle_tolerance": pseudo_cycle_tolerance, "pseudo_labels": pseudo, "eval_seconds": evaluated - trained, "groups": table}
     results_path = work / "afids_check.json"
     results = json.loads(results_path.read_text()) if results_path.is_file() else {}
     if "groups" in results:  # the single-setting file of an earlier version

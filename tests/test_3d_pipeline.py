@@ -227,6 +227,22 @@ def test_3d_kshot_and_pseudo_template_evaluation_list_their_templates(tmp_path):
     assert not held_out & set(pseudo["templates"]) and len(set(pseudo["templates"])) == 3
     assert set(pseudo["templates"][1:]) <= {it["image"] for it in datalist["training"][:3]}
 
+    # the pseudo-templates' landmarks are world RAS mm (the 3D datalist convention), close to the phantoms' own
+    from bundle.engine import resolve_templates
+
+    settings = {k: TINY_3D[k] for k in ("target_spacing", "image_size", "network_def#channels")}
+    parser = bundle_parser(EVAL_3D, datalist=str(datalist_path), ckpt_path=str(ckpt), device="cpu", **settings)
+    chosen = resolve_templates(parser.get_parsed_content("dataset"), parser.get_parsed_content("network"),
+                               parser.get_parsed_content("validate#preprocessing"), "cpu", pseudo_candidates=3, pseudo_templates=2)
+    assert [it["image"] for it in chosen] == pseudo["templates"] and "landmarks" in chosen[1]
+    truth = {it["image"]: landmarks_array(it, len(datalist["landmark_names"]), 3) for it in datalist["training"]}
+    for item in chosen[1:]:
+        kept = np.array([p is not None for p in item["landmarks"]])
+        assert kept.any()
+        got = np.asarray([p for p in item["landmarks"] if p is not None], dtype=np.float64)
+        errors = np.linalg.norm(got - truth[item["image"]][kept], axis=1)
+        assert errors.mean() < 0.3 * chance, (errors, chance)
+
     for metrics, out in ((two, tmp_path / "eval_k2"), (pseudo, tmp_path / "eval_pseudo")):
         assert metrics["n_images"] == 2 and np.isfinite(metrics["mre_mm"]) and np.isfinite(metrics["mre_std_mm"])
         assert all(np.isfinite(v) for v in metrics["sdr"].values())

@@ -106,3 +106,38 @@ def test_prepare_afids_datalist(tmp_path):
     assert kshot["test"] == datalist["test"] and afids_check.setting_name(1, 5) == "k1_pseudo5"
     with pytest.raises(ValueError, match="at most 3 templates"):
         afids_check.kshot_datalist(datalist, 4, tmp_path / "datalist_k4.json")
+
+
+@needs_autoafids
+def test_afids_check_pseudo_templates_are_written_and_scored_against_the_carried_afids(tmp_path):
+    """afids_check --pseudo_templates: chosen by bundle.engine.resolve_templates (an untrained tiny network here),
+    written as the datalist's templates with their kept pseudo-labels, scored against the carried AFIDs."""
+    import torch
+
+    from bundle.afids import MRI_LOAD_TRANSFORMS
+    from bundle.configs import bundle_parser
+
+    spec = importlib.util.spec_from_file_location("afids_check", ROOT / "scripts" / "afids_check.py")
+    afids_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(afids_check)
+    path = prepare_afids_datalist(tmp_path / "data", n_training=3, n_test=1, spacing=6.0, seed=3)
+    datalist = load_datalist(path)
+    configs = [str(ROOT / "configs" / f) for f in ("train.yaml", "train_3d.yaml", "evaluate.yaml", "evaluate_3d.yaml")]
+    common = {"bundle_root": str(ROOT), "target_spacing": [6.0] * 3, "image_size": [32, 32, 32],
+              "load_transforms": MRI_LOAD_TRANSFORMS, "progress_bar": False, "seed": 0, "network_def#channels": [8, 16, 32, 64, 64]}
+    torch.manual_seed(0)
+    ckpt = tmp_path / "untrained.pt"
+    overrides = {k: v for k, v in common.items() if k != "bundle_root"}
+    torch.save(bundle_parser(configs, bundle_root=ROOT, datalist=str(path), **overrides).get_parsed_content("network_def").state_dict(), ckpt)
+    written, report = afids_check.pseudo_template_datalist(
+        configs, path, ckpt, tmp_path / "data" / "datalist_k1_pseudo2.json", datalist, common, pseudo_templates=2,
+        pseudo_candidates=3, pseudo_cycle_tolerance=1000.0, template_combine="geometric_median")
+    out = load_datalist(written)
+    assert "template" not in out and len(out["templates"]) == 3 and out["templates"][0] == datalist["template"]
+    training = {it["image"]: it for it in datalist["training"]}
+    assert {it["image"] for it in out["templates"][1:]} <= set(training)
+    assert [r["image"] for r in report] == [Path(it["image"]).name for it in out["templates"][1:]]
+    for entry, item in zip(report, out["templates"][1:]):
+        assert entry["kept"] == 32  # a tolerance of 1000 voxels keeps every pseudo-label
+        errors = np.linalg.norm(np.asarray(item["landmarks"]) - np.asarray(training[item["image"]]["landmarks"]), axis=1)
+        assert entry["kept_mre_mm"] == pytest.approx(errors.mean())
