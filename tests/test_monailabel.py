@@ -1,7 +1,15 @@
-"""MONAI Label: a real server on 127.0.0.1 suggests landmarks on a posted image and trains on its images.
+"""MONAI Label: a real server on 127.0.0.1 runs the annotation loop of the app (apps/monailabel).
+
+One server (module fixture) over 4 synthetic images serves every test, in file order: suggestions on an upload
+(equal to the bundle's command line), image ids confined to the datastore, a junk upload refused without a
+leftover temporary file, the ``first`` / ``last`` strategies, saved labels becoming the k-shot templates,
+bad training values refused naming the key, fine-tuning that keeps the served model when the new one is not
+better (and publishes it when it is), ``train_stats`` in ``/info/``, and a DICOM X-ray giving the PNG's
+landmarks. Calls go through MONAI Label's own client (``monailabel.client.MONAILabelClient``) and raw HTTP
+where the client has no call or hides the status.
 
 Needs the app's environment (``make monailabel`` -> ``.venv-monailabel``, or ``MONAILABEL_PYTHON``);
-without it the test is skipped, except under CI where it must run.
+without it the module is skipped, except under CI where it must run.
 """
 
 from __future__ import annotations
@@ -20,18 +28,34 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = Path(os.environ.get("MONAILABEL_PYTHON", ROOT / ".venv-monailabel" / "bin" / "python"))
-START_TIMEOUT_S = 90
-TRAIN_TIMEOUT_S = 120
-TINY_TRAIN = {"epochs": 1, "epoch_length": 1, "batch_size": 1, "image_size": [64, 64], "crop_size": [32, 32], "num_queries": 4, "val_interval": 1}
+START_TIMEOUT_S = 120
+TRAIN_TIMEOUT_S = 180
+TINY_TRAIN = {"epochs": 1, "epoch_length": 1, "batch_size": 1, "image_size": [64, 64], "crop_size": [32, 32], "num_queries": 4}
 
 if not PYTHON.is_file():
     if os.environ.get("CI"):
         pytest.fail(f"no MONAI Label environment at {PYTHON}: run `make monailabel` before the tests", pytrace=False)
     pytest.skip(f"no MONAI Label environment at {PYTHON} (make monailabel)", allow_module_level=True)
+
+
+def _client_class():
+    """``MONAILabelClient`` from the server's environment (its ``requests`` is not in the project's .venv)."""
+    purelib = subprocess.run([str(PYTHON), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    sys.path.append(purelib)  # after the project's packages: only what .venv lacks comes from there
+    try:
+        from monailabel.client.client import MONAILabelClient, MONAILabelClientException
+    finally:
+        sys.path.remove(purelib)
+    return MONAILabelClient, MONAILabelClientException
+
+
+MONAILabelClient, MONAILabelClientException = _client_class()
 
 
 def _free_port() -> int:
@@ -40,16 +64,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _request(url: str, data: bytes | None = None, headers: dict | None = None, timeout: float = 60):
-    req = urllib.request.Request(url, data=data, headers=headers or {}, method="POST" if data is not None else "GET")
-    with urllib.request.urlopen(req, timeout=timeout) as response:
-        return json.loads(response.read())
+def _request(url: str, data: bytes | None = None, headers: dict | None = None, timeout: float = 120, method: str | None = None):
+    """JSON reply and status of one HTTP call; 4xx/5xx come back as (detail JSON, status) instead of raising."""
+    req = urllib.request.Request(url, data=data, headers=headers or {}, method=method or ("POST" if data is not None else "GET"))
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as response:
+            return json.loads(response.read()), response.status
+    except urllib.error.HTTPError as e:
+        body = e.read()
+        try:
+            return json.loads(body), e.code
+        except ValueError:
+            return {"detail": body.decode(errors="replace")}, e.code
 
 
-def _multipart(field: str, path: Path) -> tuple[bytes, dict]:
+def _multipart(field: str, path: Path, filename: str | None = None) -> tuple[bytes, dict]:
     boundary = uuid.uuid4().hex
     body = (
-        f'--{boundary}\r\nContent-Disposition: form-data; name="{field}"; filename="{path.name}"\r\n'
+        f'--{boundary}\r\nContent-Disposition: form-data; name="{field}"; filename="{filename or path.name}"\r\n'
         "Content-Type: application/octet-stream\r\n\r\n"
     ).encode() + path.read_bytes() + f"\r\n--{boundary}--\r\n".encode()
     return body, {"Content-Type": f"multipart/form-data; boundary={boundary}"}
@@ -62,44 +94,62 @@ def _cli_predictions(image: Path, out: Path) -> dict[str, tuple[float, float]]:
         "--datalist", str(ROOT / "data/synthetic_2d/datalist.json"),  # the server's template
         "--images", f"['{image}']", "--output_dir", str(out), "--overlays", "False",
     ]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=180, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert done.returncode == 0, done.stderr[-3000:]
     with open(out / "predictions.csv") as f:
         return {r["landmark"]: (float(r["x"]), float(r["y"])) for r in csv.DictReader(f)}
 
 
-@pytest.fixture
-def server(tmp_path):
-    """A MONAI Label server of a copy of the app (it writes logs and models into its folder)."""
+def _mrk_json(path: Path, names: list[str], points: list) -> Path:
+    """A Slicer point list over a PNG: pixel (x, y) at LPS (x, y, 0)."""
+    from bundle.data.markups import ControlPoint, write_mrk_json
+
+    return write_mrk_json(path, [ControlPoint(n, None if p is None else (-p[0], -p[1], 0.0)) for n, p in zip(names, points)],
+                          coordinate_system="LPS")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A MONAI Label server of a copy of the app over 4 synthetic test images (its own temp dir, to watch uploads)."""
     from bundle.data.datalist import open_datalist
 
+    tmp_path = tmp_path_factory.mktemp("monailabel")
     datalist = open_datalist(ROOT / "data/synthetic_2d/datalist.json")  # generated when missing
     app = tmp_path / "app"
     shutil.copytree(ROOT / "apps/monailabel", app, ignore=shutil.ignore_patterns("__pycache__", "bin", "lib", "logs", "model"))
     studies = tmp_path / "studies"
     studies.mkdir()
-    for item in datalist["test"][:2]:
-        shutil.copy(ROOT / "data/synthetic_2d" / item["image"], studies)
+    truth = {}
+    for item in datalist["test"][:4]:
+        shutil.copy(item["image"], studies)
+        truth[Path(item["image"]).stem] = item["landmarks"]
+    server_tmp = tmp_path / "server_tmp"
+    server_tmp.mkdir()
     port = _free_port()
     command = [
         str(PYTHON), "-m", "monailabel.main", "start_server", "--app", str(app), "--studies", str(studies),
         "--host", "127.0.0.1", "--port", str(port), "--conf", "bundle_root", str(ROOT),
     ]
     log = open(tmp_path / "server.log", "w")
-    env = dict(os.environ, OMP_NUM_THREADS="1", MONAI_LABEL_DATASTORE_AUTO_RELOAD="false")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MONAI_LABEL_DATASTORE_AUTO_RELOAD="false", TMPDIR=str(server_tmp))
+    started = time.monotonic()
     process = subprocess.Popen(command, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + START_TIMEOUT_S
+    client = MONAILabelClient(base, tmpdir=str(tmp_path / "client"))
     try:
         while True:
             try:
-                info = _request(f"{base}/info/", timeout=5)
+                info = client.info()
                 break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                if process.poll() is not None or time.monotonic() > deadline:
+            except (OSError, MONAILabelClientException):
+                if process.poll() is not None or time.monotonic() > started + START_TIMEOUT_S:
                     pytest.fail(f"server did not start:\n{(tmp_path / 'server.log').read_text()[-4000:]}")
                 time.sleep(0.5)
-        yield {"base": base, "info": info, "app": app, "studies": studies, "log": tmp_path / "server.log"}
+        yield {
+            "base": base, "client": client, "info": info, "app": app, "studies": studies, "tmp": server_tmp,
+            "log": tmp_path / "server.log", "truth": truth, "names": list(datalist["landmark_names"]),
+            "start_s": time.monotonic() - started, "work": tmp_path,
+        }
     finally:
         os.killpg(process.pid, signal.SIGTERM)
         try:
@@ -110,42 +160,183 @@ def server(tmp_path):
         log.close()
 
 
-def test_server_suggests_landmarks_and_trains_on_its_images(server, tmp_path):
+def _infer_id(server, image_id: str):
+    return _request(f"{server['base']}/infer/landmarks?image={urllib.request.quote(image_id, safe='')}&output=json", b"")
+
+
+def _wait_training(server) -> dict:
+    deadline = time.monotonic() + TRAIN_TIMEOUT_S
+    while time.monotonic() < deadline:
+        status = server["client"].train_status()
+        if isinstance(status, dict) and status.get("status") in ("DONE", "ERROR"):
+            return status
+        time.sleep(1)
+    pytest.fail(f"training did not end in {TRAIN_TIMEOUT_S} s\n{server['log'].read_text()[-4000:]}")
+
+
+def test_start_is_light_and_lists_the_tasks(server):
     info = server["info"]
     assert "landmarks" in info["models"] and "landmarks" in info["trainers"]
-    names = info["models"]["landmarks"]["labels"]
-    image = sorted(server["studies"].glob("*.png"))[0]
+    assert {"random", "first", "last"} <= set(info["strategies"])
+    # nothing heavy at start: the bundle's templates are resolved on the first request that needs them
+    assert not (server["app"] / "model" / "bundle_templates.json").exists()
+    assert server["start_s"] < START_TIMEOUT_S
 
-    # infer: an uploaded image, no user input; the points match the bundle's own command line
-    body, headers = _multipart("file", image)
-    result = _request(f"{server['base']}/infer/landmarks?output=json", body, headers, timeout=60)
-    reference = _cli_predictions(image, tmp_path / "cli")
+
+def test_upload_suggests_the_bundle_command_line_landmarks(server):
+    names = server["info"]["models"]["landmarks"]["labels"]
+    image = sorted(server["studies"].glob("*.png"))[0]
+    out, result = server["client"].infer("landmarks", "", {}, file=str(image))
+    reference = _cli_predictions(image, server["work"] / "cli")
     assert list(result["landmarks"]) == list(names) == list(reference)
     for name in names:
         assert result["landmarks"][name] == pytest.approx(reference[name], abs=1e-3), name
-    # OHIF-style centroids: 1-based index, then rounded pixel indices
-    for i, name in enumerate(names):
+    # no saved label yet: the bundle's template(s); the result file is the Slicer point list
+    assert result["template_source"] == "bundle" and all(t["source"] == "bundle" for t in result["templates"])
+    assert json.loads(Path(out).read_text()) == result["markups"]
+    for i, name in enumerate(names):  # OHIF-style centroids: 1-based index, then rounded pixel indices
         x, y = result["landmarks"][name]
         assert result["centroids"][name] == [str(i + 1), str(round(x)), str(round(y)), "0"]
-    # 3D Slicer markups: a PNG's pixel (x, y) sits at LPS (x, y, 0) when Slicer (ITK) loads it with spacing 1
-    markup = result["markups"]["markups"][0]
+    markup = result["markups"]["markups"][0]  # a PNG's pixel (x, y) is LPS (x, y, 0) in Slicer (spacing 1)
     assert markup["type"] == "Fiducial" and markup["coordinateSystem"] == "LPS"
     for point in markup["controlPoints"]:
         assert point["position"] == pytest.approx([*result["landmarks"][point["label"]], 0.0], abs=1e-6)
+    assert (server["app"] / "model" / "bundle_templates.json").is_file()  # resolved once, now cached
+    assert list(server["tmp"].glob("landmarks-*")) == []  # the upload and the result file are gone
 
-    # train: the bundle's training on the server's images writes the app's model, which infer then uses
-    _request(f"{server['base']}/train/landmarks", json.dumps(TINY_TRAIN).encode(), {"Content-Type": "application/json"})
-    deadline = time.monotonic() + TRAIN_TIMEOUT_S
-    model = server["app"] / "model" / "model.pt"
-    while time.monotonic() < deadline:
-        status = _request(f"{server['base']}/train/?check_if_running=false", timeout=10)
-        if isinstance(status, dict) and status.get("status") in ("DONE", "ERROR"):
-            break
-        time.sleep(1)
-    assert status.get("status") == "DONE", f"{status}\n{server['log'].read_text()[-4000:]}"
-    assert model.is_file()
-    datalist = json.loads((server["app"] / "model" / "train" / "datalist.json").read_text())
+
+@pytest.mark.parametrize("image", [
+    str(ROOT / "data/synthetic_2d/images/test_005.png"),  # a real image outside --studies
+    "../../etc/passwd", "/etc/passwd", "test_000/../../x", "no_such_image",
+])
+def test_image_ids_are_confined_to_the_datastore(server, image):
+    reply, status = _infer_id(server, image)
+    assert 400 <= status < 500, (status, reply)
+    assert image in reply["detail"] and ("datastore" in reply["detail"])
+    with pytest.raises(MONAILabelClientException, match="Status: 4"):
+        server["client"].infer("landmarks", image, {})
+    # params cannot smuggle a path either
+    with pytest.raises(MONAILabelClientException, match="Status: 4"):
+        server["client"].infer("landmarks", "test_000", {"image": image})
+
+
+def test_datastore_image_id_is_inferred(server):
+    reply, status = _infer_id(server, "test_001")
+    assert status == 200, reply
+    assert all(v is not None for v in reply["landmarks"].values())
+
+
+def test_junk_upload_is_refused_naming_it_and_leaves_no_file(server, tmp_path):
+    junk = tmp_path / "scan_17.png"
+    junk.write_bytes(os.urandom(300_000))
+    before = sorted(p.name for p in server["tmp"].iterdir())
+    reply, status = _request(f"{server['base']}/infer/landmarks?output=json", *_multipart("file", junk))
+    assert 400 <= status < 500, reply
+    assert "scan_17.png" in reply["detail"] and "cannot read image" in reply["detail"]
+    assert sorted(p.name for p in server["tmp"].iterdir()) == before
+    # the datastore refuses it too, and keeps no copy
+    with pytest.raises(MONAILabelClientException, match="Status: 422"):
+        server["client"].upload_image(str(junk), "scan_17")
+    assert "scan_17" not in json.dumps(server["client"].datastore())
+    assert sorted(p.name for p in server["tmp"].iterdir()) == before
+
+
+def test_strategies_first_and_last_skip_labelled_images(server, tmp_path):
+    client = server["client"]
+    assert client.next_sample("first", {})["id"] == "test_000"
+    assert client.next_sample("last", {})["id"] == "test_003"
+    # a bad label is refused naming the image, and saves nothing
+    bad = tmp_path / "bad.mrk.json"
+    bad.write_text('{"markups": []}')
+    with pytest.raises(MONAILabelClientException, match="Status: 422.*test_000"):
+        client.save_label("test_000", str(bad), tag="final")
+    for image_id in ("test_000", "test_003"):
+        label = _mrk_json(tmp_path / f"{image_id}.mrk.json", server["names"], server["truth"][image_id])
+        client.save_label(image_id, str(label), tag="final")
+    assert client.next_sample("first", {})["id"] == "test_001"
+    assert client.next_sample("last", {})["id"] == "test_002"
+
+
+def test_saved_labels_become_the_templates(server):
+    reply, status = _infer_id(server, "test_001")
+    assert status == 200, reply
+    assert reply["templates"] == [{"image": "test_000", "source": "datastore"}, {"image": "test_003", "source": "datastore"}]
+    assert reply["template_source"] == "datastore" and reply["template_combine"] == "geometric_median"
+    # an image is never its own template (leave-one-out)
+    reply, _ = _infer_id(server, "test_000")
+    assert reply["templates"] == [{"image": "test_003", "source": "datastore"}]
+    # the 2-shot suggestion is close to the truth of this synthetic set
+    truth = np.array(server["truth"]["test_001"], dtype=float)
+    found = np.array([_infer_id(server, "test_001")[0]["landmarks"][n] for n in server["names"]], dtype=float)
+    assert np.linalg.norm(found - truth, axis=1).mean() < 10.0
+
+
+@pytest.mark.parametrize("params, key", [
+    ({"epochs": "abc"}, "epochs"), ({"batch_size": 0}, "batch_size"), ({"image_size": [64]}, "image_size"),
+    ({"learning_rate": "fast"}, "learning_rate"), ({"min_improvement": [1]}, "min_improvement"),
+])
+def test_bad_training_values_are_refused_naming_the_key(server, params, key):
+    reply, status = _request(f"{server['base']}/train/landmarks", json.dumps(params).encode(), {"Content-Type": "application/json"})
+    assert status == 422, reply
+    assert repr(key) in reply["detail"]
+    with pytest.raises(MONAILabelClientException, match=key):
+        server["client"].train_start("landmarks", params)
+    reply, status = _request(f"{server['base']}/train/?check_if_running=true")
+    assert status == 404  # nothing was queued
+
+
+def test_training_reads_the_labels_and_keeps_the_served_model_when_not_better(server):
+    client, model = server["client"], server["app"] / "model"
+    client.train_start("landmarks", {**TINY_TRAIN, "min_improvement": 1e9})  # the new model can never be better enough
+    status = _wait_training(server)
+    assert status["status"] == "DONE", f"{status}\n{server['log'].read_text()[-4000:]}"
+    datalist = json.loads((model / "train" / "datalist.json").read_text())
+    labelled = {Path(it["image"]).stem: it["landmarks"] for it in datalist["training"] if it.get("landmarks")}
     assert sorted(Path(it["image"]).name for it in datalist["training"]) == sorted(p.name for p in server["studies"].glob("*.png"))
-    retrained = _request(f"{server['base']}/infer/landmarks?output=json", *_multipart("file", image), timeout=60)
-    assert result["checkpoint"] == str(ROOT / "models" / "model.pt") and retrained["checkpoint"] == str(model)
-    assert list(retrained["landmarks"]) == list(names)
+    assert labelled.keys() == {"test_000", "test_003"}
+    np.testing.assert_allclose(np.array(labelled["test_003"], float), np.array(server["truth"]["test_003"], float), atol=1e-6)
+    stats = client.info()["train_stats"]["landmarks"]  # written by the training process, shown by /info/
+    assert stats["published"] is False and "kept the served model" in stats["decision"]
+    assert stats["train"]["init_weights"] == str(ROOT / "models" / "model.pt")  # fine-tuned from the served weights
+    assert stats["eval"]["key_metric_name"] == "mre" and stats["eval"]["metrics"]["mre_trained"] > 0
+    assert "leave-one-out" in stats["eval"]["scored_on"] and stats["epoch"] == 1 and "total_time" in stats
+    assert (model / "candidate" / "model_final.pt").is_file() and not (model / "model.pt").exists()
+    reply, _ = _infer_id(server, "test_001")
+    assert reply["checkpoint"] == str(ROOT / "models" / "model.pt")
+
+
+def test_training_publishes_a_better_model(server):
+    client, model = server["client"], server["app"] / "model"
+    client.train_start("landmarks", {**TINY_TRAIN, "min_improvement": -1e9})  # any new model counts as better
+    status = _wait_training(server)
+    assert status["status"] == "DONE", f"{status}\n{server['log'].read_text()[-4000:]}"
+    stats = client.info()["train_stats"]["landmarks"]
+    assert stats["published"] is True and stats["checkpoint"] == str(model / "model.pt")
+    assert stats["best_metric"] == stats["eval"]["metrics"]["mre_trained"]
+    reply, _ = _infer_id(server, "test_001")
+    assert reply["checkpoint"] == str(model / "model.pt")
+
+
+def test_dicom_upload_gives_the_png_landmarks_in_its_own_frame(server, tmp_path):
+    from tests.test_dicom import dicom_copy
+
+    png = server["studies"] / "test_002.png"
+    # MONOCHROME1, 12 bits, rescale; isotropic spacing in the header (k-shot combines templates in mm: with
+    # anisotropic pixels the geometric median of several templates is not the pixel-space one)
+    dcm = dicom_copy(png, tmp_path / "xray.dcm", [0.125, 0.125])
+    _, from_png = server["client"].infer("landmarks", "", {}, file=str(png))
+    _, from_dcm = server["client"].infer("landmarks", "", {}, file=str(dcm))
+    for name in server["names"]:
+        assert from_dcm["landmarks"][name] == pytest.approx(from_png["landmarks"][name], abs=0.01), name
+    # the Slicer point list sits in the DICOM's own frame: LPS (x * sx, y * sy, 0)
+    for spacing, result in (([0.125, 0.125], from_dcm),
+                            ([0.1, 0.2], server["client"].infer("landmarks", "", {}, file=str(dicom_copy(png, tmp_path / "aniso.dcm", [0.1, 0.2])))[1])):
+        for point in result["markups"]["markups"][0]["controlPoints"]:
+            x, y = result["landmarks"][point["label"]]
+            assert point["position"] == pytest.approx([x * spacing[0], y * spacing[1], 0.0], abs=1e-6)
+    # into the datastore as .dcm, then inferred by its id
+    server["client"].upload_image(str(dcm), "xray_dcm")
+    reply, status = _infer_id(server, "xray_dcm")
+    assert status == 200, reply
+    for name in server["names"]:
+        assert reply["landmarks"][name] == pytest.approx(from_png["landmarks"][name], abs=0.01), name
