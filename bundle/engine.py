@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import ignite.distributed as idist
 import torch
@@ -72,18 +72,52 @@ class ContrastiveIterationUpdate:
         return engine.state.output
 
 
-def load_weights(network: torch.nn.Module, path: str | Path, device: torch.device | str = "cpu") -> torch.nn.Module:
-    """Load a checkpoint (a state dict, or a dict holding one under ``model``) into ``network`` and return it.
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be used; the message names the file and what is wrong with it."""
 
-    Checkpoints load with ``torch.load(weights_only=True)``; a missing file or mismatched keys raise
-    errors that name the file.
+
+def read_checkpoint(path: str | Path, device: torch.device | str = "cpu", what: str = "checkpoint") -> dict:
+    """The dict a checkpoint file holds, read with ``torch.load(weights_only=True)``.
+
+    A missing file raises ``FileNotFoundError``; an empty (0-byte), truncated or foreign file, or one that
+    holds something else than a dict, raises :class:`CheckpointError`; both name the file.
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"checkpoint not found: {path} (train first, or pass --ckpt_path)")
-    state = torch.load(path, map_location=device, weights_only=True)
-    if isinstance(state, dict) and "model" in state and isinstance(state["model"], dict):
-        state = state["model"]
+        raise FileNotFoundError(f"{what} not found: {path} (train first, or pass --ckpt_path)")
+    size = path.stat().st_size
+    if size == 0:
+        raise CheckpointError(f"{what} {path} is empty (0 bytes): a write that was interrupted, or not a checkpoint")
+    try:
+        state = torch.load(path, map_location=device, weights_only=True)
+    except Exception as e:  # EOFError, zip-archive RuntimeError, UnpicklingError, ...
+        raise CheckpointError(
+            f"{what} {path} ({size} bytes) is not a readable PyTorch checkpoint (truncated, or not written by "
+            f"torch.save): {type(e).__name__}: {e}"
+        ) from e
+    if not isinstance(state, Mapping):
+        raise CheckpointError(
+            f"{what} {path} holds a {type(state).__name__}, not a dict (a state dict, or a dict with one under 'model')"
+        )
+    return dict(state)
+
+
+def load_weights(network: torch.nn.Module, path: str | Path, device: torch.device | str = "cpu") -> torch.nn.Module:
+    """Load a checkpoint (a state dict, or a dict holding one under ``model``) into ``network`` and return it.
+
+    Checkpoints load with ``torch.load(weights_only=True)`` (:func:`read_checkpoint`); a missing, empty,
+    truncated or foreign file, a file that is no state dict, and mismatched keys raise errors that name the file.
+    """
+    path = Path(path)
+    state = read_checkpoint(path, device)
+    if isinstance(state.get("model"), Mapping):
+        state = dict(state["model"])
+    foreign = [k for k, v in state.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
+    if foreign:
+        raise CheckpointError(
+            f"checkpoint {path} is not a state dict (names -> tensors): entries {[repr(k) for k in foreign[:5]]} "
+            f"of its {len(state)} are not named tensors"
+        )
     try:
         network.load_state_dict(state)
     except RuntimeError as e:
@@ -230,11 +264,19 @@ def resolve_templates(
     return templates + select_pseudo_templates(labelled, min(pseudo_templates, len(pool)), cycle_tolerance)
 
 
+def save_atomically(checkpoint: Mapping, path: str | Path, save=torch.save) -> None:
+    """``save(checkpoint, tmp)`` to a unique hidden temporary beside ``path`` (``.<name>.<pid>.<random>.tmp``,
+    never ``*.pt``), then ``os.replace`` onto ``path`` (:func:`bundle.io_utils.atomic_path`): a killed write
+    leaves the previous checkpoint whole, and its leftover temporary is removed by the next save."""
+    with atomic_path(path, keep_suffix=False) as tmp:
+        save(checkpoint, tmp)
+
+
 class AtomicCheckpointSaver(CheckpointSaver):
     """MONAI's ``CheckpointSaver`` whose files are written atomically (temporary file, then rename).
 
-    MONAI turns ignite's atomic writes off; this turns them back on for every checkpoint it writes
-    (final, key metric, interval). ``state_dict``/``load_state_dict`` carry the key-metric ranking so
+    MONAI turns ignite's atomic writes off; this writes every checkpoint (final, key metric, interval)
+    through :func:`save_atomically`. ``state_dict``/``load_state_dict`` carry the key-metric ranking so
     that a resumed run keeps the best ``model.pt`` of the run before it.
     """
 
@@ -242,7 +284,7 @@ class AtomicCheckpointSaver(CheckpointSaver):
         super().__init__(*args, **kwargs)
         for checkpoint in (self._final_checkpoint, self._key_metric_checkpoint, self._interval_checkpoint):
             if checkpoint is not None:
-                checkpoint.save_handler._atomic = True
+                checkpoint.save_handler._save_func = save_atomically
 
     def state_dict(self) -> dict:
         return {} if self._key_metric_checkpoint is None else self._key_metric_checkpoint.state_dict()
@@ -286,9 +328,7 @@ class LastCheckpointSaver:
             if isinstance(obj, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
                 obj = obj.module
             state[name] = obj.state_dict()
-        with atomic_path(self.path) as tmp:
-            torch.save(state, tmp)
-            tmp.chmod(0o644)
+        save_atomically(state, self.path)
 
 
 class ResumeCheckpointLoader(CheckpointLoader):
@@ -305,6 +345,16 @@ class ResumeCheckpointLoader(CheckpointLoader):
     def attach(self, engine: Engine) -> None:
         self.load_dict[self.engine_key] = engine
         super().attach(engine)
+
+    def __call__(self, engine: Engine) -> None:
+        checkpoint = read_checkpoint(self.load_path, self.map_location or "cpu", "resume checkpoint")
+        missing = [k for k in self.load_dict if k not in checkpoint]
+        if missing:
+            raise CheckpointError(
+                f"resume checkpoint {self.load_path} lacks {missing} (it holds {sorted(map(str, checkpoint))}): "
+                "resume from the last.pt that training writes, not from a weights file such as model.pt"
+            )
+        super().__call__(engine)
 
 
 def resume_handlers(resume: str | None, load_dict: dict[str, Any], device: torch.device | str = "cpu") -> list:

@@ -1,13 +1,23 @@
-"""Atomic file writing: outputs and checkpoints are written to a temporary name, then renamed."""
+"""Atomic file writing: outputs and checkpoints are written to a temporary name, then renamed.
+
+Temporary files are hidden siblings of their target, ``.<name>.<pid>.<random>.tmp[<suffixes>]``: unique per
+write (two writers never share one), never taken for the target itself (a loader opens the target's own
+name only), and a leftover of a killed process (SIGKILL leaves no chance to clean up) is removed by the next
+write of the same target once that process is gone. Folders of outputs are built the same way
+(:class:`StagedOutputs`): in a hidden sibling folder, moved into place only when complete.
+"""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
+import re
+import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 
 def _current_umask() -> int:
@@ -16,16 +26,65 @@ def _current_umask() -> int:
     return mask
 
 
+def _process_alive(pid: int) -> bool:
+    """Whether a process with id ``pid`` runs on this machine (a temporary file of a live writer is kept)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True
+    return True
+
+
+def _temp_prefix(name: str) -> str:
+    return f".{name}.{os.getpid()}."
+
+
+def _stale_temporaries(folder: Path, name: str, marker: str) -> list[Path]:
+    """Leftover temporaries ``.<name>.<pid>.<random><marker>...`` in ``folder`` whose process ``pid`` is gone."""
+    pattern = re.compile(r"^\." + re.escape(name) + r"\.(\d+)\.[^/]*" + re.escape(marker))
+    stale = []
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return []
+    for entry in entries:
+        match = pattern.match(entry.name)
+        if match and not _process_alive(int(match.group(1))):
+            stale.append(entry)
+    return stale
+
+
+def remove_stale_temporaries(path: str | os.PathLike, marker: str = ".tmp") -> list[Path]:
+    """Remove the temporaries that killed writers of ``path`` left beside it; return what was removed."""
+    path = Path(path)
+    removed = []
+    for entry in _stale_temporaries(path.parent, path.name, marker):
+        try:
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+            removed.append(entry)
+        except OSError:
+            pass  # another process cleans it up, or it is not ours to remove
+    return removed
+
+
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+def atomic_path(path: str | os.PathLike, keep_suffix: bool = True) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on success it is renamed onto ``path``, on error removed.
 
     Use it for writers that need a file name (``torch.save``, ``PIL.Image.save``, ``nib.save``): a
-    crash leaves either the old file or the new one, never a half-written one.
+    crash leaves either the old file or the new one, never a half-written one. The temporary name keeps
+    ``path``'s suffixes (writers that choose the format by suffix, such as ``nib.save``, need them) unless
+    ``keep_suffix`` is false (checkpoints: a ``*.pt`` pattern must never match a half-written file).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp" + "".join(path.suffixes), dir=path.parent)
+    remove_stale_temporaries(path)
+    suffix = ".tmp" + ("".join(path.suffixes) if keep_suffix else "")
+    fd, tmp = tempfile.mkstemp(prefix=_temp_prefix(path.name), suffix=suffix, dir=path.parent)
     os.close(fd)
     tmp_path = Path(tmp)
     os.chmod(tmp_path, 0o666 & ~_current_umask())  # mkstemp makes 0600; give the usual permissions
@@ -47,3 +106,79 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
 def write_json_atomic(path: str | os.PathLike, obj: Any, indent: int = 2) -> Path:
     """Write ``obj`` as JSON to ``path`` atomically and return the path."""
     return write_text_atomic(path, json.dumps(obj, indent=indent) + "\n")
+
+
+_ACTIVE_STAGING: set[Path] = set()
+
+
+@atexit.register
+def _remove_active_staging() -> None:
+    """Staging folders of runs that failed (their exception ended the process) do not outlive it."""
+    for folder in list(_ACTIVE_STAGING):
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+class StagedOutputs:
+    """A set of output files of ``output_dir`` built in a hidden sibling folder and moved in only when complete.
+
+    ``folder`` is ``<parent>/.<output_dir name>.<pid>.<random>.staging``: write every output there, then
+    :meth:`commit` replaces the previous outputs of ``output_dir`` (``owned(output_dir)`` lists them, e.g. the
+    report files of an earlier run) by the new ones, or :meth:`discard` removes the folder after a failure,
+    leaving ``output_dir`` as it was. Other files of ``output_dir`` (such as training logs) are not touched.
+    A staging folder that a killed process left behind is removed by the next staging of the same folder.
+    """
+
+    MARKER = ".staging"
+
+    def __init__(self, output_dir: str | os.PathLike, owned=None) -> None:
+        self.output_dir = Path(output_dir)
+        self.owned = owned
+        self._folder: Path | None = None
+
+    @property
+    def folder(self) -> Path:
+        """The staging folder, created on first use."""
+        if self._folder is None:
+            parent = self.output_dir.parent
+            parent.mkdir(parents=True, exist_ok=True)
+            remove_stale_temporaries(self.output_dir, self.MARKER)
+            self._folder = Path(tempfile.mkdtemp(prefix=_temp_prefix(self.output_dir.name), suffix=self.MARKER, dir=parent))
+            _ACTIVE_STAGING.add(self._folder)
+        return self._folder
+
+    @property
+    def started(self) -> bool:
+        return self._folder is not None
+
+    def discard(self) -> None:
+        """Remove the staging folder (``output_dir`` keeps its previous outputs)."""
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
+            _ACTIVE_STAGING.discard(self._folder)
+            self._folder = None
+
+    def commit(self) -> list[Path]:
+        """Move the staged outputs into ``output_dir`` in place of its previous ones; return the new paths.
+
+        The previous outputs are first moved aside (into a hidden sibling folder, removed at the end), so that
+        ``output_dir`` never holds old and new outputs together.
+        """
+        staged = self.folder
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        old: Iterable[Path] = self.owned(self.output_dir) if self.owned is not None else []
+        old = [p for p in old if p.exists() or p.is_symlink()]
+        trash = Path(tempfile.mkdtemp(prefix=_temp_prefix(self.output_dir.name), suffix=self.MARKER, dir=self.output_dir.parent))
+        try:
+            for i, p in enumerate(old):
+                os.replace(p, trash / f"{i}_{p.name}")
+            moved = []
+            for p in sorted(staged.iterdir()):
+                target = self.output_dir / p.name
+                if target.is_dir() and not target.is_symlink():
+                    shutil.rmtree(target)
+                os.replace(p, target)
+                moved.append(target)
+        finally:
+            shutil.rmtree(trash, ignore_errors=True)
+            self.discard()
+        return moved
