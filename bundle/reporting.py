@@ -1,6 +1,8 @@
 """Evaluation reports: metrics.json, predictions.csv, overlay PNGs (2D), 3D Slicer markups (3D) and the SDR curve.
 
-Every file is written atomically (``bundle.io_utils``). Figures use matplotlib's Agg canvas directly,
+Every file is written atomically (``bundle.io_utils``); :class:`LandmarkReportHandler` builds a run's whole
+report in a hidden sibling folder of ``output_dir`` and moves it into place only when it is complete, so a
+failed run leaves the previous report as it was, never a mix of old and new files. Figures use matplotlib's Agg canvas directly,
 without pyplot's global state, so they work headless and in threads.
 """
 
@@ -23,13 +25,21 @@ from monai.utils import convert_to_numpy
 
 from bundle.data.annotations import image_stem
 from bundle.data.markups import ControlPoint, write_mrk_json
-from bundle.io_utils import atomic_path, write_json_atomic, write_text_atomic
+from bundle.io_utils import StagedOutputs, atomic_path, write_json_atomic, write_text_atomic
 from bundle.metrics import DEFAULT_THRESHOLDS, radial_errors, success_detection_rate, summarize_errors
 from bundle.oneshot import apply_homogeneous
 from bundle.transforms.landmarks import physical_to_datalist
 
 SUMMARY_KEYS = ("n_images", "n_landmarks", "mre_mm", "mre_std_mm", "mre_px", "sdr", "per_landmark_mre_mm")
 AXES = ("x", "y", "z")
+REPORT_FILES = ("metrics.json", "predictions.csv", "sdr_curve.png", "overlays")
+
+
+def report_outputs(output_dir: str | os.PathLike) -> list[Path]:
+    """The files of a report in ``output_dir`` (:data:`REPORT_FILES` and the 3D ``*.mrk.json``): what a new
+    report replaces as a whole."""
+    output_dir = Path(output_dir)
+    return [output_dir / n for n in REPORT_FILES] + sorted(output_dir.glob("*.mrk.json"))
 
 
 def write_metrics_json(path: str | os.PathLike, summary: Mapping[str, Any], template: str | Sequence[str], checkpoint: str) -> Path:
@@ -207,6 +217,8 @@ class LandmarkReportHandler:
     predictions.csv, sdr_curve.png and overlays/<image stem>.png (2D) or <image stem>.mrk.json (3D, the
     predictions as a 3D Slicer point list in RAS), and logs MRE and SDR. When no image has
     a reference landmark (inference on new images), only predictions.csv and the overlays are written.
+    Everything is written into a staging folder beside ``output_dir`` first and replaces the previous report
+    files (:func:`report_outputs`) only at the end: after a failure ``output_dir`` is as it was.
     """
 
     def __init__(
@@ -236,15 +248,29 @@ class LandmarkReportHandler:
         self.logger = logging.getLogger(logger_name)
         self.records: list[dict] = []
         self._stems: set[str] = set()
+        self._staging = StagedOutputs(self.output_dir, owned=report_outputs)
 
     def attach(self, engine: Engine) -> None:
         engine.add_event_handler(Events.EPOCH_STARTED, self.reset)
         engine.add_event_handler(Events.ITERATION_COMPLETED, self.collect)
         engine.add_event_handler(Events.COMPLETED, self.write)
+        # a run that fails removes its staging folder; ignite stops at the first EXCEPTION_RAISED handler that
+        # raises (MONAI's StatsHandler does), so this one goes first and raises only when it is the only one
+        engine.add_event_handler(Events.EXCEPTION_RAISED, self._failed)
+        handlers = getattr(engine, "_event_handlers", {}).get(Events.EXCEPTION_RAISED)
+        if isinstance(handlers, list) and len(handlers) > 1:
+            handlers.insert(0, handlers.pop())
+
+    def _failed(self, engine: Engine, error: BaseException) -> None:
+        self._staging.discard()
+        handlers = getattr(engine, "_event_handlers", {}).get(Events.EXCEPTION_RAISED)
+        if not isinstance(handlers, list) or len(handlers) <= 1:
+            raise error
 
     def reset(self, engine: Engine | None = None) -> None:
         self.records = []
         self._stems = set()
+        self._staging.discard()
 
     def _array(self, item: Mapping, key: str, shape_hint: str) -> np.ndarray:
         if key not in item:
@@ -286,13 +312,32 @@ class LandmarkReportHandler:
         pred_grid = apply_homogeneous(matrix, record["pred"], inverse=True).numpy()
         size_x, size_y = np.linalg.norm(matrix[:2, :2], axis=0)  # mm per grid pixel along x and y
         save_overlay_png(
-            self.output_dir / "overlays" / f"{name}.png", item[self.image_key], ref_grid, pred_grid, self.landmark_names, size_y / size_x
+            self._staging.folder / "overlays" / f"{name}.png", item[self.image_key], ref_grid, pred_grid, self.landmark_names, size_y / size_x
         )
 
     def write(self, engine: Engine | None = None) -> dict[str, Any]:
-        """Write metrics.json, predictions.csv and sdr_curve.png; return the summary."""
+        """Write metrics.json, predictions.csv and sdr_curve.png, then move the report into ``output_dir``;
+        return the summary."""
         if not self.records:
+            self._staging.discard()
             raise ValueError(f"LandmarkReportHandler: no predictions were collected for {self.output_dir}")
+        try:
+            summary = self._write(self._staging.folder)
+            self._staging.commit()
+        except BaseException:
+            self._staging.discard()
+            raise
+        if "mre_mm" not in summary:  # inference on unlabelled images: predictions only
+            self.logger.info("one-shot detection on %d images without reference landmarks: predictions in %s", len(self.records), self.output_dir)
+            return summary
+        sdr = ", ".join(f"{k} mm {v:.1f}%" for k, v in summary["sdr"].items())
+        self.logger.info(
+            "one-shot detection on %d images: MRE %.3f +/- %.3f mm (%.2f px); SDR %s; reports in %s",
+            summary["n_images"], summary["mre_mm"], summary["mre_std_mm"], summary["mre_px"], sdr, self.output_dir,
+        )
+        return summary
+
+    def _write(self, folder: Path) -> dict[str, Any]:
         preds = np.stack([r["pred"] for r in self.records])
         refs = np.stack([r["ref"] for r in self.records])
         spacings = np.stack([r["spacing"] for r in self.records])[:, None, :]
@@ -303,18 +348,12 @@ class LandmarkReportHandler:
             for i, r in enumerate(self.records)
             for j, name in enumerate(self.landmark_names)
         ]
-        write_predictions_csv(self.output_dir / "predictions.csv", rows)
+        write_predictions_csv(folder / "predictions.csv", rows)
         if preds.shape[-1] == 3:
-            write_markups_per_image(self.output_dir, self.records, self.landmark_names)
+            write_markups_per_image(folder, self.records, self.landmark_names)
         if np.isnan(refs).all():  # inference on unlabelled images: predictions only
-            self.logger.info("one-shot detection on %d images without reference landmarks: predictions in %s", len(self.records), self.output_dir)
             return {"n_images": len(self.records)}
         summary = summarize_errors(errors_mm, errors_px, self.thresholds, self.landmark_names)
-        write_metrics_json(self.output_dir / "metrics.json", summary, self.template, self.checkpoint)
-        save_sdr_curve(self.output_dir / "sdr_curve.png", errors_mm, marks=self.thresholds)
-        sdr = ", ".join(f"{k} mm {v:.1f}%" for k, v in summary["sdr"].items())
-        self.logger.info(
-            "one-shot detection on %d images: MRE %.3f +/- %.3f mm (%.2f px); SDR %s; reports in %s",
-            summary["n_images"], summary["mre_mm"], summary["mre_std_mm"], summary["mre_px"], sdr, self.output_dir,
-        )
+        write_metrics_json(folder / "metrics.json", summary, self.template, self.checkpoint)
+        save_sdr_curve(folder / "sdr_curve.png", errors_mm, marks=self.thresholds)
         return summary
