@@ -21,3 +21,21 @@ def bundle_parser(config_files: str | Sequence[str], bundle_root: str | os.PathL
     for key, value in overrides.items():
         parser[key] = value
     return parser
+
+
+def check_image_size(image_size: Any, spatial_dims: int, divisor: int = 16) -> list[int]:
+    """``image_size`` as a list of ints, refused (``ValueError`` naming the key and the value) unless it holds
+    ``spatial_dims`` positive integers, each divisible by ``divisor`` (both encoders downsample 4 times: 16).
+
+    MONAI's ``Resized`` would read 0 or a negative size as "keep the image's own size" and fail later
+    without naming the key; the configs pass ``image_size`` through this wherever they resize.
+    """
+    values = list(image_size) if isinstance(image_size, (list, tuple)) else None
+    if (
+        values is None
+        or len(values) != spatial_dims
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 and v % divisor == 0 for v in values)
+    ):
+        need = f", each divisible by {divisor} (the encoder's deepest stride)" if divisor > 1 else ""
+        raise ValueError(f"image_size: expected {spatial_dims} positive integers (the network grid){need}, got {image_size!r}")
+    return [int(v) for v in values]

@@ -39,6 +39,7 @@ from bundle.data.isbi2015 import ISBI_2015_LANDMARK_NAMES, ISBI_2015_SPACING_MM,
 from bundle.data.annotations import MultiAnnotatorSet, image_stem, natural_key  # noqa: E402
 from bundle.data.labelme import read_labelme_set  # noqa: E402
 from bundle.data.nifti import nifti_datalist  # noqa: E402
+from bundle.data.images import ImageError, check_image_file  # noqa: E402
 from bundle.io_utils import atomic_path  # noqa: E402
 
 BUILT_IN_NAMES = {"isbi": ISBI_2015_LANDMARK_NAMES}
@@ -144,6 +145,24 @@ def annotator_summary(dataset: MultiAnnotatorSet) -> list[str]:
     return [f"  inter-annotator distance: mean {mean:.2f} px, median {median:.2f} px over {d.size} landmark pairs"]
 
 
+def check_images(datalist: dict) -> None:
+    """Read every image of ``datalist`` as the pipeline does; a file that is unreadable (truncated, not an
+    image), of another dimensionality than ``spatial_dims`` or not finite is refused, naming it, and nothing is
+    written (size and constant images are left to the pipeline's checks)."""
+    items = [it for section in SECTIONS for it in datalist.get(section) or []]
+    items += [datalist["template"]] if datalist.get("template") else []
+    items += list(datalist.get("templates") or [])
+    problems = []
+    for image in dict.fromkeys(str(it["image"]) for it in items):
+        try:
+            check_image_file(image, datalist["spatial_dims"], min_size=1, warn_constant=False)
+        except ImageError as e:
+            problems.append(str(e))
+    if problems:
+        shown = "\n  ".join(problems[:10]) + (f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else "")
+        raise ValueError(f"{len(problems)} image(s) cannot be used; no datalist written:\n  {shown}")
+
+
 def write(
     read: Callable[[], tuple[dict, list[str]]],
     out: str,
@@ -153,10 +172,12 @@ def write(
     template: Any,
     keep_held_out_images: bool = False,
 ) -> None:
-    """Run the reader, print its warnings, split, write ``out`` atomically (validated), print a summary."""
+    """Run the reader, check that every image reads as the pipeline reads it, print the warnings, split, write
+    ``out`` atomically (validated), print a summary."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         datalist, extra = read()
+        check_images(datalist)
     for w in caught:
         print(f"warning: {w.message}")
     datalist = set_template(datalist, template)

@@ -94,6 +94,10 @@ def load_datalist(path: str | os.PathLike, check_files: bool = True) -> dict:
     names = data.get("landmark_names")
     if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
         raise DatalistError(f"{path}: 'landmark_names' must be a non-empty list of strings")
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        where = "; ".join(f"{n!r} at positions {[i for i, m in enumerate(names) if m == n]}" for n in duplicates)
+        raise DatalistError(f"{path}: 'landmark_names' must be unique, duplicated: {where}")
     base = path.parent
     out = dict(data)
     for section in SECTIONS:
@@ -114,6 +118,23 @@ def load_datalist(path: str | os.PathLike, check_files: bool = True) -> dict:
             _check_template(it, f"{path}:templates[{i}]", spatial_dims, len(names), base, check_files) for i, it in enumerate(templates)
         ]
     return out
+
+
+def section_items(datalist: dict, section: str, path: str | os.PathLike = "the datalist") -> list[dict]:
+    """The datalist's ``section`` items; an empty or absent section raises ``DatalistError`` naming ``path``.
+
+    What a command runs on (``training`` for training, ``test`` for evaluation): without it the command
+    would finish without a result and without an error.
+    """
+    if section not in SECTIONS:
+        raise ValueError(f"section must be one of {SECTIONS}, got {section!r}")
+    items = datalist.get(section) or []
+    if not items:
+        raise DatalistError(
+            f"{path}: the '{section}' list is empty: nothing to {'train on' if section == 'training' else 'run on'} "
+            f"(the sections hold {', '.join(f'{s}: {len(datalist.get(s) or [])}' for s in SECTIONS)})"
+        )
+    return items
 
 
 def _check_template(item: Any, where: str, spatial_dims: int, n_landmarks: int, base: Path, check_files: bool) -> dict:

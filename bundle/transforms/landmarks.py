@@ -12,12 +12,16 @@ need, all in one physical millimetre frame:
 
 2D uses the ratio of the original and current shapes (the 2D evaluation pipeline only resizes); 3D uses
 the image's affine, which MONAI keeps up to date through every spatial transform.
+
+A landmark outside the image by more than ``outside_tolerance`` of its extent (a wrong coordinate
+convention, a swapped axis, LPS given for RAS, a typo) is refused, naming the file, the landmark and its
+value: it could never be predicted, and as a template landmark it would drag every prediction to the border.
 """
 
 from __future__ import annotations
 
 import warnings
-from typing import Hashable, Mapping
+from typing import Hashable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -84,11 +88,19 @@ class LandmarkTargetsd(MapTransform):
         spacing_key: str = "spacing",
         label_key: str = "label",
         allow_missing_keys: bool = False,
+        landmark_names: Sequence[str] | None = None,
+        outside_tolerance: float = 0.05,
     ) -> None:
         super().__init__(keys, allow_missing_keys)
         if len(self.keys) != 1:
             raise ValueError(f"LandmarkTargetsd takes one image key, got {self.keys}")
         self.n_landmarks = int(n_landmarks)
+        if landmark_names is not None and len(landmark_names) != self.n_landmarks:
+            raise ValueError(f"{len(landmark_names)} landmark_names for {self.n_landmarks} landmarks")
+        self.landmark_names = None if landmark_names is None else [str(n) for n in landmark_names]
+        if not outside_tolerance >= 0:
+            raise ValueError(f"outside_tolerance must be >= 0, got {outside_tolerance}")
+        self.outside_tolerance = float(outside_tolerance)
         self.landmarks_key = landmarks_key
         self.spacing_key = spacing_key
         self.label_key = label_key
@@ -111,6 +123,36 @@ class LandmarkTargetsd(MapTransform):
         )
         return np.ones(dims)
 
+    def _check_inside(self, points: np.ndarray, label: np.ndarray, to_physical: np.ndarray, grid_shape: tuple, image) -> None:
+        """Refuse a landmark outside the image by more than ``outside_tolerance`` of its extent (see module doc)."""
+        present = ~np.isnan(label).any(axis=1)
+        if not present.any():
+            return
+        size = np.asarray(grid_shape, float)
+        homogeneous = np.concatenate([label[present], np.ones((int(present.sum()), 1))], axis=1)
+        grid = (np.linalg.inv(to_physical) @ homogeneous.T).T[:, :-1]
+        margin = -0.5 - self.outside_tolerance * size
+        outside = ((grid < margin) | (grid > size - 1 - margin)).any(axis=1)
+        if not outside.any():
+            return
+        j = int(np.flatnonzero(present)[np.argmax(outside)])
+        name = f" ({self.landmark_names[j]!r})" if self.landmark_names else ""
+        file = image.meta.get("filename_or_obj", "image") if isinstance(image, MetaTensor) else "image"
+        value = [round(float(v), 4) for v in points[j]]
+        if len(grid_shape) == 2:
+            original = np.asarray(image.meta["spatial_shape"], int)[:2] if isinstance(image, MetaTensor) else size.astype(int)
+            where = (
+                f"the image's pixels span x in [-0.5, {original[0] - 0.5:g}], y in [-0.5, {original[1] - 0.5:g}] "
+                "(2D landmarks are [x, y] pixels of the original file, x the column, y the row)"
+            )
+        else:
+            where = "3D landmarks are [x, y, z] world RAS mm (LPS coordinates, as DICOM gives them, need x and y negated)"
+        more = int(outside.sum()) - 1
+        raise ValueError(
+            f"{file}: landmark {j}{name} {value} lies outside the image: {where}"
+            + (f"; {more} more landmark(s) of this item lie outside too" if more else "")
+        )
+
     def __call__(self, data: Mapping[Hashable, torch.Tensor]) -> dict:
         d = dict(data)
         key = self.first_key(d)
@@ -129,6 +171,7 @@ class LandmarkTargetsd(MapTransform):
                 raise ValueError(f"'{key}' must be a MetaTensor with an affine for 3D landmarks")
             to_physical = np.asarray(image.affine, float)
             label = points
+        self._check_inside(points, label, to_physical, tuple(image.shape[1:]), image)
         d[self.landmarks_key] = torch.as_tensor(points, dtype=torch.float32)
         d[self.label_key] = torch.as_tensor(label, dtype=torch.float32)
         d[self.spacing_key] = torch.as_tensor(spacing, dtype=torch.float32)
