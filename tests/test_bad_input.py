@@ -1,0 +1,378 @@
+"""Bad input at every entry point: each case fails with a message naming the file, key or value at fault (or
+warns, naming the image, where the result is still meaningful), and a failed run leaves no mix of old and
+new outputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import pytest
+import torch
+from ignite.engine import Engine
+from monai.bundle import run
+from monai.transforms import Compose
+from PIL import Image
+
+from bundle.configs import bundle_parser, check_image_size
+from bundle.data.datalist import DatalistError, load_datalist
+from bundle.data.images import ImageError
+from bundle.data.synthetic import generate_synthetic_2d
+from bundle.engine import (
+    CheckpointError,
+    LastCheckpointSaver,
+    ResumeCheckpointLoader,
+    load_weights,
+    prepare_template,
+    resume_path,
+    save_atomically,
+)
+from bundle.export import image_items
+from bundle.networks.contrastive import ContrastiveLandmarkNet
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = ["configs/train.yaml"]
+EVALUATE = ["configs/train.yaml", "configs/evaluate.yaml"]
+EVALUATE_3D = ["configs/train.yaml", "configs/train_3d.yaml", "configs/evaluate.yaml", "configs/evaluate_3d.yaml"]
+SMALL = {"image_size": [64, 64], "progress_bar": False, "seed": 0}
+
+
+def messages(error: BaseException) -> str:
+    """Every message of an exception chain (MONAI wraps a transform's error in 'applying transform ...')."""
+    texts = []
+    while error is not None:
+        texts.append(f"{type(error).__name__}: {error}")
+        error = error.__cause__ or error.__context__
+    return "\n".join(texts)
+
+
+def raises(fn, *args, **kwargs) -> str:
+    with pytest.raises(Exception) as info:
+        fn(*args, **kwargs)
+    return messages(info.value)
+
+
+def write_json(path: Path, obj) -> Path:
+    path.write_text(json.dumps(obj))
+    return path
+
+
+@pytest.fixture(scope="module")
+def data2d(tmp_path_factory):
+    """A tiny 2D set (64 x 72 px) and untrained weights that fit the 2D configuration."""
+    root = tmp_path_factory.mktemp("data2d")
+    datalist = generate_synthetic_2d(root / "set", n_training=2, n_validation=1, n_test=2, size=(64, 72), seed=2)
+    torch.manual_seed(0)
+    ckpt = root / "net.pt"
+    torch.save(ContrastiveLandmarkNet(spatial_dims=2).state_dict(), ckpt)
+    return {"datalist": datalist, "ckpt": ckpt, "content": json.loads(datalist.read_text())}
+
+
+def variant(data2d, tmp_path: Path, **changes) -> Path:
+    """A copy of the tiny datalist (absolute image paths) with top-level keys replaced."""
+    base = data2d["datalist"].parent
+    content = json.loads(json.dumps(data2d["content"]))
+
+    def absolute(item):
+        return {**item, "image": str(base / item["image"])}
+
+    for section in ("training", "validation", "test"):
+        content[section] = [absolute(it) for it in content[section]]
+    content["template"] = absolute(content["template"])
+    content.update(changes)
+    return write_json(tmp_path / "datalist.json", content)
+
+
+def preprocessing(files, datalist: Path, key: str = "validate#preprocessing", **overrides) -> Compose:
+    return bundle_parser(files, ROOT, datalist=str(datalist), **overrides).get_parsed_content(key)
+
+
+def evaluate(datalist: Path, out: Path, ckpt: Path, **overrides) -> None:
+    run("evaluating", config_file=[str(ROOT / f) for f in EVALUATE], bundle_root=str(ROOT), datalist=str(datalist),
+        output_dir=str(out), ckpt_path=str(ckpt), **{**SMALL, **overrides})
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def staging_leftovers(folder: Path) -> list[str]:
+    return [p.name for p in folder.parent.iterdir() if p.name.startswith(f".{folder.name}.")]
+
+
+# ---------------------------------------------------------------- datalists: empty splits, duplicate names
+
+
+def test_empty_test_list_is_refused_naming_the_datalist(data2d, tmp_path):
+    datalist = variant(data2d, tmp_path, test=[])
+    text = raises(evaluate, datalist, tmp_path / "eval", data2d["ckpt"])
+    assert f"{datalist}: the 'test' list is empty" in text
+    assert not (tmp_path / "eval").exists()
+
+
+def test_empty_training_list_is_refused_naming_the_datalist(data2d, tmp_path):
+    datalist = variant(data2d, tmp_path, training=[])
+    text = raises(
+        run, "training", config_file=str(ROOT / "configs/train.yaml"), bundle_root=str(ROOT), datalist=str(datalist),
+        output_dir=str(tmp_path / "out"), ckpt_dir=str(tmp_path / "models"), epochs=1, epoch_length=2, **SMALL,
+    )
+    assert f"{datalist}: the 'training' list is empty" in text
+
+
+def test_duplicate_landmark_names_are_refused_naming_the_duplicate(data2d, tmp_path):
+    names = list(data2d["content"]["landmark_names"])
+    names[5] = names[2]
+    datalist = variant(data2d, tmp_path, landmark_names=names)
+    with pytest.raises(DatalistError, match=rf"'landmark_names' must be unique, duplicated: '{names[2]}' at positions \[2, 5\]"):
+        load_datalist(datalist)
+
+
+# ---------------------------------------------------------------- images: content, size, dimensionality
+
+
+def test_constant_image_warns_naming_it(data2d, tmp_path):
+    png = tmp_path / "black.png"
+    Image.fromarray(np.zeros((72, 64), np.uint8)).save(png)
+    with pytest.warns(UserWarning, match=rf"{png}: constant image \(every value is 0\)"):
+        preprocessing(TRAIN, data2d["datalist"], **SMALL)({"image": str(png)})
+
+
+def test_tiny_image_is_refused_naming_it(data2d, tmp_path):
+    png = tmp_path / "tiny.png"
+    Image.fromarray(np.arange(25, dtype=np.uint8).reshape(5, 5)).save(png)
+    text = raises(preprocessing(TRAIN, data2d["datalist"], **SMALL), {"image": str(png)})
+    assert f"{png}: an image of 5 x 5 pixels is too small for the network: every axis needs at least 16" in text
+
+
+def test_truncated_png_is_refused_naming_it(data2d, tmp_path):
+    good = Path(data2d["content"]["test"][0]["image"])
+    png = tmp_path / "truncated.png"
+    data = (data2d["datalist"].parent / good).read_bytes()
+    png.write_bytes(data[: len(data) // 2])
+    text = raises(preprocessing(TRAIN, data2d["datalist"], **SMALL), {"image": str(png)})
+    assert f"ImageError: cannot read image {png}: OSError: image file is truncated" in text
+
+
+def test_volume_in_the_2d_configuration_is_refused(data2d, tmp_path):
+    volume = tmp_path / "ct.nii.gz"
+    nib.save(nib.Nifti1Image(np.random.default_rng(0).normal(size=(32, 32, 32)).astype(np.float32), np.eye(4)), volume)
+    text = raises(preprocessing(TRAIN, data2d["datalist"], **SMALL), {"image": str(volume)})
+    assert f"{volume}: a 3D image (spatial shape [32, 32, 32]), but this configuration expects 2D images" in text
+
+
+def volume_datalist(tmp_path: Path, image: Path, landmarks=None) -> Path:
+    item = {"image": str(image), "landmarks": landmarks or [[0.0, 0.0, 0.0], [10.0, 10.0, 10.0]]}
+    return write_json(tmp_path / "ct.json", {"spatial_dims": 3, "landmark_names": ["a", "b"], "training": [item], "test": [item]})
+
+
+def test_2d_png_in_the_3d_configuration_is_refused(data2d, tmp_path):
+    png = Path(data2d["datalist"].parent / data2d["content"]["test"][0]["image"])
+    pipeline = preprocessing(EVALUATE_3D, volume_datalist(tmp_path, png), image_size=[32, 32, 32])
+    text = raises(pipeline, {"image": str(png)})
+    assert f"{png}: a 2D image (spatial shape [64, 72]), but this configuration expects 3D images (spatial_dims: 3)" in text
+
+
+def test_nan_volume_in_3d_evaluation_is_refused_naming_it(tmp_path):
+    data = np.random.default_rng(0).normal(size=(24, 24, 24)).astype(np.float32) * 100
+    data[3, 4, 5] = np.nan
+    data[6, 7, 8] = np.inf
+    volume = tmp_path / "nan.nii.gz"
+    nib.save(nib.Nifti1Image(data, np.diag([2.0, 2.0, 2.0, 1.0])), volume)
+    pipeline = preprocessing(EVALUATE_3D, volume_datalist(tmp_path, volume), image_size=[32, 32, 32])
+    text = raises(pipeline, {"image": str(volume)})
+    assert f"{volume}: 2 of 13824 values are NaN or infinite" in text
+
+
+# ---------------------------------------------------------------- landmarks outside the image
+
+
+def test_landmark_far_outside_its_image_is_refused_in_test_items_and_templates(data2d, tmp_path):
+    item = dict(data2d["content"]["test"][0])
+    item["image"] = str(data2d["datalist"].parent / item["image"])
+    item["landmarks"] = [list(p) for p in item["landmarks"]]
+    item["landmarks"][3] = [4469.0, 20.0]
+    name = data2d["content"]["landmark_names"][3]
+    pipeline = preprocessing(EVALUATE, data2d["datalist"], **SMALL)
+    expected = f"{item['image']}: landmark 3 ('{name}') [4469.0, 20.0] lies outside the image: the image's pixels span x in [-0.5, 63.5]"
+    assert expected in raises(pipeline, item)
+    assert expected in raises(prepare_template, item, pipeline)  # the template: refused before any matching
+    inside = dict(item, landmarks=[list(p) for p in data2d["content"]["test"][0]["landmarks"]])
+    assert pipeline(inside)["label"].shape == (len(item["landmarks"]), 2)
+
+
+# ---------------------------------------------------------------- configuration values
+
+
+def test_zero_image_size_is_refused_naming_the_key(data2d):
+    text = raises(preprocessing, TRAIN, data2d["datalist"], image_size=[0, 0])
+    assert "image_size: expected 2 positive integers (the network grid), each divisible by 16" in text and "[0, 0]" in text
+    assert check_image_size([64, 96], 2) == [64, 96]
+    with pytest.raises(ValueError, match=r"image_size: expected 3 positive integers .* got \[64, 64\]"):
+        check_image_size([64, 64], 3)
+
+
+def test_images_given_as_one_string_is_one_image(data2d, tmp_path):
+    png = str(data2d["datalist"].parent / data2d["content"]["test"][0]["image"])
+    parser = bundle_parser("configs/inference.yaml", ROOT, images=png)
+    assert parser.get_parsed_content("dataset").data == [{"image": png}]
+    with pytest.raises(FileNotFoundError, match=r"images not found: \['a.png,b.png'\]"):
+        image_items("a.png,b.png", tmp_path)
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+@pytest.mark.parametrize("case", ["empty", "truncated", "list", "int_keys", "text"])
+def test_unusable_checkpoints_are_refused_naming_the_file(data2d, tmp_path, case):
+    path = tmp_path / f"{case}.pt"
+    if case == "empty":
+        path.write_bytes(b"")
+        expected = f"checkpoint {path} is empty (0 bytes)"
+    elif case == "truncated":
+        data = data2d["ckpt"].read_bytes()
+        path.write_bytes(data[: len(data) // 3])
+        expected = f"checkpoint {path} ({len(data) // 3} bytes) is not a readable PyTorch checkpoint"
+    elif case == "list":
+        torch.save([torch.zeros(2)], path)
+        expected = f"checkpoint {path} holds a list, not a dict"
+    elif case == "int_keys":
+        torch.save({101: torch.zeros(2), "a": 3}, path)
+        expected = f"checkpoint {path} is not a state dict (names -> tensors): entries ['101', \"'a'\"]"
+    else:
+        path.write_text("not a checkpoint")
+        expected = f"checkpoint {path} (16 bytes) is not a readable PyTorch checkpoint"
+    with pytest.raises(CheckpointError) as info:
+        load_weights(ContrastiveLandmarkNet(spatial_dims=2), path)
+    assert expected in str(info.value)
+
+
+def test_unusable_resume_checkpoints_are_refused_naming_the_file(data2d, tmp_path):
+    network = ContrastiveLandmarkNet(spatial_dims=2)
+
+    def resume(path: Path) -> str:
+        engine = Engine(lambda e, b: None)
+        ResumeCheckpointLoader(load_path=str(path), load_dict={"model": network}).attach(engine)
+        return raises(engine.run, [0], max_epochs=1)
+
+    empty = tmp_path / "last.pt"
+    empty.write_bytes(b"")
+    assert f"resume checkpoint {empty} is empty (0 bytes)" in resume(empty)
+    assert f"resume checkpoint {data2d['ckpt']} lacks ['model', 'trainer']" in resume(data2d["ckpt"])
+
+
+def dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_checkpoint_writes_go_through_unique_temporaries_and_ignore_killed_leftovers(tmp_path, monkeypatch):
+    models = tmp_path / "models"
+    models.mkdir()
+    # what a write killed by SIGKILL leaves: a 0-byte temporary of a process that is gone (and ignite's old style)
+    leftover = models / f".last.pt.{dead_pid()}.abcd1234.tmp"
+    leftover.write_bytes(b"")
+    (models / "tmpq1w2e3r4").write_bytes(b"")
+    assert resume_path(models, True) is None  # a temporary is never taken for last.pt
+
+    network = torch.nn.Linear(2, 2)
+    replaced = []
+    real_replace = os.replace
+    monkeypatch.setattr("bundle.io_utils.os.replace", lambda src, dst: (replaced.append((Path(src), Path(dst))), real_replace(src, dst))[1])
+    saver = LastCheckpointSaver(models / "last.pt", {"model": network}, engine_key=None)
+    saver(Engine(lambda e, b: None))
+    saver(Engine(lambda e, b: None))
+    assert resume_path(models, True) == str(models / "last.pt")
+    assert torch.load(models / "last.pt", weights_only=True)["model"].keys() == network.state_dict().keys()
+    assert not leftover.exists(), "the killed writer's temporary was not cleaned up"
+    (src1, dst1), (src2, dst2) = replaced
+    assert dst1 == dst2 == models / "last.pt" and src1 != src2 and src1.parent == models
+    assert src1.name.startswith(f".last.pt.{os.getpid()}.") and src1.name.endswith(".tmp")  # hidden, never *.pt
+
+    # a write that fails half-way keeps the previous checkpoint and leaves no temporary
+    before = (models / "last.pt").read_bytes()
+
+    def broken(obj, path):
+        Path(path).write_bytes(b"partial")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        save_atomically({"x": torch.zeros(1)}, models / "last.pt", save=broken)
+    assert (models / "last.pt").read_bytes() == before
+    assert sorted(p.name for p in models.iterdir()) == ["last.pt", "tmpq1w2e3r4"]
+
+
+# ---------------------------------------------------------------- output folders: all old or all new
+
+
+def test_failed_evaluation_keeps_the_previous_outputs_unmixed(data2d, tmp_path):
+    out = tmp_path / "eval"
+    evaluate(data2d["datalist"], out, data2d["ckpt"])
+    before = snapshot(out)
+    assert {"metrics.json", "predictions.csv", "sdr_curve.png"} <= set(before) and any(k.startswith("overlays/") for k in before)
+
+    # the second test image breaks after the first one's overlay was drawn
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(b"\x89PNG\r\n\x1a\n" + b"\x00" * 20)
+    content = json.loads(variant(data2d, tmp_path).read_text())
+    content["test"][1]["image"] = str(broken)
+    datalist = write_json(tmp_path / "broken.json", content)
+    text = raises(evaluate, datalist, out, data2d["ckpt"])
+    assert f"cannot read image {broken}" in text
+    assert snapshot(out) == before
+    assert staging_leftovers(out) == []
+
+    # a successful run replaces the whole report: no overlay of the earlier run survives
+    content["test"] = content["test"][:1]
+    evaluate(write_json(tmp_path / "one.json", content), out, data2d["ckpt"])
+    after = snapshot(out)
+    assert sorted(k for k in after if k.startswith("overlays/")) == ["overlays/test_000.png"]
+    assert json.loads(after["metrics.json"])["n_images"] == 1
+    assert staging_leftovers(out) == []
+
+
+def test_template_without_landmarks_fails_before_inference_leaving_outputs(data2d, tmp_path):
+    out = tmp_path / "inference"
+    out.mkdir()
+    (out / "predictions.csv").write_text("old\n")
+    template = dict(data2d["content"]["template"], landmarks=[None] * len(data2d["content"]["landmark_names"]))
+    template["image"] = str(data2d["datalist"].parent / template["image"])
+    datalist = variant(data2d, tmp_path, template=template, templates=[])
+    png = str(data2d["datalist"].parent / data2d["content"]["test"][0]["image"])
+    text = raises(
+        run, "inferring", config_file=str(ROOT / "configs/inference.yaml"), bundle_root=str(ROOT), datalist=str(datalist),
+        images=[png], output_dir=str(out), ckpt_path=str(data2d["ckpt"]), image_size=[64, 64],
+    )
+    assert f"{datalist}:template: a template must carry 'landmarks', at least one of them not null" in text
+    assert snapshot(out) == {"predictions.csv": b"old\n"} and staging_leftovers(out) == []
+
+
+# ---------------------------------------------------------------- prepare_data
+
+
+def test_prepare_data_refuses_a_truncated_png(tmp_path, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("prepare_data", ROOT / "scripts" / "prepare_data.py")
+    prepare_data = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prepare_data)
+    root = tmp_path / "hand"
+    (root / "images").mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for i in (1, 2):
+        Image.fromarray(rng.integers(0, 255, (40, 30), dtype=np.uint8)).save(root / "images" / f"{i}.png")
+    data = (root / "images" / "2.png").read_bytes()
+    (root / "images" / "2.png").write_bytes(data[: len(data) // 2])
+    (root / "all.csv").write_text("1,3,4\n2,5,6\n")
+    out = tmp_path / "datalist.json"
+    with pytest.raises(SystemExit):
+        prepare_data.main(["hand", str(root), str(out), "--spacing", "[0.1,0.1]"])
+    err = capsys.readouterr().err
+    assert "1 image(s) cannot be used; no datalist written" in err and f"cannot read image {root / 'images' / '2.png'}" in err
+    assert "image file is truncated" in err and not out.exists()
