@@ -275,3 +275,163 @@ def estimate_group_intensities(
             entry[f"{kind}_at_max"] = bool(mi >= target)
         result[name] = entry
     return result
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The paper's estimator: MI between the grey-value DISTRIBUTIONS of two patches ("Approximating minimal
+# necessary MI"). A patch's feature G(v) is its grey-level histogram (``bins`` levels, 256 for 8-bit images);
+# the MI is that of the two count vectors taken as ``bins`` paired discrete samples (natural log, nats).
+
+
+def grey_level_histogram(patch, bins: int = 256) -> np.ndarray:
+    """Counts ``(bins,)`` of the grey levels of a patch in [0, 1], quantised as an 8-bit image would be
+    (``level = round(x * (bins - 1))``, values outside [0, 1] put in the end levels)."""
+    if not isinstance(bins, int) or bins < 2:
+        raise ValueError(f"bins must be an integer >= 2, got {bins!r}")
+    x = _as_float_array(patch, "patch").reshape(-1)
+    levels = np.clip(np.rint(x * (bins - 1)), 0, bins - 1).astype(np.int64)
+    return np.bincount(levels, minlength=bins)
+
+
+def paired_sample_mutual_information(a, b) -> float:
+    """MI (nats) of two equally long vectors read as paired samples ``(a[i], b[i])`` of two discrete variables.
+
+    Every distinct value is one category: ``MI = sum_xy p(x, y) log(p(x, y) / (p(x) p(y)))`` with the
+    empirical frequencies of the pairs. This is the quantity that scikit-learn's ``mutual_info_score``
+    returns for two label vectors; a vector with one distinct value gives 0.
+    """
+    xa, xb = np.asarray(a).reshape(-1), np.asarray(b).reshape(-1)
+    if xa.shape != xb.shape or xa.size == 0:
+        raise ValueError(f"need two non-empty vectors of the same length, got {xa.shape} and {xb.shape}")
+    _, ia = np.unique(xa, return_inverse=True)
+    _, ib = np.unique(xb, return_inverse=True)
+    na, nb = int(ia.max()) + 1, int(ib.max()) + 1
+    if na == 1 or nb == 1:
+        return 0.0
+    joint = np.bincount(ia * nb + ib, minlength=na * nb).reshape(na, nb).astype(np.float64) / xa.size
+    pa, pb = joint.sum(1, keepdims=True), joint.sum(0, keepdims=True)
+    nz = joint > 0
+    return float(max(np.sum(joint[nz] * np.log(joint[nz] / (pa * pb)[nz])), 0.0))
+
+
+def distribution_mutual_information(a, b, bins: int = 256) -> float:
+    """MI (nats) between the grey-value distributions of two patches: :func:`paired_sample_mutual_information`
+    of their :func:`grey_level_histogram` count vectors (the paper's G(v), G(v')). The patches may differ in
+    shape; only their histograms are compared."""
+    return paired_sample_mutual_information(grey_level_histogram(a, bins), grey_level_histogram(b, bins))
+
+
+RANGE_KINDS = ("brightness", "contrast")
+
+
+def _distribution_curve_mi(histograms: list[np.ndarray], patches: torch.Tensor, kind: str, factor: float, bins: int) -> float:
+    """Mean over the patches of the distribution MI between each patch and its copy augmented by ``factor``."""
+    augmented = adjust_brightness_contrast(patches, factor, 1.0) if kind == "brightness" else adjust_brightness_contrast(patches, 1.0, factor)
+    out = augmented.numpy()
+    return float(np.mean([paired_sample_mutual_information(h, grey_level_histogram(p, bins)) for h, p in zip(histograms, out)]))
+
+
+def search_factor_range(
+    patches, target: float, kind: str, step: float = 0.01, min_factor: float = 0.0, max_factor: float = 3.0, bins: int = 256
+) -> dict:
+    """Asymmetric ColorJitter factor range ``[lo, hi]`` of one kind (``brightness``, ``contrast``) for a target MI.
+
+    ``patches``: ``(K, *spatial)`` patches in [0, 1]. Darker (or flatter) and brighter (or steeper) are
+    searched separately: the factor moves from 1 in steps of ``step`` (down to ``min_factor``, up to
+    ``max_factor``) until the mean over the patches of the distribution MI between a patch and its
+    augmented copy (:func:`distribution_mutual_information`; contrast blends with the patch's own mean)
+    falls below ``target``; that first factor is the bound. A side that never falls below the target
+    stops at its limit and is flagged (``lo_at_limit`` / ``hi_at_limit``: the bound is then only a limit).
+    Returns ``{lo, hi, lo_mi, hi_mi, lo_at_limit, hi_at_limit}`` with the mean MI at each bound.
+    """
+    if kind not in RANGE_KINDS:
+        raise ValueError(f"kind must be one of {RANGE_KINDS}, got {kind!r}")
+    if not (0 < step < 1 and 0 <= min_factor < 1 < max_factor):
+        raise ValueError(f"need 0 < step < 1 and 0 <= min_factor < 1 < max_factor, got {step!r}, {min_factor!r}, {max_factor!r}")
+    patches_t = torch.as_tensor(_as_float_array(patches, "patches"))
+    histograms = [grey_level_histogram(p, bins) for p in patches_t.numpy()]
+    result: dict = {}
+    for side, sign, limit in (("lo", -1.0, min_factor), ("hi", 1.0, max_factor)):
+        n = int(math.floor(abs(limit - 1.0) / step + 1e-9))
+        factor, mi = 1.0, float("nan")
+        for k in range(1, n + 1):
+            factor = round(1.0 + sign * k * step, 10)
+            mi = _distribution_curve_mi(histograms, patches_t, kind, factor, bins)
+            if mi < target:
+                break
+        result[side] = factor
+        result[f"{side}_mi"] = mi
+        result[f"{side}_at_limit"] = bool(not mi < target)
+    return result
+
+
+def estimate_group_ranges(
+    template: np.ndarray,
+    others: Sequence[np.ndarray],
+    template_points: np.ndarray,
+    correspondences: np.ndarray,
+    point_entropy: np.ndarray,
+    thresholds: Sequence[float] = (2.0, 4.0),
+    n_keypoints: int = 20,
+    min_keypoints: int = 3,
+    patch_size: int = 64,
+    alpha_hat: float = 0.8,
+    step: float = 0.01,
+    min_factor: float = 0.0,
+    max_factor: float = 3.0,
+    bins: int = 256,
+    seed: int = 0,
+) -> dict:
+    """Per-group asymmetric brightness and contrast factor ranges, the paper's estimator ("Approximating
+    minimal necessary MI").
+
+    Arguments as for :func:`estimate_group_intensities` (same key-point selection per group). For each
+    group: ``correspondence_mi`` = mean over key points and images of the distribution MI
+    (:func:`distribution_mutual_information`) between the template's patch and the corresponding patch;
+    ``target_mi = alpha_hat * correspondence_mi``; ``self_mi`` = the mean distribution MI of a patch with
+    itself (no augmentation); then :func:`search_factor_range` per kind on the key points' template
+    patches gives ``brightness = [lo, hi]`` and ``contrast = [lo, hi]`` (ColorJitter factors).
+    """
+    check_thresholds(thresholds)
+    if not alpha_hat > 0:
+        raise ValueError(f"alpha_hat must be positive, got {alpha_hat!r}")
+    if patch_size < 2 or n_keypoints < 1 or min_keypoints < 1:
+        raise ValueError(f"need patch_size >= 2, n_keypoints >= 1, min_keypoints >= 1; got {patch_size}, {n_keypoints}, {min_keypoints}")
+    template = _as_float_array(template, "template image")
+    points = np.asarray(template_points, dtype=np.float64).reshape(-1, template.ndim)
+    corr = np.asarray(correspondences, dtype=np.float64).reshape(len(others), len(points), template.ndim)
+    entropy = np.asarray(point_entropy, dtype=np.float64).reshape(-1)
+    if len(entropy) != len(points):
+        raise ValueError(f"point_entropy has {len(entropy)} values for {len(points)} template points")
+    template_patches, ok = extract_patches(template, points, patch_size)
+    ok &= np.isfinite(entropy)
+    other_patches = [extract_patches(_as_float_array(img, f"image {i}"), corr[i], patch_size) for i, img in enumerate(others)]
+    groups = information_groups(np.where(np.isfinite(entropy), entropy, 0.0), thresholds)
+    rng = np.random.default_rng(seed)
+    result: dict = {}
+    for g, name in enumerate(GROUP_NAMES):
+        candidates = np.flatnonzero(ok & (groups == g))
+        chosen = np.sort(rng.choice(candidates, size=min(n_keypoints, len(candidates)), replace=False))
+        pair_mi = [
+            distribution_mutual_information(template_patches[i], patches[i], bins)
+            for patches, valid in other_patches for i in chosen if valid[i]
+        ]
+        entry: dict = {"n_candidates": int(len(candidates)), "n_keypoints": int(len(chosen)), "n_pairs": int(len(pair_mi))}
+        if len(chosen) < min_keypoints or not pair_mi:
+            entry.update(brightness=None, contrast=None,
+                         note=f"only {len(chosen)} key points with {len(pair_mi)} corresponding patches in this group "
+                              f"(need >= {min_keypoints} key points and >= 1 pair): no estimate")
+            result[name] = entry
+            continue
+        correspondence_mi = float(np.mean(pair_mi))
+        target = alpha_hat * correspondence_mi
+        patches = template_patches[chosen]
+        entry.update(correspondence_mi=correspondence_mi, target_mi=target,
+                     self_mi=float(np.mean([distribution_mutual_information(p, p, bins) for p in patches])))
+        for kind in RANGE_KINDS:
+            found = search_factor_range(patches, target, kind, step, min_factor, max_factor, bins)
+            entry[kind] = [found["lo"], found["hi"]]
+            entry[f"{kind}_mi"] = [found["lo_mi"], found["hi_mi"]]
+            entry[f"{kind}_at_limit"] = [found["lo_at_limit"], found["hi_at_limit"]]
+        result[name] = entry
+    return result

@@ -1,16 +1,38 @@
-"""Estimate the per-group augmentation intensities A_l, A_m, A_h of the paper (Sec. 3, step 2) from a datalist.
+"""Estimate the per-group augmentation of the paper (Sec. 3, step 2, "Approximating minimal necessary MI")
+from a datalist.
 
     python scripts/estimate_augmentation.py --datalist D --output augmentation.yaml \
-        [--alpha_hat 0.8 --window 10 --thresholds "[2,4]" --n_images 10 --patch_size 32 --image_size None --seed 0]
+        [--mi distribution|joint --alpha_hat 0.8 --window 10 --thresholds "[2,4]" --n_images 10 --patch_size 64 \
+         --image_size 384 --correspondences landmarks|encoder --ckpt_path models/model.pt --seed 0]
+
+``--mi distribution`` (the default, the paper's estimator): a patch's feature is its 256-level grey-value
+histogram G(v) (64x64 patches on images resized to 384x384 by default); the mutual information (MI, nats)
+is that of the two 256-long count vectors taken as paired discrete samples
+(:func:`bundle.information.distribution_mutual_information`). Per information group the target is
+``alpha_hat`` times the mean MI of corresponding patches of different images, and darker and brighter
+ColorJitter factors are searched separately: the output holds asymmetric ranges
+``brightness_ranges`` / ``contrast_ranges`` ``[[lo, hi]] * 3`` (low, medium, high IIE)
+(:func:`bundle.information.estimate_group_ranges`).
+
+``--mi joint`` (the bundle's earlier estimator): MI (bits) of the 32-bin joint histogram of aligned pixels
+(32x32 patches at the original resolution by default) and symmetric intensities ``brightness`` /
+``contrast`` ``[A_l, A_m, A_h]`` (:func:`bundle.information.estimate_group_intensities`).
 
 The template (the datalist's ``template``, else the first training item with landmarks) and ``n_images``
-other labelled training/validation items (drawn with ``seed``) are loaded with MONAI ``LoadImage`` as
-grey images scaled to [0, 1]. Candidate key points are the template's landmarks plus a grid of offsets
-(``radius``, ``stride``, in original pixels/voxels) that move rigidly with each landmark
-(:func:`bundle.information.offset_correspondences`); their group is the template's IIE
-(:func:`bundle.transforms.entropy.local_entropy` at original resolution) at the point. Patches are cut
-on the working grid (``image_size`` or the original size). The result is written atomically as YAML
-that a bundle config can merge (``augmentation: {thresholds, brightness, contrast, alpha_hat, ...}``).
+other training/validation items (drawn with ``seed``) are loaded with MONAI ``LoadImage`` as grey images
+scaled to [0, 1]. Candidate key points are the template's landmarks plus a grid of offsets (``radius``,
+``stride``, in original pixels/voxels); their group is the template's IIE
+(:func:`bundle.transforms.entropy.local_entropy` at original resolution) at the point.
+Correspondences in the other images (``--correspondences``):
+
+* ``landmarks``: the other images' annotated landmarks plus the same offsets, a rigid translation near
+  each landmark (:func:`bundle.information.offset_correspondences`); the other images must be labelled.
+* ``encoder``: the template's key points matched one-shot into each other image by a trained stage-1
+  network (``--ckpt_path``, the network of ``--config_file``, default ``configs/train.yaml``) with the
+  bundle's :class:`bundle.oneshot.OneShotInferer` on the network grid; the other images need no labels.
+
+Patches are cut on the working grid (``image_size`` or the original size). The result is written
+atomically as YAML that a bundle config merges (``augmentation: {thresholds, ...}``).
 """
 
 from __future__ import annotations
@@ -28,11 +50,20 @@ from monai.transforms import Resize  # noqa: E402
 
 from bundle.data.datalist import load_datalist, landmarks_array  # noqa: E402
 from bundle.data.images import load_grey  # noqa: E402
-from bundle.information import GROUP_NAMES, check_thresholds, estimate_group_intensities, offset_correspondences  # noqa: E402
+from bundle.information import (  # noqa: E402
+    GROUP_NAMES,
+    check_thresholds,
+    estimate_group_intensities,
+    estimate_group_ranges,
+    offset_correspondences,
+)
 from bundle.io_utils import write_text_atomic  # noqa: E402
 from bundle.transforms.entropy import local_entropy  # noqa: E402
 
-CORRESPONDENCE_SOURCES = ("landmarks",)
+CORRESPONDENCE_SOURCES = ("landmarks", "encoder")
+MI_KINDS = ("distribution", "joint")
+# per estimator: patch_size, image_size (None = original), bins, step
+MI_DEFAULTS = {"distribution": (64, 384, 256, 0.01), "joint": (32, None, 32, 0.02)}
 
 
 def landmarks_to_array_axes(landmarks: np.ndarray, affine: np.ndarray, spatial_dims: int) -> np.ndarray:
@@ -79,50 +110,117 @@ def _to_working_grid(image: np.ndarray, points: np.ndarray, image_size) -> tuple
     return resized.astype(np.float64), (points + 0.5) * scale - 0.5
 
 
-def _pick_items(datalist: dict, n_images: int, seed: int) -> tuple[dict, list[dict]]:
+def _pick_items(datalist: dict, n_images: int, seed: int, need_labels: bool = True) -> tuple[dict, list[dict]]:
     labelled = [it for sec in ("training", "validation") for it in datalist[sec] if it.get("landmarks")]
     template = datalist.get("template") or (labelled[0] if labelled else None)
     if template is None:
         raise ValueError("the datalist has no 'template' and no training/validation item with 'landmarks'")
-    pool = [it for it in labelled if it["image"] != template["image"]]
+    candidates = labelled if need_labels else [it for sec in ("training", "validation") for it in datalist[sec]]
+    pool, seen = [], {template["image"]}
+    for it in candidates:
+        if it["image"] not in seen:
+            pool.append(it)
+            seen.add(it["image"])
     if not pool:
-        raise ValueError("the datalist has no labelled training/validation item besides the template")
+        kind = "labelled " if need_labels else ""
+        raise ValueError(f"the datalist has no {kind}training/validation item besides the template")
     rng = np.random.default_rng(seed)
     chosen = sorted(rng.choice(len(pool), size=min(int(n_images), len(pool)), replace=False))
     return template, [pool[i] for i in chosen]
 
 
+def _network_grid(image: np.ndarray, grid_size: list[int]) -> torch.Tensor:
+    """The image on the network grid ``(1, 1, *grid)`` as the evaluation pipeline makes it (``Resized``, area)."""
+    resized = Resize(grid_size, mode="area")(torch.from_numpy(image).float()[None])
+    return torch.as_tensor(resized).as_subclass(torch.Tensor)[None].float()
+
+
+def encoder_correspondences(
+    template: np.ndarray, template_points: np.ndarray, others: list[np.ndarray], ckpt_path: str,
+    config_file="configs/train.yaml", device: str = "cpu",
+) -> np.ndarray:
+    """Correspondences ``(len(others), K, D)`` (original pixels/voxels, array axes) of the template's points,
+    found by one-shot matching with a trained stage-1 network (:class:`bundle.oneshot.OneShotInferer`).
+
+    Images go to the network grid of ``config_file``'s ``image_size`` (area resampling, as in evaluation);
+    points map with the pixel-centre convention both ways. NaN template points stay NaN.
+    """
+    from bundle.configs import bundle_parser, check_image_size
+    from bundle.engine import load_weights
+    from bundle.oneshot import OneShotInferer
+
+    parser = bundle_parser(config_file, device=f"$torch.device('{device}')")
+    dims = template.ndim
+    grid = check_image_size(parser.get_parsed_content("image_size"), dims)
+    network = load_weights(parser.get_parsed_content("network_def"), ckpt_path, device).eval()
+    grid_arr = np.asarray(grid, dtype=np.float64)
+
+    def to_grid(points, shape):
+        return (points + 0.5) * grid_arr / np.asarray(shape, dtype=np.float64) - 0.5
+
+    def from_grid(points, shape):
+        return (points + 0.5) * np.asarray(shape, dtype=np.float64) / grid_arr - 0.5
+
+    points = np.asarray(template_points, dtype=np.float64)
+    inferer = OneShotInferer()
+    inferer.set_template(_network_grid(template, grid).to(device), torch.as_tensor(to_grid(points, template.shape), dtype=torch.float32))
+    out = []
+    with torch.no_grad():
+        for image in others:
+            found = inferer.predict_per_template(_network_grid(image, grid).to(device), network)[0][0, 0].cpu().numpy()
+            out.append(from_grid(found, image.shape))
+    return np.stack(out)
+
+
 def estimate(
     datalist: str,
     output: str = "augmentation.yaml",
+    mi: str = "distribution",
     alpha_hat: float = 0.8,
     window: int = 10,
     thresholds=(2.0, 4.0),
     n_images: int = 10,
-    patch_size: int = 32,
-    image_size=None,
+    patch_size: int | None = None,
+    image_size="auto",
     n_keypoints: int = 20,
     min_keypoints: int = 3,
     radius: int = 16,
     stride: int = 8,
-    bins: int = 32,
-    step: float = 0.02,
+    bins: int | None = None,
+    step: float | None = None,
     max_intensity: float = 1.0,
+    min_factor: float = 0.0,
+    max_factor: float = 3.0,
     correspondences: str = "landmarks",
+    ckpt_path: str | None = None,
+    config_file="configs/train.yaml",
+    device: str = "cpu",
     seed: int = 0,
 ) -> dict:
-    """Estimate A_l, A_m, A_h (brightness, contrast), write ``output`` (YAML) and print a table.
+    """Estimate the per-group augmentation, write ``output`` (YAML) and print a table.
 
-    ``correspondences`` names where the other images' key points come from. Only ``"landmarks"`` (the
-    annotated landmarks plus rigid offsets) exists; matching template points with a trained encoder's
-    features is the planned second source and plugs in here.
+    ``mi``: ``"distribution"`` (the paper's; ranges ``[lo, hi]`` per group, searched by ``step`` within
+    ``[min_factor, max_factor]``) or ``"joint"`` (the earlier; symmetric A per group up to ``max_intensity``).
+    ``patch_size``, ``image_size`` (``"auto"``: the estimator's default; None: original size), ``bins`` and
+    ``step`` default per estimator (``MI_DEFAULTS``). ``correspondences``: ``"landmarks"`` or ``"encoder"``
+    (with ``ckpt_path`` and the network of ``config_file``).
     """
+    if mi not in MI_KINDS:
+        raise ValueError(f"mi={mi!r}: choose one of {MI_KINDS}")
     if correspondences not in CORRESPONDENCE_SOURCES:
         raise ValueError(f"correspondences={correspondences!r} is not available; choose one of {CORRESPONDENCE_SOURCES}")
+    if correspondences == "encoder" and not ckpt_path:
+        raise ValueError("correspondences='encoder' needs --ckpt_path (a trained stage-1 checkpoint)")
+    d_patch, d_size, d_bins, d_step = MI_DEFAULTS[mi]
+    patch_size = d_patch if patch_size is None else int(patch_size)
+    bins = d_bins if bins is None else int(bins)
+    step = d_step if step is None else float(step)
     thresholds = check_thresholds(thresholds)
     dl = load_datalist(datalist)
     dims, n_lm = dl["spatial_dims"], len(dl["landmark_names"])
-    template, others = _pick_items(dl, n_images, seed)
+    if isinstance(image_size, str) and image_size == "auto":
+        image_size = None if d_size is None else [d_size] * dims
+    template, others = _pick_items(dl, n_images, seed, need_labels=correspondences == "landmarks")
 
     t_img, t_affine = load_grey(template["image"], dims)
     t_lm = landmarks_to_array_axes(landmarks_array(template, n_lm, dims), t_affine, dims)
@@ -130,54 +228,97 @@ def estimate(
     for item in others:
         img, affine = load_grey(item["image"], dims)
         other_imgs.append(img)
-        other_lms.append(landmarks_to_array_axes(landmarks_array(item, n_lm, dims), affine, dims))
+        if correspondences == "landmarks":
+            other_lms.append(landmarks_to_array_axes(landmarks_array(item, n_lm, dims), affine, dims))
+        else:
+            other_lms.append(np.full((n_lm, dims), np.nan))
     t_points, corr, _ = offset_correspondences(t_lm, np.stack(other_lms), radius, stride)
+    if correspondences == "encoder":
+        corr = encoder_correspondences(t_img, t_points, other_imgs, ckpt_path, config_file, device)
     point_entropy = entropy_at_points(t_img, t_points, window)
 
     t_work, t_points_work = _to_working_grid(t_img, t_points, image_size)
     work = [_to_working_grid(img, c, image_size) for img, c in zip(other_imgs, corr)]
-    groups = estimate_group_intensities(
-        t_work, [w[0] for w in work], t_points_work, np.stack([w[1] for w in work]), point_entropy,
-        thresholds=thresholds, n_keypoints=n_keypoints, min_keypoints=min_keypoints, patch_size=patch_size,
-        alpha_hat=alpha_hat, step=step, max_intensity=max_intensity, bins=bins, seed=seed,
-    )
+    common = dict(thresholds=thresholds, n_keypoints=n_keypoints, min_keypoints=min_keypoints, patch_size=patch_size,
+                  alpha_hat=alpha_hat, step=step, bins=bins, seed=seed)
+    inputs = (t_work, [w[0] for w in work], t_points_work, np.stack([w[1] for w in work]), point_entropy)
+    if mi == "distribution":
+        groups = estimate_group_ranges(*inputs, min_factor=min_factor, max_factor=max_factor, **common)
+    else:
+        groups = estimate_group_intensities(*inputs, max_intensity=max_intensity, **common)
 
     def clean(v):
+        if isinstance(v, list):
+            return [clean(x) for x in v]
         return round(v, 4) if isinstance(v, float) else v
 
-    result = {
-        "augmentation": {
-            "thresholds": list(thresholds),
-            "brightness": [clean(groups[g]["brightness"]) for g in GROUP_NAMES],
-            "contrast": [clean(groups[g]["contrast"]) for g in GROUP_NAMES],
-            "alpha_hat": float(alpha_hat),
-            "source": {
-                "datalist": str(Path(datalist).resolve()), "template": template["image"],
-                "images": [it["image"] for it in others], "n_images": len(others), "correspondences": correspondences,
-                "window": int(window), "patch_size": int(patch_size),
-                "image_size": None if image_size is None else list(np.atleast_1d(image_size).astype(int).tolist()),
-                "radius": int(radius), "stride": int(stride), "n_keypoints": int(n_keypoints), "bins": int(bins),
-                "step": float(step), "max_intensity": float(max_intensity), "seed": int(seed),
-            },
-            "groups": {g: {k: clean(v) for k, v in groups[g].items()} for g in GROUP_NAMES},
-        }
+    source = {
+        "datalist": str(Path(datalist).resolve()), "template": template["image"],
+        "images": [it["image"] for it in others], "n_images": len(others), "correspondences": correspondences,
+        "window": int(window), "patch_size": int(patch_size),
+        "image_size": None if image_size is None else list(np.atleast_1d(image_size).astype(int).tolist()),
+        "radius": int(radius), "stride": int(stride), "n_keypoints": int(n_keypoints), "bins": int(bins),
+        "step": float(step), "seed": int(seed),
     }
+    if correspondences == "encoder":
+        source.update(ckpt_path=str(Path(ckpt_path).resolve()), config_file=config_file)
+    augmentation: dict = {"thresholds": list(thresholds)}
+    if mi == "distribution":
+        filled = _fill_missing_groups(groups)
+        augmentation["brightness_ranges"] = [clean(filled[g]["brightness"]) for g in GROUP_NAMES]
+        augmentation["contrast_ranges"] = [clean(filled[g]["contrast"]) for g in GROUP_NAMES]
+        source.update(min_factor=float(min_factor), max_factor=float(max_factor))
+    else:
+        augmentation["brightness"] = [clean(groups[g]["brightness"]) for g in GROUP_NAMES]
+        augmentation["contrast"] = [clean(groups[g]["contrast"]) for g in GROUP_NAMES]
+        source.update(max_intensity=float(max_intensity))
+    augmentation.update(alpha_hat=float(alpha_hat), mi=mi, source=source,
+                        groups={g: {k: clean(v) for k, v in groups[g].items()} for g in GROUP_NAMES})
+    result = {"augmentation": augmentation}
     write_text_atomic(output, yaml.safe_dump(result, sort_keys=False))
-    print(f"{'group':<8}{'key pts':>8}{'target MI':>11}{'A_bright':>10}{'A_contrast':>12}")
+    _print_table(groups, mi)
+    print(f"wrote {output}")
+    return result
+
+
+def _fill_missing_groups(groups: dict) -> dict:
+    """A group without an estimate (too few key points) takes the ranges of the nearest group that has one
+    (medium first), recorded in its ``filled_from``, so that the YAML stays usable for training."""
+    filled = {g: dict(e) for g, e in groups.items()}
+    order = {"low": ("medium", "high"), "medium": ("high", "low"), "high": ("medium", "low")}
+    for g in GROUP_NAMES:
+        if groups[g].get("brightness") is not None:
+            continue
+        donor = next((d for d in order[g] if groups[d].get("brightness") is not None), None)
+        if donor is None:
+            raise ValueError("no information group has enough key points for an estimate; add images, landmarks or a larger radius")
+        for kind in ("brightness", "contrast"):
+            filled[g][kind] = groups[donor][kind]
+        groups[g]["filled_from"] = donor
+    return filled
+
+
+def _print_table(groups: dict, mi: str) -> None:
+    if mi == "distribution":
+        print(f"{'group':<8}{'key pts':>8}{'target MI':>11}{'brightness [lo, hi]':>22}{'contrast [lo, hi]':>20}")
+    else:
+        print(f"{'group':<8}{'key pts':>8}{'target MI':>11}{'A_bright':>10}{'A_contrast':>12}")
     for g in GROUP_NAMES:
         e = groups[g]
 
         def fmt(kind: str) -> str:
             if e.get(kind) is None:
                 return "n/a"
+            if mi == "distribution":
+                lo_flag, hi_flag = ("<=" if f else "" for f in e[f"{kind}_at_limit"])
+                return f"[{lo_flag}{e[kind][0]:.3f}, {'>=' if hi_flag else ''}{e[kind][1]:.3f}]"
             return (">=" if e[f"{kind}_at_max"] else "") + f"{e[kind]:.2f}"
 
         target = f"{e['target_mi']:.3f}" if "target_mi" in e else "n/a"
-        print(f"{g:<8}{e['n_keypoints']:>8}{target:>11}{fmt('brightness'):>10}{fmt('contrast'):>12}")
+        width = (22, 20) if mi == "distribution" else (10, 12)
+        print(f"{g:<8}{e['n_keypoints']:>8}{target:>11}{fmt('brightness'):>{width[0]}}{fmt('contrast'):>{width[1]}}")
         if "note" in e:
-            print(f"  warning ({g}): {e['note']}")
-    print(f"wrote {output}")
-    return result
+            print(f"  warning ({g}): {e['note']}" + (f"; uses the {e['filled_from']} group's ranges" if "filled_from" in e else ""))
 
 
 if __name__ == "__main__":

@@ -269,7 +269,7 @@ def test_script_writes_mergeable_yaml(tmp_path, capsys):
     script = _load_script()
     datalist = _write_png_datalist(tmp_path)
     out = tmp_path / "aug" / "augmentation.yaml"
-    script.estimate(str(datalist), str(out), n_images=3, patch_size=8, radius=8, stride=8, n_keypoints=10, step=0.05)
+    script.estimate(str(datalist), str(out), mi="joint", n_images=3, patch_size=8, radius=8, stride=8, n_keypoints=10, step=0.05)
     aug = yaml.safe_load(out.read_text())["augmentation"]
     assert aug["thresholds"] == [2.0, 4.0] and aug["alpha_hat"] == 0.8
     assert aug["source"]["template"].endswith("000.png") and aug["source"]["n_images"] == 3
@@ -294,7 +294,7 @@ def test_script_image_orientation_and_entropy_at_points(tmp_path):
     np.testing.assert_allclose(got[:4], [full[0, 0], full[40, 18], full[95, 50], full[95, 95]], atol=1e-5)
     assert np.isnan(got[4])
     with pytest.raises(ValueError, match="correspondences"):
-        script.estimate(str(datalist), str(tmp_path / "x.yaml"), correspondences="encoder")
+        script.estimate(str(datalist), str(tmp_path / "x.yaml"), correspondences="optical flow")
 
 
 def test_script_world_to_voxel_for_3d():
@@ -308,7 +308,7 @@ def test_script_cli(tmp_path):
     datalist = _write_png_datalist(tmp_path, n_images=3)
     out = tmp_path / "cli.yaml"
     cmd = [sys.executable, str(ROOT / "scripts" / "estimate_augmentation.py"), "--datalist", str(datalist), "--output", str(out),
-           "--n_images", "2", "--patch_size", "8", "--radius", "4", "--stride", "4", "--thresholds", "[2,4]", "--step", "0.1"]
+           "--mi", "joint", "--n_images", "2", "--patch_size", "8", "--radius", "4", "--stride", "4", "--thresholds", "[2,4]", "--step", "0.1"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert yaml.safe_load(out.read_text())["augmentation"]["source"]["n_images"] == 2
@@ -326,7 +326,7 @@ def test_real_cephalograms_landmarks_only(tmp_path):
     dl = {"name": "ceph", "spatial_dims": 2, "landmark_names": [f"l{k}" for k in range(1, 20)], "training": items}
     path = tmp_path / "dl.json"
     path.write_text(json.dumps(dl))
-    res = _load_script().estimate(str(path), str(tmp_path / "a.yaml"), n_images=2, radius=0, n_keypoints=19, step=0.05)
+    res = _load_script().estimate(str(path), str(tmp_path / "a.yaml"), mi="joint", n_images=2, radius=0, n_keypoints=19, step=0.05)
     groups = res["augmentation"]["groups"]
     assert sum(groups[g]["n_candidates"] for g in groups) == 19
     for g in groups.values():

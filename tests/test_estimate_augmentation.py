@@ -1,0 +1,257 @@
+"""The paper's augmentation estimator (MI between grey-value distributions, asymmetric factor ranges):
+bundle/information.py and scripts/estimate_augmentation.py (``--mi distribution``, ``--correspondences``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from PIL import Image
+
+from bundle.information import (
+    adjust_brightness_contrast,
+    distribution_mutual_information,
+    estimate_group_ranges,
+    extract_patches,
+    grey_level_histogram,
+    information_groups,
+    paired_sample_mutual_information,
+    search_factor_range,
+)
+from bundle.transforms.entropy import local_entropy
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("estimate_augmentation", ROOT / "scripts" / "estimate_augmentation.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _hand_mi(a, b) -> float:
+    """MI (nats) of paired samples written out with Python counters: sum p(x,y) log(p(x,y) / (p(x) p(y)))."""
+    n = len(a)
+    pairs, ca, cb = Counter(zip(a, b)), Counter(a), Counter(b)
+    return sum(c / n * math.log((c / n) / ((ca[x] / n) * (cb[y] / n))) for (x, y), c in pairs.items())
+
+
+# ---------------------------------------------------------------- MI of two count vectors
+
+
+def test_paired_sample_mi_by_hand():
+    assert paired_sample_mutual_information([0, 0, 1, 1], [5, 5, 9, 9]) == pytest.approx(math.log(2))
+    assert paired_sample_mutual_information([0, 0, 1, 1], [0, 1, 0, 1]) == pytest.approx(0.0, abs=1e-12)
+    assert paired_sample_mutual_information([3, 3, 3, 3], [0, 1, 2, 3]) == 0.0  # one category: no information
+    # 1, 2, 3, 4 all distinct against two values: MI = H(b) = log 2
+    assert paired_sample_mutual_information([1, 2, 3, 4], [7, 7, 8, 8]) == pytest.approx(math.log(2))
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        a = rng.integers(0, 6, 256)
+        b = np.where(rng.random(256) < 0.6, a, rng.integers(0, 9, 256))
+        assert paired_sample_mutual_information(a, b) == pytest.approx(_hand_mi(a.tolist(), b.tolist()), rel=1e-12)
+        assert paired_sample_mutual_information(a, b) == pytest.approx(paired_sample_mutual_information(b, a), rel=1e-12)
+    with pytest.raises(ValueError, match="same length"):
+        paired_sample_mutual_information([1, 2], [1, 2, 3])
+
+
+def test_paired_sample_mi_equals_sklearn_mutual_info_score():
+    metrics = pytest.importorskip("sklearn.metrics")
+    rng = np.random.default_rng(1)
+    for _ in range(5):
+        a, b = rng.integers(0, 40, 256), rng.integers(0, 40, 256)
+        assert paired_sample_mutual_information(a, b) == pytest.approx(metrics.mutual_info_score(a, b), rel=1e-9)
+
+
+def test_distribution_mi_of_two_patches_is_the_mi_of_their_256_bin_histograms():
+    rng = np.random.default_rng(2)
+    a, b = rng.random((64, 64)) ** 2, rng.random((64, 64))
+    ha = np.histogram(np.rint(a * 255), bins=256, range=(-0.5, 255.5))[0]  # numpy's own 8-bit histogram
+    hb = np.histogram(np.rint(b * 255), bins=256, range=(-0.5, 255.5))[0]
+    np.testing.assert_array_equal(grey_level_histogram(a), ha)
+    assert grey_level_histogram(a).sum() == 64 * 64 and grey_level_histogram(np.array([-1.0, 2.0])).tolist()[::255] == [1, 1]
+    assert distribution_mutual_information(a, b) == pytest.approx(_hand_mi(ha.tolist(), hb.tolist()), rel=1e-12)
+    # with itself: the entropy (nats) of the distribution of the count values
+    counts = np.unique(ha, return_counts=True)[1] / 256
+    assert distribution_mutual_information(a, a) == pytest.approx(-(counts * np.log(counts)).sum(), rel=1e-12)
+    # only the histograms matter: a shuffled patch has the same distribution, any shape
+    assert distribution_mutual_information(a, rng.permutation(a.ravel())) == pytest.approx(distribution_mutual_information(a, a))
+
+
+# ---------------------------------------------------------------- range search
+
+
+def _mean_mi(patches: np.ndarray, kind: str, factor: float) -> float:
+    """Independent: augment each patch on its own (numpy ColorJitter) and average the histogram MIs by hand."""
+    out = []
+    for p in patches:
+        q = np.clip(p * factor, 0, 1) if kind == "brightness" else np.clip(factor * p + (1 - factor) * p.mean(), 0, 1)
+        ha = np.bincount(np.rint(p * 255).astype(int).ravel(), minlength=256).tolist()
+        hb = np.bincount(np.rint(q * 255).astype(int).ravel(), minlength=256).tolist()
+        out.append(_hand_mi(ha, hb))
+    return float(np.mean(out))
+
+
+@pytest.mark.parametrize("kind", ["brightness", "contrast"])
+def test_search_returns_the_first_factors_whose_mi_falls_below_the_target(kind):
+    rng = np.random.default_rng(3)
+    patches = np.clip(0.3 + 0.15 * rng.standard_normal((4, 24, 24)), 0, 1)
+    self_mi = _mean_mi(patches, kind, 1.0)
+    target = 0.7 * self_mi
+    step = 0.05
+    res = search_factor_range(patches, target, kind, step=step, max_factor=3.0)
+    lo, hi = res["lo"], res["hi"]
+    assert 0 < lo < 1 < hi < 3.0 and not res["lo_at_limit"] and not res["hi_at_limit"]
+    # the bound hits the target: below it at the bound, at or above it one step closer to 1 (each side)
+    assert _mean_mi(patches, kind, lo) < target <= _mean_mi(patches, kind, lo + step) or lo + step >= 1 - 1e-9
+    assert _mean_mi(patches, kind, hi) < target <= _mean_mi(patches, kind, hi - step) or hi - step <= 1 + 1e-9
+    assert res["lo_mi"] == pytest.approx(_mean_mi(patches, kind, lo)) and res["hi_mi"] == pytest.approx(_mean_mi(patches, kind, hi))
+    # every factor nearer to 1 than the bound keeps the MI at or above the target (first crossing)
+    for f in np.arange(lo + step, 1.0 - 1e-9, step):
+        assert _mean_mi(patches, kind, f) >= target
+    # an unreachable target stops at the limits, flagged
+    flat = search_factor_range(patches, -1.0, kind, step=0.25, min_factor=0.5, max_factor=1.5)
+    assert (flat["lo"], flat["hi"], flat["lo_at_limit"], flat["hi_at_limit"]) == (0.5, 1.5, True, True)
+
+
+def _three_region_image(rng: np.random.Generator, n: int = 96) -> np.ndarray:
+    """Rows 0-31: 2 grey levels (IIE ~1 bit), 32-63: 8 levels (~3 bits), 64-95: 256 levels (~6 bits)."""
+
+    def levels(k: int, lo: float, hi: float) -> np.ndarray:
+        return lo + (hi - lo) * rng.integers(0, k, (n // 3, n)) / (k - 1)
+
+    x = np.concatenate([levels(2, 0.35, 0.45), levels(8, 0.3, 0.7), levels(256, 0.2, 0.8)])
+    x[0, 0], x[-1, -1] = 0.0, 1.0
+    return x
+
+
+@pytest.fixture(scope="module")
+def synthetic_setup():
+    rng = np.random.default_rng(5)
+    template = _three_region_image(rng)
+    shifts = [(0, -2), (0, 5), (0, 1)]
+    others = [np.clip(np.roll(template, s, axis=(0, 1)) ** g + 0.02 * rng.standard_normal(template.shape), 0, 1)
+              for s, g in zip(shifts, (0.8, 1.2, 0.9))]
+    axis = np.arange(10, 87, 7)
+    points = np.stack(np.meshgrid(axis, axis, indexing="ij"), -1).reshape(-1, 2).astype(float)
+    correspondences = np.stack([points + np.array(s, dtype=float) for s in shifts])
+    point_entropy = local_entropy(template, 10).numpy()[tuple(points.astype(int).T)]
+    return template, others, points, correspondences, point_entropy
+
+
+def test_group_ranges_target_and_search_match_an_independent_computation(synthetic_setup):
+    template, others, points, corr, point_entropy = synthetic_setup
+    groups = information_groups(point_entropy)
+    res = estimate_group_ranges(template, others, points, corr, point_entropy, patch_size=8, n_keypoints=1000, alpha_hat=0.9, step=0.05)
+    for g, name in enumerate(("low", "medium", "high")):
+        e = res[name]
+        sel = np.flatnonzero((groups == g) & extract_patches(template, points, 8)[1])
+        assert e["n_keypoints"] == len(sel) and e["n_pairs"] == 3 * len(sel)
+        patches = extract_patches(template, points[sel], 8)[0]
+        pairs = [_hand_mi(np.bincount(np.rint(patches[i] * 255).astype(int).ravel(), minlength=256).tolist(),
+                          np.bincount(np.rint(extract_patches(o, c[sel], 8)[0][i] * 255).astype(int).ravel(), minlength=256).tolist())
+                 for o, c in zip(others, corr) for i in range(len(sel))]
+        assert e["target_mi"] == pytest.approx(0.9 * np.mean(pairs), rel=1e-9)
+        for kind in ("brightness", "contrast"):
+            lo, hi = e[kind]
+            assert lo < 1 < hi
+            assert e[f"{kind}_mi"][0] == pytest.approx(_mean_mi(patches, kind, lo))
+            if not e[f"{kind}_at_limit"][0]:
+                assert _mean_mi(patches, kind, lo) < e["target_mi"]
+    with pytest.raises(ValueError, match="alpha_hat"):
+        estimate_group_ranges(template, others, points, corr, point_entropy, alpha_hat=0.0)
+
+
+# ---------------------------------------------------------------- command-line tool
+
+
+def _write_png_datalist(tmp_path: Path, n_images: int = 4, labelled: bool = True) -> Path:
+    rng = np.random.default_rng(6)
+    base = (_three_region_image(rng) * 255).round().astype(np.uint8)  # array axes [x, y]
+    landmarks = np.array([[16.0, 40.0], [48.0, 30.0], [80.0, 60.0]])
+    items = []
+    for i in range(n_images):
+        shift = np.array([0, 2 * i - 3])
+        Image.fromarray(np.roll(base, tuple(shift), axis=(0, 1)).T).save(tmp_path / f"{i:03d}.png")
+        item = {"image": f"{i:03d}.png"}
+        if labelled or i == 0:
+            item["landmarks"] = (landmarks + shift).tolist()
+        items.append(item)
+    dl = {"name": "synthetic", "spatial_dims": 2, "landmark_names": ["a", "b", "c"], "training": items, "validation": [], "test": []}
+    path = tmp_path / "datalist.json"
+    path.write_text(json.dumps(dl))
+    return path
+
+
+def test_script_default_is_the_distribution_estimate_and_merges_into_training(tmp_path, capsys):
+    from bundle.configs import bundle_parser
+
+    script = _load_script()
+    datalist = _write_png_datalist(tmp_path)
+    out = tmp_path / "augmentation.yaml"
+    script.estimate(str(datalist), str(out), n_images=3, patch_size=16, image_size=None, radius=8, stride=8, n_keypoints=10, step=0.1)
+    aug = yaml.safe_load(out.read_text())["augmentation"]
+    assert aug["mi"] == "distribution" and "brightness" not in aug and aug["source"]["patch_size"] == 16
+    for kind in ("brightness_ranges", "contrast_ranges"):
+        assert len(aug[kind]) == 3 and all(lo < 1 < hi for lo, hi in aug[kind])
+    assert "brightness [lo, hi]" in capsys.readouterr().out
+    parser = bundle_parser(["configs/train.yaml", str(out)])
+    transform = parser.get_parsed_content("train#crop_augmentation")
+    np.testing.assert_allclose(transform.brightness_ranges, aug["brightness_ranges"])
+    np.testing.assert_allclose(transform.contrast_ranges, aug["contrast_ranges"])
+    assert transform.group_mode == "pixel" and transform.thresholds == (2.0, 4.0)
+    # the joint estimator stays available and writes the symmetric intensities
+    script.estimate(str(datalist), str(tmp_path / "joint.yaml"), mi="joint", n_images=3, patch_size=8, radius=8, stride=8, step=0.1)
+    joint = yaml.safe_load((tmp_path / "joint.yaml").read_text())["augmentation"]
+    assert joint["mi"] == "joint" and len(joint["brightness"]) == 3 and "brightness_ranges" not in joint
+    with pytest.raises(ValueError, match="mi="):
+        script.estimate(str(datalist), str(tmp_path / "x.yaml"), mi="pixels")
+    with pytest.raises(ValueError, match="ckpt_path"):
+        script.estimate(str(datalist), str(tmp_path / "x.yaml"), correspondences="encoder")
+
+
+def test_authors_ranges_config_merges():
+    from bundle.configs import bundle_parser
+
+    transform = bundle_parser(["configs/train.yaml", "configs/authors_ranges.yaml"]).get_parsed_content("train#crop_augmentation")
+    assert transform.group_mode == "query" and transform.thresholds == (3.5, 4.5)
+    np.testing.assert_allclose(transform.brightness_ranges[1], [0.505, 1.997])
+    np.testing.assert_allclose(transform.contrast_ranges[2], [0.416, 1.817])
+    np.testing.assert_allclose(transform.contrast_ranges[0], transform.contrast_ranges[2])  # "otherwise high"
+    baseline = bundle_parser(["configs/train.yaml", "configs/authors_ranges.yaml"], adaptive_augmentation=False)
+    plain = baseline.get_parsed_content("train#crop_augmentation")
+    assert plain.group_mode == "pixel" and plain.brightness == (0.15,) * 3
+
+
+def test_encoder_correspondences_need_no_labels_and_find_identical_images(tmp_path):
+    from bundle.configs import bundle_parser
+
+    script = _load_script()
+    torch.manual_seed(0)
+    network = bundle_parser("configs/train.yaml", image_size=[96, 96]).get_parsed_content("network_def")
+    ckpt = tmp_path / "model.pt"
+    torch.save(network.state_dict(), ckpt)
+    rng = np.random.default_rng(7)
+    image = _three_region_image(rng)
+    points = np.array([[20.0, 30.0], [50.0, 40.0], [75.0, 70.0], [np.nan, np.nan]])
+    (tmp_path / "cfg.yaml").write_text("image_size: [96, 96]\n")
+    corr = script.encoder_correspondences(image, points, [image, image], str(ckpt), ["configs/train.yaml", str(tmp_path / "cfg.yaml")])
+    assert corr.shape == (2, 4, 2) and np.isnan(corr[:, 3]).all()
+    np.testing.assert_allclose(corr[:, :3], np.broadcast_to(points[:3], (2, 3, 2)), atol=1.0)  # the same image: the same points
+    # the script: only the template needs landmarks
+    datalist = _write_png_datalist(tmp_path, n_images=3, labelled=False)
+    out = tmp_path / "enc.yaml"
+    script.estimate(str(datalist), str(out), correspondences="encoder", ckpt_path=str(ckpt),
+                    config_file=["configs/train.yaml", str(tmp_path / "cfg.yaml")],
+                    n_images=2, patch_size=16, image_size=None, radius=8, stride=8, step=0.1)
+    aug = yaml.safe_load(out.read_text())["augmentation"]
+    assert aug["source"]["correspondences"] == "encoder" and aug["source"]["n_images"] == 2
+    assert all(lo <= 1 <= hi for lo, hi in aug["brightness_ranges"])
