@@ -139,3 +139,79 @@ def test_bad_inputs_raise_clear_errors():
         InfoGuidedIntensityd("image", "entropy", thresholds=(4, 2))
     with pytest.raises(ValueError, match="blend_width"):
         InfoGuidedIntensityd("image", "entropy", blend_width=-0.1)
+
+
+# ---------------------------------------------------------------- factor ranges and the per-crop group
+
+
+def test_ranges_draw_factors_within_lo_hi_uniformly_and_together():
+    data = _data(np.random.default_rng(6))
+    b_ranges, c_ranges = [[0.5, 1.2], [0.505, 1.997], [0.9, 1.0]], [[0.34, 2.329], [1.0, 1.5], [0.416, 1.817]]
+    t = InfoGuidedIntensityd("image", "entropy", brightness_ranges=b_ranges, contrast_ranges=c_ranges).set_random_state(0)
+    assert t.brightness is None and t.contrast is None
+    draws_b, draws_c = [], []
+    for _ in range(400):
+        t(data)
+        draws_b.append(t.brightness_factors.copy())
+        draws_c.append(t.contrast_factors.copy())
+    b, c = np.array(draws_b), np.array(draws_c)
+    for draws, ranges in ((b, np.array(b_ranges)), (c, np.array(c_ranges))):
+        assert np.all(draws >= ranges[:, 0] - 1e-12) and np.all(draws <= ranges[:, 1] + 1e-12)
+        quantile = (draws - ranges[:, 0]) / (ranges[:, 1] - ranges[:, 0])
+        np.testing.assert_allclose(quantile, quantile[:, :1].repeat(3, 1), atol=1e-9)  # one shared quantile
+        assert quantile.min() < 0.05 and quantile.max() > 0.95 and abs(quantile.mean() - 0.5) < 0.05  # uniform
+
+
+def test_symmetric_intensities_equal_the_ranges_one_minus_plus_a():
+    data = _data(np.random.default_rng(7))
+    sym = InfoGuidedIntensityd("image", "entropy", brightness=(0.1, 0.2, 0.3), contrast=(0.2, 0.3, 0.4)).set_random_state(2)
+    rng_t = InfoGuidedIntensityd(
+        "image", "entropy", brightness_ranges=[[0.9, 1.1], [0.8, 1.2], [0.7, 1.3]], contrast_ranges=[[0.8, 1.2], [0.7, 1.3], [0.6, 1.4]]
+    ).set_random_state(2)
+    for _ in range(3):
+        torch.testing.assert_close(sym(data)["image"].as_tensor(), rng_t(data)["image"].as_tensor(), atol=1e-6, rtol=0)
+        np.testing.assert_allclose(sym.brightness_factors, rng_t.brightness_factors, atol=1e-12)
+
+
+def test_query_mode_gives_the_whole_crop_one_group_from_the_query_pixel():
+    rng = np.random.default_rng(8)
+    img = rng.random((1, 20, 20)).astype(np.float32)
+    h = np.full((1, 20, 20), 4.0, dtype=np.float32)  # medium (3.5 < H < 4.5) ...
+    h[:, :, 10:] = 6.0  # ... and high on the right half
+    h[:, 15:, :] = 1.0  # low at the bottom
+    b_ranges = [[0.2, 0.3], [0.5, 0.6], [1.5, 1.6]]  # disjoint, so the group is read off the factor
+    t = InfoGuidedIntensityd("image", "entropy", thresholds=(3.5, 4.5), brightness_ranges=b_ranges, contrast_ranges=[[0.4, 2.0]] * 3,
+                             group_mode="query").set_random_state(3)
+    for query, group in (([2.0, 3.0], 1), ([4.2, 12.6], 2), ([17.0, 4.0], 0), ([-3.0, 30.0], 2)):
+        data = {"image": torch.from_numpy(img), "entropy": torch.from_numpy(h), "crop_query": np.array([query, [17.0, 1.0]])}
+        out = t(data)["image"].numpy().astype(np.float64)
+        assert t.last_group == group
+        f, c = t.brightness_factors[group], t.contrast_factors[group]
+        assert b_ranges[group][0] <= f <= b_ranges[group][1] and 0.4 <= c <= 2.0
+        # one factor pair for every pixel of the crop, whatever their own IIE; contrast blends with the mean grey
+        np.testing.assert_allclose(out, _jitter(img.astype(np.float64), f, c), atol=1e-6)
+    with pytest.raises(KeyError, match="crop_query"):
+        t({"image": torch.from_numpy(img), "entropy": torch.from_numpy(h)})
+    with pytest.raises(ValueError, match="group_mode"):
+        InfoGuidedIntensityd("image", "entropy", group_mode="crop")
+    with pytest.raises(ValueError, match="brightness_ranges"):
+        InfoGuidedIntensityd("image", "entropy", brightness_ranges=[[1.2, 0.8]] * 3)
+    with pytest.raises(ValueError, match="contrast_ranges"):
+        InfoGuidedIntensityd("image", "entropy", contrast_ranges=[[0.8, 1.2]] * 2)
+
+
+def test_query_mode_in_the_view_pair_sampler_uses_the_anchor_query():
+    from bundle.transforms.view_pair import RandViewPaird
+
+    rng = np.random.default_rng(9)
+    image = torch.from_numpy(rng.random((1, 48, 48)).astype(np.float32))
+    h = torch.full((1, 48, 48), 4.0)
+    h[:, 24:] = 6.0
+    t = InfoGuidedIntensityd("image", "entropy", thresholds=(3.5, 4.5), brightness_ranges=[[0.2, 0.3], [0.5, 0.6], [1.5, 1.6]],
+                             contrast_ranges=[[1.0, 1.0]] * 3, group_mode="query")
+    sampler = RandViewPaird(weight_key=None, crop_size=(16, 16), num_queries=4, entropy_key="entropy", crop_intensity_transform=t)
+    sampler.set_random_state(1)
+    for _ in range(10):
+        out = sampler({"image": image, "entropy": h})
+        anchor = out["query"][0].round().long()
+        assert t.last_group == (2 if anchor[0] >= 24 else 1)

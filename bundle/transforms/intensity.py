@@ -12,7 +12,9 @@ from monai.data.meta_obj import get_track_meta
 from monai.transforms import MapTransform, RandomizableTransform
 from monai.utils import TransformBackends, convert_to_tensor
 
-from bundle.information import GROUP_NAMES, adjust_brightness_contrast, check_thresholds, group_memberships
+from bundle.information import GROUP_NAMES, adjust_brightness_contrast, check_thresholds, group_memberships, information_groups
+
+GROUP_MODES = ("pixel", "query")
 
 
 def _check_intensities(values: Sequence[float], name: str) -> tuple[float, float, float]:
@@ -23,6 +25,17 @@ def _check_intensities(values: Sequence[float], name: str) -> tuple[float, float
     if len(out) != 3 or not all(math.isfinite(v) and 0.0 <= v <= 1.0 for v in out):
         raise ValueError(f"{name} must be three numbers in [0, 1] (low, medium, high), got {values!r}")
     return out
+
+
+def _check_ranges(values, name: str) -> np.ndarray:
+    """Three ColorJitter factor ranges ``[[lo, hi]] * 3`` (low, medium, high) with ``0 <= lo <= hi``, as a (3, 2) array."""
+    try:
+        arr = np.asarray(values, dtype=np.float64)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{name} must be three factor ranges [lo, hi] (low, medium, high), got {values!r}") from e
+    if arr.shape != (3, 2) or not np.isfinite(arr).all() or (arr[:, 0] < 0).any() or (arr[:, 0] > arr[:, 1]).any():
+        raise ValueError(f"{name} must be three factor ranges [lo, hi] with 0 <= lo <= hi (low, medium, high), got {values!r}")
+    return arr
 
 
 class InfoGuidedIntensityd(RandomizableTransform, MapTransform):
@@ -39,6 +52,19 @@ class InfoGuidedIntensityd(RandomizableTransform, MapTransform):
     Plain (non-adaptive) ColorJitter-style augmentation is the special case of equal values, e.g.
     ``brightness=(0.15, 0.15, 0.15)``: every pixel then gets the same factors.
 
+    Asymmetric ranges (``brightness_ranges`` / ``contrast_ranges``, ``[[lo, hi]] * 3``, e.g. from
+    ``scripts/estimate_augmentation.py --mi distribution``) replace the symmetric intensities with
+    torchvision ColorJitter's semantics: group ``g``'s factor is uniform in ``[lo_g, hi_g]`` (brightness
+    multiplies, contrast blends with the mean grey). One quantile ``p = (u + 1) / 2`` is shared by the
+    groups, ``f_g = lo_g + p (hi_g - lo_g)``, so that they still move together; the symmetric A is the
+    range ``[1 - A, 1 + A]`` (the same factors as above).
+
+    ``group_mode``: ``"pixel"`` blends the groups' factors per pixel as above; ``"query"`` gives the whole
+    crop the factors of ONE group, that of the IIE at its first query pixel (the anchor; read from
+    ``data[query_key]``, ``(Q, D)`` positions in the image's grid, as ``RandViewPaird`` hands them over) by
+    hard thresholds (the authors' code: medium for ``3.5 < H < 4.5``, otherwise high, i.e.
+    ``thresholds=(3.5, 4.5)`` with the low group given the high group's ranges).
+
     Args:
         keys: image keys; each ``(C, *spatial)`` (2D or 3D) with values in [0, 1].
         entropy_key: key of the IIE map ``(1, *spatial)`` in bits (e.g. from ``EntropyMapd``), same
@@ -49,6 +75,10 @@ class InfoGuidedIntensityd(RandomizableTransform, MapTransform):
         blend_width: width (bits) of the membership ramp around each threshold; 0 gives hard groups.
         prob: probability of augmenting; otherwise the data pass through unchanged.
         allow_missing_keys: don't raise an error if an image key is missing.
+        brightness_ranges: optional brightness factor ranges ``[[lo, hi]] * 3``; replaces ``brightness``.
+        contrast_ranges: optional contrast factor ranges ``[[lo, hi]] * 3``; replaces ``contrast``.
+        group_mode: ``"pixel"`` (per-pixel blend) or ``"query"`` (one group per call, from the query pixel).
+        query_key: key of the query positions used by ``group_mode="query"``.
     """
 
     backend = [TransformBackends.TORCH]
@@ -63,13 +93,30 @@ class InfoGuidedIntensityd(RandomizableTransform, MapTransform):
         blend_width: float = 0.5,
         prob: float = 1.0,
         allow_missing_keys: bool = False,
+        brightness_ranges: Sequence[Sequence[float]] | None = None,
+        contrast_ranges: Sequence[Sequence[float]] | None = None,
+        group_mode: str = "pixel",
+        query_key: str = "crop_query",
     ) -> None:
         MapTransform.__init__(self, keys, allow_missing_keys)
         RandomizableTransform.__init__(self, prob)
         self.entropy_key = entropy_key
         self.thresholds = check_thresholds(thresholds)
-        self.brightness = _check_intensities(brightness, "brightness")
-        self.contrast = _check_intensities(contrast, "contrast")
+        if group_mode not in GROUP_MODES:
+            raise ValueError(f"group_mode must be one of {GROUP_MODES}, got {group_mode!r}")
+        self.group_mode, self.query_key = group_mode, query_key
+        # symmetric intensities (None where a range replaces them) and the (3, 2) factor ranges used for drawing
+        self.brightness = None if brightness_ranges is not None else _check_intensities(brightness, "brightness")
+        self.contrast = None if contrast_ranges is not None else _check_intensities(contrast, "contrast")
+        self.brightness_ranges = (
+            _check_ranges(brightness_ranges, "brightness_ranges") if brightness_ranges is not None
+            else np.stack([1.0 - np.asarray(self.brightness), 1.0 + np.asarray(self.brightness)], 1)
+        )
+        self.contrast_ranges = (
+            _check_ranges(contrast_ranges, "contrast_ranges") if contrast_ranges is not None
+            else np.stack([1.0 - np.asarray(self.contrast), 1.0 + np.asarray(self.contrast)], 1)
+        )
+        self.last_group: int | None = None
         self.blend_width = float(blend_width)
         group_memberships(torch.zeros(1), self.thresholds, self.blend_width)  # validates blend_width
         self.brightness_factors = np.ones(len(GROUP_NAMES))
@@ -81,8 +128,28 @@ class InfoGuidedIntensityd(RandomizableTransform, MapTransform):
         if not self._do_transform:
             return
         u_b, u_c = self.R.uniform(-1.0, 1.0, size=2)
-        self.brightness_factors = 1.0 + u_b * np.asarray(self.brightness)
-        self.contrast_factors = 1.0 + u_c * np.asarray(self.contrast)
+        self.brightness_factors = self._factors(u_b, self.brightness, self.brightness_ranges)
+        self.contrast_factors = self._factors(u_c, self.contrast, self.contrast_ranges)
+
+    @staticmethod
+    def _factors(u: float, intensities, ranges: np.ndarray) -> np.ndarray:
+        """Per-group factors of the shared draw ``u`` in [-1, 1]: ``1 + u A`` (symmetric), else the quantile
+        ``(u + 1) / 2`` of each range (ColorJitter: uniform in [lo, hi])."""
+        if intensities is not None:
+            return 1.0 + u * np.asarray(intensities)
+        return ranges[:, 0] + (u + 1.0) / 2.0 * (ranges[:, 1] - ranges[:, 0])
+
+    def query_group(self, data: Mapping[Hashable, torch.Tensor], entropy: torch.Tensor) -> int:
+        """The group (0 low, 1 medium, 2 high) of the IIE at the first query pixel (rounded, kept on the grid)."""
+        if self.query_key not in data:
+            raise KeyError(
+                f"InfoGuidedIntensityd: group_mode 'query' needs the query positions under {self.query_key!r} "
+                f"(keys: {sorted(map(str, data))})"
+            )
+        query = torch.as_tensor(convert_to_tensor(data[self.query_key], track_meta=False)).reshape(-1, entropy.ndim - 1)
+        spatial = torch.as_tensor(entropy.shape[1:])
+        index = torch.minimum(query[0].round().long().clamp(min=0), spatial - 1)
+        return int(information_groups(float(entropy[(0, *index.tolist())]), self.thresholds))
 
     def _pixel_factors(self, entropy: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor | float, torch.Tensor | float]:
         """Blended factor maps ``(1, *spatial)``; plain scalars when all groups share the same factors."""
@@ -109,6 +176,7 @@ class InfoGuidedIntensityd(RandomizableTransform, MapTransform):
             raise ValueError(f"InfoGuidedIntensityd: {self.entropy_key!r} must be a (1, *spatial) IIE map, got shape {tuple(entropy.shape)}")
         if not torch.isfinite(entropy).all():
             raise ValueError(f"InfoGuidedIntensityd: {self.entropy_key!r} contains NaN or infinite values")
+        self.last_group = self.query_group(d, entropy) if self.group_mode == "query" else None
         for key in keys:
             img = convert_to_tensor(d[key], track_meta=get_track_meta())
             if not img.is_floating_point():
@@ -123,6 +191,9 @@ class InfoGuidedIntensityd(RandomizableTransform, MapTransform):
             lo, hi = float(img.min()), float(img.max())
             if lo < -1e-6 or hi > 1 + 1e-6:
                 raise ValueError(f"InfoGuidedIntensityd: {key!r} must be scaled to [0, 1], its values span [{lo:.4g}, {hi:.4g}]")
-            f, c = self._pixel_factors(entropy.to(img.device), img)
+            if self.last_group is not None:
+                f, c = float(self.brightness_factors[self.last_group]), float(self.contrast_factors[self.last_group])
+            else:
+                f, c = self._pixel_factors(entropy.to(img.device), img)
             d[key] = adjust_brightness_contrast(img, f, c)
         return d

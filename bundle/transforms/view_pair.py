@@ -61,8 +61,11 @@ class RandViewPaird(RandomizableTransform, MapTransform):
         scale_range: maximum relative zoom, in [0, 1).
         margin: minimum distance in pixels between a query and the crop border (a number or one per axis).
         crop_intensity_transform: dictionary transform applied to ``{image_key: crop, entropy_key:
-            cropped IIE map}`` (e.g. ``InfoGuidedIntensityd``); its ``image_key`` output becomes the crop.
-        image_intensity_transform: dictionary transform applied the same way to the whole image.
+            cropped IIE map, crop_query_key: the queries' crop positions (Q, D) (numpy, float64)}`` (e.g.
+            ``InfoGuidedIntensityd``, whose ``group_mode="query"`` reads the first query there); its
+            ``image_key`` output becomes the crop.
+        image_intensity_transform: dictionary transform applied the same way to the whole image (with the
+            queries' image positions under ``query_key``).
         entropy_key: key of the IIE map handed, cropped like the image, to the intensity transforms.
         padding_mode: ``grid_sample`` padding for crop parts outside the image: zeros, border, reflection.
         prob: probability of applying the rotation and zoom (the crop and the queries are always drawn).
@@ -253,8 +256,8 @@ class RandViewPaird(RandomizableTransform, MapTransform):
         # image positions of the crop pixels, normalised for grid_sample (align_corners=False: 2 (q + 0.5) / N - 1)
         normalised = (matrix @ self._crop_grid)[:dims] * (2.0 / np.asarray(spatial, dtype=np.float64))[:, None]
         grid = torch.as_tensor(np.ascontiguousarray(normalised[::-1].T).reshape(*self.crop_size, dims), dtype=torch.float32)
-        crop_views = {self.image_key: self._resample(image, grid)}
-        image_views = {self.image_key: data[self.image_key]}
+        crop_views = {self.image_key: self._resample(image, grid), self.crop_query_key: crop_query}
+        image_views = {self.image_key: data[self.image_key], self.query_key: query}
         if entropy is not None:
             crop_views[self.entropy_key] = self._resample(entropy, grid)
             image_views[self.entropy_key] = data[self.entropy_key]
