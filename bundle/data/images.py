@@ -23,9 +23,9 @@ from monai.transforms import LoadImaged as _LoadImaged
 
 from bundle.data.dicom import XRayDicomd
 
-# an image smaller than this along an axis is refused (2D: the coarsest output stride, 16; 3D: raw voxels,
-# before resampling)
-MIN_IMAGE_SIZE = {2: 16, 3: 8}
+# an image smaller than this along an axis is refused (2D: the coarsest output stride, 16; 3D: raw voxels before
+# resampling, where a single slice is no volume)
+MIN_IMAGE_SIZE = {2: 16, 3: 2}
 
 
 class ImageError(ValueError):
