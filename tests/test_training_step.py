@@ -1,0 +1,72 @@
+"""The training step's CPU options (bundle.engine.ContrastiveIterationUpdate: channels_last, num_threads)."""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from bundle.engine import ContrastiveIterationUpdate
+from bundle.loss import MultiScaleInfoNCELoss
+from bundle.networks.contrastive import ContrastiveLandmarkNet
+
+
+def _engine(network: torch.nn.Module, loss_function) -> SimpleNamespace:
+    return SimpleNamespace(
+        state=SimpleNamespace(device=torch.device("cpu"), output=None), non_blocking=False, network=network,
+        optimizer=torch.optim.Adam(network.parameters(), lr=1e-3), loss_function=loss_function, optim_set_to_none=True,
+        amp=False, scaler=None, fire_event=lambda event: None,
+    )
+
+
+def _batch(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"image": torch.rand(2, 1, 32, 32, generator=g), "crop": torch.rand(2, 1, 16, 16, generator=g),
+            "query": 4 + 24 * torch.rand(2, 4, 2, generator=g), "crop_query": 4 + 8 * torch.rand(2, 4, 2, generator=g)}
+
+
+def test_channels_last_and_thread_tuning_give_the_same_losses_and_try_each_count():
+    threads_before = torch.get_num_threads()
+    torch.manual_seed(0)
+    net = ContrastiveLandmarkNet(channels=(4, 8, 8), strides=(4, 2), embed_dim=8)
+    used = []
+
+    def loss_function(*args):
+        used.append(torch.get_num_threads())
+        return MultiScaleInfoNCELoss(0.1, 3)(*args)
+
+    try:
+        old, new = _engine(copy.deepcopy(net), loss_function), _engine(copy.deepcopy(net), loss_function)
+        fast = ContrastiveIterationUpdate(channels_last=True, num_threads="auto", retune_every=4)
+        assert fast.candidates == sorted({1, threads_before})
+        losses_old, losses_new, per_call = [], [], []
+        for k in range(6):
+            torch.set_num_threads(threads_before)
+            losses_old.append(float(ContrastiveIterationUpdate()(old, _batch(k))["loss"]))
+            used.clear()
+            losses_new.append(float(fast(new, _batch(k))["loss"]))
+            per_call.append(used[0])
+        torch.testing.assert_close(torch.tensor(losses_new), torch.tensor(losses_old), rtol=1e-4, atol=0)
+        assert next(new.network.parameters()).is_contiguous(memory_format=torch.channels_last)
+        n = len(fast.candidates)
+        # call 0: warm-up with torch's count; then one trial per count; then the fastest; retuned after retune_every
+        assert per_call[0] == threads_before and per_call[1 : 1 + n] == fast.candidates
+        assert fast.threads_chosen == min(fast._timings, key=fast._timings.get) and per_call[1 + n] == fast.threads_chosen
+        assert per_call[5] == fast.candidates[0]  # call 5 = 1 + retune_every: the tuning starts again
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def test_fixed_threads_and_bad_settings():
+    threads_before = torch.get_num_threads()
+    try:
+        net = ContrastiveLandmarkNet(channels=(4, 8, 8), strides=(4, 2), embed_dim=8)
+        ContrastiveIterationUpdate(num_threads=1)(_engine(net, MultiScaleInfoNCELoss(0.1, 3)), _batch(0))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads_before)
+    for bad in ("many", 0, 1.5):
+        with pytest.raises(ValueError, match="num_threads"):
+            ContrastiveIterationUpdate(num_threads=bad)
