@@ -37,7 +37,7 @@ class ContrastiveIterationUpdate:
     CPU speed (both leave the results unchanged up to floating-point rounding; neither acts on a GPU):
 
     * ``channels_last``: the network's weights and the batch in channels-last memory order (oneDNN's
-      preferred layout for convolutions).
+      preferred layout for convolutions); 2D only (measured there), not under DistributedDataParallel.
     * ``num_threads``: intra-op threads during the step. None leaves torch's setting alone; an int sets it;
       ``"auto"`` times the step with 1, 2, 4, ... up to torch's thread count at construction on the first
       iterations (``trials`` steps each, the fastest kept) and again every ``retune_every`` iterations: on
@@ -90,10 +90,9 @@ class ContrastiveIterationUpdate:
         threads = self._threads_for_this_step() if on_cpu else None
         if threads is not None and threads != torch.get_num_threads():
             torch.set_num_threads(threads)
-        if self.channels_last and on_cpu and image.ndim in (4, 5) and not isinstance(network, torch.nn.parallel.DistributedDataParallel):
-            memory_format = torch.channels_last if image.ndim == 4 else torch.channels_last_3d
-            network.to(memory_format=memory_format)  # a no-op once converted
-            image, crop = image.contiguous(memory_format=memory_format), crop.contiguous(memory_format=memory_format)
+        if self.channels_last and on_cpu and image.ndim == 4 and not isinstance(network, torch.nn.parallel.DistributedDataParallel):
+            network.to(memory_format=torch.channels_last)  # a no-op once converted
+            image, crop = image.contiguous(memory_format=torch.channels_last), crop.contiguous(memory_format=torch.channels_last)
         start = time.perf_counter()
         network.train()
         engine.optimizer.zero_grad(set_to_none=engine.optim_set_to_none)
