@@ -159,22 +159,32 @@ def read_checkpoint(path: str | Path, device: torch.device | str = "cpu", what: 
     return dict(state)
 
 
-def load_weights(network: torch.nn.Module, path: str | Path, device: torch.device | str = "cpu") -> torch.nn.Module:
-    """Load a checkpoint (a state dict, or a dict holding one under ``model``) into ``network`` and return it.
+def read_state_dict(path: str | Path, device: torch.device | str = "cpu", what: str = "checkpoint") -> dict:
+    """The state dict (names -> tensors) of a checkpoint file: the file's dict, or the dict under its ``model``.
 
-    Checkpoints load with ``torch.load(weights_only=True)`` (:func:`read_checkpoint`); a missing, empty,
-    truncated or foreign file, a file that is no state dict, and mismatched keys raise errors that name the file.
+    A missing, empty, truncated or foreign file (:func:`read_checkpoint`), or one that holds no state dict,
+    raises an error that names the file.
     """
-    path = Path(path)
-    state = read_checkpoint(path, device)
+    state = read_checkpoint(path, device, what)
     if isinstance(state.get("model"), Mapping):
         state = dict(state["model"])
     foreign = [k for k, v in state.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
     if foreign:
         raise CheckpointError(
-            f"checkpoint {path} is not a state dict (names -> tensors): entries {[repr(k) for k in foreign[:5]]} "
+            f"{what} {path} is not a state dict (names -> tensors): entries {[repr(k) for k in foreign[:5]]} "
             f"of its {len(state)} are not named tensors"
         )
+    return state
+
+
+def load_weights(network: torch.nn.Module, path: str | Path, device: torch.device | str = "cpu") -> torch.nn.Module:
+    """Load a checkpoint (a state dict, or a dict holding one under ``model``) into ``network`` and return it.
+
+    Checkpoints load with ``torch.load(weights_only=True)`` (:func:`read_state_dict`); a missing, empty,
+    truncated or foreign file, a file that is no state dict, and mismatched keys raise errors that name the file.
+    """
+    path = Path(path)
+    state = read_state_dict(path, device)
     try:
         network.load_state_dict(state)
     except RuntimeError as e:

@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from monai.networks.blocks import Convolution
 
+from bundle.engine import read_state_dict
 from bundle.networks.contrastive import build_encoder
 
 __all__ = ["HeatmapDetector", "load_stage1_encoder"]
@@ -38,9 +39,7 @@ def load_stage1_encoder(encoder: nn.Module, path: str | os.PathLike, device: tor
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"stage-1 checkpoint not found: {path} (train stage 1 first, or pass --init_checkpoint null)")
-    state = torch.load(path, map_location=device, weights_only=True)
-    if isinstance(state, dict) and "model" in state and isinstance(state["model"], dict):
-        state = state["model"]
+    state = read_state_dict(path, device, what="stage-1 checkpoint")
     encoder_state = {k[len(STAGE1_PREFIX) :]: v for k, v in state.items() if k.startswith(STAGE1_PREFIX)}
     if not encoder_state:
         raise RuntimeError(f"{path} holds no '{STAGE1_PREFIX}*' weights: not a stage-1 (ContrastiveLandmarkNet) checkpoint")
