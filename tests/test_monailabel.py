@@ -4,8 +4,9 @@ One server (module fixture) over 4 synthetic images serves every test, in file o
 (equal to the bundle's command line), image ids confined to the datastore, a junk upload refused without a
 leftover temporary file, the ``first`` / ``last`` strategies, saved labels becoming the k-shot templates,
 bad training values refused naming the key, fine-tuning that keeps the served model when the new one is not
-better (and publishes it when it is), ``train_stats`` in ``/info/``, and a DICOM X-ray giving the PNG's
-landmarks. Calls go through MONAI Label's own client (``monailabel.client.MONAILabelClient``) and raw HTTP
+better (and publishes it when it is), ``train_stats`` in ``/info/``, a DICOM X-ray giving the PNG's
+landmarks, and the stage-2 detector trained on the saved labels (refused with too few labels, kept out when
+not better, served by the infer task once published). Calls go through MONAI Label's own client (``monailabel.client.MONAILabelClient``) and raw HTTP
 where the client has no call or hides the status.
 
 Needs the app's environment (``make monailabel`` -> ``.venv-monailabel``, or ``MONAILABEL_PYTHON``);
@@ -241,6 +242,18 @@ def test_junk_upload_is_refused_naming_it_and_leaves_no_file(server, tmp_path):
     assert sorted(p.name for p in server["tmp"].iterdir()) == before
 
 
+def _train_request(server, params: dict):
+    return _request(f"{server['base']}/train/landmarks", json.dumps(params).encode(), {"Content-Type": "application/json"})
+
+
+def test_detector_training_needs_two_labelled_images(server):
+    reply, status = _train_request(server, {**TINY_TRAIN, "network": "detector"})  # no saved label yet
+    assert status == 422, reply
+    assert "at least 2 labelled images" in reply["detail"] and "has 0 labelled images" in reply["detail"]
+    reply, status = _request(f"{server['base']}/train/?check_if_running=true")
+    assert status == 404  # nothing was queued
+
+
 def test_strategies_first_and_last_skip_labelled_images(server, tmp_path):
     client = server["client"]
     assert client.next_sample("first", {})["id"] == "test_000"
@@ -274,9 +287,10 @@ def test_saved_labels_become_the_templates(server):
 @pytest.mark.parametrize("params, key", [
     ({"epochs": "abc"}, "epochs"), ({"batch_size": 0}, "batch_size"), ({"image_size": [64]}, "image_size"),
     ({"learning_rate": "fast"}, "learning_rate"), ({"min_improvement": [1]}, "min_improvement"),
+    ({"network": "unet"}, "network"), ({"network": "detector", "holdout": 1.5}, "holdout"),
 ])
 def test_bad_training_values_are_refused_naming_the_key(server, params, key):
-    reply, status = _request(f"{server['base']}/train/landmarks", json.dumps(params).encode(), {"Content-Type": "application/json"})
+    reply, status = _train_request(server, params)
     assert status == 422, reply
     assert repr(key) in reply["detail"]
     with pytest.raises(MONAILabelClientException, match=key):
@@ -340,3 +354,74 @@ def test_dicom_upload_gives_the_png_landmarks_in_its_own_frame(server, tmp_path)
     assert status == 200, reply
     for name in server["names"]:
         assert reply["landmarks"][name] == pytest.approx(from_png["landmarks"][name], abs=0.01), name
+
+
+DETECTOR_TRAIN = {**TINY_TRAIN, "network": "detector"}
+
+
+def _detector_stats(server, params: dict) -> dict:
+    server["client"].train_start("landmarks", {**DETECTOR_TRAIN, **params})
+    status = _wait_training(server)
+    assert status["status"] == "DONE", f"{status}\n{server['log'].read_text()[-4000:]}"
+    stats = server["client"].info()["train_stats"]["landmarks"]
+    assert stats["network"] == "detector" and stats["eval"]["key_metric_name"] == "mre"
+    assert np.isfinite(stats["eval"]["metrics"]["mre_trained"]) and np.isfinite(stats["eval"]["metrics"]["mre_served"])
+    assert (server["app"] / "model" / "candidate_detector" / "model_final.pt").is_file()  # no validation, still a checkpoint
+    return stats
+
+
+def test_detector_is_kept_out_when_not_better(server):
+    model = server["app"] / "model"
+    stats = _detector_stats(server, {"min_improvement": 1e9})
+    assert stats["published"] is False and "kept template matching" in stats["decision"]
+    assert stats["predictor"] == "templates" and stats["eval"]["served_predictor"] == "templates"
+    # the encoder starts from the served stage-1 weights (published by the contrastive training above)
+    assert stats["train"]["init_checkpoint"] == str(model / "model.pt") and stats["train"]["init_weights"] is None
+    # two labelled images: one trained on, one held out and scored on; the child never sees the held-out one
+    trained, held = stats["train"]["trained_on"], stats["train"]["held_out"]
+    assert len(trained) == len(held) == 1 and sorted(trained + held) == ["test_000", "test_003"]
+    datalist = json.loads((model / "train_detector" / "datalist.json").read_text())
+    assert [Path(it["image"]).stem for it in datalist["training"]] == trained
+    assert [Path(it["image"]).stem for it in datalist["test"]] == held
+    assert not (model / "detector.pt").exists()
+    reply, status = _infer_id(server, "test_001")
+    assert status == 200 and reply["predictor"] == "templates", reply
+    with pytest.raises(MONAILabelClientException, match="Status: 422.*no detector is served"):
+        server["client"].infer("landmarks", "test_001", {"predictor": "detector"})
+
+
+def test_published_detector_is_served(server):
+    from PIL import Image
+
+    model = server["app"] / "model"
+    stats = _detector_stats(server, {"min_improvement": -1e9})  # any detector counts as better
+    assert stats["published"] is True and stats["decision"].startswith("published")
+    assert stats["predictor"] == "detector" and stats["checkpoint"] == str(model / "detector.pt")
+    info = json.loads((model / "detector.json").read_text())
+    assert info["image_size"] == TINY_TRAIN["image_size"] and info["held_out"] == stats["train"]["held_out"]
+    reply, status = _infer_id(server, "test_001")
+    assert status == 200, reply
+    assert reply["predictor"] == "detector" and reply["checkpoint"] == str(model / "detector.pt") and reply["templates"] == []
+    width, height = Image.open(server["studies"] / "test_001.png").size
+    points = np.array([reply["landmarks"][n] for n in server["names"]], dtype=float)
+    assert np.isfinite(points).all() and (points >= 0).all() and (points[:, 0] <= width - 1).all() and (points[:, 1] <= height - 1).all()
+    # template matching stays available on request
+    _, forced = server["client"].infer("landmarks", "test_001", {"predictor": "templates"})
+    assert forced["predictor"] == "templates" and forced["templates"][0]["source"] == "datastore"
+    with pytest.raises(MONAILabelClientException, match="Status: 422.*predictor"):
+        server["client"].infer("landmarks", "test_001", {"predictor": "magic"})
+
+
+def test_detector_retrains_from_the_served_one_on_the_same_held_out_images(server, tmp_path):
+    model = server["app"] / "model"
+    before = json.loads((model / "detector.json").read_text())
+    label = _mrk_json(tmp_path / "test_001.mrk.json", server["names"], server["truth"]["test_001"])
+    server["client"].save_label("test_001", str(label), tag="final")  # a third labelled image
+    stats = _detector_stats(server, {"min_improvement": 1e9})
+    assert stats["train"]["init_weights"] == str(model / "detector.pt") and stats["train"]["init_checkpoint"] is None
+    assert stats["eval"]["served_predictor"] == "detector" and "kept the served detector" in stats["decision"]
+    # the served detector is scored only on images it never trained on: its held-out image stays held out
+    assert stats["train"]["held_out"] == before["held_out"]
+    assert sorted(stats["train"]["trained_on"]) == sorted(before["trained_on"] + ["test_001"])
+    assert stats["published"] is False and stats["predictor"] == "detector"
+    assert json.loads((model / "detector.json").read_text()) == before

@@ -5,8 +5,10 @@
 - Infer task ``landmarks``: every landmark on an image of the datastore (``?image=ID``) or an uploaded file, no
   user input. Templates: the datastore's images with a saved label (k-shot, combined per landmark by the
   bundle's ``template_combine``), else the bundle's templates (the datalist's, resolved on first use).
-- Train task ``landmarks``: fine-tunes the served weights on the datastore's images; the new weights replace
-  the served ones only when they score better on the saved labels (see landmark_tasks/train.py).
+- Train task ``landmarks``: fine-tunes the served weights on the datastore's images (``network: contrastive``),
+  or trains the stage-2 heatmap detector on the saved labels (``network: detector``); the new weights replace
+  the served ones only when they score better on the saved labels (see landmark_tasks/train.py). Once a
+  detector is published, the infer task serves it (one forward pass, no template).
 - Strategies ``first`` / ``last`` (sorted ids, unlabelled only) beside MONAI Label's ``random``.
 
 Image ids are confined to the datastore: a path, ``..`` or an unknown id is answered 4xx, as is an unreadable
@@ -14,7 +16,8 @@ image or label (the message names it). Start-up does no heavy work: network, tem
 template search wait for the first request.
 
 Conf keys: ``bundle_root`` (default: the repository holding this app), ``datalist`` (default: the bundle's
-embedded synthetic datalist, generated when missing), ``ckpt_path`` (the shipped weights), ``epochs``.
+embedded synthetic datalist, generated when missing), ``ckpt_path`` (the shipped weights), ``epochs``,
+``predictor`` (``auto``: the detector once one is published, else template matching; ``detector``; ``templates``).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ class LandmarkApp(MONAILabelApp):
             self.model_dir,
         )
         self.train_defaults = {"epochs": int(conf.get("epochs", 10))}
+        self.predictor = conf.get("predictor", "auto")
         super().__init__(
             app_dir=app_dir,
             studies=studies,
@@ -62,10 +66,17 @@ class LandmarkApp(MONAILabelApp):
         )
         if "monailabel.app" in sys.modules:  # the server process (not a training child)
             from landmark_tasks.guards import install_infer_guard, install_train_guard
-            from landmark_tasks.train import validate_options
-
             install_infer_guard()
-            install_train_guard(lambda params: validate_options(params, spatial_dims=self.context.spatial_dims))
+            install_train_guard(self._check_train_request)
+
+    def _check_train_request(self, params: dict) -> None:
+        """Before a train request is queued: its values, and enough saved labels for the detector (ValueError -> 422)."""
+        from landmark_tasks.common import FINAL_TAG
+        from landmark_tasks.train import check_detector_labels, validate_options
+
+        options = validate_options(params, spatial_dims=self.context.spatial_dims)
+        if options.get("network") == "detector":
+            check_detector_labels(len(self.datastore().get_labeled_images(FINAL_TAG)))
 
     # ---- MONAI Label hooks ---------------------------------------------------------------------------
     def init_datastore(self):
@@ -84,7 +95,7 @@ class LandmarkApp(MONAILabelApp):
     def init_infers(self):
         from landmark_tasks.infer import LandmarkInferTask
 
-        return {"landmarks": LandmarkInferTask(self.context, datastore=self.datastore)}
+        return {"landmarks": LandmarkInferTask(self.context, datastore=self.datastore, predictor=self.predictor)}
 
     def init_trainers(self):
         from landmark_tasks.train import BundleTrainTask

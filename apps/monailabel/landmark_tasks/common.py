@@ -27,6 +27,9 @@ from bundle.io_utils import write_json_atomic
 
 logger = logging.getLogger(__name__)
 CONFIGS = ("configs/train.yaml", "configs/evaluate.yaml")  # the datalist's template(s); inference.yaml is standalone
+# the stage-2 heatmap detector fine-tuned on human labels (the bundle's `finetune.yaml`)
+DETECTOR_CONFIGS = ("configs/train.yaml", "configs/train_stage2.yaml", "configs/finetune.yaml")
+PREDICTORS = ("auto", "detector", "templates")
 IMAGE_EXTENSIONS = ("*.png", "*.jpg", "*.jpeg", "*.bmp", "*.tif", "*.tiff", "*.dcm", "*.nii.gz", "*.nii", "*.nrrd", "*.mha")
 # ".json" first: the datastore keeps the LAST matching extension, so "a.mrk.json" gets ".mrk.json"
 LABEL_EXTENSIONS = ("*.json", "*.mrk.json", "*.fcsv")
@@ -56,6 +59,8 @@ class BundleContext:
         self.shipped_ckpt = Path(shipped_ckpt).resolve()
         self.model_dir = Path(model_dir)
         self.served_path = self.model_dir / "model.pt"
+        self.detector_path = self.model_dir / "detector.pt"
+        self.detector_info_path = self.model_dir / "detector.json"
         self.templates_cache = self.model_dir / "bundle_templates.json"
         self._lock = threading.RLock()
         self.parser = bundle_parser(CONFIGS, self.bundle_root, datalist=str(self.datalist), ckpt_path=str(self.shipped_ckpt))
@@ -66,6 +71,7 @@ class BundleContext:
         self._device = None
         self._bundle_templates: list[dict] | None = None
         self._frames: dict[tuple, dict] = {}
+        self._detector_parsers: dict[tuple, Any] = {}
 
     # ---- bundle pieces -------------------------------------------------------------------------------
     @property
@@ -93,16 +99,51 @@ class BundleContext:
         network = self.parser.get_parsed_content("network_def", lazy=False)
         return load_weights(network, checkpoint or self.served_checkpoint(), self.device).eval()
 
+    # ---- the stage-2 detector ------------------------------------------------------------------------
+    def served_detector(self) -> Path | None:
+        """``model/detector.pt`` once the train task published a detector, else None (template matching is served)."""
+        return self.detector_path if self.detector_path.is_file() else None
+
+    def detector_info(self) -> dict:
+        """What ``model/detector.json`` records of the served detector (``image_size``, ``trained_on``, ``held_out``)."""
+        try:
+            return json.loads(self.detector_info_path.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def detector_parser(self, image_size: Sequence[int] | None = None):
+        """The bundle's fine-tuning configs (``DETECTOR_CONFIGS``) at the detector's ``image_size`` (None: the config's)."""
+        key = tuple(image_size) if image_size else None
+        with self._lock:
+            if key not in self._detector_parsers:
+                overrides: dict[str, Any] = {"datalist": str(self.datalist), "init_checkpoint": None}
+                if image_size:
+                    overrides["image_size"] = [int(v) for v in image_size]
+                self._detector_parsers[key] = bundle_parser(DETECTOR_CONFIGS, self.bundle_root, **overrides)
+            return self._detector_parsers[key]
+
+    def new_detector(self, checkpoint: str | Path, image_size: Sequence[int] | None = None):
+        """``(network, preprocessing, inferer)`` of a detector checkpoint: ``HeatmapDetector`` with its weights, the
+        evaluation pipeline at ``image_size`` (the grid it was trained on) and ``bundle.stage2.HeatmapInferer``."""
+        from bundle.engine import load_weights
+
+        parser = self.detector_parser(image_size)
+        with self._lock:
+            network = parser.get_parsed_content("network_def", lazy=False)
+            preprocessing = parser.get_parsed_content("validate#preprocessing")
+            inferer = parser.get_parsed_content("stage2#inferer", lazy=False)
+        return load_weights(network, checkpoint, self.device).eval(), preprocessing, inferer
+
     def new_inferer(self, items: Sequence[dict]):
         """A fresh one-shot / k-shot inferer (``evaluate#inferer``) holding the template ``items``."""
         from bundle.engine import with_templates
 
         return with_templates(self.parser.get_parsed_content("evaluate#inferer", lazy=False), list(items), self.preprocessing, self.device)
 
-    def prepare(self, item: dict, name: str | None = None) -> dict:
-        """The evaluation pipeline on ``item``; unreadable images raise :class:`ImageError` naming ``name``."""
+    def prepare(self, item: dict, name: str | None = None, preprocessing=None) -> dict:
+        """The evaluation pipeline (or ``preprocessing``) on ``item``; unreadable images raise :class:`ImageError` naming ``name``."""
         try:
-            return self.preprocessing(dict(item))
+            return (preprocessing or self.preprocessing)(dict(item))
         except Exception as e:  # MONAI wraps reader errors in RuntimeError chains: report the innermost cause
             cause = e
             while cause.__cause__ is not None:

@@ -6,6 +6,12 @@ a 3D Slicer ``.mrk.json`` / ``.fcsv``), their predictions combined per landmark 
 template. With no saved label, the bundle's templates (``evaluate#templates`` of the configured datalist,
 resolved on the first request and cached). The reply names the templates it used.
 
+Once the train task has published a stage-2 heatmap detector (``model/detector.pt``, trained on the saved labels),
+the detector is served instead: one forward pass (``bundle.stage2.HeatmapInferer``), no template. The reply's
+``predictor`` says which (``"detector"`` | ``"templates"``); the request key ``predictor`` (or the app's conf key
+of that name: ``auto``, the default, ``detector`` or ``templates``) forces one, e.g. template matching beside a
+served detector.
+
 The result is returned in the forms viewers read: a 3D Slicer markups file (``.mrk.json``, also under
 ``markups`` in the result JSON, in the image's own LPS frame so that Slicer shows it over the image), the
 points as ``landmarks`` (image pixels in 2D / world mm in 3D) and OHIF-style ``centroids``
@@ -29,7 +35,7 @@ from monailabel.interfaces.tasks.infer_v2 import InferTask, InferType
 from bundle.data.markups import ControlPoint, write_mrk_json
 from bundle.engine import load_weights
 
-from .common import BundleContext, file_key
+from .common import PREDICTORS, BundleContext, file_key
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +78,11 @@ def markups_points(names: list[str], points: np.ndarray, frame: dict | None = No
 class LandmarkInferTask(InferTask):
     """Suggest every landmark on the requested image from the datastore's labelled images (or the bundle's templates)."""
 
-    def __init__(self, context: BundleContext, datastore: Callable[[], Any] | None = None) -> None:
+    def __init__(self, context: BundleContext, datastore: Callable[[], Any] | None = None, predictor: str = "auto") -> None:
+        if predictor not in PREDICTORS:
+            raise ValueError(f"conf predictor must be one of {PREDICTORS}, got {predictor!r}")
         self.context = context
+        self.predictor = predictor
         self.datastore = datastore
         self.names = context.names
         self.spatial_dims = context.spatial_dims
@@ -82,7 +91,7 @@ class LandmarkInferTask(InferTask):
             labels={n: i + 1 for i, n in enumerate(self.names)},
             dimension=self.spatial_dims,
             description="One-shot / k-shot landmark suggestion (information-guided pixel-wise contrastive features)",
-            config={"template_combine": context.template_combine},
+            config={"template_combine": context.template_combine, "predictor": predictor},
         )
         self._lock = threading.Lock()
         # loaded on the first request (start-up stays fast)
@@ -91,6 +100,8 @@ class LandmarkInferTask(InferTask):
         self.inferer = None
         self.template_key = None
         self.templates: list[dict] = []
+        self.detector = None  # (network, preprocessing, inferer) of the served detector
+        self.detector_key = None
 
     def is_valid(self) -> bool:
         return self.context.served_checkpoint().is_file()
@@ -107,6 +118,26 @@ class LandmarkInferTask(InferTask):
             load_weights(self.network, path, self.context.device)
         self.ckpt_key = key
         logger.info(f"serving weights {path}")
+
+    def _load_detector(self, path: Path) -> None:
+        """The served detector (``model/detector.pt`` at the grid recorded in ``model/detector.json``), reloaded when republished."""
+        key = (file_key(path), file_key(self.context.detector_info_path) if self.context.detector_info_path.is_file() else None)
+        if key == self.detector_key:
+            return
+        self.detector = self.context.new_detector(path, self.context.detector_info().get("image_size"))
+        self.detector_key = key
+        logger.info(f"serving the detector {path}")
+
+    def _predictor(self, request: dict) -> str:
+        """``detector`` or ``templates`` for this request (its ``predictor`` key over the conf's; ``auto``: the detector when one is served)."""
+        wanted = request.get("predictor") or self.predictor
+        if wanted not in PREDICTORS:
+            raise ValueError(f"predictor must be one of {', '.join(PREDICTORS)}, got {wanted!r:.40}")
+        if wanted == "auto":
+            return "detector" if self.context.served_detector() else "templates"
+        if wanted == "detector" and not self.context.served_detector():
+            raise ValueError("no detector is served yet (train one: POST /train/landmarks with {\"network\": \"detector\"})")
+        return wanted
 
     def _select_templates(self, exclude: str | None) -> list[dict]:
         """Labelled datastore images except ``exclude`` (a datastore id), else the bundle's templates."""
@@ -131,14 +162,25 @@ class LandmarkInferTask(InferTask):
         name = request.get("image_name") or (Path(image).name if image else image)
         if not image or not Path(image).is_file():
             raise FileNotFoundError(f"landmarks infer: image not found: {name!r}")
+        predictor = self._predictor(request)
         data = self.context.prepare({"image": str(image)}, name)
         with self._lock, torch.no_grad():
-            self._load_network()
-            self._update_inferer(self._select_templates(request.get("image_id")))
-            batch = torch.as_tensor(data["image"]).unsqueeze(0).to(self.context.device)
-            g2p = torch.as_tensor(data["grid_to_physical"]).unsqueeze(0).to(self.context.device)
-            points_mm = self.inferer(batch, self.network, g2p)[0].cpu().numpy()
-            templates, checkpoint = list(self.templates), str(self.context.served_checkpoint())
+            if predictor == "detector":
+                detector_path = self.context.served_detector()
+                self._load_detector(detector_path)
+                network, preprocessing, inferer = self.detector
+                grid = self.context.prepare({"image": str(image)}, name, preprocessing)  # the detector's own grid
+                batch = torch.as_tensor(grid["image"]).unsqueeze(0).to(self.context.device)
+                g2p = torch.as_tensor(grid["grid_to_physical"]).unsqueeze(0).to(self.context.device)
+                points_mm = inferer(batch, network, g2p)[0].cpu().numpy()
+                templates, checkpoint = [], str(detector_path)
+            else:
+                self._load_network()
+                self._update_inferer(self._select_templates(request.get("image_id")))
+                batch = torch.as_tensor(data["image"]).unsqueeze(0).to(self.context.device)
+                g2p = torch.as_tensor(data["grid_to_physical"]).unsqueeze(0).to(self.context.device)
+                points_mm = self.inferer(batch, self.network, g2p)[0].cpu().numpy()
+                templates, checkpoint = list(self.templates), str(self.context.served_checkpoint())
         spacing = np.asarray(torch.as_tensor(data["spacing"]).cpu(), dtype=np.float64).reshape(-1)
         result = landmark_result(self.names, points_mm, spacing)
         frame = self.context.frame(image, data) if self.spatial_dims == 2 else None
@@ -158,4 +200,5 @@ class LandmarkInferTask(InferTask):
         result["template_source"] = templates[0]["source"] if templates else None
         result["template_combine"] = self.context.template_combine
         result["checkpoint"] = checkpoint
+        result["predictor"] = predictor
         return path, result

@@ -1,4 +1,9 @@
-"""MONAI Label train task: fine-tune the served network on the datastore's images, publish it only when it is better.
+"""MONAI Label train task: fine-tune a network of the bundle on the datastore, publish it only when it is better.
+
+``network`` (request key): ``contrastive`` (default; the stage-1 network) or ``detector`` (the stage-2 heatmap
+detector, trained on the saved labels).
+
+Contrastive network:
 
 1. The training datalist: every datastore image (sorted ids) is a ``training`` item; images with a saved label
    (tag ``final``) carry the user's ``landmarks`` and are the ``templates`` (else the bundle's templates).
@@ -12,12 +17,33 @@
    The new weights replace ``model/model.pt`` (the served model) only when
    ``mre_new < mre_served - min_improvement`` (request key, default 0); otherwise the served model stays and the
    result says so. Nothing to score on: the served model stays.
-4. ``model/train_stats.json`` (MONAI Label's convention; ``/info/`` shows it under ``train_stats``).
+
+Detector (the bundle's fine-tuning on human labels, ``configs/train.yaml`` + ``train_stage2.yaml`` +
+``finetune.yaml``, ``--n_labelled None``):
+
+1. Split of the labelled images (at least 2, else refused naming the count): a held-out set that the
+   candidate never trains on and both predictors are scored on, the rest the training items. The held-out
+   set is sticky: images held out for the served detector stay held out, images it was trained on are never
+   held out (so the served detector is not scored on its own training images either), and newly labelled
+   images fill the held-out set up to ``max(1, round(holdout * n_labelled))`` (request key ``holdout``,
+   default 0.25) in a fixed order (SHA-1 of the image id); at least one image is always trained on.
+2. The child trains the detector from the served detector (``init_weights = model/detector.pt``) if there is
+   one, else with its encoder from the served stage-1 weights (``init_checkpoint`` = the served ``model.pt``),
+   into ``model/candidate_detector/`` (``model_final.pt``; no validation: ``val_interval`` > ``epochs``).
+3. Scoring on the held-out images: the candidate (one forward of ``bundle.stage2.HeatmapInferer``) against
+   the served predictor: the served detector, or, when none, template matching with the served stage-1
+   weights from every OTHER labelled image (leave-one-out, as the infer task would answer). Published to
+   ``model/detector.pt`` (with ``model/detector.json``: its grid, trained-on and held-out ids) only when
+   ``mre_new < mre_served - min_improvement``; the infer task then serves the detector.
+
+``model/train_stats.json`` (MONAI Label's convention; ``/info/`` shows it under ``train_stats``) records the
+network trained, both scores, the decision and the predictor served.
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import logging
 import math
@@ -35,7 +61,7 @@ from monailabel.interfaces.tasks.train import TrainTask
 
 from bundle.io_utils import atomic_path, write_json_atomic
 
-from .common import BundleContext
+from .common import DETECTOR_CONFIGS, BundleContext
 
 logger = logging.getLogger(__name__)
 
@@ -73,10 +99,21 @@ def _size(value: Any) -> list[int]:
         raise ValueError("a list of positive integers, one per spatial axis") from None
 
 
+NETWORKS = ("contrastive", "detector")
+DETECTOR_HOLDOUT = 0.25  # default fraction of the labelled images held out of the detector's training, to score on
+MIN_DETECTOR_LABELS = 2
+
+
 def _network(value: Any) -> str:
-    if value != "contrastive":
-        raise ValueError("'contrastive' (the stage-2 detector is not trained by this app)")
+    if value not in NETWORKS:
+        raise ValueError("'contrastive' (the stage-1 network) or 'detector' (the stage-2 heatmap detector)")
     return value
+
+
+def _fraction(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+        raise ValueError("a fraction between 0 and 1 (exclusive)")
+    return float(value)
 
 
 # request key -> parser; the bundle keys go to `monai.bundle run training` as --key value
@@ -84,7 +121,7 @@ BUNDLE_OPTIONS = {
     "epochs": _positive_int, "epoch_length": _positive_int, "batch_size": _positive_int, "learning_rate": _positive_float,
     "image_size": _size, "crop_size": _size, "num_queries": _positive_int, "seed": _int,
 }
-APP_OPTIONS = {"min_improvement": _float, "network": _network}
+APP_OPTIONS = {"min_improvement": _float, "network": _network, "holdout": _fraction}
 
 
 def validate_options(request: dict, defaults: dict | None = None, spatial_dims: int = 2) -> dict[str, Any]:
@@ -105,8 +142,43 @@ def validate_options(request: dict, defaults: dict | None = None, spatial_dims: 
     return options
 
 
-def training_datalist(context: BundleContext, items: list[dict], templates: list[dict]) -> dict:
-    """The child's datalist: every datastore image a training item (labelled ones with their landmarks)."""
+def check_detector_labels(n_labelled: int) -> None:
+    """Refuse detector training with fewer than ``MIN_DETECTOR_LABELS`` labelled images (ValueError naming the count)."""
+    if n_labelled < MIN_DETECTOR_LABELS:
+        raise ValueError(
+            f"train request: the detector needs at least {MIN_DETECTOR_LABELS} labelled images (one to train on, one "
+            f"held out to score on); the datastore has {n_labelled} labelled image{'' if n_labelled == 1 else 's'} "
+            "(save labels with tag 'final')"
+        )
+
+
+def _hash(image_id: str) -> str:
+    return hashlib.sha1(image_id.encode()).hexdigest()
+
+
+def detector_split(labelled_ids: list[str], previous: dict | None = None, holdout: float = DETECTOR_HOLDOUT) -> tuple[list[str], list[str]]:
+    """``(trained_on, held_out)`` ids of the labelled images (see the module docstring, detector step 1).
+
+    ``previous``: the served detector's record (``model/detector.json``: ``trained_on``, ``held_out``).
+    """
+    check_detector_labels(len(labelled_ids))
+    ids = sorted(labelled_ids)
+    previous = previous or {}
+    seen_train, seen_held = set(previous.get("trained_on") or []), set(previous.get("held_out") or [])
+    held = [i for i in ids if i in seen_held]
+    new = sorted((i for i in ids if i not in seen_train and i not in seen_held), key=_hash)
+    target = max(1, round(holdout * len(ids)))
+    held += new[: max(0, target - len(held))]
+    trained = [i for i in ids if i not in held]
+    if not trained:  # every labelled image was held out before: train on one of them (it is then not scored on)
+        trained = [max(held, key=_hash)]
+        held.remove(trained[0])
+    return trained, sorted(held)
+
+
+def training_datalist(context: BundleContext, items: list[dict], templates: list[dict], test: list[dict] | None = None) -> dict:
+    """The child's datalist: ``items`` the training items (labelled ones with their landmarks); ``test``: images
+    held out (the bundle's fine-tuning never trains on the test split)."""
     if not items:
         raise ValueError("the datastore holds no image to train on")
     return {
@@ -115,28 +187,46 @@ def training_datalist(context: BundleContext, items: list[dict], templates: list
         "landmark_names": list(context.names),
         "training": [{k: v for k, v in it.items() if k in ("image", "landmarks")} for it in items],
         "validation": [],
-        "test": [],
+        "test": [{k: v for k, v in it.items() if k in ("image", "landmarks")} for it in test or []],
         "templates": [{k: v for k, v in t.items() if k in ("image", "landmarks", "spacing")} for t in templates],
     }
+
+
+def _radial_errors(context: BundleContext, item: dict, network, inferer, preprocessing=None) -> list[float]:
+    """Radial errors (mm, or pixels without spacing) of ``inferer(image, network)`` on a labelled ``item``."""
+    data = context.prepare({k: v for k, v in item.items() if k in ("image", "landmarks", "spacing")}, preprocessing=preprocessing)
+    image = torch.as_tensor(data["image"]).unsqueeze(0).to(context.device)
+    g2p = torch.as_tensor(data["grid_to_physical"]).unsqueeze(0).to(context.device)
+    pred = inferer(image, network, g2p)[0].cpu().numpy().astype(np.float64)
+    truth = np.asarray(torch.as_tensor(data["label"]).cpu(), dtype=np.float64)
+    e = np.linalg.norm(pred - truth, axis=-1)
+    return e[np.isfinite(e)].tolist()
+
+
+def _mean(errors: list[float]) -> float:
+    if not errors:
+        raise ValueError("no landmark to score on")
+    return float(np.mean(errors))
 
 
 def score_checkpoint(context: BundleContext, checkpoint: str | Path, cases: list[tuple[dict, list[dict]]]) -> float:
     """Mean radial error (mm, or pixels without spacing) of ``checkpoint`` over ``cases`` (item, its templates)."""
     network = context.new_network(checkpoint)
-    errors = []
+    errors: list[float] = []
     with torch.no_grad():
         for item, templates in cases:
-            inferer = context.new_inferer(templates)
-            data = context.prepare({k: v for k, v in item.items() if k in ("image", "landmarks", "spacing")})
-            image = torch.as_tensor(data["image"]).unsqueeze(0).to(context.device)
-            g2p = torch.as_tensor(data["grid_to_physical"]).unsqueeze(0).to(context.device)
-            pred = inferer(image, network, g2p)[0].cpu().numpy().astype(np.float64)
-            truth = np.asarray(torch.as_tensor(data["label"]).cpu(), dtype=np.float64)
-            e = np.linalg.norm(pred - truth, axis=-1)
-            errors.extend(e[np.isfinite(e)].tolist())
-    if not errors:
-        raise ValueError("no landmark to score on")
-    return float(np.mean(errors))
+            errors += _radial_errors(context, item, network, context.new_inferer(templates))
+    return _mean(errors)
+
+
+def score_detector(context: BundleContext, checkpoint: str | Path, image_size: list[int] | None, items: list[dict]) -> float:
+    """Mean radial error of a detector checkpoint (at its training grid ``image_size``) over labelled ``items``."""
+    network, preprocessing, inferer = context.new_detector(checkpoint, image_size)
+    errors: list[float] = []
+    with torch.no_grad():
+        for item in items:
+            errors += _radial_errors(context, item, network, inferer, preprocessing)
+    return _mean(errors)
 
 
 def scoring_cases(context: BundleContext, labelled: list[dict]) -> tuple[list[tuple[dict, list[dict]]], str]:
@@ -152,19 +242,26 @@ def scoring_cases(context: BundleContext, labelled: list[dict]) -> tuple[list[tu
     return [(it, templates) for it in validation], f"the bundle datalist's {len(validation)} validation images, from its templates"
 
 
+def _decision(published: bool, new: float, old: float, min_improvement: float, kept: str) -> str:
+    margin = f" - {min_improvement:g}" if min_improvement else ""
+    if published:
+        return f"published: MRE {new:.3f} < {old:.3f} of the served model{margin}"
+    return f"kept {kept}: the new one's MRE {new:.3f} is not below {old:.3f}{margin}"
+
+
 class BundleTrainTask(TrainTask):
-    """Fine-tune the served weights on the datastore's images; publish to ``model/model.pt`` only when better."""
+    """Fine-tune the served weights (or the detector) on the datastore's images; publish only when better."""
 
     def __init__(self, context: BundleContext, defaults: dict[str, Any] | None = None) -> None:
-        super().__init__("Fine-tunes the served network on the datastore's images (self-supervised); "
-                         "published only when it scores better on the saved labels")
+        super().__init__("Fine-tunes the served network (network=contrastive, self-supervised) or the stage-2 detector "
+                         "(network=detector, on the saved labels); published only when it scores better on the saved labels")
         self.context = context
         self.model_dir = context.model_dir
         self.stats_path = self.model_dir / "train_stats.json"
         self.defaults = dict(defaults or {})
 
     def config(self) -> dict[str, Any]:
-        return {**self.defaults, "min_improvement": 0.0}
+        return {**self.defaults, "min_improvement": 0.0, "network": "contrastive", "holdout": DETECTOR_HOLDOUT}
 
     def stats(self) -> dict[str, Any]:
         """The last training's statistics (``model/train_stats.json``, written by the training process)."""
@@ -173,12 +270,46 @@ class BundleTrainTask(TrainTask):
         except (OSError, ValueError):
             return {}
 
+    def served_predictor(self) -> tuple[str, str]:
+        """``(predictor, checkpoint)`` that the infer task serves by default."""
+        detector = self.context.served_detector()
+        return ("detector", str(detector)) if detector else ("templates", str(self.context.served_checkpoint()))
+
+    def _run_bundle(self, command: list[str], candidate: Path) -> None:
+        done = subprocess.run(command, cwd=self.context.bundle_root, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"bundle training failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+        if not candidate.is_file():
+            raise RuntimeError(f"bundle training wrote no {candidate}")
+
     def __call__(self, request: dict, datastore: Datastore) -> dict[str, Any]:
         start = time.time()
         options = validate_options(request, self.defaults, self.context.spatial_dims)
         min_improvement = options.pop("min_improvement", 0.0)
-        options.pop("network", None)
+        network = options.pop("network", "contrastive")
+        holdout = options.pop("holdout", DETECTOR_HOLDOUT)
         items = self.context.datastore_items(datastore)
+        if network == "detector":
+            stats = self._train_detector(items, options, min_improvement, holdout)
+        else:
+            stats = self._train_contrastive(items, options, min_improvement)
+        epochs = int(options.get("epochs", 10))
+        predictor, checkpoint = self.served_predictor()
+        stats = {
+            "network": network,
+            "epoch": epochs,
+            "start_ts": int(start),
+            "total_time": str(datetime.timedelta(seconds=int(time.time() - start))),
+            **stats,
+            "predictor": predictor,
+            "checkpoint": checkpoint if network == "detector" else str(self.context.served_checkpoint()),
+        }
+        stats["eval"]["best_metric_epoch"] = epochs
+        write_json_atomic(self.stats_path, stats)
+        return stats
+
+    # ---- the stage-1 (contrastive) network -------------------------------------------------------------
+    def _train_contrastive(self, items: list[dict], options: dict, min_improvement: float) -> dict[str, Any]:
         labelled = [it for it in items if it.get("landmarks")]
         templates = labelled or self.context.bundle_templates()
         work = self.model_dir / "train"
@@ -195,12 +326,8 @@ class BundleTrainTask(TrainTask):
         for key, value in options.items():
             command += [f"--{key}", json.dumps(value)]
         logger.info(f"fine-tuning {served} on {len(items)} images ({len(labelled)} labelled): {' '.join(command)}")
-        done = subprocess.run(command, cwd=self.context.bundle_root, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"bundle training failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
         candidate = candidate_dir / "model_final.pt"
-        if not candidate.is_file():
-            raise RuntimeError(f"bundle training wrote no {candidate}")
+        self._run_bundle(command, candidate)
 
         cases, scored_on = scoring_cases(self.context, labelled)
         old = new = None
@@ -208,12 +335,7 @@ class BundleTrainTask(TrainTask):
             old = score_checkpoint(self.context, served, cases)
             new = score_checkpoint(self.context, candidate, cases)
             published = new < old - min_improvement
-            decision = (
-                f"published: MRE {new:.3f} < {old:.3f} of the served model" + (f" - {min_improvement:g}" if min_improvement else "")
-                if published else
-                f"kept the served model {served}: the new one's MRE {new:.3f} is not below {old:.3f}"
-                + (f" - {min_improvement:g}" if min_improvement else "")
-            )
+            decision = _decision(published, new, old, min_improvement, f"the served model {served}")
         else:
             published = False
             decision = f"kept the served model {served}: no labelled image to compare the new weights on"
@@ -222,24 +344,89 @@ class BundleTrainTask(TrainTask):
                 shutil.copyfile(candidate, tmp)
         logger.info(f"scored on {scored_on}: {decision}")
         best = None if old is None else (new if published else old)
-        stats = {
-            "epoch": epochs,
-            "start_ts": int(start),
-            "total_time": str(datetime.timedelta(seconds=int(time.time() - start))),
+        return {
             "best_metric": best,
             "train": {"images": len(items), "labelled": len(labelled), "options": options, "init_weights": str(served)},
             "eval": {
                 "metrics": {"mre_served": old, "mre_trained": new},
                 "key_metric_name": "mre",
                 "best_metric": best,
-                "best_metric_epoch": epochs,
                 "scored_on": scored_on,
             },
             "published": published,
             "decision": decision,
-            "checkpoint": str(self.context.served_checkpoint()),
             "candidate": str(candidate),
             "templates": [t.get("id", t["image"]) for t in templates],
         }
-        write_json_atomic(self.stats_path, stats)
-        return stats
+
+    # ---- the stage-2 heatmap detector ------------------------------------------------------------------
+    def _train_detector(self, items: list[dict], options: dict, min_improvement: float, holdout: float) -> dict[str, Any]:
+        context = self.context
+        labelled = {it["id"]: it for it in items if it.get("landmarks")}
+        served_detector = context.served_detector()
+        previous = context.detector_info() if served_detector else {}
+        trained_ids, held_ids = detector_split(list(labelled), previous, holdout)
+        trained, held = [labelled[i] for i in trained_ids], [labelled[i] for i in held_ids]
+        work = self.model_dir / "train_detector"
+        datalist_path = write_json_atomic(work / "datalist.json", training_datalist(context, trained, trained, test=held))
+        candidate_dir = self.model_dir / "candidate_detector"
+        shutil.rmtree(candidate_dir, ignore_errors=True)
+        stage1 = context.served_checkpoint()
+        epochs = int(options.get("epochs", 10))
+        command = [
+            sys.executable, "-m", "monai.bundle", "run", "training", "--config_file", json.dumps(list(DETECTOR_CONFIGS)),
+            "--datalist", str(datalist_path), "--ckpt_dir", str(candidate_dir), "--output_dir", str(work / "output"),
+            "--n_labelled", "None", "--val_interval", str(epochs + 1), "--progress_bar", "False",
+        ]
+        if served_detector:  # the whole served detector; no stage-1 encoder to load first
+            command += ["--init_weights", str(served_detector), "--init_checkpoint", "None"]
+        else:
+            command += ["--init_checkpoint", str(stage1)]
+        for key, value in options.items():
+            command += [f"--{key}", json.dumps(value)]
+        init = {"init_weights": str(served_detector) if served_detector else None,
+                "init_checkpoint": None if served_detector else str(stage1)}
+        logger.info(f"training the detector on {len(trained)} labelled images ({len(held)} held out): {' '.join(command)}")
+        candidate = candidate_dir / "model_final.pt"
+        self._run_bundle(command, candidate)
+
+        image_size = options.get("image_size") or [int(v) for v in context.detector_parser().get_parsed_content("image_size")]
+        new = score_detector(context, candidate, image_size, held)
+        if served_detector:
+            served_predictor = "detector"
+            old = score_detector(context, served_detector, previous.get("image_size"), held)
+            kept = f"the served detector {served_detector}"
+            scored_on = f"{len(held)} held-out labelled images, the served detector and the new one"
+        else:
+            served_predictor = "templates"
+            cases = [(it, [t for t in labelled.values() if t is not it]) for it in held]
+            old = score_checkpoint(context, stage1, cases)
+            kept = f"template matching ({stage1})"
+            scored_on = (f"{len(held)} held-out labelled images: the new detector, and template matching from the other "
+                         f"{len(labelled) - 1} labelled images (leave-one-out)")
+        published = new < old - min_improvement
+        decision = _decision(published, new, old, min_improvement, kept)
+        if published:
+            write_json_atomic(context.detector_info_path, {
+                "image_size": [int(v) for v in image_size], "trained_on": trained_ids, "held_out": held_ids,
+                "mre_held_out": new, "published_ts": int(time.time()), **init,
+            })
+            with atomic_path(context.detector_path) as tmp:
+                shutil.copyfile(candidate, tmp)
+        logger.info(f"scored on {scored_on}: {decision}")
+        best = new if published else old
+        return {
+            "best_metric": best,
+            "train": {"images": len(trained), "labelled": len(labelled), "options": options, **init,
+                      "trained_on": trained_ids, "held_out": held_ids},
+            "eval": {
+                "metrics": {"mre_served": old, "mre_trained": new},
+                "key_metric_name": "mre",
+                "best_metric": best,
+                "scored_on": scored_on,
+                "served_predictor": served_predictor,
+            },
+            "published": published,
+            "decision": decision,
+            "candidate": str(candidate),
+        }
