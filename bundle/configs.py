@@ -39,3 +39,17 @@ def check_image_size(image_size: Any, spatial_dims: int, divisor: int = 16) -> l
         need = f", each divisible by {divisor} (the encoder's deepest stride)" if divisor > 1 else ""
         raise ValueError(f"image_size: expected {spatial_dims} positive integers (the network grid){need}, got {image_size!r}")
     return [int(v) for v in values]
+
+
+def as_flag(value: Any, key: str) -> bool:
+    """A yes/no config value given in YAML (``true``) or on the command line (``--key true``, which reaches the
+    config as the string ``'true'``): ``True``/``False``, ``'true'``/``'false'`` (any case), 1/0; anything else
+    raises ``ValueError`` naming ``key``."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes"):
+        return True
+    if text in ("false", "0", "no"):
+        return False
+    raise ValueError(f"{key}: expected true or false, got {value!r}")

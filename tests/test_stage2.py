@@ -130,6 +130,21 @@ def test_finetune_config_uses_the_first_labelled_training_items(tmp_path):
     assert parser.get_parsed_content("ckpt_dir").endswith("models/finetune")
 
 
+@pytest.mark.parametrize("random_init, expected", [("true", None), ("false", "stage1"), (True, None), ("maybe", ValueError)])
+def test_random_init_as_the_command_line_gives_it(random_init, expected):
+    """``--random_init true`` reaches the config as the string 'true' (and ``--init_checkpoint None`` not at all)."""
+    parser = ConfigParser()
+    parser.read_config([str(ROOT / f"configs/{c}.yaml") for c in ("train", "train_stage2", "finetune")])
+    parser.update({"bundle_root": str(ROOT), "random_init": random_init})
+    if expected is ValueError:
+        with pytest.raises(RuntimeError) as info:  # MONAI's config wraps the error; the cause names the key
+            parser.get_parsed_content("network_def#init_checkpoint")
+        assert "random_init: expected true or false, got 'maybe'" in str(info.value.__cause__)
+        return
+    init = parser.get_parsed_content("network_def#init_checkpoint")
+    assert init == (None if expected is None else parser.get_parsed_content("stage1_ckpt"))
+
+
 def test_tiny_stage2_training_and_evaluation_beat_chance(tmp_path):
     from tests.test_end_to_end import chance_mre_mm
 

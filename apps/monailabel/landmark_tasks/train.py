@@ -376,10 +376,10 @@ class BundleTrainTask(TrainTask):
         command = [
             sys.executable, "-m", "monai.bundle", "run", "training", "--config_file", json.dumps(list(DETECTOR_CONFIGS)),
             "--datalist", str(datalist_path), "--ckpt_dir", str(candidate_dir), "--output_dir", str(work / "output"),
-            "--n_labelled", "None", "--val_interval", str(epochs + 1), "--progress_bar", "False",
+            "--val_interval", str(epochs + 1), "--progress_bar", "False",
         ]
         if served_detector:  # the whole served detector; no stage-1 encoder to load first
-            command += ["--init_weights", str(served_detector), "--init_checkpoint", "None"]
+            command += ["--init_weights", str(served_detector), "--random_init", "true"]
         else:
             command += ["--init_checkpoint", str(stage1)]
         for key, value in options.items():
