@@ -20,7 +20,8 @@ from bundle.data.synthetic import generate_synthetic_2d
 from bundle.networks.contrastive import ContrastiveLandmarkNet
 from bundle.networks.detector import HeatmapDetector
 from bundle.oneshot import refine_peaks
-from bundle.stage2 import HeatmapInferer, MaskedHeatmapLoss
+from bundle.engine import load_weights
+from bundle.stage2 import HeatmapInferer, MaskedHeatmapLoss, detector_templates
 from bundle.transforms.heatmaps import GaussianHeatmapd, render_gaussian_heatmaps
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -143,6 +144,19 @@ def test_random_init_as_the_command_line_gives_it(random_init, expected):
         return
     init = parser.get_parsed_content("network_def#init_checkpoint")
     assert init == (None if expected is None else parser.get_parsed_content("stage1_ckpt"))
+
+
+def test_shipped_detector_loads_into_the_configured_network_and_names_its_templates():
+    """models/stage2 (the one-label stage-2 detector of the model card) fits the default 2D configuration."""
+    parser = ConfigParser()
+    parser.read_config([str(ROOT / f"configs/{c}.yaml") for c in ("train", "train_stage2", "evaluate", "evaluate_detector")])
+    parser.update({"bundle_root": str(ROOT), "network_def#n_landmarks": 19})  # the 19 cephalometric landmarks
+    ckpt = Path(parser.get_parsed_content("ckpt_path"))
+    assert ckpt == ROOT / "models" / "stage2" / "model.pt"
+    detector = parser.get_parsed_content("network_def")
+    load_weights(detector, ckpt)  # strict: every weight of the detector, nothing else
+    assert detector.n_landmarks == 19
+    assert [Path(t).name for t in detector_templates(ckpt)][:1] == ["046.png"]
 
 
 def test_tiny_stage2_training_and_evaluation_beat_chance(tmp_path):
