@@ -177,6 +177,46 @@ def _augmented_mi(patches: torch.Tensor, brightness: float, contrast: float, bin
     return float(_paired_mutual_information(flat, augmented.reshape(len(patches), -1).numpy(), bins, value_range).mean())
 
 
+def _group_keypoints(template, others, template_points, correspondences, point_entropy, thresholds, n_keypoints,
+                     min_keypoints, patch_size, alpha_hat, seed) -> tuple[np.ndarray, list, list]:
+    """The key-point selection both estimators share: the arguments checked, the template's patches and the
+    corresponding patches of every other image (:func:`extract_patches`, with their validity), and per IIE
+    group ``(name, candidates, chosen)``: the usable candidates and at most ``n_keypoints`` of them drawn
+    without replacement (``seed``), in the order of ``GROUP_NAMES``."""
+    check_thresholds(thresholds)
+    if not alpha_hat > 0:
+        raise ValueError(f"alpha_hat must be positive, got {alpha_hat!r}")
+    if patch_size < 2 or n_keypoints < 1 or min_keypoints < 1:
+        raise ValueError(f"need patch_size >= 2, n_keypoints >= 1, min_keypoints >= 1; got {patch_size}, {n_keypoints}, {min_keypoints}")
+    template = _as_float_array(template, "template image")
+    points = np.asarray(template_points, dtype=np.float64).reshape(-1, template.ndim)
+    corr = np.asarray(correspondences, dtype=np.float64).reshape(len(others), len(points), template.ndim)
+    entropy = np.asarray(point_entropy, dtype=np.float64).reshape(-1)
+    if len(entropy) != len(points):
+        raise ValueError(f"point_entropy has {len(entropy)} values for {len(points)} template points")
+    template_patches, ok = extract_patches(template, points, patch_size)
+    ok &= np.isfinite(entropy)
+    other_patches = [extract_patches(_as_float_array(img, f"image {i}"), corr[i], patch_size) for i, img in enumerate(others)]
+    groups = information_groups(np.where(np.isfinite(entropy), entropy, 0.0), thresholds)
+    rng = np.random.default_rng(seed)
+    keypoints = []
+    for g, name in enumerate(GROUP_NAMES):
+        candidates = np.flatnonzero(ok & (groups == g))
+        keypoints.append((name, candidates, np.sort(rng.choice(candidates, size=min(n_keypoints, len(candidates)), replace=False))))
+    return template_patches, other_patches, keypoints
+
+
+def _keypoint_entry(candidates: np.ndarray, chosen: np.ndarray, n_pairs: int, min_keypoints: int) -> dict:
+    """A group's result entry with its counts; with too few key points or no pair, the ``note`` that says so
+    (brightness and contrast None)."""
+    entry: dict = {"n_candidates": int(len(candidates)), "n_keypoints": int(len(chosen)), "n_pairs": int(n_pairs)}
+    if len(chosen) < min_keypoints or n_pairs == 0:
+        entry.update(brightness=None, contrast=None,
+                     note=f"only {len(chosen)} key points with {n_pairs} corresponding patches in this group "
+                          f"(need >= {min_keypoints} key points and >= 1 pair): no estimate")
+    return entry
+
+
 def estimate_group_intensities(
     template: np.ndarray,
     others: Sequence[np.ndarray],
@@ -214,31 +254,16 @@ def estimate_group_intensities(
     whose MI is below the target; if none up to ``max_intensity`` is, A = ``max_intensity`` and
     ``*_at_max`` is True (A is then only a lower bound).
     """
-    check_thresholds(thresholds)
-    if not alpha_hat > 0:
-        raise ValueError(f"alpha_hat must be positive, got {alpha_hat!r}")
     if not (0 < step <= max_intensity <= 1):
         raise ValueError(f"need 0 < step <= max_intensity <= 1, got step={step!r}, max_intensity={max_intensity!r}")
-    if patch_size < 2 or n_keypoints < 1 or min_keypoints < 1:
-        raise ValueError(f"need patch_size >= 2, n_keypoints >= 1, min_keypoints >= 1; got {patch_size}, {n_keypoints}, {min_keypoints}")
-    template = _as_float_array(template, "template image")
-    points = np.asarray(template_points, dtype=np.float64).reshape(-1, template.ndim)
-    corr = np.asarray(correspondences, dtype=np.float64).reshape(len(others), len(points), template.ndim)
-    entropy = np.asarray(point_entropy, dtype=np.float64).reshape(-1)
-    if len(entropy) != len(points):
-        raise ValueError(f"point_entropy has {len(entropy)} values for {len(points)} template points")
-
-    template_patches, ok = extract_patches(template, points, patch_size)
-    ok &= np.isfinite(entropy)
-    other_patches = [extract_patches(_as_float_array(img, f"image {i}"), corr[i], patch_size) for i, img in enumerate(others)]
-    groups = information_groups(np.where(np.isfinite(entropy), entropy, 0.0), thresholds)
-    rng = np.random.default_rng(seed)
+    template_patches, other_patches, keypoints = _group_keypoints(
+        template, others, template_points, correspondences, point_entropy, thresholds, n_keypoints, min_keypoints,
+        patch_size, alpha_hat, seed,
+    )
     n_steps = int(math.floor(max_intensity / step + 1e-9))
     ts = [round((k + 1) * step, 10) for k in range(n_steps)]
     result: dict = {}
-    for g, name in enumerate(GROUP_NAMES):
-        candidates = np.flatnonzero(ok & (groups == g))
-        chosen = np.sort(rng.choice(candidates, size=min(n_keypoints, len(candidates)), replace=False))
+    for name, candidates, chosen in keypoints:
         pair_mi = []
         for patches, valid in other_patches:
             use = chosen[valid[chosen]]
@@ -246,11 +271,8 @@ def estimate_group_intensities(
                 flat = (template_patches[use].reshape(len(use), -1), patches[use].reshape(len(use), -1))
                 pair_mi.append(_paired_mutual_information(*flat, bins, value_range))
         pair_mi = np.concatenate(pair_mi) if pair_mi else np.zeros(0)
-        entry: dict = {"n_candidates": int(len(candidates)), "n_keypoints": int(len(chosen)), "n_pairs": int(len(pair_mi))}
-        if len(chosen) < min_keypoints or len(pair_mi) == 0:
-            entry.update(brightness=None, contrast=None,
-                         note=f"only {len(chosen)} key points with {len(pair_mi)} corresponding patches in this group "
-                              f"(need >= {min_keypoints} key points and >= 1 pair): no estimate")
+        entry = _keypoint_entry(candidates, chosen, len(pair_mi), min_keypoints)
+        if "note" in entry:
             result[name] = entry
             continue
         correspondence_mi = float(pair_mi.mean())
@@ -392,35 +414,18 @@ def estimate_group_ranges(
     itself (no augmentation); then :func:`search_factor_range` per kind on the key points' template
     patches gives ``brightness = [lo, hi]`` and ``contrast = [lo, hi]`` (ColorJitter factors).
     """
-    check_thresholds(thresholds)
-    if not alpha_hat > 0:
-        raise ValueError(f"alpha_hat must be positive, got {alpha_hat!r}")
-    if patch_size < 2 or n_keypoints < 1 or min_keypoints < 1:
-        raise ValueError(f"need patch_size >= 2, n_keypoints >= 1, min_keypoints >= 1; got {patch_size}, {n_keypoints}, {min_keypoints}")
-    template = _as_float_array(template, "template image")
-    points = np.asarray(template_points, dtype=np.float64).reshape(-1, template.ndim)
-    corr = np.asarray(correspondences, dtype=np.float64).reshape(len(others), len(points), template.ndim)
-    entropy = np.asarray(point_entropy, dtype=np.float64).reshape(-1)
-    if len(entropy) != len(points):
-        raise ValueError(f"point_entropy has {len(entropy)} values for {len(points)} template points")
-    template_patches, ok = extract_patches(template, points, patch_size)
-    ok &= np.isfinite(entropy)
-    other_patches = [extract_patches(_as_float_array(img, f"image {i}"), corr[i], patch_size) for i, img in enumerate(others)]
-    groups = information_groups(np.where(np.isfinite(entropy), entropy, 0.0), thresholds)
-    rng = np.random.default_rng(seed)
+    template_patches, other_patches, keypoints = _group_keypoints(
+        template, others, template_points, correspondences, point_entropy, thresholds, n_keypoints, min_keypoints,
+        patch_size, alpha_hat, seed,
+    )
     result: dict = {}
-    for g, name in enumerate(GROUP_NAMES):
-        candidates = np.flatnonzero(ok & (groups == g))
-        chosen = np.sort(rng.choice(candidates, size=min(n_keypoints, len(candidates)), replace=False))
+    for name, candidates, chosen in keypoints:
         pair_mi = [
             distribution_mutual_information(template_patches[i], patches[i], bins)
             for patches, valid in other_patches for i in chosen if valid[i]
         ]
-        entry: dict = {"n_candidates": int(len(candidates)), "n_keypoints": int(len(chosen)), "n_pairs": int(len(pair_mi))}
-        if len(chosen) < min_keypoints or not pair_mi:
-            entry.update(brightness=None, contrast=None,
-                         note=f"only {len(chosen)} key points with {len(pair_mi)} corresponding patches in this group "
-                              f"(need >= {min_keypoints} key points and >= 1 pair): no estimate")
+        entry = _keypoint_entry(candidates, chosen, len(pair_mi), min_keypoints)
+        if "note" in entry:
             result[name] = entry
             continue
         correspondence_mi = float(np.mean(pair_mi))
