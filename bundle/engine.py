@@ -56,7 +56,7 @@ class ContrastiveIterationUpdate:
         most = torch.get_num_threads()
         self.candidates = sorted({min(2**k, most) for k in range(most.bit_length() + 1)}) if num_threads == "auto" else []
         self.threads_chosen: int | None = num_threads if isinstance(num_threads, int) else None
-        self._timings: dict[int, float] = {}
+        self.timings: dict[int, float] = {}  # seconds per thread count in the current (or last) tuning
         self._calls = 0
         self._trial = False
 
@@ -72,11 +72,11 @@ class ContrastiveIterationUpdate:
         n_trials = len(self.candidates) * self.trials
         if phase < n_trials:
             if phase == 0:
-                self._timings = {}
+                self.timings = {}
             self._trial = True
             return self.candidates[phase // self.trials]
         if phase == n_trials or self.threads_chosen is None:
-            self.threads_chosen = min(self._timings, key=self._timings.get)
+            self.threads_chosen = min(self.timings, key=self.timings.get)
         return self.threads_chosen
 
     def __call__(self, engine: SupervisedTrainer, batchdata: dict[str, Any]) -> dict:
@@ -124,7 +124,7 @@ class ContrastiveIterationUpdate:
         engine.fire_event(IterationEvents.MODEL_COMPLETED)
         if self.num_threads == "auto" and on_cpu:
             if self._trial:
-                self._timings[threads] = min(time.perf_counter() - start, self._timings.get(threads, float("inf")))
+                self.timings[threads] = min(time.perf_counter() - start, self.timings.get(threads, float("inf")))
             self._calls += 1
         return engine.state.output
 
