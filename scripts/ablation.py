@@ -5,6 +5,9 @@
     python scripts/ablation.py select --datalist runs/hamedan/protocol.json --out runs/hamedan
     python scripts/ablation.py template_rules --datalist runs/hamedan/protocol.json --run_dir runs/hamedan/entropy_s0
     python scripts/ablation.py report --out runs/hamedan --docs docs [--long runs/hamedan_long]
+    python scripts/ablation.py run --plan converged --datalist runs/hamedan/protocol.json --out runs/hamedan_3000 \
+        --iterations 3000 --augmentation runs/hamedan/aug_estimated.yaml
+    python scripts/ablation.py report_converged --out runs/hamedan_3000 --docs docs
 
 ``run`` trains and evaluates every planned run (:func:`plan`) in turn with the bundle's own commands, the
 same budget for all, and writes ``OUT/<run>/result.json`` (settings, validation and test metrics, training
@@ -14,7 +17,10 @@ stopped. ``augmentation`` is a path pattern with ``{alpha}``: the per-group inte
 labelled images outside the test split (:func:`selection_datalist`), the ranking that chooses the shipped
 model. ``template_rules`` compares the template rules of the evaluation on one run, without test images.
 ``report`` reads the results and writes the tables (``docs/results.md`` between its
-``<!-- ablation:begin/end -->`` markers) and the MRE bar plot.
+``<!-- ablation:begin/end -->`` markers) and the MRE bar plot. ``--plan converged`` runs the ablation at a
+length that converges (:func:`plan_converged`); ``report_converged`` keeps every finished run of it in
+``docs/results_ablation_converged.json`` (run folders may not survive a session) and writes its table between
+the ``<!-- converged:begin/end -->`` markers.
 """
 
 from __future__ import annotations
@@ -51,6 +57,14 @@ ROW_TITLES = {
     "adaptive": "+ adaptive augmentation",
     "full": "+ both (full method)",
 }
+CONVERGED_ROWS = {  # row: (entropy_sampling, adaptive_augmentation, factor ranges: None = the run's --augmentation)
+    "baseline": (False, False, None),
+    "entropy": (True, False, None),
+    "full_estimated": (True, True, None),
+    "full_authors": (True, True, "configs/authors_ranges.yaml"),
+}
+ROW_TITLES.update(full_estimated="+ both, factor ranges of the paper's MI estimator (estimated here)",
+                  full_authors="+ both, the authors' published factor ranges")
 DEFAULT_GAMMA, DEFAULT_ALPHA = 0.3, 0.8
 GAMMAS, ALPHAS = (0.0, 0.1, 0.3, 1.0), (0.4, 0.8, 1.0, 1.7)
 
@@ -76,6 +90,23 @@ def plan(seeds) -> list[dict]:
     return runs
 
 
+def plan_converged(seeds) -> list[dict]:
+    """The four rows of the ablation at a length that converges, for each seed: baseline, + entropy sampling, and
+    the full method with the factor ranges of the paper's estimator (``run --augmentation``) and with the
+    authors' published ranges. Both full rows take one information group per crop, the query pixel's
+    (``group_mode: query``, as the authors' code), so that they differ only in the ranges."""
+    runs = []
+    for seed in seeds:
+        for row, (entropy, adaptive, ranges) in CONVERGED_ROWS.items():
+            runs.append(dict(name=f"{row}_s{seed}", row=row, seed=seed, entropy_sampling=entropy, adaptive_augmentation=adaptive,
+                             gamma=DEFAULT_GAMMA if entropy else 0.0, alpha_hat=DEFAULT_ALPHA, augmentation_file=ranges,
+                             group_mode="query" if adaptive else None))
+    return runs
+
+
+PLANS = {"sweep": plan, "converged": plan_converged}
+
+
 def _bundle(command: str, configs: list[str], overrides: dict, log: Path) -> tuple[float, float, str]:
     """Run ``python -m monai.bundle run COMMAND``; return (seconds, peak RSS in MB, log text). Raises on failure."""
     args = [sys.executable, "-m", "monai.bundle", "run", command, "--config_file", repr(configs)]
@@ -98,19 +129,18 @@ def run_one(spec: dict, datalist: str, out: Path, iterations: int, epoch_length:
     write and return its result."""
     run_dir = out / spec["name"]
     run_dir.mkdir(parents=True, exist_ok=True)
-    aug = augmentation.format(alpha=spec["alpha_hat"])
+    aug = spec.get("augmentation_file") or augmentation.format(alpha=spec["alpha_hat"])
     if not Path(aug).is_file():
         raise FileNotFoundError(f"{aug}: no estimated intensities for alpha_hat {spec['alpha_hat']} "
                                 f"(run scripts/estimate_augmentation.py --alpha_hat {spec['alpha_hat']} --output {aug})")
     epochs = max(1, iterations // epoch_length)
-    train_s, train_rss, log = _bundle(
-        "training", ["configs/train.yaml", aug],
-        dict(datalist=datalist, output_dir=run_dir / "train", ckpt_dir=run_dir / "models", seed=spec["seed"],
-             entropy_sampling=spec["entropy_sampling"], adaptive_augmentation=spec["adaptive_augmentation"],
-             sampling_gamma=spec["gamma"], epochs=epochs, epoch_length=epoch_length, val_interval=epochs,
-             progress_bar=False),
-        run_dir / "train.log",
-    )
+    overrides = dict(datalist=datalist, output_dir=run_dir / "train", ckpt_dir=run_dir / "models", seed=spec["seed"],
+                     entropy_sampling=spec["entropy_sampling"], adaptive_augmentation=spec["adaptive_augmentation"],
+                     sampling_gamma=spec["gamma"], epochs=epochs, epoch_length=epoch_length, val_interval=epochs,
+                     progress_bar=False)
+    if spec.get("group_mode"):
+        overrides["augmentation#group_mode"] = spec["group_mode"]
+    train_s, train_rss, log = _bundle("training", ["configs/train.yaml", aug], overrides, run_dir / "train.log")
     val = [float(v) for v in re.findall(r"val_mre_mm: ([0-9.]+)", log)]
     eval_s, eval_rss, _ = _bundle(
         "evaluating", ["configs/train.yaml", "configs/evaluate.yaml"],
@@ -128,10 +158,14 @@ def run_one(spec: dict, datalist: str, out: Path, iterations: int, epoch_length:
 
 
 def run(datalist: str, out: str, iterations: int = 500, epoch_length: int = 100, seeds=(0, 1),
-        augmentation: str = "runs/hamedan/aug_{alpha}.yaml", only=None, template_rule: str = "landmarks") -> None:
-    """Run every planned run (or those named in ``only``) that has no ``result.json`` yet."""
+        augmentation: str = "runs/hamedan/aug_{alpha}.yaml", only=None, template_rule: str = "landmarks",
+        plan: str = "sweep") -> None:
+    """Run every run of the plan (``sweep`` or ``converged``; or those named in ``only``) that has no
+    ``result.json`` yet."""
+    if plan not in PLANS:
+        raise ValueError(f"plan must be one of {sorted(PLANS)}, got {plan!r}")
     out_dir = Path(out)
-    for spec in plan(list(seeds)):
+    for spec in PLANS[plan](list(seeds)):
         if only is not None and spec["name"] not in only:
             continue
         if (out_dir / spec["name"] / "result.json").is_file():
@@ -435,5 +469,50 @@ def report(out: str, docs: str = "docs", long: str | None = None) -> None:
     print(table_text)
 
 
+def converged_table(results: list[dict]) -> str:
+    """The ablation at a converging length as markdown: one line per row (mean ± SD over its seeds) with the
+    MRE gain over the baseline and over entropy sampling alone (means over the same seeds)."""
+    by_row = {row: sorted((r for r in results if r["row"] == row), key=lambda r: r["seed"]) for row in CONVERGED_ROWS}
+
+    def gain(row: str, reference: str) -> str:
+        seeds = {r["seed"] for r in by_row[row]} & {r["seed"] for r in by_row[reference]}
+        if row == reference or not seeds:
+            return ""
+        mean = {k: np.mean([r["test"]["mre_mm"] for r in by_row[k] if r["seed"] in seeds]) for k in (row, reference)}
+        return f"{100 * (mean[reference] - mean[row]) / mean[reference]:+.1f} % ({len(seeds)} seed{'s' * (len(seeds) > 1)})"
+
+    lines = [[ROW_TITLES[row], " / ".join(str(r["seed"]) for r in runs)] + _metrics_row(runs) + [gain(row, "baseline"), gain(row, "entropy")]
+             for row, runs in by_row.items() if runs]
+    budget, rules = sorted({r["iterations"] for r in results}), sorted({r["template_rule"] for r in results})
+    head = ["row", "seeds"] + METRIC_HEADER + ["MRE gain over baseline", "MRE gain over + entropy sampling"]
+    return (f"Budget per run: {', '.join(map(str, budget))} iterations of batch 8; test template chosen by the rule "
+            f"{' / '.join(rules)!r}.\n\n{_table(head, lines)}")
+
+
+def report_converged(out: str, docs: str = "docs") -> None:
+    """Add the finished runs of ``out`` (``--plan converged``) to ``DOCS/results_ablation_converged.json`` (runs
+    recorded earlier stay; a run found in both is taken from ``out``) and write their table into
+    ``DOCS/results.md`` between the ``<!-- converged:begin/end -->`` markers."""
+    record = Path(docs) / "results_ablation_converged.json"
+    runs = {r["name"]: r for r in (json.loads(record.read_text()) if record.is_file() else [])}
+    runs.update({r["name"]: r for r in load_results(out)})
+    if not runs:
+        raise FileNotFoundError(f"{out}: no */result.json yet and nothing recorded in {record}")
+    unknown = sorted(name for name, r in runs.items() if r["row"] not in CONVERGED_ROWS)
+    if unknown:
+        raise ValueError(f"{out}: {unknown} are not runs of the converged plan (rows {list(CONVERGED_ROWS)})")
+    page = Path(docs) / "results.md"
+    begin, end = "<!-- converged:begin -->", "<!-- converged:end -->"
+    text = page.read_text()
+    if begin not in text or end not in text:
+        raise ValueError(f"{page}: the markers {begin} and {end} are missing")
+    table_text = converged_table(list(runs.values()))
+    head, rest = text.split(begin, 1)
+    write_json_atomic(record, [runs[name] for name in sorted(runs)])
+    write_text_atomic(page, f"{head}{begin}\n{table_text}\n{end}{rest.split(end, 1)[1]}")
+    print(table_text)
+
+
 if __name__ == "__main__":
-    fire.Fire({"run": run, "select": select, "template_rules": template_rules, "report": report})
+    fire.Fire({"run": run, "select": select, "template_rules": template_rules, "report": report,
+               "report_converged": report_converged})

@@ -104,6 +104,45 @@ def test_report_adds_the_longer_runs_beside_their_short_runs(tmp_path):
         ablation.report(str(tmp_path / "short"), str(docs), long=str(tmp_path / "missing"))
 
 
+def test_converged_plan_differs_only_in_what_each_row_names():
+    runs = {r["name"]: r for r in ablation.plan_converged([0, 1])}
+    assert len(runs) == 8 and {r["seed"] for r in runs.values()} == {0, 1}
+    estimated, authors = runs["full_estimated_s1"], runs["full_authors_s1"]
+    assert authors["augmentation_file"] == "configs/authors_ranges.yaml" and estimated["augmentation_file"] is None
+    assert {k: v for k, v in estimated.items() if k not in ("name", "row", "augmentation_file")} == \
+        {k: v for k, v in authors.items() if k not in ("name", "row", "augmentation_file")}
+    assert estimated["group_mode"] == "query" and runs["entropy_s0"]["group_mode"] is None
+    assert (runs["baseline_s0"]["entropy_sampling"], runs["baseline_s0"]["adaptive_augmentation"]) == (False, False)
+    with pytest.raises(ValueError, match="plan must be one of"):
+        ablation.run("d.json", str(Path("unused")), plan="long")
+
+
+def test_converged_report_keeps_earlier_runs_and_gives_both_gains(tmp_path):
+    specs = {s["name"]: s for s in ablation.plan_converged([0, 1])}
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "results.md").write_text("a\n<!-- converged:begin -->\nold\n<!-- converged:end -->\nb\n")
+    for name, mre in (("baseline_s0", 3.0), ("entropy_s0", 2.5)):  # a first session
+        fake_result(tmp_path / "first", specs[name], mre, tmp_path / "aug.yaml")
+    ablation.report_converged(str(tmp_path / "first"), str(docs))
+    for name, mre in (("full_estimated_s0", 2.0), ("baseline_s1", 4.0), ("entropy_s0", 2.4)):  # the next one, a rerun
+        fake_result(tmp_path / "next", specs[name], mre, tmp_path / "aug.yaml")
+    ablation.report_converged(str(tmp_path / "next"), str(docs))
+    recorded = {r["name"]: r["test"]["mre_mm"] for r in json.loads((docs / "results_ablation_converged.json").read_text())}
+    assert recorded == {"baseline_s0": 3.0, "entropy_s0": 2.4, "full_estimated_s0": 2.0, "baseline_s1": 4.0}
+    page = (docs / "results.md").read_text()
+    assert page.startswith("a\n<!-- converged:begin -->\n") and page.endswith("<!-- converged:end -->\nb\n") and "old" not in page
+    baseline = next(line for line in page.splitlines() if line.startswith("| baseline"))
+    assert "| 0 / 1 | 3.50 ± 0.71 | 3.00 / 4.00 |" in baseline
+    full = next(line for line in page.splitlines() if line.startswith("| + both, factor ranges of the paper"))
+    # gains over the seeds both rows have: seed 0 only, (3.0 - 2.0) / 3.0 and (2.4 - 2.0) / 2.4
+    assert full.endswith("| +33.3 % (1 seed) | +16.7 % (1 seed) |")
+    assert not any(line.startswith("| + both, the authors'") for line in page.splitlines())  # not run yet
+    fake_result(tmp_path / "sweep", ablation.plan([0])[3], 2.0, tmp_path / "aug.yaml")
+    with pytest.raises(ValueError, match="not runs of the converged plan"):
+        ablation.report_converged(str(tmp_path / "sweep"), str(docs))
+
+
 def test_selection_datalist_scores_on_labelled_items_outside_test(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     item = lambda name, labelled: dict(image=f"img/{name}.png", **({"landmarks": [[1.0, 2.0]]} if labelled else {}))  # noqa: E731
