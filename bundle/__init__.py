@@ -4,4 +4,8 @@ Implements Quan et al., "Information-guided pixel augmentation for pixel-wise co
 CVPR 2023, on top of MONAI and Ignite. See ``docs/README.md`` for the model card.
 """
 
-__version__ = "0.5.0"
+import json
+from pathlib import Path
+
+# the bundle's one version number: configs/metadata.json's (the model zoo reads it there)
+__version__ = json.loads((Path(__file__).resolve().parents[1] / "configs" / "metadata.json").read_text())["version"]

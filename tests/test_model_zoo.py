@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -19,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import package as packaging  # noqa: E402
 
+import bundle  # noqa: E402
 from bundle.configs import bundle_parser  # noqa: E402
 from bundle.data.synthetic import generate_synthetic_2d  # noqa: E402
 
@@ -53,7 +55,9 @@ def test_metadata_verifies_offline_against_the_shipped_schema_and_zoo_rules():
     pins = _pins(ROOT / "requirements.txt")
     assert meta["monai_version"] == pins["monai"] and meta["pytorch_version"] == pins["torch"] == torch.__version__.split("+")[0]
     assert meta["numpy_version"] == pins["numpy"] and "+" not in meta["pytorch_version"]
-    assert set(map(str.lower, meta["required_packages_version"])) <= set(pins)
+    assert {name: pins.get(name.lower()) for name in meta["required_packages_version"]} == meta["required_packages_version"]
+    assert bundle.__version__ == meta["version"] and max(meta["changelog"], key=lambda v: tuple(map(int, v.split(".")))) == meta["version"]
+    assert not re.search(r"^version\s*=", (ROOT / "pyproject.toml").read_text(), re.M)  # one version: the metadata's
     assert "pytorch-ignite" in meta["required_packages_version"]
     fmt = meta["network_data_format"]
     assert list(fmt["inputs"]) == ["image"] and list(fmt["outputs"]) == ["pred"]
