@@ -88,11 +88,11 @@ def _multipart(field: str, path: Path, filename: str | None = None) -> tuple[byt
     return body, {"Content-Type": f"multipart/form-data; boundary={boundary}"}
 
 
-def _cli_predictions(image: Path, out: Path) -> dict[str, tuple[float, float]]:
+def _cli_predictions(image: Path, datalist: Path, out: Path) -> dict[str, tuple[float, float]]:
     """The bundle's own command-line inference on ``image`` (the reference the server must match)."""
     command = [
         sys.executable, "-m", "monai.bundle", "run", "inferring", "--config_file", "configs/inference.yaml",
-        "--datalist", str(ROOT / "data/synthetic_2d/datalist.json"),  # the server's template
+        "--datalist", str(datalist),  # the server's template
         "--images", f"['{image}']", "--output_dir", str(out), "--overlays", "False",
     ]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=180, env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -111,11 +111,14 @@ def _mrk_json(path: Path, names: list[str], points: list) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """A MONAI Label server of a copy of the app over 4 synthetic test images (its own temp dir, to watch uploads)."""
+    """A MONAI Label server of a copy of the app over 4 synthetic test images (its own temp dir, to watch uploads;
+    the synthetic set in a temp dir too, given to the server as its datalist)."""
     from bundle.data.datalist import open_datalist
+    from bundle.data.synthetic import generate_synthetic_2d
 
     tmp_path = tmp_path_factory.mktemp("monailabel")
-    datalist = open_datalist(ROOT / "data/synthetic_2d/datalist.json")  # generated when missing
+    datalist_path = generate_synthetic_2d(tmp_path / "data")
+    datalist = open_datalist(datalist_path)
     app = tmp_path / "app"
     shutil.copytree(ROOT / "apps/monailabel", app, ignore=shutil.ignore_patterns("__pycache__", "bin", "lib", "logs", "model"))
     studies = tmp_path / "studies"
@@ -130,6 +133,7 @@ def server(tmp_path_factory):
     command = [
         str(PYTHON), "-m", "monailabel.main", "start_server", "--app", str(app), "--studies", str(studies),
         "--host", "127.0.0.1", "--port", str(port), "--conf", "bundle_root", str(ROOT),
+        "--conf", "datalist", str(datalist_path),
     ]
     log = open(tmp_path / "server.log", "w")
     env = dict(os.environ, OMP_NUM_THREADS="1", MONAI_LABEL_DATASTORE_AUTO_RELOAD="false", TMPDIR=str(server_tmp))
@@ -149,7 +153,7 @@ def server(tmp_path_factory):
         yield {
             "base": base, "client": client, "info": info, "app": app, "studies": studies, "tmp": server_tmp,
             "log": tmp_path / "server.log", "truth": truth, "names": list(datalist["landmark_names"]),
-            "start_s": time.monotonic() - started, "work": tmp_path,
+            "start_s": time.monotonic() - started, "work": tmp_path, "datalist": datalist_path,
         }
     finally:
         os.killpg(process.pid, signal.SIGTERM)
@@ -188,7 +192,7 @@ def test_upload_suggests_the_bundle_command_line_landmarks(server):
     names = server["info"]["models"]["landmarks"]["labels"]
     image = sorted(server["studies"].glob("*.png"))[0]
     out, result = server["client"].infer("landmarks", "", {}, file=str(image))
-    reference = _cli_predictions(image, server["work"] / "cli")
+    reference = _cli_predictions(image, server["datalist"], server["work"] / "cli")
     assert list(result["landmarks"]) == list(names) == list(reference)
     for name in names:
         assert result["landmarks"][name] == pytest.approx(reference[name], abs=1e-3), name
@@ -207,10 +211,13 @@ def test_upload_suggests_the_bundle_command_line_landmarks(server):
 
 
 @pytest.mark.parametrize("image", [
-    str(ROOT / "data/synthetic_2d/images/test_005.png"),  # a real image outside --studies
+    "OUTSIDE",  # a real image outside --studies: the synthetic set's test_005.png
     "../../etc/passwd", "/etc/passwd", "test_000/../../x", "no_such_image",
 ])
 def test_image_ids_are_confined_to_the_datastore(server, image):
+    if image == "OUTSIDE":
+        image = str(Path(server["datalist"]).parent / "images" / "test_005.png")
+        assert Path(image).is_file()
     reply, status = _infer_id(server, image)
     assert 400 <= status < 500, (status, reply)
     assert image in reply["detail"] and ("datastore" in reply["detail"])

@@ -1,0 +1,36 @@
+"""Suite-wide checks: tests write only to temporary folders (the source tree is the same after the session)."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# what running Python and pytest leaves by itself, and the environments `make` creates
+ALLOWED = ("__pycache__/", ".pytest_cache/", ".venv/", ".venv-monailabel/")
+
+
+def _tree_state() -> set[str] | None:
+    """Untracked and ignored paths and modified tracked files of the checkout; None outside a git checkout."""
+    try:
+        done = subprocess.run(["git", "status", "--porcelain", "--ignored", "--untracked-files=all"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if done.returncode != 0:
+        return None
+    paths = {line[3:] for line in done.stdout.splitlines()}
+    return {p for p in paths if not any(part in p or p.startswith(part) for part in ALLOWED)}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def source_tree_unchanged():
+    """Fails the session when a test wrote into the repository (outputs, generated data, edited files)."""
+    before = _tree_state()
+    yield
+    after = _tree_state()
+    if before is not None and after is not None:
+        written = sorted(after - before)
+        assert not written, f"tests wrote into the source tree {ROOT}: {written[:20]}"
