@@ -1,4 +1,4 @@
-"""Standalone inference with a built-in template: template feature files, their inferer and the export network.
+"""Standalone inference with a built-in template: template feature files and their inferer.
 
 One-shot matching needs, from the template, only the unit feature vectors of the network at the template's
 landmarks (paper Sec. 3.4): the image itself is not needed once they are computed. A *template feature
@@ -16,9 +16,10 @@ cephalogram templates are Hamedan images, which may not be redistributed). It is
   SHA-256 of the weights that computed the features (they only fit those weights).
 
 :class:`TemplateFeatureInferer` is the Python inference path (sub-pixel refinement, predictions of the K
-templates combined per landmark by :func:`bundle.kshot.combine_landmarks`); :class:`LandmarkPointsNet` is
-the TorchScript-scriptable network of the model zoo (image -> landmark positions on the input grid,
-integer grid peaks combined by the geometric median), which loads the bundle's ``model.pt`` unchanged.
+templates combined per landmark by :func:`bundle.kshot.combine_landmarks`);
+:class:`bundle.networks.landmark_points.LandmarkPointsNet` is the TorchScript-scriptable network of the model
+zoo (image -> landmark positions on the input grid, integer grid peaks combined by the geometric median),
+which loads the bundle's ``model.pt`` unchanged.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from typing import Any, Hashable, Mapping, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from monai.config import KeysCollection
 from monai.data import MetaTensor
 from monai.inferers import Inferer
@@ -137,7 +137,7 @@ def compute_template(
     do), so the features are those the inference sees; ``network`` gives multi-scale features (eval mode
     is set here). A landmark an item lacks is NaN in ``queries``.
     """
-    from bundle.engine import prepare_template
+    from bundle.templates import prepare_template
     from bundle.oneshot import feature_vectors
 
     if not items:
@@ -172,7 +172,7 @@ def compute_template(
 def template_source_names(template_path: str | os.PathLike, template_datalist: str | os.PathLike | None = None) -> list[str]:
     """The landmark names of the template source: ``template_datalist`` when given, else the feature file."""
     if template_datalist:
-        from bundle.data.datalist import open_datalist
+        from bundle.data.embedded import open_datalist
 
         return list(open_datalist(template_datalist)["landmark_names"])
     return load_template(template_path)["landmark_names"]
@@ -193,8 +193,9 @@ def resolve_template(
     (``network`` is then not used, so that building the export network needs no weights)."""
     if not template_datalist:
         return load_template(template_path, checkpoint)
-    from bundle.data.datalist import open_datalist
-    from bundle.engine import load_weights, resolve_templates
+    from bundle.checkpoints import load_weights
+    from bundle.data.embedded import open_datalist
+    from bundle.templates import resolve_templates
 
     datalist = open_datalist(template_datalist)
     if checkpoint is not None:
@@ -324,90 +325,3 @@ class LandmarkPointsd(MapTransform):
         spacing = torch.as_tensor(d[self.spacing_key]).detach().cpu().double().numpy()
         d[self.output_key] = torch.as_tensor(np.asarray(physical_to_datalist(pred, spacing)), dtype=torch.float64)
         return d
-
-
-# --------------------------------------------------------------------------- the scriptable export network
-
-
-def geometric_median_script(points: torch.Tensor, iterations: int = 100, tolerance: float = 1e-6) -> torch.Tensor:
-    """:func:`bundle.kshot.geometric_median` written for TorchScript: ``(K, ..., D)`` -> ``(..., D)``, NaN ignored.
-
-    Weiszfeld's iteration from the coordinate-wise median of the valid points, distances floored at
-    ``tolerance``, stopping when no estimate moves by more than ``tolerance`` (tested against the original).
-    """
-    p = points.to(torch.float64)
-    valid = ~torch.isnan(p).any(dim=-1, keepdim=True)
-    filled = torch.where(valid, p, torch.zeros_like(p))
-    estimate = torch.nanmedian(p, dim=0)[0]
-    for _ in range(iterations):
-        distance = torch.linalg.vector_norm(filled - estimate, dim=-1, keepdim=True).clamp_min(tolerance)
-        weight = valid.to(p.dtype) / distance
-        updated = (weight * filled).sum(0) / weight.sum(0)
-        moved = torch.linalg.vector_norm(updated - estimate, dim=-1)
-        estimate = updated
-        if not bool((moved > tolerance).any()):
-            break
-    return estimate
-
-
-class LandmarkPointsNet(torch.nn.Module):
-    """Export network: image ``(B, 1, *S)`` -> landmark positions ``(B, L, D)`` (float32) on the input grid.
-
-    The contrastive network with one-shot matching against built-in template features (a template feature
-    dict or file, see the module doc): per template and landmark, the product over scales of
-    ``(cos + 1) / 2`` between the stored feature vector and the image's features interpolated at every grid
-    position (as :class:`bundle.oneshot.OneShotInferer` combines them), its integer peak, and the K
-    templates' peaks combined by the geometric median. It scripts (``torch.jit.script``) and traces; the
-    sub-pixel refinement stays in the Python path (:class:`TemplateFeatureInferer`). Its state dict is the
-    wrapped network's, so the bundle's ``model.pt`` loads into it unchanged (strict); the template features
-    are non-persistent buffers (they travel inside a TorchScript export).
-    """
-
-    def __init__(self, network: torch.nn.Module, template: Mapping[str, Any] | str | os.PathLike) -> None:
-        super().__init__()
-        if isinstance(template, (str, os.PathLike)):
-            template = load_template(template)
-        template = check_template(template)
-        queries = template["queries"]
-        strides = [int(s) for s in getattr(network, "strides", template["strides"])]
-        if strides != [int(s) for s in template["strides"]]:
-            raise ValueError(f"the template features are of strides {template['strides']}, the network's are {strides}")
-        self.network = network
-        self.landmark_names = list(template["landmark_names"])
-        self.num_templates = int(queries.shape[0])
-        self.num_landmarks = int(queries.shape[1])
-        valid = ~torch.isnan(queries).any(dim=-1).any(dim=-1)
-        self.register_buffer("queries", torch.nan_to_num(queries, nan=0.0), persistent=False)
-        self.register_buffer("valid", valid, persistent=False)
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict:
-        return self.network.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
-        return self.network.load_state_dict(state_dict, strict=strict, assign=assign)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        features = self.network(x)
-        grid = [int(s) for s in x.shape[2:]]
-        mode = "bilinear" if len(grid) == 2 else "trilinear"
-        b = x.shape[0]
-        k, n = self.num_templates, self.num_landmarks
-        score = torch.ones([1], dtype=torch.float32, device=x.device)
-        for s, f in enumerate(features):
-            f = f.float()
-            up = F.interpolate(f, size=grid, mode=mode, align_corners=False)
-            norm = up.square().sum(dim=1, keepdim=True).sqrt().clamp_min(1e-8)
-            q = self.queries[:, :, s].reshape(k * n, -1).to(f.dtype)
-            dots = torch.matmul(q, f.flatten(2)).reshape([b, k * n] + [int(v) for v in f.shape[2:]])
-            cosine = F.interpolate(dots, size=grid, mode=mode, align_corners=False) / norm
-            score = score * ((cosine + 1.0) * 0.5).clamp(0.0, 1.0)
-        index = score.flatten(2).argmax(dim=-1)
-        coords: list[torch.Tensor] = []
-        for size in grid[::-1]:
-            coords.append(index % size)
-            index = torch.div(index, size, rounding_mode="floor")
-        coords.reverse()
-        peaks = torch.stack(coords, dim=-1).to(torch.float64).reshape(b, k, n, len(grid)).transpose(0, 1)
-        missing = ~self.valid[:, None, :, None].expand(k, b, n, len(grid))
-        peaks = peaks.masked_fill(missing, float("nan"))
-        return geometric_median_script(peaks).to(torch.float32)

@@ -1,9 +1,9 @@
-"""Information groups, mutual information and augmentation-intensity estimation (paper Sec. 3, steps 2-3).
+"""Mutual information and augmentation-intensity estimation (paper Sec. 3, step 2).
 
-* Pixels fall in a low / medium / high information group by their IIE value H (step 1 gives H):
-  low ``H < t0``, medium ``t0 <= H < t1``, high ``H >= t1`` (default ``t = (2, 4)`` bits).
+* Key points are grouped by the IIE (:mod:`bundle.information_groups`).
 * The augmentation model shared by the estimator and :class:`bundle.transforms.intensity.InfoGuidedIntensityd`
-  is ColorJitter-style brightness then contrast on images in [0, 1] (:func:`adjust_brightness_contrast`).
+  is ColorJitter-style brightness then contrast on images in [0, 1]
+  (:func:`bundle.transforms.intensity.adjust_brightness_contrast`).
 * :func:`estimate_group_intensities` implements the paper's intensity estimate ("Eq. estimate1"): per
   group, the target is ``alpha_hat`` times the mean mutual information (MI) of corresponding patches of
   different images; the intensity grows in steps until the MI between a patch and its augmented copy
@@ -18,59 +18,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-GROUP_NAMES = ("low", "medium", "high")
-
-
-def check_thresholds(thresholds: Sequence[float]) -> tuple[float, float]:
-    """Validate the two IIE thresholds (bits) and return them as floats."""
-    t = tuple(float(v) for v in thresholds)
-    if len(t) != 2 or not all(math.isfinite(v) for v in t) or not t[0] < t[1]:
-        raise ValueError(f"thresholds must be two finite increasing numbers (bits), got {thresholds!r}")
-    return t
-
-
-def information_groups(entropy, thresholds: Sequence[float] = (2.0, 4.0)) -> np.ndarray:
-    """Group index per value (0 low ``H < t0``, 1 medium ``t0 <= H < t1``, 2 high ``H >= t1``), Sec. 3 step 1."""
-    t = check_thresholds(thresholds)
-    h = np.asarray(entropy, dtype=np.float64)
-    return np.searchsorted(np.asarray(t), h, side="right")
-
-
-def group_memberships(entropy: torch.Tensor, thresholds: Sequence[float], blend_width: float) -> torch.Tensor:
-    """Soft low / medium / high memberships ``(3, *entropy.shape)`` that sum to 1 (adaptive augmentation, step 3).
-
-    Around each threshold ``t`` the share of the upper side ramps linearly from 0 at ``t - w/2`` to 1 at
-    ``t + w/2`` (``w = blend_width``); ``w = 0`` gives the hard groups of :func:`information_groups`.
-    Both ramps have the same width, so the medium membership (difference of the two) is never negative.
-    """
-    t0, t1 = check_thresholds(thresholds)
-    if not (math.isfinite(blend_width) and blend_width >= 0):
-        raise ValueError(f"blend_width must be a finite number >= 0 (bits), got {blend_width!r}")
-    h = torch.as_tensor(entropy)
-    h = h if h.is_floating_point() else h.float()
-
-    def above(t: float) -> torch.Tensor:
-        if blend_width == 0:
-            return (h >= t).to(h.dtype)
-        return ((h - (t - blend_width / 2)) / blend_width).clamp(0.0, 1.0)
-
-    s0, s1 = above(t0), above(t1)
-    return torch.stack([1.0 - s0, s0 - s1, s1])
-
-
-def adjust_brightness_contrast(image: torch.Tensor, brightness, contrast) -> torch.Tensor:
-    """ColorJitter-style brightness then contrast on a channel-first image ``(C, *spatial)`` in [0, 1].
-
-    ``x1 = clip(f * x, 0, 1)``; ``x2 = clip(c * x1 + (1 - c) * mean(x1), 0, 1)``, the mean taken per
-    channel over the spatial axes (torchvision clips after each operation in the same way). ``f`` and
-    ``c`` are scalars or tensors broadcastable to ``image`` (per-pixel factors of the adaptive
-    augmentation); with scalars this is the plain, non-adaptive augmentation.
-    """
-    spatial = tuple(range(1, image.ndim))
-    x1 = (image * brightness).clamp(0.0, 1.0)
-    mean = x1.mean(dim=spatial, keepdim=True)
-    return (contrast * x1 + (1.0 - contrast) * mean).clamp(0.0, 1.0)
-
+from bundle.information_groups import GROUP_NAMES, check_thresholds, information_groups
+from bundle.transforms.intensity import adjust_brightness_contrast
 
 def _as_float_array(x, name: str) -> np.ndarray:
     arr = x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
@@ -172,6 +121,7 @@ def offset_correspondences(template_landmarks: np.ndarray, other_landmarks: np.n
 
 def _augmented_mi(patches: torch.Tensor, brightness: float, contrast: float, bins: int, value_range) -> float:
     """Mean MI between each patch (one per channel of ``patches``) and its augmented copy."""
+
     augmented = adjust_brightness_contrast(patches, brightness, contrast)
     flat = patches.reshape(len(patches), -1).numpy()
     return float(_paired_mutual_information(flat, augmented.reshape(len(patches), -1).numpy(), bins, value_range).mean())
@@ -348,6 +298,7 @@ RANGE_KINDS = ("brightness", "contrast")
 
 def _distribution_curve_mi(histograms: list[np.ndarray], patches: torch.Tensor, kind: str, factor: float, bins: int) -> float:
     """Mean over the patches of the distribution MI between each patch and its copy augmented by ``factor``."""
+
     augmented = adjust_brightness_contrast(patches, factor, 1.0) if kind == "brightness" else adjust_brightness_contrast(patches, 1.0, factor)
     out = augmented.numpy()
     return float(np.mean([paired_sample_mutual_information(h, grey_level_histogram(p, bins)) for h, p in zip(histograms, out)]))

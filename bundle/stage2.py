@@ -148,7 +148,7 @@ def pseudo_labelled_items(
     the images it is measured on. ``output_path``: the pseudo-labelled datalist is written there (atomic),
     with the per-landmark cycle errors under ``pseudo_labels``.
     """
-    from bundle.engine import with_templates
+    from bundle.templates import with_templates
     from bundle.oneshot import OneShotInferer
     from bundle.pseudo_labels import pseudo_label, reliable_landmarks
 
@@ -206,7 +206,7 @@ def detector_templates(ckpt_path: str | Path) -> list[str]:
 def labelled_items(datalist: dict, n_labelled: int | None = None) -> list[dict]:
     """The first ``n_labelled`` (None = all) labelled training items outside the validation and test splits
     (the human labels of fine-tuning)."""
-    from bundle.engine import labelled_training_items
+    from bundle.templates import labelled_training_items
 
     held_out = _held_out_images(datalist)
     items = [dict(it) for it in labelled_training_items(datalist) if it["image"] not in held_out]

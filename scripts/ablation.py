@@ -41,9 +41,9 @@ import fire  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bundle.data.datalist import load_datalist  # noqa: E402
-from bundle.engine import labelled_training_items  # noqa: E402
 from bundle.io_utils import write_json_atomic, write_text_atomic  # noqa: E402
 from bundle.reporting import read_predictions_csv  # noqa: E402
+from bundle.templates import labelled_training_items  # noqa: E402
 
 ROWS = {  # the paper's ablation rows: (entropy_sampling, adaptive_augmentation)
     "baseline": (False, False),
@@ -221,7 +221,7 @@ def select(datalist: str, out: str) -> None:
 
 
 def template_rules(datalist: str, run_dir: str, pool_size: int = 32) -> dict:
-    """Compare the two template rules of ``bundle.engine.resolve_template`` on images outside the test split.
+    """Compare the two template rules of ``bundle.templates.resolve_template`` on images outside the test split.
 
     Both rules choose among the first ``pool_size`` labelled training items (a template the datalist names is
     ignored), as the evaluation does; each chosen template is then scored by its one-shot MRE on the other
@@ -230,8 +230,8 @@ def template_rules(datalist: str, run_dir: str, pool_size: int = 32) -> dict:
     import torch
 
     from bundle.configs import bundle_parser
-    from bundle.engine import grid_landmarks, resolve_template
     from bundle.template_selection import landmark_transfer_errors
+    from bundle.templates import grid_landmarks, resolve_template
 
     run_path = Path(run_dir)
     parser = bundle_parser(["configs/train.yaml", "configs/evaluate.yaml"], datalist=datalist,

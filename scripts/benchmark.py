@@ -125,7 +125,7 @@ def training(iterations: int = 20, warmup: int = 3, config: str | list[str] = "c
     from ignite.engine import Events
 
     from bundle.configs import bundle_parser
-    from bundle.engine import ContrastiveIterationUpdate
+    from bundle.training_step import ContrastiveIterationUpdate
 
     default_threads = torch.get_num_threads()
     with tempfile.TemporaryDirectory() as tmp:
@@ -224,7 +224,7 @@ def inference(repeats: int = 3, config: str | list[str] = "configs/train.yaml", 
         settings = {"output_dir": tmp, "overlays": False, **overrides}
         parser = bundle_parser([*([config] if isinstance(config, str) else config), "configs/evaluate.yaml"], **settings)
         parser["network"] = "$@network_def.to(@device)"  # timing does not need trained weights
-        parser["evaluate#templates"] = "$bundle.engine.default_templates(@dataset)"
+        parser["evaluate#templates"] = "$bundle.templates.default_templates(@dataset)"
         evaluator = parser.get_parsed_content("evaluate#evaluator")
         device = parser.get_parsed_content("device")
         n_images = len(parser.get_parsed_content("evaluate#dataset"))

@@ -33,9 +33,9 @@ import torch  # noqa: E402
 
 from bundle.configs import bundle_parser  # noqa: E402
 from bundle.data.annotations import image_stem  # noqa: E402
-from bundle.data.datalist import open_datalist  # noqa: E402
-from bundle.engine import labelled_training_items  # noqa: E402
+from bundle.data.embedded import open_datalist  # noqa: E402
 from bundle.export import compute_template, save_template  # noqa: E402
+from bundle.templates import labelled_training_items  # noqa: E402
 
 
 def _labelled_items(datalist: dict) -> list[dict]:
@@ -91,7 +91,7 @@ def build(
     checkpoint = parser.get_parsed_content("ckpt_path")
     items = select_items(data, templates, first_labelled)
     if not items:
-        from bundle.engine import resolve_templates
+        from bundle.templates import resolve_templates
 
         items = resolve_templates(data, network, preprocessing, device_, rule=rule)
     template = compute_template(network, items, preprocessing, data["landmark_names"], device_, checkpoint)

@@ -51,12 +51,11 @@ from monai.transforms import Resize  # noqa: E402
 from bundle.data.datalist import load_datalist, landmarks_array  # noqa: E402
 from bundle.data.images import load_grey  # noqa: E402
 from bundle.information import (  # noqa: E402
-    GROUP_NAMES,
-    check_thresholds,
     estimate_group_intensities,
     estimate_group_ranges,
     offset_correspondences,
 )
+from bundle.information_groups import GROUP_NAMES, check_thresholds  # noqa: E402
 from bundle.io_utils import write_text_atomic  # noqa: E402
 from bundle.transforms.entropy import local_entropy  # noqa: E402
 
@@ -146,7 +145,7 @@ def encoder_correspondences(
     points map with the pixel-centre convention both ways. NaN template points stay NaN.
     """
     from bundle.configs import bundle_parser, check_image_size
-    from bundle.engine import load_weights
+    from bundle.checkpoints import load_weights
     from bundle.oneshot import OneShotInferer
 
     parser = bundle_parser(config_file, device=f"$torch.device('{device}')")

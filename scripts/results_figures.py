@@ -25,7 +25,7 @@ from monai.transforms import Resize  # noqa: E402
 
 from bundle.data.datalist import landmarks_array, load_datalist  # noqa: E402
 from bundle.data.images import load_grey  # noqa: E402
-from bundle.information import GROUP_NAMES, information_groups  # noqa: E402
+from bundle.information_groups import GROUP_NAMES, information_groups  # noqa: E402
 from bundle.io_utils import atomic_path  # noqa: E402
 from bundle.reporting import read_predictions_csv, save_overlay_png  # noqa: E402
 from bundle.transforms.entropy import local_entropy  # noqa: E402

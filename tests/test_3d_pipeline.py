@@ -228,7 +228,7 @@ def test_3d_kshot_and_pseudo_template_evaluation_list_their_templates(tmp_path):
     assert set(pseudo["templates"][1:]) <= {it["image"] for it in datalist["training"][:3]}
 
     # the pseudo-templates' landmarks are world RAS mm (the 3D datalist convention), close to the phantoms' own
-    from bundle.engine import resolve_templates
+    from bundle.templates import resolve_templates
 
     settings = {k: TINY_3D[k] for k in ("target_spacing", "image_size", "network_def#channels")}
     parser = bundle_parser(EVAL_3D, datalist=str(datalist_path), ckpt_path=str(ckpt), device="cpu", **settings)

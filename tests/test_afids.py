@@ -110,7 +110,7 @@ def test_prepare_afids_datalist(tmp_path):
 
 @needs_autoafids
 def test_afids_check_pseudo_templates_are_written_and_scored_against_the_carried_afids(tmp_path):
-    """afids_check --pseudo_templates: chosen by bundle.engine.resolve_templates (an untrained tiny network here),
+    """afids_check --pseudo_templates: chosen by bundle.templates.resolve_templates (an untrained tiny network here),
     written as the datalist's templates with their kept pseudo-labels, scored against the carried AFIDs."""
     import torch
 

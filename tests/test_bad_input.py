@@ -20,21 +20,15 @@ from monai.bundle import run
 from monai.transforms import Compose
 from PIL import Image
 
+from bundle.checkpoints import CheckpointError, load_weights, resume_path, save_atomically
 from bundle.configs import bundle_parser, check_image_size
 from bundle.data.datalist import DatalistError, load_datalist
 from bundle.data.images import ImageError
 from bundle.data.synthetic import generate_synthetic_2d
-from bundle.engine import (
-    CheckpointError,
-    LastCheckpointSaver,
-    ResumeCheckpointLoader,
-    load_weights,
-    prepare_template,
-    resume_path,
-    save_atomically,
-)
 from bundle.export import image_items
+from bundle.handlers import LastCheckpointSaver, ResumeCheckpointLoader
 from bundle.networks.contrastive import ContrastiveLandmarkNet
+from bundle.templates import prepare_template
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ["configs/train.yaml"]

@@ -9,8 +9,8 @@ from ignite.handlers import ProgressBar
 from monai.bundle import ConfigParser
 from monai.engines import SupervisedEvaluator, SupervisedTrainer
 
+from bundle.checkpoints import load_weights
 from bundle.configs import bundle_parser
-from bundle.engine import load_weights
 from bundle.data.synthetic import generate_synthetic_2d
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,15 +16,14 @@ import yaml
 from PIL import Image
 
 from bundle.information import (
-    adjust_brightness_contrast,
     distribution_mutual_information,
     estimate_group_ranges,
     extract_patches,
     grey_level_histogram,
-    information_groups,
     paired_sample_mutual_information,
     search_factor_range,
 )
+from bundle.information_groups import information_groups
 from bundle.transforms.entropy import local_entropy
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -17,7 +17,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import ablation  # noqa: E402
 import results_figures  # noqa: E402
 
-from bundle.information import information_groups  # noqa: E402
+from bundle.information_groups import information_groups  # noqa: E402
 from bundle.transforms.entropy import local_entropy  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""Mutual information, information groups and the augmentation-intensity estimate (bundle/information.py)
+"""Mutual information, information groups and the augmentation-intensity estimate (bundle/information.py, bundle/information_groups.py)
 and its command-line tool (scripts/estimate_augmentation.py)."""
 
 from __future__ import annotations
@@ -19,15 +19,14 @@ from skimage.metrics import normalized_mutual_information
 
 from bundle.data.images import load_grey
 from bundle.information import (
-    adjust_brightness_contrast,
     estimate_group_intensities,
     extract_patches,
-    group_memberships,
-    information_groups,
     mutual_information,
     offset_correspondences,
 )
+from bundle.information_groups import group_memberships, information_groups
 from bundle.transforms.entropy import local_entropy
+from bundle.transforms.intensity import adjust_brightness_contrast
 
 ROOT = Path(__file__).resolve().parents[1]
 REAL_DATA = ROOT.parent / "shared" / "data" / "hamedan_ceph"

@@ -10,9 +10,9 @@ import torch
 from scipy.optimize import minimize
 
 from bundle.data.datalist import DatalistError, load_datalist, save_datalist
-from bundle.engine import pseudo_template_pool, template_items
 from bundle.kshot import combine_landmarks, geometric_median
 from bundle.pseudo_labels import reliability, select_pseudo_templates
+from bundle.templates import pseudo_template_pool, template_items
 
 
 def test_geometric_median_matches_a_numerical_minimiser_of_summed_distances():

@@ -135,9 +135,9 @@ def test_network_def_verifies_scripts_and_matches_the_python_path(tmp_path, tiny
 
 def test_template_features_give_what_the_template_image_gives(tiny_datalist, tmp_path):
     """A template feature file built from a datalist's template matches as the template image itself does."""
-    from bundle.engine import with_templates
     from bundle.export import TemplateFeatureInferer, load_template
     from bundle.oneshot import OneShotInferer
+    from bundle.templates import with_templates
 
     sys.path.insert(0, str(ROOT / "scripts"))
     import build_template
@@ -160,8 +160,8 @@ def test_template_features_give_what_the_template_image_gives(tiny_datalist, tmp
 
 
 def test_scripted_geometric_median_equals_the_kshot_one():
-    from bundle.export import geometric_median_script
     from bundle.kshot import geometric_median
+    from bundle.networks.landmark_points import geometric_median_script
 
     points = torch.randn(6, 3, 19, 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 5
     points[1, 0, 3] = float("nan")

@@ -113,7 +113,7 @@ def _mrk_json(path: Path, names: list[str], points: list) -> Path:
 def server(tmp_path_factory):
     """A MONAI Label server of a copy of the app over 4 synthetic test images (its own temp dir, to watch uploads;
     the synthetic set in a temp dir too, given to the server as its datalist)."""
-    from bundle.data.datalist import open_datalist
+    from bundle.data.embedded import open_datalist
     from bundle.data.synthetic import generate_synthetic_2d
 
     tmp_path = tmp_path_factory.mktemp("monailabel")

@@ -1,4 +1,4 @@
-"""Report writers and the Ignite report handler (bundle/reporting.py): files written and read back."""
+"""Report writers (bundle/reporting.py) and the report handler (bundle/handlers.py): files written and read back."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from ignite.engine import Engine
 from matplotlib.image import imread
 from monai.data import MetaTensor
 
+from bundle.handlers import LandmarkReportHandler
 from bundle.reporting import (
-    LandmarkReportHandler,
     save_overlay_png,
     save_sdr_curve,
     write_metrics_json,

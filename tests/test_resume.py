@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from bundle.checkpoints import resume_path
 from bundle.data.synthetic import generate_synthetic_2d
-from bundle.engine import resume_path
 
 ROOT = Path(__file__).resolve().parents[1]
 EPOCHS = 6

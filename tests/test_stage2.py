@@ -15,12 +15,12 @@ from monai.bundle import ConfigParser, run
 from monai.data import MetaTensor
 from monai.transforms import RandAffined
 
+from bundle.checkpoints import load_weights
 from bundle.data.datalist import load_datalist
 from bundle.data.synthetic import generate_synthetic_2d
 from bundle.networks.contrastive import ContrastiveLandmarkNet
 from bundle.networks.detector import HeatmapDetector
 from bundle.oneshot import refine_peaks
-from bundle.engine import load_weights
 from bundle.stage2 import HeatmapInferer, MaskedHeatmapLoss, detector_templates
 from bundle.transforms.heatmaps import GaussianHeatmapd, render_gaussian_heatmaps
 

@@ -290,3 +290,19 @@ def test_ensure_fills_an_existing_folder(tmp_path, monkeypatch):
     (target / "datalist.json").unlink()  # images/ exists now but the datalist does not: refuse to mix
     with pytest.raises(FileExistsError, match="images"):
         synthetic.ensure_synthetic_dataset(target / "datalist.json")
+
+
+# ------------------------------------------------------------------------------------------ names
+def test_model_landmarks_are_addressed_by_name(monkeypatch):
+    """Reordering the landmark names reorders the points with them; a name the model lacks is refused."""
+    points = dict(zip(synthetic.LANDMARKS_2D, synthetic.subject_2d(3, "training", 0).landmarks))
+    monkeypatch.setattr(synthetic, "LANDMARKS_2D", synthetic.LANDMARKS_2D[::-1])
+    reordered = synthetic.subject_2d(3, "training", 0).landmarks
+    np.testing.assert_array_equal(reordered, [points[name] for name in synthetic.LANDMARKS_2D])
+    names_3d = synthetic.LANDMARKS_3D
+    monkeypatch.setattr(synthetic, "LANDMARKS_3D", names_3d + ("bregma_like",))
+    with pytest.raises(ValueError, match=r"missing \['bregma_like'\], unknown \[\]"):
+        synthetic.subject_3d(3, "training", 0)
+    monkeypatch.setattr(synthetic, "LANDMARKS_3D", names_3d[:-2])
+    with pytest.raises(ValueError, match=r"missing \[\], unknown \['condyle_right', 'menton_like'\]"):
+        synthetic.subject_3d(3, "training", 0)

@@ -1,4 +1,4 @@
-"""The training step's CPU options (bundle.engine.ContrastiveIterationUpdate: channels_last, num_threads)."""
+"""The training step's CPU options (bundle.training_step.ContrastiveIterationUpdate: channels_last, num_threads)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from bundle.engine import ContrastiveIterationUpdate
 from bundle.loss import MultiScaleInfoNCELoss
 from bundle.networks.contrastive import ContrastiveLandmarkNet
+from bundle.training_step import ContrastiveIterationUpdate
 
 
 def _engine(network: torch.nn.Module, loss_function) -> SimpleNamespace:

@@ -178,16 +178,3 @@ def landmarks_array(item: dict, n_landmarks: int, spatial_dims: int) -> np.ndarr
         if p is not None:
             arr[j] = p
     return arr
-
-
-EMBEDDED_DATASETS = {"synthetic_2d": 2, "synthetic_3d": 3}
-
-
-def open_datalist(path: str | os.PathLike) -> dict:
-    """Load a datalist; the embedded synthetic default (``.../synthetic_2d|3d/datalist.json``) is generated when missing."""
-    path = Path(path)
-    if not path.exists() and path.parent.name in EMBEDDED_DATASETS:
-        from bundle.data.synthetic import ensure_synthetic_dataset
-
-        ensure_synthetic_dataset(path, spatial_dims=EMBEDDED_DATASETS[path.parent.name])
-    return load_datalist(path)

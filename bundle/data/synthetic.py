@@ -237,7 +237,7 @@ class PhantomSubject:
 
     model: Callable[[Coords, float], dict[str, np.ndarray]]
     compose: Callable[[dict[str, np.ndarray]], np.ndarray]
-    model_landmarks: np.ndarray  # (L, D) in the model frame
+    model_landmarks: np.ndarray  # (L, D) in the model frame, in the order of LANDMARKS_2D / LANDMARKS_3D
     warp: _Warp
     pose: _Pose
     centre: np.ndarray  # output point of the model origin before the pose translation
@@ -270,6 +270,15 @@ class PhantomSubject:
         return self.compose(self.layers(points))
 
 
+def _in_name_order(points: dict[str, np.ndarray], names: Sequence[str]) -> np.ndarray:
+    """The model's landmarks, addressed by name, as an (L, D) array in the order of ``names``: a model that
+    misses a name or has one that ``names`` lacks is refused, so a reordered or added name cannot mislabel."""
+    missing, unknown = [n for n in names if n not in points], sorted(set(points) - set(names))
+    if missing or unknown:
+        raise ValueError(f"the model's landmarks do not match the landmark names: missing {missing}, unknown {unknown}")
+    return np.array([points[name] for name in names])
+
+
 def _occupancy(sdf: np.ndarray, width: float) -> np.ndarray:
     return expit(-sdf / width)
 
@@ -294,7 +303,8 @@ def _scaled(rng: np.random.Generator, value: float, rel: float = 0.05) -> float:
 
 # -------------------------------------------------------------------------------- 2D skull model
 def _skull_model_2d(rng: np.random.Generator) -> tuple[Callable[[Coords, float], dict[str, np.ndarray]], np.ndarray]:
-    """Canonical lateral skull (u right = anterior, v down), unit ~ half the image's short side."""
+    """Canonical lateral skull (u right = anterior, v down), unit ~ half the image's short side; landmarks in the
+    order of ``LANDMARKS_2D``."""
     centre = _jitter(rng, (-0.10, -0.32))
     a, b = _scaled(rng, 0.70, 0.03), _scaled(rng, 0.56, 0.03)
     harmonics = [float(h) for h in np.array([0.03, 0.012, 0.008]) + rng.normal(0.0, 0.008, size=3)]  # k = 2..4
@@ -373,27 +383,25 @@ def _skull_model_2d(rng: np.random.Generator) -> tuple[Callable[[Coords, float],
         inside = _segment_distance(list(vault_point(mid)[:, None]), *nasal)[0] < bar_t * 0.35
         lo, hi = (lo, mid) if inside else (mid, hi)
     corner = np.array([vert_half[0] - vert_r, vert_half[1] - vert_r])
-    landmarks = np.array(
-        [
-            vault_point(-np.pi / 2),
-            vault_point(np.pi),
-            vault_point((lo + hi) / 2),
-            _stroke_end_tip(nasal, bar_t * 0.7),
-            sella_c + [0.0, sella_r - sella_t / 2],
-            sella_c + [sella_r, -sella_t / 2],
-            _stroke_end_tip(clivus, bar_t),
-            orbit_c + [0.0, orbit_r + orbit_t / 2],
-            _stroke_end_tip(maxilla, bar_t),
-            _stroke_end_tip(incisor, bar_t),
-            _stroke_start_tip(mandible, mandible_t),
-            _stroke_outer_corner(mandible, mandible_t, 1),
-            _stroke_outer_corner(mandible, mandible_t, 2),
-            _stroke_end_tip(mandible, mandible_t),
-            vertebrae[0] + corner * [1, -1] + vert_r * np.array([1, -1]) / np.sqrt(2),
-            vertebrae[0] + corner + vert_r * np.array([1, 1]) / np.sqrt(2),
-        ]
-    )
-    return model, landmarks
+    landmarks = {
+        "vertex": vault_point(-np.pi / 2),
+        "opisthocranion_like": vault_point(np.pi),
+        "nasion_like": vault_point((lo + hi) / 2),
+        "nasal_tip": _stroke_end_tip(nasal, bar_t * 0.7),
+        "sella_floor": sella_c + [0.0, sella_r - sella_t / 2],
+        "anterior_clinoid_tip": sella_c + [sella_r, -sella_t / 2],
+        "basion_like": _stroke_end_tip(clivus, bar_t),
+        "orbitale_like": orbit_c + [0.0, orbit_r + orbit_t / 2],
+        "anterior_nasal_spine_like": _stroke_end_tip(maxilla, bar_t),
+        "upper_incisor_tip": _stroke_end_tip(incisor, bar_t),
+        "condylion_like": _stroke_start_tip(mandible, mandible_t),
+        "gonion_like": _stroke_outer_corner(mandible, mandible_t, 1),
+        "menton_like": _stroke_outer_corner(mandible, mandible_t, 2),
+        "infradentale_like": _stroke_end_tip(mandible, mandible_t),
+        "vertebra_anterior_superior": vertebrae[0] + corner * [1, -1] + vert_r * np.array([1, -1]) / np.sqrt(2),
+        "vertebra_anterior_inferior": vertebrae[0] + corner + vert_r * np.array([1, 1]) / np.sqrt(2),
+    }
+    return model, _in_name_order(landmarks, LANDMARKS_2D)
 
 
 def _xray_levels(rng: np.random.Generator) -> Callable[[dict[str, np.ndarray]], np.ndarray]:
@@ -447,7 +455,8 @@ def _render_xray(subject: PhantomSubject, size: Sequence[int]) -> np.ndarray:
 
 # ---------------------------------------------------------------------------------- 3D head model
 def _head_model_3d(rng: np.random.Generator) -> tuple[Callable[[Coords, float], dict[str, np.ndarray]], np.ndarray]:
-    """Canonical head in RAS axes (x right, y anterior, z superior), unit ~ half the field of view."""
+    """Canonical head in RAS axes (x right, y anterior, z superior), unit ~ half the field of view; landmarks in the
+    order of ``LANDMARKS_3D``."""
     head = rng.uniform(0.95, 1.05)  # one size factor for skin and skull, small independent jitter on top
     skin_c, skin_r = _jitter(rng, (0.0, 0.0, 0.05)), head * np.array([_scaled(rng, r, 0.02) for r in (0.66, 0.80, 0.76)])
     face_c, face_r = _jitter(rng, (0.0, 0.22, -0.45)), np.array([0.52, 0.55, 0.38])
@@ -488,23 +497,21 @@ def _head_model_3d(rng: np.random.Generator) -> tuple[Callable[[Coords, float], 
         }
         return {name: _occupancy(v, width) for name, v in sdf.items()}
 
-    landmarks = np.array(
-        [
-            skull_c + [0.0, 0.0, skull_r[2]],
-            skull_c + [0.0, skull_r[1], 0.0],
-            skull_c - [0.0, skull_r[1], 0.0],
-            orbit_left - [0.0, 0.0, orbit_r],
-            orbit_right - [0.0, 0.0, orbit_r],
-            blocks[0] + block_half[0] * block_axes[0][0],
-            blocks[1] + block_half[0] * block_axes[1][0],
-            sinus_c - [0.0, 0.0, sinus_r[2]],
-            _stroke_start_tip(rod, 2 * rod_r),
-            _stroke_start_tip(arch, arch_t),
-            _stroke_end_tip(arch, arch_t),
-            _stroke_outer_corner(arch, arch_t, 2),
-        ]
-    )
-    return model, landmarks
+    landmarks = {
+        "vertex": skull_c + [0.0, 0.0, skull_r[2]],
+        "glabella_like": skull_c + [0.0, skull_r[1], 0.0],
+        "opisthocranion_like": skull_c - [0.0, skull_r[1], 0.0],
+        "orbit_floor_left": orbit_left - [0.0, 0.0, orbit_r],
+        "orbit_floor_right": orbit_right - [0.0, 0.0, orbit_r],
+        "petrous_apex_left": blocks[0] + block_half[0] * block_axes[0][0],  # blocks[0]: the left side
+        "petrous_apex_right": blocks[1] + block_half[0] * block_axes[1][0],
+        "sinus_floor": sinus_c - [0.0, 0.0, sinus_r[2]],
+        "dens_tip": _stroke_start_tip(rod, 2 * rod_r),
+        "condyle_left": _stroke_start_tip(arch, arch_t),  # the arch runs from left to right
+        "condyle_right": _stroke_end_tip(arch, arch_t),
+        "menton_like": _stroke_outer_corner(arch, arch_t, 2),
+    }
+    return model, _in_name_order(landmarks, LANDMARKS_3D)
 
 
 _CT_ORDER = ("soft", "brain", "skull", "orbit_rim", "orbit_fat", "sinus", "blocks", "rod", "mandible")

@@ -2,7 +2,8 @@
 
 One encoder embeds whole images, a second one with the same architecture but its own weights embeds
 augmented crops; the multi-scale InfoNCE loss (``bundle.loss``) ties the two. At inference only the
-whole-image encoder is used (``forward``).
+whole-image encoder is used (``forward``). :class:`ContrastiveDDP` is its ``DistributedDataParallel`` wrapper
+(multi-process training, ``configs/multi_gpu_train.yaml``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch.nn as nn
 from bundle.networks.encoders import DenseUNetEncoder
 from bundle.networks.vgg import VGG19DenseEncoder
 
-__all__ = ["BACKBONES", "ContrastiveLandmarkNet", "build_encoder"]
+__all__ = ["BACKBONES", "ContrastiveDDP", "ContrastiveLandmarkNet", "build_encoder"]
 
 BACKBONES = ("light", "vgg19")
 
@@ -89,3 +90,14 @@ class ContrastiveLandmarkNet(nn.Module):
     def encode_crops(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Multi-scale features of augmented crops (training only)."""
         return self.crop_encoder(x)
+
+
+class ContrastiveDDP(torch.nn.parallel.DistributedDataParallel):
+    """``DistributedDataParallel`` for the two-encoder network: ``forward`` (image encoder) and ``encode_crops``.
+
+    Both encoders take part in every loss, so every parameter gets its gradient in each backward pass
+    and DDP averages them across processes as usual.
+    """
+
+    def encode_crops(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return self.module.encode_crops(x)

@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from monai.networks.blocks import Convolution
 
-from bundle.engine import read_state_dict
+from bundle.checkpoints import read_state_dict
 from bundle.networks.contrastive import build_encoder
 
 __all__ = ["HeatmapDetector", "load_stage1_encoder"]

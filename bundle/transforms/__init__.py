@@ -1,17 +1,25 @@
-"""MONAI dictionary transforms of the paper's method (the public names of the README)."""
+"""MONAI transforms of the paper's method: array transforms and their dictionary wrappers (the public names of
+the README)."""
 
-from bundle.transforms.entropy import EntropyMapd, local_entropy
-from bundle.transforms.intensity import InfoGuidedIntensityd
-from bundle.transforms.landmarks import LandmarkTargetsd
-from bundle.transforms.sampling import SamplingWeightd, sampling_weights
-from bundle.transforms.view_pair import RandViewPaird
+from bundle.transforms.entropy import EntropyMap, EntropyMapd, local_entropy
+from bundle.transforms.intensity import InfoGuidedIntensity, InfoGuidedIntensityd, adjust_brightness_contrast
+from bundle.transforms.landmarks import LandmarkTargets, LandmarkTargetsd
+from bundle.transforms.sampling import SamplingWeight, SamplingWeightd, sampling_weights
+from bundle.transforms.view_pair import QuerySampler, RandAffineCrop, RandViewPaird
 
 __all__ = [
+    "EntropyMap",
     "EntropyMapd",
+    "InfoGuidedIntensity",
     "InfoGuidedIntensityd",
+    "LandmarkTargets",
     "LandmarkTargetsd",
+    "QuerySampler",
+    "RandAffineCrop",
     "RandViewPaird",
+    "SamplingWeight",
     "SamplingWeightd",
+    "adjust_brightness_contrast",
     "local_entropy",
     "sampling_weights",
 ]

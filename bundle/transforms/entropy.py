@@ -15,7 +15,6 @@ bins at a time. This replaces the per-pixel sliding histogram of ``skimage.filte
 
 from __future__ import annotations
 
-import copy
 import itertools
 import math
 from concurrent.futures import ThreadPoolExecutor
@@ -24,11 +23,12 @@ from typing import Any, Hashable, Mapping, Sequence
 import numpy as np
 import torch
 from monai.config import KeysCollection
-from monai.data import MetaTensor
-from monai.transforms import MapTransform
-from monai.utils import TransformBackends, ensure_tuple
+from monai.transforms import MapTransform, Transform
+from monai.utils import TransformBackends
 
-__all__ = ["local_entropy", "EntropyMapd"]
+from bundle.transforms.utils import like_input, output_keys_for, single_channel_spatial
+
+__all__ = ["local_entropy", "EntropyMap", "EntropyMapd"]
 
 # CPU tile edge per spatial rank (measured on a 2-core CPU: larger tiles hold more distinct bins,
 # smaller ones repeat more halo).
@@ -261,39 +261,29 @@ def local_entropy(
     return (full - sums).clip(0) / population
 
 
-def single_channel_spatial(image: Any, key: Hashable, owner: str) -> Any:
-    """The spatial array of a channel-first (1, H, W) or (1, D, H, W) image; a clear error names ``key`` otherwise."""
-    shape = tuple(image.shape)
-    if len(shape) not in (3, 4):
-        raise ValueError(f"{owner}: '{key}' must be channel-first with 2 or 3 spatial dims, got shape {shape}")
-    if shape[0] != 1:
-        raise ValueError(f"{owner}: '{key}' must have exactly 1 channel, got shape {shape}")
-    return image[0]
+class EntropyMap(Transform):
+    """IIE map (Sec. 3 step 1) of a channel-first single-channel image (1, H, W) or (1, D, H, W).
 
+    Returns the float32 (1, *spatial) map of :func:`local_entropy`; a MetaTensor input gives a MetaTensor with a
+    copy of the input's affine and meta data. Arguments as :class:`EntropyMapd`'s.
+    """
 
-def output_keys_for(
-    keys: tuple[Hashable, ...], output_keys: KeysCollection | None, suffix: str
-) -> tuple[Hashable, ...]:
-    """``output_keys`` as a tuple matching ``keys`` (default: each key with ``suffix`` appended)."""
-    if output_keys is None:
-        return tuple(f"{key}{suffix}" for key in keys)
-    outputs = ensure_tuple(output_keys)
-    if len(outputs) != len(keys):
-        raise ValueError(f"output_keys {outputs!r} must give one key per input key {keys!r}")
-    return outputs
+    backend = [TransformBackends.TORCH, TransformBackends.NUMPY]
 
+    def __init__(
+        self, window: int | Sequence[int] = 10, bins: int = 256, intensity_range: Sequence[float] | None = None
+    ) -> None:
+        self.window = window
+        self.bins = bins
+        self.intensity_range = intensity_range
 
-def like_input(result: torch.Tensor, image: Any) -> torch.Tensor:
-    """``result`` as a MetaTensor with its own copy of ``image``'s affine, meta and applied operations when
-    ``image`` is a MetaTensor (the map lies on the image's grid); ``result`` itself otherwise."""
-    if isinstance(image, MetaTensor):
-        meta, operations = copy.deepcopy(image.meta), copy.deepcopy(image.applied_operations)
-        return MetaTensor(result, meta=meta, applied_operations=operations)
-    return result
+    def __call__(self, img: Any) -> torch.Tensor:
+        spatial = single_channel_spatial(img, type(self).__name__)
+        return like_input(local_entropy(spatial, self.window, self.bins, self.intensity_range)[None], img)
 
 
 class EntropyMapd(MapTransform):
-    """Image information entropy (IIE) map of Sec. 3 step 1 of the paper, as a dictionary transform.
+    """Dictionary wrapper of :class:`EntropyMap`: the IIE map of Sec. 3 step 1 of the paper.
 
     For each key, reads a channel-first single-channel image (1, H, W) or (1, D, H, W) and writes its
     IIE map (see :func:`local_entropy`), a float32 (1, *spatial) tensor, to the matching output key. A
@@ -314,7 +304,10 @@ class EntropyMapd(MapTransform):
         KeyError: a missing key when ``allow_missing_keys`` is False.
     """
 
-    backend = [TransformBackends.TORCH, TransformBackends.NUMPY]
+    backend = EntropyMap.backend
+    window = property(lambda self: self.entropy_map.window)
+    bins = property(lambda self: self.entropy_map.bins)
+    intensity_range = property(lambda self: self.entropy_map.intensity_range)
 
     def __init__(
         self,
@@ -326,15 +319,12 @@ class EntropyMapd(MapTransform):
         allow_missing_keys: bool = False,
     ) -> None:
         super().__init__(keys, allow_missing_keys)
-        self.window = window
-        self.bins = bins
-        self.intensity_range = intensity_range
+        self.entropy_map = EntropyMap(window, bins, intensity_range)
         self.output_keys = output_keys_for(self.keys, output_keys, "_entropy")
 
     def __call__(self, data: Mapping[Hashable, Any]) -> dict[Hashable, Any]:
         d = dict(data)
         for key, output_key in self.key_iterator(d, self.output_keys):
-            spatial = single_channel_spatial(d[key], key, type(self).__name__)
-            entropy = local_entropy(spatial, self.window, self.bins, self.intensity_range)
-            d[output_key] = like_input(entropy[None], d[key])
+            single_channel_spatial(d[key], type(self).__name__, key)
+            d[output_key] = self.entropy_map(d[key])
         return d

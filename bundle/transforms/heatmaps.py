@@ -10,19 +10,22 @@ follows the augmented image exactly.
 
 from __future__ import annotations
 
-from typing import Hashable, Mapping, Sequence
+from typing import Any, Hashable, Mapping, Sequence
 
 import torch
 from monai.config import KeysCollection
-from monai.data import MetaTensor
-from monai.transforms import MapTransform
+from monai.transforms import MapTransform, Transform
+from monai.utils import TransformBackends
 
-from bundle.engine import grid_landmarks
+from bundle.templates import grid_landmarks
+from bundle.transforms.utils import like_input
 
-__all__ = ["GaussianHeatmapd", "render_gaussian_heatmaps"]
+__all__ = ["GaussianHeatmap", "GaussianHeatmapd", "render_gaussian_heatmaps"]
 
 
-def render_gaussian_heatmaps(points: torch.Tensor, grid_size: Sequence[int], sigma: float) -> tuple[torch.Tensor, torch.Tensor]:
+def render_gaussian_heatmaps(
+    points: torch.Tensor, grid_size: Sequence[int], sigma: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Gaussians ``exp(-|x - p|^2 / (2 sigma^2))`` ``(L, *grid_size)`` (float32, peak 1 at a point on a pixel
     centre) at grid ``points`` ``(L, D)``, and the mask ``(L,)`` (1 = valid, 0 = NaN point, all-zero channel)."""
     if sigma <= 0:
@@ -44,13 +47,34 @@ def render_gaussian_heatmaps(points: torch.Tensor, grid_size: Sequence[int], sig
     return heatmaps.to(torch.float32), valid.to(torch.float32)
 
 
+class GaussianHeatmap(Transform):
+    """Gaussian heatmaps ``(L, *S)`` and mask ``(L,)`` of grid ``points`` ``(L, D)`` on the grid of ``img``
+    ``(C, *S)`` (:func:`render_gaussian_heatmaps`); the heatmaps are a MetaTensor with a copy of a MetaTensor
+    image's metadata (affine), ready for a joint spatial augmentation."""
+
+    backend = [TransformBackends.TORCH]
+
+    def __init__(self, sigma: float = 2.0) -> None:
+        if sigma <= 0:
+            raise ValueError(f"sigma must be positive, got {sigma}")
+        self.sigma = float(sigma)
+
+    def __call__(self, img: Any, points: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        heatmaps, mask = render_gaussian_heatmaps(points, tuple(img.shape[1:]), self.sigma)
+        return like_input(heatmaps, img), mask
+
+
 class GaussianHeatmapd(MapTransform):
-    """Add ``heatmap_key`` ``(L, *S)`` and ``mask_key`` ``(L,)`` to an item prepared by ``LandmarkTargetsd``.
+    """Dictionary wrapper of :class:`GaussianHeatmap`: add ``heatmap_key`` ``(L, *S)`` and ``mask_key``
+    ``(L,)`` to an item prepared by ``LandmarkTargetsd``.
 
     The landmarks' grid positions come from the item's ``label`` and ``grid_to_physical``
-    (:func:`bundle.engine.grid_landmarks`), the grid from the image ``keys`` (one key); the heatmap is a
+    (:func:`bundle.templates.grid_landmarks`), the grid from the image ``keys`` (one key); the heatmap is a
     MetaTensor with the image's metadata (affine), ready for a joint spatial augmentation.
     """
+
+    backend = GaussianHeatmap.backend
+    sigma = property(lambda self: self.heatmap.sigma)
 
     def __init__(
         self, keys: KeysCollection, sigma: float = 2.0, heatmap_key: str = "heatmap", mask_key: str = "landmark_mask",
@@ -59,9 +83,7 @@ class GaussianHeatmapd(MapTransform):
         super().__init__(keys, allow_missing_keys)
         if len(self.keys) != 1:
             raise ValueError(f"GaussianHeatmapd takes one image key, got {self.keys}")
-        if sigma <= 0:
-            raise ValueError(f"sigma must be positive, got {sigma}")
-        self.sigma = float(sigma)
+        self.heatmap = GaussianHeatmap(sigma)
         self.heatmap_key = heatmap_key
         self.mask_key = mask_key
 
@@ -71,9 +93,5 @@ class GaussianHeatmapd(MapTransform):
         if "label" not in d or "grid_to_physical" not in d:
             raise KeyError("GaussianHeatmapd needs 'label' and 'grid_to_physical': put LandmarkTargetsd before it")
         points, _ = grid_landmarks(d)
-        heatmaps, mask = render_gaussian_heatmaps(points, tuple(image.shape[1:]), self.sigma)
-        if isinstance(image, MetaTensor):
-            heatmaps = MetaTensor(heatmaps, meta=dict(image.meta), applied_operations=list(image.applied_operations))
-        d[self.heatmap_key] = heatmaps
-        d[self.mask_key] = mask
+        d[self.heatmap_key], d[self.mask_key] = self.heatmap(image, points)
         return d

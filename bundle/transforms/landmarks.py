@@ -10,8 +10,9 @@ need, all in one physical millimetre frame:
 - ``spacing``: ``(D,)`` mm per original pixel (the item's ``spacing``, else the image header);
 - ``grid_to_physical``: ``(D+1, D+1)`` homogeneous map from network-grid positions to physical mm.
 
-2D uses the ratio of the original and current shapes (the 2D evaluation pipeline only resizes); 3D uses
-the image's affine, which MONAI keeps up to date through every spatial transform.
+Both go through the image's affine, which MONAI keeps up to date through every spatial transform
+(:func:`grid_to_physical`): 3D landmarks are world mm, the affine's frame; 2D physical positions are the
+original file's pixels times the spacing, so the 2D map first takes the affine back to those pixels.
 
 A landmark outside the image by more than ``outside_tolerance`` of its extent (a wrong coordinate
 convention, a swapped axis, LPS given for RAS, a typo) is refused, naming the file, the landmark and its
@@ -27,19 +28,32 @@ import numpy as np
 import torch
 from monai.config import KeysCollection
 from monai.data import MetaTensor
-from monai.transforms import MapTransform
+from monai.data.utils import to_affine_nd
+from monai.transforms import MapTransform, Transform
+from monai.utils import TransformBackends
 
 from bundle.data.datalist import landmarks_array
 
+__all__ = ["LandmarkTargets", "LandmarkTargetsd", "grid_to_physical", "physical_to_datalist", "world_axis_spacing"]
 
-def grid_to_original_pixels(current_size, original_size) -> np.ndarray:
-    """Homogeneous ``(D+1, D+1)`` map from a resized grid to the original pixel grid (pixel centres at integers)."""
-    scale = np.asarray(original_size, float) / np.asarray(current_size, float)
-    d = len(scale)
-    m = np.eye(d + 1)
-    m[:d, :d] = np.diag(scale)
-    m[:d, d] = 0.5 * scale - 0.5
-    return m
+
+def grid_to_physical(image, spacing) -> np.ndarray:
+    """Homogeneous ``(D+1, D+1)`` map from the grid positions of a channel-first ``image`` to physical mm.
+
+    The image's affine maps its grid to the frame it was read in (MONAI updates it in every spatial
+    transform; a plain tensor has the identity). In 3D that frame is world mm, the physical frame. In 2D the
+    physical frame is the original file's pixels (centres at integers) times ``spacing`` ``[x, y]``: the
+    affine is taken back to those pixels by the inverse of the affine the file was read with
+    (``original_affine``, e.g. a DICOM's; absent, as for PNG, when that was the identity).
+    """
+    dims = image.ndim - 1
+    affine = np.asarray(to_affine_nd(dims, image.affine), float) if isinstance(image, MetaTensor) else np.eye(dims + 1)
+    if dims == 3:
+        return affine
+    original = image.meta.get("original_affine") if isinstance(image, MetaTensor) else None
+    if original is not None:
+        affine = np.linalg.solve(to_affine_nd(dims, np.asarray(original, float)), affine)
+    return np.diag(np.append(np.asarray(spacing, float), 1.0)) @ affine
 
 
 def world_axis_spacing(affine: np.ndarray) -> np.ndarray:
@@ -69,16 +83,137 @@ def physical_to_datalist(points_mm, spacing) -> np.ndarray:
     return points_mm / spacing if spacing.size == 2 else points_mm
 
 
+def _file(image) -> str:
+    return image.meta.get("filename_or_obj", "image") if isinstance(image, MetaTensor) else "image"
+
+
+def _check_image(image, owner: str, name: str) -> int:
+    """The image's number of spatial dims, refused unless it is channel-first 2D or 3D (3D: a MetaTensor)."""
+    dims = image.ndim - 1
+    if dims not in (2, 3):
+        raise ValueError(f"{owner}: {name} must be channel-first 2D or 3D, got shape {tuple(image.shape)}")
+    if dims == 3 and not isinstance(image, MetaTensor):
+        raise ValueError(f"{owner}: {name} must be a MetaTensor with an affine for 3D landmarks")
+    return dims
+
+
+def _check_spacing(spacing, dims: int, image, owner: str, name: str) -> np.ndarray | None:
+    """A given spacing override as a float array, refused unless it has ``dims`` values."""
+    if spacing is None:
+        return None
+    spacing = np.asarray(spacing, float)
+    if spacing.shape != (dims,):
+        raise ValueError(f"{owner}: {name} of {_file(image)} must have {dims} values, got {spacing}")
+    return spacing
+
+
+class LandmarkTargets(Transform):
+    """The evaluation targets of one channel-first image (see module doc).
+
+    ``__call__(img, landmarks=None, spacing=None)`` takes the datalist's landmark list (``None`` entries
+    or no list: NaN) and an optional spacing override (mm per pixel, x, y[, z]) and returns ``landmarks``
+    ``(L, D)``, ``label`` ``(L, D)`` (float32), ``spacing`` ``(D,)`` (float32) and ``grid_to_physical``
+    ``(D+1, D+1)`` (float64, :func:`grid_to_physical`). Arguments as :class:`LandmarkTargetsd`'s.
+    """
+
+    backend = [TransformBackends.TORCH, TransformBackends.NUMPY]
+
+    def __init__(
+        self, n_landmarks: int, landmark_names: Sequence[str] | None = None, outside_tolerance: float = 0.05
+    ) -> None:
+        self.n_landmarks = int(n_landmarks)
+        if landmark_names is not None and len(landmark_names) != self.n_landmarks:
+            raise ValueError(f"{len(landmark_names)} landmark_names for {self.n_landmarks} landmarks")
+        self.landmark_names = None if landmark_names is None else [str(n) for n in landmark_names]
+        if not outside_tolerance >= 0:
+            raise ValueError(f"outside_tolerance must be >= 0, got {outside_tolerance}")
+        self.outside_tolerance = float(outside_tolerance)
+
+    @staticmethod
+    def _spacing(image, dims: int) -> np.ndarray:
+        """The header's spacing (3D: of the original affine's world axes); 1.0 with a warning when absent."""
+        header = image.meta.get("spacing") if isinstance(image, MetaTensor) else None
+        if dims == 3 and isinstance(image, MetaTensor):
+            original = image.meta.get("original_affine")
+            return world_axis_spacing(np.asarray(original if original is not None else image.affine, float))
+        if header is not None and np.all(np.asarray(header, float)[:dims] > 0):
+            return np.asarray(header, float)[:dims]
+        warnings.warn(
+            f"no spacing for {_file(image)}: neither the datalist item nor the header gives one; using 1.0 "
+            "(mm figures are then pixels)",
+            stacklevel=2,
+        )
+        return np.ones(dims)
+
+    def _check_inside(self, points: np.ndarray, label: np.ndarray, to_physical: np.ndarray, image) -> None:
+        """Refuse a landmark outside the image by more than ``outside_tolerance`` of its extent (see module doc)."""
+        present = ~np.isnan(label).any(axis=1)
+        if not present.any():
+            return
+        grid_shape = tuple(image.shape[1:])
+        size = np.asarray(grid_shape, float)
+        homogeneous = np.concatenate([label[present], np.ones((int(present.sum()), 1))], axis=1)
+        grid = (np.linalg.inv(to_physical) @ homogeneous.T).T[:, :-1]
+        margin = -0.5 - self.outside_tolerance * size
+        outside = ((grid < margin) | (grid > size - 1 - margin)).any(axis=1)
+        if not outside.any():
+            return
+        j = int(np.flatnonzero(present)[np.argmax(outside)])
+        name = f" ({self.landmark_names[j]!r})" if self.landmark_names else ""
+        value = [round(float(v), 4) for v in points[j]]
+        if len(grid_shape) == 2:
+            meta = isinstance(image, MetaTensor)
+            original = np.asarray(image.meta["spatial_shape"], int)[:2] if meta else size.astype(int)
+            where = (
+                f"the image's pixels span x in [-0.5, {original[0] - 0.5:g}], y in [-0.5, {original[1] - 0.5:g}] "
+                "(2D landmarks are [x, y] pixels of the original file, x the column, y the row)"
+            )
+        else:
+            where = (
+                "3D landmarks are [x, y, z] world RAS mm (LPS coordinates, as DICOM gives them, need x and y negated)"
+            )
+        more = int(outside.sum()) - 1
+        raise ValueError(
+            f"{_file(image)}: landmark {j}{name} {value} lies outside the image: {where}"
+            + (f"; {more} more landmark(s) of this item lie outside too" if more else "")
+        )
+
+    def __call__(self, img, landmarks=None, spacing=None) -> tuple[torch.Tensor, ...]:
+        owner = type(self).__name__
+        dims = _check_image(img, owner, "the image")
+        spacing = _check_spacing(spacing, dims, img, owner, "the spacing")
+        spacing = self._spacing(img, dims) if spacing is None else spacing
+        points = landmarks_array({"landmarks": landmarks}, self.n_landmarks, dims)
+        label = points * spacing if dims == 2 else points  # 2D: original pixels x spacing; 3D: world mm as given
+        to_physical = grid_to_physical(img, spacing)
+        self._check_inside(points, label, to_physical, img)
+        return (
+            torch.as_tensor(points, dtype=torch.float32),
+            torch.as_tensor(label, dtype=torch.float32),
+            torch.as_tensor(spacing, dtype=torch.float32),
+            torch.as_tensor(to_physical, dtype=torch.float64),
+        )
+
+
 class LandmarkTargetsd(MapTransform):
-    """Add ``landmarks``, ``label``, ``spacing`` and ``grid_to_physical`` to an evaluation item (see module doc).
+    """Dictionary wrapper of :class:`LandmarkTargets`: add ``landmarks``, ``label``, ``spacing`` and
+    ``grid_to_physical`` to an evaluation item (see module doc).
 
     Args:
         keys: the image key (one key).
         n_landmarks: number of landmarks in the datalist (``len(landmark_names)``).
         landmarks_key: the item's landmark list (absent or ``None``: all NaN, e.g. unlabelled images).
         spacing_key: the item's spacing override (mm per pixel, x, y[, z]).
+        label_key: where to write the landmarks in physical mm.
         allow_missing_keys: MONAI's flag; the image key must be present.
+        landmark_names: names of the landmarks, for the error that refuses one outside the image.
+        outside_tolerance: how far (fraction of the image extent) a landmark may lie outside the image.
     """
+
+    backend = LandmarkTargets.backend
+    n_landmarks = property(lambda self: self.targets.n_landmarks)
+    landmark_names = property(lambda self: self.targets.landmark_names)
+    outside_tolerance = property(lambda self: self.targets.outside_tolerance)
 
     def __init__(
         self,
@@ -94,86 +229,18 @@ class LandmarkTargetsd(MapTransform):
         super().__init__(keys, allow_missing_keys)
         if len(self.keys) != 1:
             raise ValueError(f"LandmarkTargetsd takes one image key, got {self.keys}")
-        self.n_landmarks = int(n_landmarks)
-        if landmark_names is not None and len(landmark_names) != self.n_landmarks:
-            raise ValueError(f"{len(landmark_names)} landmark_names for {self.n_landmarks} landmarks")
-        self.landmark_names = None if landmark_names is None else [str(n) for n in landmark_names]
-        if not outside_tolerance >= 0:
-            raise ValueError(f"outside_tolerance must be >= 0, got {outside_tolerance}")
-        self.outside_tolerance = float(outside_tolerance)
+        self.targets = LandmarkTargets(n_landmarks, landmark_names, outside_tolerance)
         self.landmarks_key = landmarks_key
         self.spacing_key = spacing_key
         self.label_key = label_key
 
-    def _spacing(self, d: Mapping, image: MetaTensor, dims: int) -> np.ndarray:
-        if d.get(self.spacing_key) is not None:
-            spacing = np.asarray(d[self.spacing_key], float)
-            if spacing.shape != (dims,):
-                raise ValueError(f"'{self.spacing_key}' of {image.meta.get('filename_or_obj')} must have {dims} values, got {spacing}")
-            return spacing
-        header = image.meta.get("spacing") if isinstance(image, MetaTensor) else None
-        if dims == 3 and isinstance(image, MetaTensor):
-            original = image.meta.get("original_affine")
-            return world_axis_spacing(np.asarray(original if original is not None else image.affine, float))
-        if header is not None and np.all(np.asarray(header, float)[:dims] > 0):
-            return np.asarray(header, float)[:dims]
-        warnings.warn(
-            f"no spacing for {image.meta.get('filename_or_obj') if isinstance(image, MetaTensor) else 'image'}: "
-            "neither the datalist item nor the header gives one; using 1.0 (mm figures are then pixels)"
-        )
-        return np.ones(dims)
-
-    def _check_inside(self, points: np.ndarray, label: np.ndarray, to_physical: np.ndarray, grid_shape: tuple, image) -> None:
-        """Refuse a landmark outside the image by more than ``outside_tolerance`` of its extent (see module doc)."""
-        present = ~np.isnan(label).any(axis=1)
-        if not present.any():
-            return
-        size = np.asarray(grid_shape, float)
-        homogeneous = np.concatenate([label[present], np.ones((int(present.sum()), 1))], axis=1)
-        grid = (np.linalg.inv(to_physical) @ homogeneous.T).T[:, :-1]
-        margin = -0.5 - self.outside_tolerance * size
-        outside = ((grid < margin) | (grid > size - 1 - margin)).any(axis=1)
-        if not outside.any():
-            return
-        j = int(np.flatnonzero(present)[np.argmax(outside)])
-        name = f" ({self.landmark_names[j]!r})" if self.landmark_names else ""
-        file = image.meta.get("filename_or_obj", "image") if isinstance(image, MetaTensor) else "image"
-        value = [round(float(v), 4) for v in points[j]]
-        if len(grid_shape) == 2:
-            original = np.asarray(image.meta["spatial_shape"], int)[:2] if isinstance(image, MetaTensor) else size.astype(int)
-            where = (
-                f"the image's pixels span x in [-0.5, {original[0] - 0.5:g}], y in [-0.5, {original[1] - 0.5:g}] "
-                "(2D landmarks are [x, y] pixels of the original file, x the column, y the row)"
-            )
-        else:
-            where = "3D landmarks are [x, y, z] world RAS mm (LPS coordinates, as DICOM gives them, need x and y negated)"
-        more = int(outside.sum()) - 1
-        raise ValueError(
-            f"{file}: landmark {j}{name} {value} lies outside the image: {where}"
-            + (f"; {more} more landmark(s) of this item lie outside too" if more else "")
-        )
-
     def __call__(self, data: Mapping[Hashable, torch.Tensor]) -> dict:
         d = dict(data)
         key = self.first_key(d)
-        image = d[key]
-        dims = image.ndim - 1
-        if dims not in (2, 3):
-            raise ValueError(f"'{key}' must be channel-first 2D or 3D, got shape {tuple(image.shape)}")
-        spacing = self._spacing(d, image, dims)
-        points = landmarks_array(d, self.n_landmarks, dims)
-        if dims == 2:
-            original = np.asarray(image.meta["spatial_shape"], int)[:2] if isinstance(image, MetaTensor) else image.shape[1:]
-            to_physical = np.diag(np.append(spacing, 1.0)) @ grid_to_original_pixels(image.shape[1:], original)
-            label = points * spacing
-        else:
-            if not isinstance(image, MetaTensor):
-                raise ValueError(f"'{key}' must be a MetaTensor with an affine for 3D landmarks")
-            to_physical = np.asarray(image.affine, float)
-            label = points
-        self._check_inside(points, label, to_physical, tuple(image.shape[1:]), image)
-        d[self.landmarks_key] = torch.as_tensor(points, dtype=torch.float32)
-        d[self.label_key] = torch.as_tensor(label, dtype=torch.float32)
-        d[self.spacing_key] = torch.as_tensor(spacing, dtype=torch.float32)
-        d["grid_to_physical"] = torch.as_tensor(to_physical, dtype=torch.float64)
+        image, owner = d[key], type(self).__name__
+        dims = _check_image(image, owner, f"'{key}'")  # errors name the key
+        spacing = _check_spacing(d.get(self.spacing_key), dims, image, owner, f"'{self.spacing_key}'")
+        (d[self.landmarks_key], d[self.label_key], d[self.spacing_key], d["grid_to_physical"]) = self.targets(
+            image, d.get(self.landmarks_key), spacing
+        )
         return d

@@ -13,12 +13,12 @@ from typing import Any, Hashable, Mapping
 import numpy as np
 import torch
 from monai.config import KeysCollection
-from monai.transforms import MapTransform
+from monai.transforms import MapTransform, Transform
 from monai.utils import TransformBackends
 
-from bundle.transforms.entropy import like_input, output_keys_for, single_channel_spatial
+from bundle.transforms.utils import like_input, output_keys_for, single_channel_spatial
 
-__all__ = ["sampling_weights", "SamplingWeightd"]
+__all__ = ["sampling_weights", "SamplingWeight", "SamplingWeightd"]
 
 MODES = ("power", "threshold")
 
@@ -61,8 +61,31 @@ def sampling_weights(
     return (rho / total).to(torch.float32)
 
 
+class SamplingWeight(Transform):
+    """Query sampling weights (Sec. 3 step 1) of a channel-first single-channel IIE map (1, *spatial).
+
+    Returns float32 weights of the same shape that sum to 1 (:func:`sampling_weights`); a MetaTensor input
+    gives a MetaTensor with a copy of the input's affine and meta data. Arguments as :class:`SamplingWeightd`'s.
+    """
+
+    backend = [TransformBackends.TORCH, TransformBackends.NUMPY]
+
+    def __init__(self, mode: str = "power", gamma: float = 0.3, threshold: float | None = None) -> None:
+        if mode not in MODES:
+            raise ValueError(f"{type(self).__name__}: mode must be one of {MODES}, got {mode!r}")
+        if mode == "threshold" and threshold is None:
+            raise ValueError(f"{type(self).__name__}: mode 'threshold' needs a threshold d (rho = 1[H >= d])")
+        self.mode = mode
+        self.gamma = gamma
+        self.threshold = threshold
+
+    def __call__(self, img: Any) -> torch.Tensor:
+        single_channel_spatial(img, type(self).__name__)
+        return like_input(sampling_weights(img, self.mode, self.gamma, self.threshold), img)
+
+
 class SamplingWeightd(MapTransform):
-    """Query sampling weights from IIE maps (Sec. 3 step 1), as a dictionary transform.
+    """Dictionary wrapper of :class:`SamplingWeight`: query sampling weights from IIE maps (Sec. 3 step 1).
 
     For each key, reads a channel-first single-channel entropy map (1, *spatial) (as written by
     :class:`EntropyMapd`) and writes float32 weights of the same shape that sum to 1 (see
@@ -83,7 +106,10 @@ class SamplingWeightd(MapTransform):
         KeyError: a missing key when ``allow_missing_keys`` is False.
     """
 
-    backend = [TransformBackends.TORCH, TransformBackends.NUMPY]
+    backend = SamplingWeight.backend
+    mode = property(lambda self: self.weighting.mode)
+    gamma = property(lambda self: self.weighting.gamma)
+    threshold = property(lambda self: self.weighting.threshold)
 
     def __init__(
         self,
@@ -95,19 +121,12 @@ class SamplingWeightd(MapTransform):
         allow_missing_keys: bool = False,
     ) -> None:
         super().__init__(keys, allow_missing_keys)
-        if mode not in MODES:
-            raise ValueError(f"SamplingWeightd: mode must be one of {MODES}, got {mode!r}")
-        if mode == "threshold" and threshold is None:
-            raise ValueError("SamplingWeightd: mode 'threshold' needs a threshold d (rho = 1[H >= d])")
-        self.mode = mode
-        self.gamma = gamma
-        self.threshold = threshold
+        self.weighting = SamplingWeight(mode, gamma, threshold)
         self.output_keys = output_keys_for(self.keys, output_keys, "_weight")
 
     def __call__(self, data: Mapping[Hashable, Any]) -> dict[Hashable, Any]:
         d = dict(data)
         for key, output_key in self.key_iterator(d, self.output_keys):
-            single_channel_spatial(d[key], key, type(self).__name__)
-            weights = sampling_weights(d[key], self.mode, self.gamma, self.threshold)
-            d[output_key] = like_input(weights, d[key])
+            single_channel_spatial(d[key], type(self).__name__, key)
+            d[output_key] = self.weighting(d[key])
         return d

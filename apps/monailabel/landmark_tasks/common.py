@@ -94,7 +94,7 @@ class BundleContext:
 
     def new_network(self, checkpoint: str | Path | None = None) -> torch.nn.Module:
         """A fresh network of the configured architecture with ``checkpoint`` (default: the served one) loaded."""
-        from bundle.engine import load_weights
+        from bundle.checkpoints import load_weights
 
         network = self.parser.get_parsed_content("network_def", lazy=False)
         return load_weights(network, checkpoint or self.served_checkpoint(), self.device).eval()
@@ -125,7 +125,7 @@ class BundleContext:
     def new_detector(self, checkpoint: str | Path, image_size: Sequence[int] | None = None):
         """``(network, preprocessing, inferer)`` of a detector checkpoint: ``HeatmapDetector`` with its weights, the
         evaluation pipeline at ``image_size`` (the grid it was trained on) and ``bundle.stage2.HeatmapInferer``."""
-        from bundle.engine import load_weights
+        from bundle.checkpoints import load_weights
 
         parser = self.detector_parser(image_size)
         with self._lock:
@@ -136,7 +136,7 @@ class BundleContext:
 
     def new_inferer(self, items: Sequence[dict]):
         """A fresh one-shot / k-shot inferer (``evaluate#inferer``) holding the template ``items``."""
-        from bundle.engine import with_templates
+        from bundle.templates import with_templates
 
         return with_templates(self.parser.get_parsed_content("evaluate#inferer", lazy=False), list(items), self.preprocessing, self.device)
 

@@ -33,7 +33,7 @@ import torch
 from monailabel.interfaces.tasks.infer_v2 import InferTask, InferType
 
 from bundle.data.markups import ControlPoint, write_mrk_json
-from bundle.engine import load_weights
+from bundle.checkpoints import load_weights
 
 from .common import PREDICTORS, BundleContext, file_key
 

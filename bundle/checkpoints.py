@@ -1,0 +1,101 @@
+"""Checkpoint files: reading them safely (errors that name the file), loading weights, writing atomically.
+
+Every checkpoint is read with ``torch.load(weights_only=True)`` and written through a hidden temporary that
+is renamed into place (:func:`save_atomically`); :func:`resume_path` is the file ``--resume`` continues from.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+from bundle.io_utils import atomic_path
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be used; the message names the file and what is wrong with it."""
+
+
+def read_checkpoint(path: str | Path, device: torch.device | str = "cpu", what: str = "checkpoint") -> dict:
+    """The dict a checkpoint file holds, read with ``torch.load(weights_only=True)``.
+
+    A missing file raises ``FileNotFoundError``; an empty (0-byte), truncated or foreign file, or one that
+    holds something else than a dict, raises :class:`CheckpointError`; both name the file.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} not found: {path} (train first, or pass --ckpt_path)")
+    size = path.stat().st_size
+    if size == 0:
+        raise CheckpointError(f"{what} {path} is empty (0 bytes): a write that was interrupted, or not a checkpoint")
+    try:
+        state = torch.load(path, map_location=device, weights_only=True)
+    except Exception as e:  # EOFError, zip-archive RuntimeError, UnpicklingError, ...
+        raise CheckpointError(
+            f"{what} {path} ({size} bytes) is not a readable PyTorch checkpoint (truncated, or not written by "
+            f"torch.save): {type(e).__name__}: {e}"
+        ) from e
+    if not isinstance(state, Mapping):
+        raise CheckpointError(
+            f"{what} {path} holds a {type(state).__name__}, not a dict (a state dict, or a dict with one under 'model')"
+        )
+    return dict(state)
+
+
+def read_state_dict(path: str | Path, device: torch.device | str = "cpu", what: str = "checkpoint") -> dict:
+    """The state dict (names -> tensors) of a checkpoint file: the file's dict, or the dict under its ``model``.
+
+    A missing, empty, truncated or foreign file (:func:`read_checkpoint`), or one that holds no state dict,
+    raises an error that names the file.
+    """
+    state = read_checkpoint(path, device, what)
+    if isinstance(state.get("model"), Mapping):
+        state = dict(state["model"])
+    foreign = [k for k, v in state.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
+    if foreign:
+        raise CheckpointError(
+            f"{what} {path} is not a state dict (names -> tensors): entries {[repr(k) for k in foreign[:5]]} "
+            f"of its {len(state)} are not named tensors"
+        )
+    return state
+
+
+def load_weights(network: torch.nn.Module, path: str | Path, device: torch.device | str = "cpu") -> torch.nn.Module:
+    """Load a checkpoint (a state dict, or a dict holding one under ``model``) into ``network`` and return it.
+
+    Checkpoints load with ``torch.load(weights_only=True)`` (:func:`read_state_dict`); a missing, empty,
+    truncated or foreign file, a file that is no state dict, and mismatched keys raise errors that name the file.
+    """
+    path = Path(path)
+    state = read_state_dict(path, device)
+    try:
+        network.load_state_dict(state)
+    except RuntimeError as e:
+        raise RuntimeError(f"checkpoint {path} does not fit the configured network: {e}") from e
+    return network.to(device)
+
+
+def save_atomically(checkpoint: Mapping, path: str | Path, save=torch.save) -> None:
+    """``save(checkpoint, tmp)`` to a unique hidden temporary beside ``path`` (``.<name>.<pid>.<random>.tmp``,
+    never ``*.pt``), then ``os.replace`` onto ``path`` (:func:`bundle.io_utils.atomic_path`): a killed write
+    leaves the previous checkpoint whole, and its leftover temporary is removed by the next save."""
+    with atomic_path(path, keep_suffix=False) as tmp:
+        save(checkpoint, tmp)
+
+
+def resume_path(ckpt_dir: str | Path, resume: bool | str, filename: str = "last.pt") -> str | None:
+    """The checkpoint to resume from: ``resume`` itself when it is a path, ``ckpt_dir/filename`` when it is true.
+
+    ``resume: true`` with no such file starts afresh (nothing to resume, e.g. the first run); a path that
+    does not exist is an error.
+    """
+    if isinstance(resume, str) and resume.lower() not in ("true", "false", ""):
+        if not Path(resume).is_file():
+            raise FileNotFoundError(f"resume checkpoint not found: {resume}")
+        return resume
+    if resume is True or (isinstance(resume, str) and resume.lower() == "true"):
+        path = Path(ckpt_dir) / filename
+        return str(path) if path.is_file() else None
+    return None

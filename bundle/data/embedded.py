@@ -1,0 +1,24 @@
+"""The embedded synthetic data sets: opening a datalist, generating the default set when it is missing.
+
+Sits above :mod:`bundle.data.datalist` (the contract) and :mod:`bundle.data.synthetic` (the generator, which
+writes its datalist with the former), so that neither imports the other back.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from bundle.data.datalist import load_datalist
+from bundle.data.synthetic import ensure_synthetic_dataset
+
+EMBEDDED_DATASETS = {"synthetic_2d": 2, "synthetic_3d": 3}
+
+
+def open_datalist(path: str | os.PathLike) -> dict:
+    """Load a datalist; the embedded synthetic default (``.../synthetic_2d|3d/datalist.json``) is generated
+    when missing."""
+    path = Path(path)
+    if not path.exists() and path.parent.name in EMBEDDED_DATASETS:
+        ensure_synthetic_dataset(path, spatial_dims=EMBEDDED_DATASETS[path.parent.name])
+    return load_datalist(path)

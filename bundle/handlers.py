@@ -1,0 +1,446 @@
+"""Ignite handlers of the configs: checkpoint savers, the resume loader and the evaluation report.
+
+:class:`AtomicCheckpointSaver` takes MONAI ``CheckpointSaver``'s arguments and writes the same files, each
+through :func:`bundle.checkpoints.save_atomically`; :class:`LastCheckpointSaver` writes ``last.pt``, which
+:class:`ResumeCheckpointLoader` restores; :class:`LandmarkReportHandler` writes an evaluation's report files
+(:mod:`bundle.reporting`). Only public MONAI and Ignite API is used.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import ignite.distributed as idist
+import numpy as np
+import torch
+from ignite.engine import Engine, Events
+from ignite.handlers.checkpoint import BaseSaveHandler, Checkpoint
+from monai.data import decollate_batch
+from monai.handlers import CheckpointLoader
+from monai.utils import convert_to_numpy, is_scalar
+
+from bundle.checkpoints import CheckpointError, read_checkpoint, save_atomically
+from bundle.io_utils import StagedOutputs
+from bundle.metrics import DEFAULT_THRESHOLDS, radial_errors, summarize_errors
+from bundle.oneshot import apply_homogeneous
+from bundle.reporting import (
+    overlay_png,
+    report_outputs,
+    save_sdr_curve,
+    unique_name,
+    write_markups_per_image,
+    write_metrics_json,
+    write_png,
+    write_predictions_csv,
+)
+from bundle.transforms.landmarks import physical_to_datalist
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+class AtomicSaveHandler(BaseSaveHandler):
+    """Ignite save handler writing ``dirname/filename`` with :func:`bundle.checkpoints.save_atomically` (rank 0).
+
+    With ``filename`` every checkpoint goes to that one file (as MONAI's fixed ``final_filename`` /
+    ``key_metric_filename``); removing it is then left to the next save, which replaces it atomically.
+    """
+
+    def __init__(self, dirname: str | os.PathLike, filename: str | None = None) -> None:
+        self.dirname = Path(dirname).expanduser()
+        self.filename = filename
+        if idist.get_rank() == 0:
+            self.dirname.mkdir(parents=True, exist_ok=True)
+
+    def __call__(self, checkpoint: Mapping, filename: str, metadata: Mapping | None = None) -> None:
+        if idist.get_rank() == 0:
+            save_atomically(checkpoint, self.dirname / (self.filename or filename))
+
+    def remove(self, filename: str) -> None:
+        if idist.get_rank() == 0 and self.filename is None:
+            (self.dirname / filename).unlink()
+
+
+class AtomicCheckpointSaver:
+    """MONAI's ``CheckpointSaver`` (same arguments, events, file names and log lines) with atomic writes.
+
+    Its final, key-metric and interval checkpoints are Ignite ``Checkpoint`` objects writing through
+    :class:`AtomicSaveHandler`. ``state_dict``/``load_state_dict`` carry the key-metric ranking, so that a
+    resumed run keeps the best ``model.pt`` of the run before it.
+    """
+
+    def __init__(
+        self,
+        save_dir: str,
+        save_dict: dict,
+        name: str | None = None,
+        file_prefix: str = "",
+        save_final: bool = False,
+        final_filename: str | None = None,
+        save_key_metric: bool = False,
+        key_metric_name: str | None = None,
+        key_metric_n_saved: int = 1,
+        key_metric_filename: str | None = None,
+        key_metric_save_state: bool = False,
+        key_metric_greater_or_equal: bool = False,
+        key_metric_negative_sign: bool = False,
+        epoch_level: bool = True,
+        save_interval: int = 0,
+        n_saved: int | None = None,
+    ) -> None:
+        if save_dir is None:
+            raise AssertionError("must provide directory to save the checkpoints.")
+        if not (save_dict is not None and len(save_dict) > 0):
+            raise AssertionError("must provide source objects to save.")
+        self.save_dir, self.save_dict = save_dir, save_dict
+        self.name, self.logger = name, logging.getLogger(name)
+        self.epoch_level, self.save_interval = epoch_level, save_interval
+        self.final_filename = final_filename
+        self.final_checkpoint: Checkpoint | None = None
+        self.key_metric_checkpoint: Checkpoint | None = None
+        self.interval_checkpoint: Checkpoint | None = None
+
+        if save_final:
+            self.final_checkpoint = Checkpoint(
+                to_save=self.save_dict, save_handler=AtomicSaveHandler(save_dir, final_filename),
+                filename_prefix=file_prefix, score_function=lambda engine: engine.state.iteration,
+                score_name="final_iteration",
+            )
+        if save_key_metric:
+
+            def score(engine: Engine) -> Any:
+                if isinstance(key_metric_name, str):
+                    metric_name = key_metric_name
+                elif hasattr(engine.state, "key_metric_name"):
+                    metric_name = engine.state.key_metric_name
+                else:
+                    raise ValueError(
+                        f"Incompatible values: save_key_metric=True and key_metric_name={key_metric_name}."
+                    )
+                metric = engine.state.metrics[metric_name]
+                if not is_scalar(metric):
+                    warnings.warn(
+                        "key metric is not a scalar value, skip metric comparison and don't save a model."
+                        "please use other metrics as key metric, or change the `reduction` mode to 'mean'."
+                        f"got metric: {metric_name}={metric}."
+                    )
+                    return -1
+                return (-1 if key_metric_negative_sign else 1) * metric
+
+            if key_metric_filename is not None and key_metric_n_saved > 1:
+                raise ValueError("if using fixed filename to save the best metric model, we should only save 1 model.")
+            self.key_metric_checkpoint = Checkpoint(
+                to_save=self.save_dict, save_handler=AtomicSaveHandler(save_dir, key_metric_filename),
+                filename_prefix=file_prefix, score_function=score, score_name="key_metric", n_saved=key_metric_n_saved,
+                include_self=key_metric_save_state, greater_or_equal=key_metric_greater_or_equal,
+            )
+        if save_interval > 0:
+            self.interval_checkpoint = Checkpoint(
+                to_save=self.save_dict, save_handler=AtomicSaveHandler(save_dir), filename_prefix=file_prefix,
+                score_function=lambda engine: engine.state.epoch if self.epoch_level else engine.state.iteration,
+                score_name="epoch" if self.epoch_level else "iteration", n_saved=n_saved,
+            )
+
+    def state_dict(self) -> dict:
+        return {} if self.key_metric_checkpoint is None else self.key_metric_checkpoint.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if self.key_metric_checkpoint is not None and state_dict:
+            self.key_metric_checkpoint.load_state_dict(state_dict)
+
+    def attach(self, engine: Engine) -> None:
+        if self.name is None:
+            self.logger = engine.logger
+        if self.final_checkpoint is not None:
+            engine.add_event_handler(Events.COMPLETED, self.completed)
+            engine.add_event_handler(Events.EXCEPTION_RAISED, self.exception_raised)
+        if self.key_metric_checkpoint is not None:
+            engine.add_event_handler(Events.EPOCH_COMPLETED, self.metrics_completed)
+        if self.interval_checkpoint is not None:
+            event = Events.EPOCH_COMPLETED if self.epoch_level else Events.ITERATION_COMPLETED
+            engine.add_event_handler(event(every=self.save_interval), self.interval_completed)
+
+    def _save_final(self, engine: Engine) -> str:
+        """Save the final checkpoint in place of an earlier one; return its path."""
+        previous = self.final_checkpoint.last_checkpoint
+        if previous is not None:
+            self.final_checkpoint.reset()
+            self.final_checkpoint.save_handler.remove(str(previous))
+            self.logger.info(f"Deleted previous saved final checkpoint: {previous}")
+        self.final_checkpoint(engine)
+        return os.path.join(self.save_dir, self.final_filename or str(self.final_checkpoint.last_checkpoint))
+
+    def completed(self, engine: Engine) -> None:
+        """``COMPLETED``: save the final checkpoint."""
+        self.logger.info(f"Train completed, saved final checkpoint: {self._save_final(engine)}")
+
+    def exception_raised(self, engine: Engine, e: Exception) -> None:
+        """``EXCEPTION_RAISED``: save the final checkpoint and raise ``e`` again."""
+        self.logger.info(f"Exception raised, saved the last checkpoint: {self._save_final(engine)}")
+        raise e
+
+    def metrics_completed(self, engine: Engine) -> None:
+        """``EPOCH_COMPLETED``: save when the key metric is the best so far."""
+        self.key_metric_checkpoint(engine)
+
+    def interval_completed(self, engine: Engine) -> None:
+        """Every ``save_interval`` epochs (iterations): save."""
+        self.interval_checkpoint(engine)
+        if self.epoch_level:
+            self.logger.info(f"Saved checkpoint at epoch: {engine.state.epoch}")
+        else:
+            self.logger.info(f"Saved checkpoint at iteration: {engine.state.iteration}")
+
+
+class LastCheckpointSaver:
+    """Every ``interval`` epochs, the state of every object of ``save_dict`` in one file, written atomically.
+
+    ``save_dict`` maps names to objects with ``state_dict()`` (network, optimizer, LR scheduler, savers);
+    the engine it is attached to is added under ``engine_key`` (the config cannot name the trainer in a
+    handler of that trainer); a wrapped (DDP) network is saved unwrapped. Only rank 0 writes. The file
+    loads with ``torch.load(weights_only=True)`` and resumes training through MONAI's ``CheckpointLoader``.
+    """
+
+    def __init__(
+        self, path: str | Path, save_dict: dict[str, Any], interval: int = 1, engine_key: str | None = "trainer"
+    ) -> None:
+        if interval < 1:
+            raise ValueError(f"interval must be >= 1, got {interval}")
+        missing = [k for k, v in save_dict.items() if not hasattr(v, "state_dict")]
+        if missing:
+            raise TypeError(f"save_dict entries {missing} have no state_dict()")
+        self.path = Path(path)
+        self.save_dict = dict(save_dict)
+        self.interval = interval
+        self.engine_key = engine_key
+
+    def attach(self, engine: Engine) -> None:
+        """Save every ``interval`` epochs; the engine itself is saved under ``engine_key`` (unless None)."""
+        if self.engine_key is not None:
+            self.save_dict[self.engine_key] = engine
+        engine.add_event_handler(Events.EPOCH_COMPLETED(every=self.interval), self)
+
+    def __call__(self, engine: Engine) -> None:
+        if idist.get_rank() != 0:
+            return
+        state = {}
+        for name, obj in self.save_dict.items():
+            if isinstance(obj, (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel)):
+                obj = obj.module
+            state[name] = obj.state_dict()
+        save_atomically(state, self.path)
+
+
+class ResumeCheckpointLoader(CheckpointLoader):
+    """MONAI's ``CheckpointLoader`` that also restores the engine it is attached to (under ``engine_key``).
+
+    The trainer's epoch and iteration come back with the network, optimizer and scheduler, so a resumed
+    run goes on from the epoch after the last one saved.
+    """
+
+    def __init__(self, load_path: str, load_dict: dict[str, Any], engine_key: str = "trainer", **kwargs: Any) -> None:
+        super().__init__(load_path=load_path, load_dict=dict(load_dict), **kwargs)
+        self.engine_key = engine_key
+
+    def attach(self, engine: Engine) -> None:
+        self.load_dict[self.engine_key] = engine
+        super().attach(engine)
+
+    def __call__(self, engine: Engine) -> None:
+        checkpoint = read_checkpoint(self.load_path, self.map_location or "cpu", "resume checkpoint")
+        missing = [k for k in self.load_dict if k not in checkpoint]
+        if missing:
+            raise CheckpointError(
+                f"resume checkpoint {self.load_path} lacks {missing} (it holds {sorted(map(str, checkpoint))}): "
+                "resume from the last.pt that training writes, not from a weights file such as model.pt"
+            )
+        super().__call__(engine)
+
+
+def resume_handlers(resume: str | None, load_dict: dict[str, Any], device: torch.device | str = "cpu") -> list:
+    """``[ResumeCheckpointLoader]`` for the checkpoint ``resume`` (see :func:`bundle.checkpoints.resume_path`),
+    or ``[]`` when None."""
+    if resume is None:
+        return []
+    return [ResumeCheckpointLoader(load_path=resume, load_dict=load_dict, map_location=device)]
+
+
+# --------------------------------------------------------------------------- the evaluation report
+
+
+def _items(data: Any) -> list[dict]:
+    """Per-image dicts from an engine's (possibly decollated) ``state.output`` / ``state.batch``."""
+    if data is None:
+        return []
+    if isinstance(data, Mapping):
+        return [dict(d) for d in decollate_batch(dict(data))]
+    if isinstance(data, (list, tuple)) and all(isinstance(d, Mapping) for d in data):
+        return [dict(d) for d in data]
+    raise TypeError(f"expected a dict or a list of dicts per image, got {type(data).__name__}")
+
+
+class LandmarkReportHandler:
+    """Ignite handler writing the evaluation reports of one-shot detection at ``Events.COMPLETED``.
+
+    Contract: for each image, the union of its ``engine.state.batch`` item and ``engine.state.output``
+    item (output wins; batched dicts or decollated lists of dicts both work) provides
+      - ``pred_key`` ("pred"): ``(L, D)`` predicted landmarks in physical mm, NaN for missing;
+      - ``label_key`` ("label"): ``(L, D)`` reference landmarks in physical mm, NaN for missing;
+      - ``spacing_key`` ("spacing"): ``(D,)`` mm per pixel of the original image. In 2D physical mm are
+        original pixels times spacing, so the CSV gets ``pred / spacing``; in 3D the CSV gets world mm.
+        Pixel errors (``mre_px``) are ``|(pred - ref) / spacing|``;
+      - ``path_key`` ("image_path"): the image's path for the CSV, else the ``filename_or_obj`` of
+        the ``image_key`` MetaTensor;
+      - 2D overlays only: ``image_key`` ("image") the ``(1, W, H)`` grid image and ``grid_key``
+        ("grid_to_physical") its ``(3, 3)`` grid-to-mm matrix; items without them get no overlay.
+    At ``EPOCH_STARTED`` the collection is reset; at ``COMPLETED`` it writes ``output_dir``/metrics.json,
+    predictions.csv, sdr_curve.png and overlays/<image stem>.png (2D) or <image stem>.mrk.json (3D, the
+    predictions as a 3D Slicer point list in RAS), and logs MRE and SDR. When no image has
+    a reference landmark (inference on new images), only predictions.csv and the overlays are written.
+    Everything is written at ``COMPLETED`` (the overlays drawn as their images come, kept in memory) into a
+    staging folder beside ``output_dir``, which replaces the previous report files
+    (:func:`bundle.reporting.report_outputs`) only when complete: after a failure ``output_dir`` is as it was.
+    """
+
+    def __init__(
+        self,
+        output_dir: str | os.PathLike,
+        landmark_names: Sequence[str],
+        template: str | Sequence[str] = "",
+        checkpoint: str = "",
+        thresholds: Sequence[float] = DEFAULT_THRESHOLDS,
+        overlays: bool = True,
+        pred_key: str = "pred",
+        label_key: str = "label",
+        spacing_key: str = "spacing",
+        path_key: str = "image_path",
+        image_key: str = "image",
+        grid_key: str = "grid_to_physical",
+        logger_name: str = "bundle.reporting",
+    ) -> None:
+        self.output_dir = Path(output_dir)
+        self.landmark_names = [str(n) for n in landmark_names]
+        self.template = template
+        self.checkpoint = checkpoint
+        self.thresholds = tuple(float(t) for t in thresholds)
+        self.overlays = overlays
+        self.pred_key, self.label_key, self.spacing_key = pred_key, label_key, spacing_key
+        self.path_key, self.image_key, self.grid_key = path_key, image_key, grid_key
+        self.logger = logging.getLogger(logger_name)
+        self.records: list[dict] = []
+        self._stems: set[str] = set()
+        self._overlays: dict[str, bytes] = {}  # overlay file name -> PNG, written with the report
+        self._staging = StagedOutputs(self.output_dir, owned=report_outputs)
+
+    def attach(self, engine: Engine) -> None:
+        engine.add_event_handler(Events.EPOCH_STARTED, self.reset)
+        engine.add_event_handler(Events.ITERATION_COMPLETED, self.collect)
+        engine.add_event_handler(Events.COMPLETED, self.write)
+
+    def reset(self, engine: Engine | None = None) -> None:
+        self.records = []
+        self._stems = set()
+        self._overlays = {}
+        self._staging.discard()
+
+    def _array(self, item: Mapping, key: str, shape_hint: str) -> np.ndarray:
+        if key not in item:
+            raise KeyError(
+                f"LandmarkReportHandler: the engine's batch/output has no key {key!r} ({shape_hint}); "
+                f"keys: {sorted(item)}"
+            )
+        return np.asarray(convert_to_numpy(item[key]), dtype=np.float64)
+
+    def _image_name(self, item: Mapping) -> str:
+        if self.path_key in item:
+            return str(item[self.path_key])
+        meta = getattr(item.get(self.image_key), "meta", {})
+        if "filename_or_obj" in meta:
+            return str(meta["filename_or_obj"])
+        raise KeyError(
+            f"LandmarkReportHandler: no {self.path_key!r} key and no filename_or_obj in {self.image_key!r} metadata"
+        )
+
+    def collect(self, engine: Engine) -> None:
+        """Record the predictions of the current iteration (and draw their overlays)."""
+        outputs, batches = _items(engine.state.output), _items(engine.state.batch)
+        if batches and len(batches) != len(outputs):
+            raise ValueError(f"LandmarkReportHandler: {len(batches)} batch items but {len(outputs)} output items")
+        for i, out in enumerate(outputs):
+            item = {**(batches[i] if batches else {}), **out}
+            pred = self._array(item, self.pred_key, "(L, D) predicted mm")
+            ref = self._array(item, self.label_key, "(L, D) reference mm")
+            spacing = self._array(item, self.spacing_key, "(D,) mm per pixel")
+            if pred.shape != ref.shape or pred.shape != (len(self.landmark_names), spacing.size):
+                raise ValueError(
+                    f"LandmarkReportHandler: pred {pred.shape}, label {ref.shape} and spacing {spacing.shape} do not "
+                    f"fit {len(self.landmark_names)} landmarks"
+                )
+            record = {"image": self._image_name(item), "pred": pred, "ref": ref, "spacing": spacing}
+            self.records.append(record)
+            if self.overlays and spacing.size == 2 and self.image_key in item and self.grid_key in item:
+                self._overlay(record, item)
+
+    def _overlay(self, record: dict, item: Mapping) -> None:
+        name = unique_name(Path(record["image"]).stem, self._stems)
+        matrix = np.asarray(convert_to_numpy(item[self.grid_key]), dtype=np.float64)
+        ref_grid = apply_homogeneous(matrix, record["ref"], inverse=True).numpy()
+        pred_grid = apply_homogeneous(matrix, record["pred"], inverse=True).numpy()
+        size_x, size_y = np.linalg.norm(matrix[:2, :2], axis=0)  # mm per grid pixel along x and y
+        self._overlays[f"{name}.png"] = overlay_png(
+            item[self.image_key], ref_grid, pred_grid, self.landmark_names, size_y / size_x, where=f"overlay {name}.png"
+        )
+
+    def write(self, engine: Engine | None = None) -> dict[str, Any]:
+        """Write metrics.json, predictions.csv and sdr_curve.png, then move the report into ``output_dir``;
+        return the summary."""
+        if not self.records:
+            self._staging.discard()
+            raise ValueError(f"LandmarkReportHandler: no predictions were collected for {self.output_dir}")
+        try:
+            summary = self._write(self._staging.folder)
+            self._staging.commit()
+        except BaseException:
+            self._staging.discard()
+            raise
+        if "mre_mm" not in summary:  # inference on unlabelled images: predictions only
+            self.logger.info(
+                "one-shot detection on %d images without reference landmarks: predictions in %s",
+                len(self.records), self.output_dir,
+            )
+            return summary
+        sdr = ", ".join(f"{k} mm {v:.1f}%" for k, v in summary["sdr"].items())
+        self.logger.info(
+            "one-shot detection on %d images: MRE %.3f +/- %.3f mm (%.2f px); SDR %s; reports in %s",
+            summary["n_images"], summary["mre_mm"], summary["mre_std_mm"], summary["mre_px"], sdr, self.output_dir,
+        )
+        return summary
+
+    def _write(self, folder: Path) -> dict[str, Any]:
+        preds = np.stack([r["pred"] for r in self.records])
+        refs = np.stack([r["ref"] for r in self.records])
+        spacings = np.stack([r["spacing"] for r in self.records])[:, None, :]
+        errors_mm = radial_errors(preds, refs)
+        errors_px = radial_errors(preds / spacings, refs / spacings)
+        rows = [
+            {
+                "image": r["image"], "landmark": name, "point": physical_to_datalist(r["pred"][j], r["spacing"]),
+                "error_mm": errors_mm[i, j],
+            }
+            for i, r in enumerate(self.records)
+            for j, name in enumerate(self.landmark_names)
+        ]
+        write_predictions_csv(folder / "predictions.csv", rows)
+        for name, png in self._overlays.items():
+            write_png(folder / "overlays" / name, png)
+        if preds.shape[-1] == 3:
+            write_markups_per_image(folder, self.records, self.landmark_names)
+        if np.isnan(refs).all():  # inference on unlabelled images: predictions only
+            return {"n_images": len(self.records)}
+        summary = summarize_errors(errors_mm, errors_px, self.thresholds, self.landmark_names)
+        write_metrics_json(folder / "metrics.json", summary, self.template, self.checkpoint)
+        save_sdr_curve(folder / "sdr_curve.png", errors_mm, marks=self.thresholds)
+        return summary

@@ -1,0 +1,164 @@
+"""The templates of one-shot (k-shot) detection, as datalist items, and their preparation for the inferer.
+
+Which items are templates: the datalist's own (``templates`` / ``template``), else one chosen among its
+labelled training items (:func:`resolve_template`, by the criteria of :mod:`bundle.template_selection`),
+plus pseudo-templates labelled by matching (:func:`resolve_templates`); :func:`with_templates` gives them,
+prepared by the evaluation pipeline, to a :class:`bundle.oneshot.OneShotInferer`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from bundle.oneshot import OneShotInferer, apply_homogeneous
+from bundle.pseudo_labels import pseudo_label, select_pseudo_templates
+from bundle.template_selection import select_template, select_template_by_landmarks
+
+
+def grid_landmarks(data: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Landmarks ``(L, D)`` (float32) in grid positions of an item that the evaluation pipeline (ending with
+    ``LandmarkTargetsd``) prepared, and its grid-to-physical matrix (float64)."""
+    matrix = torch.as_tensor(data["grid_to_physical"], dtype=torch.float64)
+    return apply_homogeneous(matrix, data["label"], inverse=True).to(torch.float32), matrix
+
+
+def prepare_template(item: dict, preprocessing) -> tuple[torch.Tensor, torch.Tensor]:
+    """The template's network-grid image ``(1, 1, *S)`` and its landmarks ``(L, D)`` in grid positions.
+
+    ``preprocessing`` is the evaluation pipeline (it must end with ``LandmarkTargetsd``).
+    """
+    if not item.get("landmarks"):
+        raise ValueError(f"the template {item.get('image')} carries no 'landmarks'")
+    data = preprocessing(dict(item))
+    return torch.as_tensor(data["image"]).unsqueeze(0), grid_landmarks(data)[0]
+
+
+def labelled_training_items(datalist: dict) -> list[dict]:
+    """The datalist's training items that carry at least one landmark (the template candidates)."""
+    return [
+        it for it in datalist.get("training", []) if it.get("landmarks") and any(p is not None for p in it["landmarks"])
+    ]
+
+
+def template_items(datalist: dict) -> list[dict]:
+    """The datalist's own templates: its ``templates`` list, then its ``template`` item unless listed already."""
+    listed = [dict(it) for it in datalist.get("templates") or []]
+    single = datalist.get("template")
+    if single is not None and all(it["image"] != single["image"] for it in listed):
+        listed.append(dict(single))
+    return listed
+
+
+def default_template(datalist: dict) -> dict:
+    """The datalist's first labelled training item (the template when the datalist names none)."""
+    labelled = labelled_training_items(datalist)
+    if not labelled:
+        raise ValueError(
+            "the datalist has no 'template' or 'templates' and no training item with 'landmarks' to serve as one"
+        )
+    return dict(labelled[0])
+
+
+def default_templates(datalist: dict) -> list[dict]:
+    """The datalist's templates (:func:`template_items`), else its first labelled training item (validation)."""
+    return template_items(datalist) or [default_template(datalist)]
+
+
+def with_templates(inferer, items: list[dict], preprocessing, device: torch.device | str):
+    """Give ``inferer`` (a ``bundle.oneshot.OneShotInferer``) the template ``items`` and return it."""
+    prepared = [prepare_template(item, preprocessing) for item in items]
+    inferer.set_templates([image.to(device) for image, _ in prepared], [points.to(device) for _, points in prepared])
+    return inferer
+
+
+TEMPLATE_RULES = ("landmarks", "features")
+
+
+def resolve_template(
+    datalist: dict, network: torch.nn.Module, preprocessing, device: torch.device | str, max_images: int = 32,
+    rule: str = "landmarks",
+) -> dict:
+    """The evaluation template: the datalist's ``template``, else one chosen among its labelled training items.
+
+    ``rule``: ``"landmarks"`` picks the item whose landmarks, matched one-shot into each other candidate,
+    land closest to that candidate's own landmarks
+    (:func:`bundle.template_selection.select_template_by_landmarks`); ``"features"`` reads no landmark and
+    picks the candidate whose features match the other training images best
+    (:func:`bundle.template_selection.select_template`, Quan et al. CVPR 2022), the choice of which image
+    to annotate. At most ``max_images`` training images (the labelled ones first) take part, to bound the cost.
+    """
+    if rule not in TEMPLATE_RULES:
+        raise ValueError(f"template rule must be one of {TEMPLATE_RULES}, got {rule!r}")
+    labelled = labelled_training_items(datalist)
+    if datalist.get("template") is not None:
+        return dict(datalist["template"])
+    if len(labelled) < 2:
+        return default_template(datalist)
+    unlabelled = [it for it in datalist["training"] if it not in labelled]
+    pool = (labelled if rule == "landmarks" else labelled + unlabelled)[: max(max_images, 2)]
+    candidates = [i for i, it in enumerate(pool) if it in labelled]
+    prepared = [preprocessing(dict(it)) for it in pool]
+    images = [torch.as_tensor(d["image"]).to(device) for d in prepared]
+    network.eval()
+    with torch.no_grad():
+        if rule == "landmarks":
+            points, matrices = zip(*(grid_landmarks(d) for d in prepared))
+            index, scores = select_template_by_landmarks(network, images, points, matrices)
+            how = f"mean one-shot error {scores[index]:.2f} mm over the other {len(pool) - 1} candidates"
+        else:
+            index, scores = select_template(network, images, candidates=candidates)
+            how = f"score {scores[candidates.index(index)]:.3f}, no landmark read"
+    logging.getLogger(__name__).info(
+        "template chosen among %d labelled training items (rule %r): %s (%s)", len(candidates), rule,
+        pool[index]["image"], how,
+    )
+    return dict(pool[index])
+
+
+def pseudo_template_pool(datalist: dict, templates: list[dict]) -> list[dict]:
+    """Training items that may become pseudo-templates, their landmarks dropped: not a template and not an
+    image of the validation or test split (those are never used to label the test images)."""
+    held_out = {it["image"] for split in ("validation", "test") for it in datalist.get(split) or []}
+    taken = held_out | {it["image"] for it in templates}
+    return [
+        {k: v for k, v in it.items() if k != "landmarks"}
+        for it in datalist.get("training", [])
+        if it["image"] not in taken
+    ]
+
+
+def resolve_templates(
+    datalist: dict, network: torch.nn.Module, preprocessing, device: torch.device | str, rule: str = "landmarks",
+    max_images: int = 32, pseudo_candidates: int = 0, pseudo_templates: int = 0, cycle_tolerance: float = 2.0,
+    combine: str = "geometric_median",
+) -> list[dict]:
+    """The evaluation templates: the datalist's ``templates`` / ``template`` (k-shot), else one chosen by
+    :func:`resolve_template`; then, when ``pseudo_templates`` > 0, that many pseudo-templates.
+
+    Pseudo-templates: the first ``pseudo_candidates`` images of :func:`pseudo_template_pool` are labelled by
+    matching from the templates (combined by ``combine``) and the ``pseudo_templates`` most reliable ones by
+    forward-backward cycle error are added, each without its landmarks whose cycle error exceeds
+    ``cycle_tolerance`` grid pixels (:func:`bundle.pseudo_labels.select_pseudo_templates`).
+    """
+    if pseudo_templates < 0 or pseudo_candidates < 0:
+        raise ValueError(
+            f"pseudo_candidates and pseudo_templates must be >= 0, got {pseudo_candidates}, {pseudo_templates}"
+        )
+    templates = template_items(datalist)
+    if not templates:
+        templates = [resolve_template(datalist, network, preprocessing, device, max_images, rule)]
+    if pseudo_templates == 0:
+        return templates
+    pool = pseudo_template_pool(datalist, templates)[:pseudo_candidates]
+    if len(pool) < pseudo_templates:
+        logging.getLogger(__name__).warning(
+            "pseudo_templates=%d but only %d training images outside the templates and the validation/test splits "
+            "(pseudo_candidates=%d): all of them are labelled and kept", pseudo_templates, len(pool), pseudo_candidates,
+        )
+    if not pool:
+        return templates
+    inferer = with_templates(OneShotInferer(template_combine=combine), templates, preprocessing, device)
+    labelled = pseudo_label(network, inferer, pool, preprocessing, device)
+    return templates + select_pseudo_templates(labelled, min(pseudo_templates, len(pool)), cycle_tolerance)

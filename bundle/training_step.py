@@ -1,0 +1,126 @@
+"""The contrastive training step: the ``iteration_update`` of MONAI's ``SupervisedTrainer``.
+
+``ContrastiveIterationUpdate`` implements the paper's pixel-wise contrastive learning (two encoders,
+multi-scale InfoNCE, Sec. 3.1): the whole image goes through the image encoder, the augmented crop through
+the crop encoder, and the loss compares the crop's query features with the image's.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from monai.engines import SupervisedTrainer
+from monai.engines.utils import IterationEvents
+from monai.utils.enums import CommonKeys as Keys
+
+TRAIN_KEYS = ("image", "crop", "query", "crop_query")
+
+
+class ContrastiveIterationUpdate:
+    """One optimisation step on a batch of view pairs (keys ``image``, ``crop``, ``query``, ``crop_query``).
+
+    Uses the trainer's network (``forward`` = image encoder, ``encode_crops`` = crop encoder), loss
+    function, optimizer, ``amp`` flag and grad scaler; fires MONAI's iteration events so that handlers
+    that listen to them keep working.
+
+    CPU speed (both leave the results unchanged up to floating-point rounding; neither acts on a GPU):
+
+    * ``channels_last``: the network's weights and the batch in channels-last memory order (oneDNN's
+      preferred layout for convolutions); 2D only (measured there), not under DistributedDataParallel.
+    * ``num_threads``: intra-op threads during the step. None leaves torch's setting alone; an int sets it;
+      ``"auto"`` times the step with 1, 2, 4, ... up to torch's thread count at construction on the first
+      iterations (``trials`` steps each, the fastest kept) and again every ``retune_every`` iterations: on
+      a machine whose cores are shared with other processes, fewer threads than cores can be several
+      times faster (OpenMP threads wait for each other at every operation), on an idle one they are not.
+      The chosen count stays set for the process (the data pipeline and validation run with it too).
+    """
+
+    def __init__(
+        self, channels_last: bool = False, num_threads: int | str | None = None, trials: int = 1,
+        retune_every: int = 200,
+    ) -> None:
+        if not (num_threads is None or num_threads == "auto" or (isinstance(num_threads, int) and num_threads >= 1)):
+            raise ValueError(f"num_threads must be None, 'auto' or a positive integer, got {num_threads!r}")
+        if trials < 1 or retune_every < 1:
+            raise ValueError(f"trials and retune_every must be >= 1, got {trials}, {retune_every}")
+        self.channels_last = bool(channels_last)
+        self.num_threads, self.trials, self.retune_every = num_threads, int(trials), int(retune_every)
+        most = torch.get_num_threads()
+        auto = num_threads == "auto"
+        self.candidates = sorted({min(2**k, most) for k in range(most.bit_length() + 1)}) if auto else []
+        self.threads_chosen: int | None = num_threads if isinstance(num_threads, int) else None
+        self.timings: dict[int, float] = {}  # seconds per thread count in the current (or last) tuning
+        self._calls = 0
+        self._trial = False
+
+    def _threads_for_this_step(self) -> int | None:
+        """The thread count of this call: a fixed one, the warm-up (first call, untimed, torch's count), a
+        trial of the tuning phase, or the one chosen; sets ``self._trial``."""
+        self._trial = False
+        if self.num_threads != "auto":
+            return self.threads_chosen
+        if self._calls == 0:
+            return self.candidates[-1]
+        phase = (self._calls - 1) % self.retune_every
+        n_trials = len(self.candidates) * self.trials
+        if phase < n_trials:
+            if phase == 0:
+                self.timings = {}
+            self._trial = True
+            return self.candidates[phase // self.trials]
+        if phase == n_trials or self.threads_chosen is None:
+            self.threads_chosen = min(self.timings, key=self.timings.get)
+        return self.threads_chosen
+
+    def __call__(self, engine: SupervisedTrainer, batchdata: dict[str, Any]) -> dict:
+        missing = [k for k in TRAIN_KEYS if k not in batchdata]
+        if missing:
+            raise KeyError(f"training batch lacks {missing}: the view-pair sampler must produce {list(TRAIN_KEYS)}")
+        device, nb = engine.state.device, engine.non_blocking
+        image, crop, query, crop_query = (torch.as_tensor(batchdata[k]).to(device, non_blocking=nb) for k in TRAIN_KEYS)
+        network = engine.network
+        on_cpu = torch.device(device).type == "cpu"
+        threads = self._threads_for_this_step() if on_cpu else None
+        if threads is not None and threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+        ddp = isinstance(network, torch.nn.parallel.DistributedDataParallel)
+        if self.channels_last and on_cpu and image.ndim == 4 and not ddp:
+            network.to(memory_format=torch.channels_last)  # a no-op once converted
+            image = image.contiguous(memory_format=torch.channels_last)
+            crop = crop.contiguous(memory_format=torch.channels_last)
+        start = time.perf_counter()
+        network.train()
+        engine.optimizer.zero_grad(set_to_none=engine.optim_set_to_none)
+
+        def forward() -> torch.Tensor:
+            image_features = network(image)
+            crop_features = network.encode_crops(crop)
+            engine.fire_event(IterationEvents.FORWARD_COMPLETED)
+            loss = engine.loss_function(
+                image_features, crop_features, query, crop_query, tuple(image.shape[2:]), tuple(crop.shape[2:])
+            )
+            engine.state.output = {Keys.IMAGE: image, Keys.LOSS: loss}
+            engine.fire_event(IterationEvents.LOSS_COMPLETED)
+            return loss
+
+        if engine.amp and engine.scaler is not None:
+            with torch.autocast(device.type if isinstance(device, torch.device) else "cuda", **engine.amp_kwargs):
+                loss = forward()
+            engine.scaler.scale(loss).backward()
+            engine.fire_event(IterationEvents.BACKWARD_COMPLETED)
+            engine.scaler.step(engine.optimizer)
+            engine.scaler.update()
+        else:
+            loss = forward()
+            loss.backward()
+            engine.fire_event(IterationEvents.BACKWARD_COMPLETED)
+            engine.optimizer.step()
+        engine.state.output[Keys.LOSS] = loss.detach()
+        engine.fire_event(IterationEvents.MODEL_COMPLETED)
+        if self.num_threads == "auto" and on_cpu:
+            if self._trial:
+                self.timings[threads] = min(time.perf_counter() - start, self.timings.get(threads, float("inf")))
+            self._calls += 1
+        return engine.state.output

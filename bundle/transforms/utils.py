@@ -1,0 +1,46 @@
+"""Helpers shared by the transforms: input checks, output keys, outputs on the input's grid."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Hashable
+
+import torch
+from monai.config import KeysCollection
+from monai.data import MetaTensor
+from monai.utils import ensure_tuple
+
+__all__ = ["like_input", "output_keys_for", "single_channel_spatial"]
+
+
+def single_channel_spatial(image: Any, owner: str, key: Hashable | None = None) -> Any:
+    """The spatial array of a channel-first (1, H, W) or (1, D, H, W) image; otherwise a ValueError that names
+    ``key`` (a dictionary transform's key; "the image" when None) and the shape."""
+    shape = tuple(image.shape)
+    name = "the image" if key is None else f"'{key}'"
+    if len(shape) not in (3, 4):
+        raise ValueError(f"{owner}: {name} must be channel-first with 2 or 3 spatial dims, got shape {shape}")
+    if shape[0] != 1:
+        raise ValueError(f"{owner}: {name} must have exactly 1 channel, got shape {shape}")
+    return image[0]
+
+
+def output_keys_for(
+    keys: tuple[Hashable, ...], output_keys: KeysCollection | None, suffix: str
+) -> tuple[Hashable, ...]:
+    """``output_keys`` as a tuple matching ``keys`` (default: each key with ``suffix`` appended)."""
+    if output_keys is None:
+        return tuple(f"{key}{suffix}" for key in keys)
+    outputs = ensure_tuple(output_keys)
+    if len(outputs) != len(keys):
+        raise ValueError(f"output_keys {outputs!r} must give one key per input key {keys!r}")
+    return outputs
+
+
+def like_input(result: torch.Tensor, image: Any) -> torch.Tensor:
+    """``result`` as a MetaTensor with its own copy of ``image``'s affine, meta and applied operations when
+    ``image`` is a MetaTensor (the map lies on the image's grid); ``result`` itself otherwise."""
+    if isinstance(image, MetaTensor):
+        meta, operations = copy.deepcopy(image.meta), copy.deepcopy(image.applied_operations)
+        return MetaTensor(result, meta=meta, applied_operations=operations)
+    return result
