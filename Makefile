@@ -10,7 +10,7 @@ DEMO_DIR ?= output/demo
 MONAILABEL_VENV ?= .venv-monailabel
 PYTEST_ARGS ?= -q
 
-.PHONY: install monailabel package demo demo-train demo-evaluate demo-3d test benchmark clean
+.PHONY: install monailabel package demo demo-train demo-evaluate demo-3d lint test test-fast benchmark clean
 
 install: $(VENV)/.installed
 
@@ -48,8 +48,17 @@ demo-3d: install
 		--config_file "['configs/train.yaml','configs/train_3d.yaml','configs/evaluate.yaml','configs/evaluate_3d.yaml']" \
 		--output_dir $(DEMO_DIR)_3d/eval --ckpt_path $(DEMO_DIR)_3d/models/model.pt
 
-test: install monailabel
+# the lint gate: ruff's checks and formatting (pyproject.toml [tool.ruff]); `ruff format .` fixes the latter
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: install monailabel lint
 	$(PY) -m pytest $(PYTEST_ARGS) tests
+
+# the suite without the end-to-end trainings and servers (pytest marker "slow")
+test-fast: install lint
+	$(PY) -m pytest $(PYTEST_ARGS) -m "not slow" tests
 
 benchmark: install
 	$(PY) scripts/benchmark.py all

@@ -69,7 +69,11 @@ def read_afids(path: str | os.PathLike) -> tuple[list[str], np.ndarray]:
         elif line.strip():
             row = dict(zip(columns, next(csv.reader([line]))))
             descriptions.append(row.get("desc", ""))
-    names = [d or p.label for d, p in zip(descriptions, points)] if len(descriptions) == len(points) else [p.label for p in points]
+    names = (
+        [d or p.label for d, p in zip(descriptions, points)]
+        if len(descriptions) == len(points)
+        else [p.label for p in points]
+    )
     if any(p.position is None for p in points):
         raise ValueError(f"{path}: every AFID needs a position")
     return names, np.asarray([p.position for p in points], dtype=np.float64)
@@ -103,15 +107,22 @@ def random_affine(
     return matrix
 
 
-def warp_volume(volume: np.ndarray, affine: np.ndarray, warp: np.ndarray, out_affine: np.ndarray, out_shape: Sequence[int]) -> np.ndarray:
+def warp_volume(
+    volume: np.ndarray, affine: np.ndarray, warp: np.ndarray, out_affine: np.ndarray, out_shape: Sequence[int]
+) -> np.ndarray:
     """Resample ``volume`` (voxel-to-world ``affine``) warped by the world map ``warp`` onto the grid
     (``out_affine``, ``out_shape``): ``out[v] = volume(affine^-1 warp^-1 out_affine v)``, trilinear, 0 outside."""
     from scipy.ndimage import affine_transform
 
     voxel_map = np.linalg.inv(affine) @ np.linalg.inv(warp) @ out_affine
     return affine_transform(
-        np.asarray(volume, dtype=np.float32), voxel_map[:3, :3], offset=voxel_map[:3, 3], output_shape=tuple(int(s) for s in out_shape),
-        order=1, mode="constant", cval=0.0,
+        np.asarray(volume, dtype=np.float32),
+        voxel_map[:3, :3],
+        offset=voxel_map[:3, 3],
+        output_shape=tuple(int(s) for s in out_shape),
+        order=1,
+        mode="constant",
+        cval=0.0,
     )
 
 
@@ -194,8 +205,10 @@ def prepare_afids_datalist(
         return _save(volume, grid, images / f"{name}.nii.gz"), carry_points(warp, afids)
 
     identity = np.eye(4)
-    template = {"image": _save(warp_volume(volumes["t1w"], t1.affine, identity, grid, shape), grid, images / "t1w.nii.gz"),
-                "landmarks": afids.round(6).tolist()}
+    template = {
+        "image": _save(warp_volume(volumes["t1w"], t1.affine, identity, grid, shape), grid, images / "t1w.nii.gz"),
+        "landmarks": afids.round(6).tolist(),
+    }
     training = []
     for i in range(n_training):
         path, points = warped("t1w", f"train_{i:03d}", True)
@@ -214,7 +227,9 @@ def prepare_afids_datalist(
         "spatial_dims": 3,
         "landmark_names": names,
         "training": training,
-        "validation": [{"image": path, "landmarks": points.round(6).tolist()} for path, points in [warped("t1w", "val_000", True)]],
+        "validation": [
+            {"image": path, "landmarks": points.round(6).tolist()} for path, points in [warped("t1w", "val_000", True)]
+        ],
         "test": test,
         "template": template,
     }
@@ -239,7 +254,14 @@ MRI_LOAD_TRANSFORMS = [
     {"_target_": "EnsureChannelFirstd", "keys": "image"},
     {"_target_": "Orientationd", "keys": "image", "axcodes": "RAS"},
     {"_target_": "Spacingd", "keys": "image", "pixdim": "@target_spacing", "mode": "bilinear"},
-    {"_target_": "ScaleIntensityRangePercentilesd", "keys": "image", "lower": 0.5, "upper": 99.5,
-     "b_min": 0.0, "b_max": 1.0, "clip": True},
+    {
+        "_target_": "ScaleIntensityRangePercentilesd",
+        "keys": "image",
+        "lower": 0.5,
+        "upper": 99.5,
+        "b_min": 0.0,
+        "b_max": 1.0,
+        "clip": True,
+    },
     {"_target_": "EnsureTyped", "keys": "image", "dtype": "$torch.float32"},
 ]

@@ -11,7 +11,9 @@ from monai.bundle import ConfigParser
 BUNDLE_ROOT = Path(__file__).resolve().parents[1]
 
 
-def bundle_parser(config_files: str | Sequence[str], bundle_root: str | os.PathLike = BUNDLE_ROOT, **overrides: Any) -> ConfigParser:
+def bundle_parser(
+    config_files: str | Sequence[str], bundle_root: str | os.PathLike = BUNDLE_ROOT, **overrides: Any
+) -> ConfigParser:
     """A ``ConfigParser`` over ``config_files`` (paths relative to ``bundle_root``, merged in order, nested
     ``a#b`` keys applied), with ``bundle_root`` set and each of ``overrides`` (ids may contain ``#``) set."""
     files = [config_files] if isinstance(config_files, str) else list(config_files)
@@ -37,7 +39,9 @@ def check_image_size(image_size: Any, spatial_dims: int, divisor: int = 16) -> l
         or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 and v % divisor == 0 for v in values)
     ):
         need = f", each divisible by {divisor} (the encoder's deepest stride)" if divisor > 1 else ""
-        raise ValueError(f"image_size: expected {spatial_dims} positive integers (the network grid){need}, got {image_size!r}")
+        raise ValueError(
+            f"image_size: expected {spatial_dims} positive integers (the network grid){need}, got {image_size!r}"
+        )
     return [int(v) for v in values]
 
 

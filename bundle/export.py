@@ -64,14 +64,18 @@ def check_template(template: Mapping[str, Any], where: str = "template") -> dict
     if not isinstance(template, Mapping):
         raise ValueError(f"{where}: expected a template feature dict, got {type(template).__name__}")
     if template.get("format") != TEMPLATE_FORMAT:
-        raise ValueError(f"{where}: not a template feature file of format {TEMPLATE_FORMAT!r} (format {template.get('format')!r})")
+        raise ValueError(
+            f"{where}: not a template feature file of format {TEMPLATE_FORMAT!r} (format {template.get('format')!r})"
+        )
     missing = [k for k in ("landmark_names", "queries", "strides", "spatial_dims", "sources") if k not in template]
     if missing:
         raise ValueError(f"{where}: template feature file lacks {missing}")
     queries = template["queries"]
     names = list(template["landmark_names"])
     if not isinstance(queries, torch.Tensor) or queries.ndim != 4:
-        raise ValueError(f"{where}: 'queries' must be a (K, L, S, C) tensor, got {getattr(queries, 'shape', type(queries))}")
+        raise ValueError(
+            f"{where}: 'queries' must be a (K, L, S, C) tensor, got {getattr(queries, 'shape', type(queries))}"
+        )
     k, n, s, _ = queries.shape
     if n != len(names) or s != len(template["strides"]) or k != len(template["sources"]) or k < 1:
         raise ValueError(
@@ -108,7 +112,8 @@ def load_template(path: str | os.PathLike, checkpoint: str | os.PathLike | None 
     if checkpoint is not None and expected and Path(checkpoint).is_file() and file_sha256(checkpoint) != expected:
         warnings.warn(
             f"{path} holds template features computed with other weights than {checkpoint}: the matches will be wrong; "
-            "rebuild it with scripts/build_template.py for these weights"
+            "rebuild it with scripts/build_template.py for these weights",
+            stacklevel=2,
         )
     return template
 
@@ -137,8 +142,8 @@ def compute_template(
     do), so the features are those the inference sees; ``network`` gives multi-scale features (eval mode
     is set here). A landmark an item lacks is NaN in ``queries``.
     """
-    from bundle.templates import prepare_template
     from bundle.oneshot import feature_vectors
+    from bundle.templates import prepare_template
 
     if not items:
         raise ValueError("compute_template needs at least one annotated item")
@@ -157,19 +162,23 @@ def compute_template(
             queries[valid] = torch.stack([v[0].float().cpu() for v in vectors], dim=1)
         per_template.append(queries)
     strides = [int(s) for s in getattr(network, "strides", [])] or [grid_size[0] // f.shape[2] for f in features]
-    return check_template({
-        "format": TEMPLATE_FORMAT,
-        "landmark_names": [str(n) for n in landmark_names],
-        "queries": torch.stack(per_template),
-        "strides": strides,
-        "spatial_dims": len(grid_size),
-        "grid_size": list(grid_size),
-        "sources": [Path(str(it["image"])).name for it in items],
-        "checkpoint_sha256": file_sha256(checkpoint) if checkpoint is not None else "",
-    })
+    return check_template(
+        {
+            "format": TEMPLATE_FORMAT,
+            "landmark_names": [str(n) for n in landmark_names],
+            "queries": torch.stack(per_template),
+            "strides": strides,
+            "spatial_dims": len(grid_size),
+            "grid_size": list(grid_size),
+            "sources": [Path(str(it["image"])).name for it in items],
+            "checkpoint_sha256": file_sha256(checkpoint) if checkpoint is not None else "",
+        }
+    )
 
 
-def template_source_names(template_path: str | os.PathLike, template_datalist: str | os.PathLike | None = None) -> list[str]:
+def template_source_names(
+    template_path: str | os.PathLike, template_datalist: str | os.PathLike | None = None
+) -> list[str]:
     """The landmark names of the template source: ``template_datalist`` when given, else the feature file."""
     if template_datalist:
         from bundle.data.embedded import open_datalist
@@ -224,7 +233,9 @@ def image_items(images: str | Sequence[str] | None, dataset_dir: str | os.PathLi
     folder = Path(dataset_dir)
     if not folder.is_dir():
         return []
-    return [{"image": str(p)} for p in sorted(folder.iterdir()) if p.is_file() and p.name.lower().endswith(IMAGE_SUFFIXES)]
+    return [
+        {"image": str(p)} for p in sorted(folder.iterdir()) if p.is_file() and p.name.lower().endswith(IMAGE_SUFFIXES)
+    ]
 
 
 def require_items(items: Sequence[Any], dataset_dir: str | os.PathLike) -> None:
@@ -270,7 +281,10 @@ class TemplateFeatureInferer(Inferer):
         self.landmark_names = self.template["landmark_names"]
         self.template_combine = template_combine
         self.matcher = OneShotInferer(
-            combine=combine, scale_weights=scale_weights, refine_radius=refine_radius, refine_resolution=refine_resolution
+            combine=combine,
+            scale_weights=scale_weights,
+            refine_radius=refine_radius,
+            refine_resolution=refine_resolution,
         )
 
     @torch.no_grad()

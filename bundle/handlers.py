@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -65,84 +64,55 @@ class AtomicSaveHandler(BaseSaveHandler):
 
 
 class AtomicCheckpointSaver:
-    """MONAI's ``CheckpointSaver`` (same arguments, events, file names and log lines) with atomic writes.
+    """The configs' model saver (in place of MONAI's ``CheckpointSaver``, whose writes are not atomic).
 
-    Its final, key-metric and interval checkpoints are Ignite ``Checkpoint`` objects writing through
+    ``save_final``: the state of ``save_dict`` when the engine completes or fails, to ``final_filename``.
+    ``save_key_metric``: after each evaluation whose key metric (``engine.state.key_metric_name``) is the best
+    so far, to ``key_metric_filename``; the lowest is best with ``key_metric_negative_sign``. Both are Ignite
+    ``Checkpoint`` objects (a single object is saved as its own ``state_dict``) writing through
     :class:`AtomicSaveHandler`. ``state_dict``/``load_state_dict`` carry the key-metric ranking, so that a
-    resumed run keeps the best ``model.pt`` of the run before it.
+    resumed run keeps the best file of the run before it.
     """
 
     def __init__(
         self,
-        save_dir: str,
+        save_dir: str | os.PathLike,
         save_dict: dict,
-        name: str | None = None,
-        file_prefix: str = "",
         save_final: bool = False,
-        final_filename: str | None = None,
+        final_filename: str = "model_final.pt",
         save_key_metric: bool = False,
-        key_metric_name: str | None = None,
-        key_metric_n_saved: int = 1,
-        key_metric_filename: str | None = None,
-        key_metric_save_state: bool = False,
-        key_metric_greater_or_equal: bool = False,
+        key_metric_filename: str = "model.pt",
         key_metric_negative_sign: bool = False,
-        epoch_level: bool = True,
-        save_interval: int = 0,
-        n_saved: int | None = None,
     ) -> None:
-        if save_dir is None:
-            raise AssertionError("must provide directory to save the checkpoints.")
-        if not (save_dict is not None and len(save_dict) > 0):
-            raise AssertionError("must provide source objects to save.")
-        self.save_dir, self.save_dict = save_dir, save_dict
-        self.name, self.logger = name, logging.getLogger(name)
-        self.epoch_level, self.save_interval = epoch_level, save_interval
-        self.final_filename = final_filename
-        self.final_checkpoint: Checkpoint | None = None
-        self.key_metric_checkpoint: Checkpoint | None = None
-        self.interval_checkpoint: Checkpoint | None = None
-
+        if not save_dict:
+            raise ValueError("AtomicCheckpointSaver: save_dict is empty, there is nothing to save")
+        self.save_dir = Path(save_dir)
+        self.sign = -1.0 if key_metric_negative_sign else 1.0
+        self.logger = logging.getLogger(__name__)
+        self.final_checkpoint = self.key_metric_checkpoint = None
         if save_final:
             self.final_checkpoint = Checkpoint(
-                to_save=self.save_dict, save_handler=AtomicSaveHandler(save_dir, final_filename),
-                filename_prefix=file_prefix, score_function=lambda engine: engine.state.iteration,
+                save_dict,
+                AtomicSaveHandler(save_dir, final_filename),
+                score_function=lambda engine: engine.state.iteration,
                 score_name="final_iteration",
             )
+            self.final_path = self.save_dir / final_filename
         if save_key_metric:
-
-            def score(engine: Engine) -> Any:
-                if isinstance(key_metric_name, str):
-                    metric_name = key_metric_name
-                elif hasattr(engine.state, "key_metric_name"):
-                    metric_name = engine.state.key_metric_name
-                else:
-                    raise ValueError(
-                        f"Incompatible values: save_key_metric=True and key_metric_name={key_metric_name}."
-                    )
-                metric = engine.state.metrics[metric_name]
-                if not is_scalar(metric):
-                    warnings.warn(
-                        "key metric is not a scalar value, skip metric comparison and don't save a model."
-                        "please use other metrics as key metric, or change the `reduction` mode to 'mean'."
-                        f"got metric: {metric_name}={metric}."
-                    )
-                    return -1
-                return (-1 if key_metric_negative_sign else 1) * metric
-
-            if key_metric_filename is not None and key_metric_n_saved > 1:
-                raise ValueError("if using fixed filename to save the best metric model, we should only save 1 model.")
             self.key_metric_checkpoint = Checkpoint(
-                to_save=self.save_dict, save_handler=AtomicSaveHandler(save_dir, key_metric_filename),
-                filename_prefix=file_prefix, score_function=score, score_name="key_metric", n_saved=key_metric_n_saved,
-                include_self=key_metric_save_state, greater_or_equal=key_metric_greater_or_equal,
+                save_dict,
+                AtomicSaveHandler(save_dir, key_metric_filename),
+                score_function=self.score,
+                score_name="key_metric",
             )
-        if save_interval > 0:
-            self.interval_checkpoint = Checkpoint(
-                to_save=self.save_dict, save_handler=AtomicSaveHandler(save_dir), filename_prefix=file_prefix,
-                score_function=lambda engine: engine.state.epoch if self.epoch_level else engine.state.iteration,
-                score_name="epoch" if self.epoch_level else "iteration", n_saved=n_saved,
-            )
+
+    def score(self, engine: Engine) -> float:
+        """The evaluation's key metric, signed so that higher ranks better."""
+        name = engine.state.key_metric_name
+        value = engine.state.metrics[name]
+        if not is_scalar(value):
+            raise ValueError(f"the key metric {name} must be a scalar to rank checkpoints, got {value!r}")
+        return self.sign * float(value)
 
     def state_dict(self) -> dict:
         return {} if self.key_metric_checkpoint is None else self.key_metric_checkpoint.state_dict()
@@ -152,47 +122,22 @@ class AtomicCheckpointSaver:
             self.key_metric_checkpoint.load_state_dict(state_dict)
 
     def attach(self, engine: Engine) -> None:
-        if self.name is None:
-            self.logger = engine.logger
         if self.final_checkpoint is not None:
-            engine.add_event_handler(Events.COMPLETED, self.completed)
-            engine.add_event_handler(Events.EXCEPTION_RAISED, self.exception_raised)
+            engine.add_event_handler(Events.COMPLETED, self.save_final)
+            engine.add_event_handler(Events.EXCEPTION_RAISED, self.save_final_and_raise)
         if self.key_metric_checkpoint is not None:
-            engine.add_event_handler(Events.EPOCH_COMPLETED, self.metrics_completed)
-        if self.interval_checkpoint is not None:
-            event = Events.EPOCH_COMPLETED if self.epoch_level else Events.ITERATION_COMPLETED
-            engine.add_event_handler(event(every=self.save_interval), self.interval_completed)
+            engine.add_event_handler(Events.EPOCH_COMPLETED, self.key_metric_checkpoint)
 
-    def _save_final(self, engine: Engine) -> str:
-        """Save the final checkpoint in place of an earlier one; return its path."""
-        previous = self.final_checkpoint.last_checkpoint
-        if previous is not None:
-            self.final_checkpoint.reset()
-            self.final_checkpoint.save_handler.remove(str(previous))
-            self.logger.info(f"Deleted previous saved final checkpoint: {previous}")
+    def save_final(self, engine: Engine) -> None:
+        """Write the final state (over an earlier final file of this run: one fixed name)."""
+        self.final_checkpoint.reset()
         self.final_checkpoint(engine)
-        return os.path.join(self.save_dir, self.final_filename or str(self.final_checkpoint.last_checkpoint))
+        self.logger.info("final checkpoint saved: %s", self.final_path)
 
-    def completed(self, engine: Engine) -> None:
-        """``COMPLETED``: save the final checkpoint."""
-        self.logger.info(f"Train completed, saved final checkpoint: {self._save_final(engine)}")
-
-    def exception_raised(self, engine: Engine, e: Exception) -> None:
-        """``EXCEPTION_RAISED``: save the final checkpoint and raise ``e`` again."""
-        self.logger.info(f"Exception raised, saved the last checkpoint: {self._save_final(engine)}")
-        raise e
-
-    def metrics_completed(self, engine: Engine) -> None:
-        """``EPOCH_COMPLETED``: save when the key metric is the best so far."""
-        self.key_metric_checkpoint(engine)
-
-    def interval_completed(self, engine: Engine) -> None:
-        """Every ``save_interval`` epochs (iterations): save."""
-        self.interval_checkpoint(engine)
-        if self.epoch_level:
-            self.logger.info(f"Saved checkpoint at epoch: {engine.state.epoch}")
-        else:
-            self.logger.info(f"Saved checkpoint at iteration: {engine.state.iteration}")
+    def save_final_and_raise(self, engine: Engine, error: Exception) -> None:
+        """On an exception: keep the state reached, then raise the exception again."""
+        self.save_final(engine)
+        raise error
 
 
 class LastCheckpointSaver:
@@ -409,13 +354,19 @@ class LandmarkReportHandler:
         if "mre_mm" not in summary:  # inference on unlabelled images: predictions only
             self.logger.info(
                 "one-shot detection on %d images without reference landmarks: predictions in %s",
-                len(self.records), self.output_dir,
+                len(self.records),
+                self.output_dir,
             )
             return summary
         sdr = ", ".join(f"{k} mm {v:.1f}%" for k, v in summary["sdr"].items())
         self.logger.info(
             "one-shot detection on %d images: MRE %.3f +/- %.3f mm (%.2f px); SDR %s; reports in %s",
-            summary["n_images"], summary["mre_mm"], summary["mre_std_mm"], summary["mre_px"], sdr, self.output_dir,
+            summary["n_images"],
+            summary["mre_mm"],
+            summary["mre_std_mm"],
+            summary["mre_px"],
+            sdr,
+            self.output_dir,
         )
         return summary
 
@@ -427,7 +378,9 @@ class LandmarkReportHandler:
         errors_px = radial_errors(preds / spacings, refs / spacings)
         rows = [
             {
-                "image": r["image"], "landmark": name, "point": physical_to_datalist(r["pred"][j], r["spacing"]),
+                "image": r["image"],
+                "landmark": name,
+                "point": physical_to_datalist(r["pred"][j], r["spacing"]),
                 "error_mm": errors_mm[i, j],
             }
             for i, r in enumerate(self.records)

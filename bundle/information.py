@@ -21,6 +21,7 @@ import torch
 from bundle.information_groups import GROUP_NAMES, check_thresholds, information_groups
 from bundle.transforms.intensity import adjust_brightness_contrast
 
+
 def _as_float_array(x, name: str) -> np.ndarray:
     arr = x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
     arr = arr.astype(np.float64, copy=False)
@@ -31,7 +32,9 @@ def _as_float_array(x, name: str) -> np.ndarray:
     return arr
 
 
-def _paired_mutual_information(a: np.ndarray, b: np.ndarray, bins: int, value_range: Sequence[float] | None) -> np.ndarray:
+def _paired_mutual_information(
+    a: np.ndarray, b: np.ndarray, bins: int, value_range: Sequence[float] | None
+) -> np.ndarray:
     """MI (bits) of each row pair ``a[i], b[i]`` of two ``(N, M)`` arrays; see :func:`mutual_information`."""
     n = a.shape[0]
     if value_range is None:
@@ -96,7 +99,9 @@ def extract_patches(image: np.ndarray, points: np.ndarray, patch_size: int) -> t
     return patches, valid
 
 
-def offset_correspondences(template_landmarks: np.ndarray, other_landmarks: np.ndarray, radius: int, stride: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def offset_correspondences(
+    template_landmarks: np.ndarray, other_landmarks: np.ndarray, radius: int, stride: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Candidate key points around annotated landmarks and their correspondences in the other images.
 
     Each landmark ``L`` of the template (and ``L'`` of another image) gives the points ``L + d`` and
@@ -124,11 +129,24 @@ def _augmented_mi(patches: torch.Tensor, brightness: float, contrast: float, bin
 
     augmented = adjust_brightness_contrast(patches, brightness, contrast)
     flat = patches.reshape(len(patches), -1).numpy()
-    return float(_paired_mutual_information(flat, augmented.reshape(len(patches), -1).numpy(), bins, value_range).mean())
+    return float(
+        _paired_mutual_information(flat, augmented.reshape(len(patches), -1).numpy(), bins, value_range).mean()
+    )
 
 
-def _group_keypoints(template, others, template_points, correspondences, point_entropy, thresholds, n_keypoints,
-                     min_keypoints, patch_size, alpha_hat, seed) -> tuple[np.ndarray, list, list]:
+def _group_keypoints(
+    template,
+    others,
+    template_points,
+    correspondences,
+    point_entropy,
+    thresholds,
+    n_keypoints,
+    min_keypoints,
+    patch_size,
+    alpha_hat,
+    seed,
+) -> tuple[np.ndarray, list, list]:
     """The key-point selection both estimators share: the arguments checked, the template's patches and the
     corresponding patches of every other image (:func:`extract_patches`, with their validity), and per IIE
     group ``(name, candidates, chosen)``: the usable candidates and at most ``n_keypoints`` of them drawn
@@ -137,7 +155,9 @@ def _group_keypoints(template, others, template_points, correspondences, point_e
     if not alpha_hat > 0:
         raise ValueError(f"alpha_hat must be positive, got {alpha_hat!r}")
     if patch_size < 2 or n_keypoints < 1 or min_keypoints < 1:
-        raise ValueError(f"need patch_size >= 2, n_keypoints >= 1, min_keypoints >= 1; got {patch_size}, {n_keypoints}, {min_keypoints}")
+        raise ValueError(
+            f"need patch_size >= 2, n_keypoints >= 1, min_keypoints >= 1; got {patch_size}, {n_keypoints}, {min_keypoints}"
+        )
     template = _as_float_array(template, "template image")
     points = np.asarray(template_points, dtype=np.float64).reshape(-1, template.ndim)
     corr = np.asarray(correspondences, dtype=np.float64).reshape(len(others), len(points), template.ndim)
@@ -146,13 +166,17 @@ def _group_keypoints(template, others, template_points, correspondences, point_e
         raise ValueError(f"point_entropy has {len(entropy)} values for {len(points)} template points")
     template_patches, ok = extract_patches(template, points, patch_size)
     ok &= np.isfinite(entropy)
-    other_patches = [extract_patches(_as_float_array(img, f"image {i}"), corr[i], patch_size) for i, img in enumerate(others)]
+    other_patches = [
+        extract_patches(_as_float_array(img, f"image {i}"), corr[i], patch_size) for i, img in enumerate(others)
+    ]
     groups = information_groups(np.where(np.isfinite(entropy), entropy, 0.0), thresholds)
     rng = np.random.default_rng(seed)
     keypoints = []
     for g, name in enumerate(GROUP_NAMES):
         candidates = np.flatnonzero(ok & (groups == g))
-        keypoints.append((name, candidates, np.sort(rng.choice(candidates, size=min(n_keypoints, len(candidates)), replace=False))))
+        keypoints.append(
+            (name, candidates, np.sort(rng.choice(candidates, size=min(n_keypoints, len(candidates)), replace=False)))
+        )
     return template_patches, other_patches, keypoints
 
 
@@ -161,9 +185,12 @@ def _keypoint_entry(candidates: np.ndarray, chosen: np.ndarray, n_pairs: int, mi
     (brightness and contrast None)."""
     entry: dict = {"n_candidates": int(len(candidates)), "n_keypoints": int(len(chosen)), "n_pairs": int(n_pairs)}
     if len(chosen) < min_keypoints or n_pairs == 0:
-        entry.update(brightness=None, contrast=None,
-                     note=f"only {len(chosen)} key points with {n_pairs} corresponding patches in this group "
-                          f"(need >= {min_keypoints} key points and >= 1 pair): no estimate")
+        entry.update(
+            brightness=None,
+            contrast=None,
+            note=f"only {len(chosen)} key points with {n_pairs} corresponding patches in this group "
+            f"(need >= {min_keypoints} key points and >= 1 pair): no estimate",
+        )
     return entry
 
 
@@ -207,8 +234,17 @@ def estimate_group_intensities(
     if not (0 < step <= max_intensity <= 1):
         raise ValueError(f"need 0 < step <= max_intensity <= 1, got step={step!r}, max_intensity={max_intensity!r}")
     template_patches, other_patches, keypoints = _group_keypoints(
-        template, others, template_points, correspondences, point_entropy, thresholds, n_keypoints, min_keypoints,
-        patch_size, alpha_hat, seed,
+        template,
+        others,
+        template_points,
+        correspondences,
+        point_entropy,
+        thresholds,
+        n_keypoints,
+        min_keypoints,
+        patch_size,
+        alpha_hat,
+        seed,
     )
     n_steps = int(math.floor(max_intensity / step + 1e-9))
     ts = [round((k + 1) * step, 10) for k in range(n_steps)]
@@ -228,12 +264,17 @@ def estimate_group_intensities(
         correspondence_mi = float(pair_mi.mean())
         target = alpha_hat * correspondence_mi
         patches_t = torch.from_numpy(template_patches[chosen])
-        entry.update(correspondence_mi=correspondence_mi, target_mi=target,
-                     self_mi=_augmented_mi(patches_t, 1.0, 1.0, bins, value_range))
+        entry.update(
+            correspondence_mi=correspondence_mi,
+            target_mi=target,
+            self_mi=_augmented_mi(patches_t, 1.0, 1.0, bins, value_range),
+        )
         curves = {
             "brightness": lambda t: _augmented_mi(patches_t, 1.0 - t, 1.0, bins, value_range),
-            "contrast": lambda t: min(_augmented_mi(patches_t, 1.0, 1.0 - t, bins, value_range),
-                                      _augmented_mi(patches_t, 1.0, 1.0 + t, bins, value_range)),
+            "contrast": lambda t: min(
+                _augmented_mi(patches_t, 1.0, 1.0 - t, bins, value_range),
+                _augmented_mi(patches_t, 1.0, 1.0 + t, bins, value_range),
+            ),
         }
         for kind, curve in curves.items():
             reached, mi = ts[-1], float("nan")
@@ -296,16 +337,30 @@ def distribution_mutual_information(a, b, bins: int = 256) -> float:
 RANGE_KINDS = ("brightness", "contrast")
 
 
-def _distribution_curve_mi(histograms: list[np.ndarray], patches: torch.Tensor, kind: str, factor: float, bins: int) -> float:
+def _distribution_curve_mi(
+    histograms: list[np.ndarray], patches: torch.Tensor, kind: str, factor: float, bins: int
+) -> float:
     """Mean over the patches of the distribution MI between each patch and its copy augmented by ``factor``."""
 
-    augmented = adjust_brightness_contrast(patches, factor, 1.0) if kind == "brightness" else adjust_brightness_contrast(patches, 1.0, factor)
+    augmented = (
+        adjust_brightness_contrast(patches, factor, 1.0)
+        if kind == "brightness"
+        else adjust_brightness_contrast(patches, 1.0, factor)
+    )
     out = augmented.numpy()
-    return float(np.mean([paired_sample_mutual_information(h, grey_level_histogram(p, bins)) for h, p in zip(histograms, out)]))
+    return float(
+        np.mean([paired_sample_mutual_information(h, grey_level_histogram(p, bins)) for h, p in zip(histograms, out)])
+    )
 
 
 def search_factor_range(
-    patches, target: float, kind: str, step: float = 0.01, min_factor: float = 0.0, max_factor: float = 3.0, bins: int = 256
+    patches,
+    target: float,
+    kind: str,
+    step: float = 0.01,
+    min_factor: float = 0.0,
+    max_factor: float = 3.0,
+    bins: int = 256,
 ) -> dict:
     """Asymmetric ColorJitter factor range ``[lo, hi]`` of one kind (``brightness``, ``contrast``) for a target MI.
 
@@ -320,7 +375,9 @@ def search_factor_range(
     if kind not in RANGE_KINDS:
         raise ValueError(f"kind must be one of {RANGE_KINDS}, got {kind!r}")
     if not (0 < step < 1 and 0 <= min_factor < 1 < max_factor):
-        raise ValueError(f"need 0 < step < 1 and 0 <= min_factor < 1 < max_factor, got {step!r}, {min_factor!r}, {max_factor!r}")
+        raise ValueError(
+            f"need 0 < step < 1 and 0 <= min_factor < 1 < max_factor, got {step!r}, {min_factor!r}, {max_factor!r}"
+        )
     patches_t = torch.as_tensor(_as_float_array(patches, "patches"))
     histograms = [grey_level_histogram(p, bins) for p in patches_t.numpy()]
     result: dict = {}
@@ -366,14 +423,25 @@ def estimate_group_ranges(
     patches gives ``brightness = [lo, hi]`` and ``contrast = [lo, hi]`` (ColorJitter factors).
     """
     template_patches, other_patches, keypoints = _group_keypoints(
-        template, others, template_points, correspondences, point_entropy, thresholds, n_keypoints, min_keypoints,
-        patch_size, alpha_hat, seed,
+        template,
+        others,
+        template_points,
+        correspondences,
+        point_entropy,
+        thresholds,
+        n_keypoints,
+        min_keypoints,
+        patch_size,
+        alpha_hat,
+        seed,
     )
     result: dict = {}
     for name, candidates, chosen in keypoints:
         pair_mi = [
             distribution_mutual_information(template_patches[i], patches[i], bins)
-            for patches, valid in other_patches for i in chosen if valid[i]
+            for patches, valid in other_patches
+            for i in chosen
+            if valid[i]
         ]
         entry = _keypoint_entry(candidates, chosen, len(pair_mi), min_keypoints)
         if "note" in entry:
@@ -382,8 +450,11 @@ def estimate_group_ranges(
         correspondence_mi = float(np.mean(pair_mi))
         target = alpha_hat * correspondence_mi
         patches = template_patches[chosen]
-        entry.update(correspondence_mi=correspondence_mi, target_mi=target,
-                     self_mi=float(np.mean([distribution_mutual_information(p, p, bins) for p in patches])))
+        entry.update(
+            correspondence_mi=correspondence_mi,
+            target_mi=target,
+            self_mi=float(np.mean([distribution_mutual_information(p, p, bins) for p in patches])),
+        )
         for kind in RANGE_KINDS:
             found = search_factor_range(patches, target, kind, step, min_factor, max_factor, bins)
             entry[kind] = [found["lo"], found["hi"]]

@@ -142,7 +142,9 @@ class StagedOutputs:
             parent = self.output_dir.parent
             parent.mkdir(parents=True, exist_ok=True)
             remove_stale_temporaries(self.output_dir, self.MARKER)
-            self._folder = Path(tempfile.mkdtemp(prefix=_temp_prefix(self.output_dir.name), suffix=self.MARKER, dir=parent))
+            self._folder = Path(
+                tempfile.mkdtemp(prefix=_temp_prefix(self.output_dir.name), suffix=self.MARKER, dir=parent)
+            )
             _ACTIVE_STAGING.add(self._folder)
         return self._folder
 
@@ -167,7 +169,9 @@ class StagedOutputs:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         old: Iterable[Path] = self.owned(self.output_dir) if self.owned is not None else []
         old = [p for p in old if p.exists() or p.is_symlink()]
-        trash = Path(tempfile.mkdtemp(prefix=_temp_prefix(self.output_dir.name), suffix=self.MARKER, dir=self.output_dir.parent))
+        trash = Path(
+            tempfile.mkdtemp(prefix=_temp_prefix(self.output_dir.name), suffix=self.MARKER, dir=self.output_dir.parent)
+        )
         try:
             for i, p in enumerate(old):
                 os.replace(p, trash / f"{i}_{p.name}")

@@ -48,7 +48,9 @@ def apply_homogeneous(matrix, points, inverse: bool = False) -> torch.Tensor:
     return p @ m[..., :d, :d].transpose(-1, -2) + m[..., None, :d, d]
 
 
-def feature_vectors(features: Sequence[torch.Tensor], points: torch.Tensor, grid_size: Sequence[int]) -> list[torch.Tensor]:
+def feature_vectors(
+    features: Sequence[torch.Tensor], points: torch.Tensor, grid_size: Sequence[int]
+) -> list[torch.Tensor]:
     """Unit feature vectors ``(B, N, C)`` at grid ``points`` ``(B, N, D)`` for each scale's map ``(B, C, *S)``."""
     return [F.normalize(sample_features(_plain(f).float(), points.float(), grid_size), dim=-1) for f in features]
 
@@ -131,7 +133,9 @@ class OneShotInferer(Inferer):
         if combine not in COMBINE_MODES:
             raise ValueError(f"combine must be one of {COMBINE_MODES}, got {combine!r}")
         if refine_radius < 0 or refine_resolution <= 0:
-            raise ValueError(f"refine_radius must be >= 0 and refine_resolution > 0, got {refine_radius}, {refine_resolution}")
+            raise ValueError(
+                f"refine_radius must be >= 0 and refine_resolution > 0, got {refine_radius}, {refine_resolution}"
+            )
         if max_map_elements < 1:
             raise ValueError(f"max_map_elements must be positive, got {max_map_elements}")
         if template_combine not in COMBINE_RULES:
@@ -151,7 +155,9 @@ class OneShotInferer(Inferer):
     def set_templates(self, images: Sequence[torch.Tensor], points: Sequence) -> None:
         """Use K templates: grid images ``(1, 1, *spatial)`` of one size and landmarks ``(L, D)`` (same L; NaN = missing)."""
         if len(images) != len(points) or not images:
-            raise ValueError(f"need one landmark array per template image and at least one template, got {len(images)} and {len(points)}")
+            raise ValueError(
+                f"need one landmark array per template image and at least one template, got {len(images)} and {len(points)}"
+            )
         templates = []
         for k, (image, pts) in enumerate(zip(images, points)):
             image = _plain(torch.as_tensor(image))
@@ -182,7 +188,9 @@ class OneShotInferer(Inferer):
     def _combine(self, cosines: Sequence[torch.Tensor]) -> torch.Tensor:
         """Combine per-scale cosine maps (same shape) into one score map."""
         if self.scale_weights is not None and len(self.scale_weights) != len(cosines):
-            raise ValueError(f"scale_weights has {len(self.scale_weights)} values but the network gives {len(cosines)} scales")
+            raise ValueError(
+                f"scale_weights has {len(self.scale_weights)} values but the network gives {len(cosines)} scales"
+            )
         weights = self.scale_weights or [1.0] * len(cosines)
         if self.combine == "product":
             terms = [((c + 1.0) * 0.5).clamp(0.0, 1.0) for c in cosines]
@@ -204,7 +212,11 @@ class OneShotInferer(Inferer):
         return [_upsampled_norm(_plain(f).float(), grid_size, self._chunk(f.shape[0], grid_size)) for f in features]
 
     def combined_map(
-        self, queries: Sequence[torch.Tensor], maps: Sequence[torch.Tensor], norms: Sequence[torch.Tensor], grid_size: tuple[int, ...]
+        self,
+        queries: Sequence[torch.Tensor],
+        maps: Sequence[torch.Tensor],
+        norms: Sequence[torch.Tensor],
+        grid_size: tuple[int, ...],
     ) -> torch.Tensor:
         """Combined similarity ``(B, N, *G)`` of unit queries ``(B, N, C)`` with the feature maps on the grid.
 
@@ -250,7 +262,14 @@ class OneShotInferer(Inferer):
             scores.append(score)
         return torch.cat(positions, dim=1), torch.cat(scores, dim=1)
 
-    def _refine(self, q_chunk: list[torch.Tensor], maps: list[torch.Tensor], peaks: torch.Tensor, lattice: torch.Tensor, grid_size: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _refine(
+        self,
+        q_chunk: list[torch.Tensor],
+        maps: list[torch.Tensor],
+        peaks: torch.Tensor,
+        lattice: torch.Tensor,
+        grid_size: tuple[int, ...],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Maximise the combined similarity on the lattice around each integer peak (then a parabola fit)."""
         b, n, d = peaks.shape
         k = round(lattice.shape[0] ** (1.0 / d))
@@ -266,7 +285,9 @@ class OneShotInferer(Inferer):
         return torch.minimum(refined.clamp_min(0.0), upper), value
 
     @torch.no_grad()
-    def predict_per_template(self, inputs: torch.Tensor, network, cycle: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def predict_per_template(
+        self, inputs: torch.Tensor, network, cycle: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Each template's predictions ``(K, B, L, D)`` on the grid (float64, NaN where a template lacks a landmark).
 
         With ``cycle``, also the forward-backward cycle error ``(K, B, L)`` in grid pixels: the input's feature
@@ -274,14 +295,20 @@ class OneShotInferer(Inferer):
         (a label-free reliability of the match; NaN where the landmark is missing).
         """
         if not self.templates:
-            raise RuntimeError("OneShotInferer: call set_template(image, points) or set_templates(...) before inference")
+            raise RuntimeError(
+                "OneShotInferer: call set_template(image, points) or set_templates(...) before inference"
+            )
         inputs = _plain(inputs)
         grid_size = tuple(inputs.shape[2:])
         if tuple(self.template_image.shape[2:]) != grid_size:
-            raise ValueError(f"template grid {tuple(self.template_image.shape[2:])} differs from the input grid {grid_size}")
+            raise ValueError(
+                f"template grid {tuple(self.template_image.shape[2:])} differs from the input grid {grid_size}"
+            )
         b = inputs.shape[0]
         n_landmarks, spatial_dims = self.template_points.shape
-        out = torch.full((len(self.templates), b, n_landmarks, spatial_dims), float("nan"), dtype=torch.float64, device=inputs.device)
+        out = torch.full(
+            (len(self.templates), b, n_landmarks, spatial_dims), float("nan"), dtype=torch.float64, device=inputs.device
+        )
         errors = torch.full(out.shape[:-1], float("nan"), dtype=torch.float64, device=inputs.device) if cycle else None
         features = list(network(inputs))
         norms = self.feature_norms(features, grid_size)
@@ -297,7 +324,9 @@ class OneShotInferer(Inferer):
             found = self.match(queries, features, grid_size, norms)[0]
             out[k][:, valid] = found
             if cycle:
-                back_queries = [v.reshape(1, -1, v.shape[-1]) for v in feature_vectors(features, found.float(), grid_size)]
+                back_queries = [
+                    v.reshape(1, -1, v.shape[-1]) for v in feature_vectors(features, found.float(), grid_size)
+                ]
                 back = self.match(back_queries, template_features, grid_size)[0].reshape(b, -1, spatial_dims)
                 errors[k][:, valid] = (back - points.double()).norm(dim=-1)
         return out, errors

@@ -19,8 +19,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from bundle.oneshot import OneShotInferer, apply_homogeneous
 from bundle.kshot import combine_landmarks
+from bundle.oneshot import OneShotInferer, apply_homogeneous
 from bundle.transforms.landmarks import physical_to_datalist
 
 logger = logging.getLogger(__name__)
@@ -57,7 +57,8 @@ def reliable_landmarks(labelled: dict, cycle_tolerance: float) -> dict:
     """The pseudo-labelled item with every landmark whose cycle error exceeds ``cycle_tolerance`` set to ``None``."""
     item = dict(labelled["item"])
     item["landmarks"] = [
-        p if p is not None and np.isfinite(e) and e <= cycle_tolerance else None for p, e in zip(item["landmarks"], labelled["cycle_error"])
+        p if p is not None and np.isfinite(e) and e <= cycle_tolerance else None
+        for p, e in zip(item["landmarks"], labelled["cycle_error"])
     ]
     return item
 
@@ -78,7 +79,13 @@ def select_pseudo_templates(labelled: Sequence[dict], keep: int, cycle_tolerance
         raise ValueError(f"the number of pseudo-templates to keep must be >= 0, got {keep}")
     ranked = sorted(labelled, key=lambda entry: reliability(entry, cycle_tolerance), reverse=True)
     chosen = [reliable_landmarks(entry, cycle_tolerance) for entry in ranked[:keep]]
-    for entry, item in zip(ranked, chosen):
+    for item in chosen:
         kept = sum(p is not None for p in item["landmarks"])
-        logger.info("pseudo-template %s: %d of %d landmarks kept (cycle error <= %.1f px)", item["image"], kept, len(item["landmarks"]), cycle_tolerance)
+        logger.info(
+            "pseudo-template %s: %d of %d landmarks kept (cycle error <= %.1f px)",
+            item["image"],
+            kept,
+            len(item["landmarks"]),
+            cycle_tolerance,
+        )
     return chosen

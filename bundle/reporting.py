@@ -36,7 +36,9 @@ def report_outputs(output_dir: str | os.PathLike) -> list[Path]:
     return [output_dir / n for n in REPORT_FILES] + sorted(output_dir.glob("*.mrk.json"))
 
 
-def write_metrics_json(path: str | os.PathLike, summary: Mapping[str, Any], template: str | Sequence[str], checkpoint: str) -> Path:
+def write_metrics_json(
+    path: str | os.PathLike, summary: Mapping[str, Any], template: str | Sequence[str], checkpoint: str
+) -> Path:
     """Write metrics.json: the :func:`bundle.metrics.summarize_errors` keys plus ``template`` and ``checkpoint``.
 
     ``template`` is one image or a list of them (k-shot): ``template`` gets the first, and ``templates`` the
@@ -48,7 +50,13 @@ def write_metrics_json(path: str | os.PathLike, summary: Mapping[str, Any], temp
     templates = [str(template)] if isinstance(template, (str, os.PathLike)) else [str(t) for t in template]
     extra = {"templates": templates} if len(templates) > 1 else {}
     return write_json_atomic(
-        path, {**{k: summary[k] for k in SUMMARY_KEYS}, "template": templates[0] if templates else "", **extra, "checkpoint": str(checkpoint)}
+        path,
+        {
+            **{k: summary[k] for k in SUMMARY_KEYS},
+            "template": templates[0] if templates else "",
+            **extra,
+            "checkpoint": str(checkpoint),
+        },
     )
 
 
@@ -74,7 +82,9 @@ def write_predictions_csv(path: str | os.PathLike, rows: Iterable[Mapping[str, A
     writer.writerow(["image", "landmark", *AXES[:dims], "error_mm"])
     for i, row in enumerate(rows):
         if len(row["point"]) != dims:
-            raise ValueError(f"{path}: row {i} ({row['image']}, {row['landmark']}) has {len(row['point'])} coordinates, expected {dims}")
+            raise ValueError(
+                f"{path}: row {i} ({row['image']}, {row['landmark']}) has {len(row['point'])} coordinates, expected {dims}"
+            )
         writer.writerow([row["image"], row["landmark"], *(_number(v) for v in row["point"]), _number(row["error_mm"])])
     return write_text_atomic(path, buffer.getvalue())
 
@@ -85,9 +95,15 @@ def read_predictions_csv(path: str | os.PathLike) -> list[dict[str, Any]]:
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
         axes = [a for a in AXES if a in (reader.fieldnames or [])]
-        return [{"image": row["image"], "landmark": row["landmark"],
-                 "point": np.array([float(row[a] or "nan") for a in axes]),
-                 "error_mm": float(row["error_mm"] or "nan")} for row in reader]
+        return [
+            {
+                "image": row["image"],
+                "landmark": row["landmark"],
+                "point": np.array([float(row[a] or "nan") for a in axes]),
+                "error_mm": float(row["error_mm"] or "nan"),
+            }
+            for row in reader
+        ]
 
 
 def _png(fig: Figure) -> bytes:
@@ -134,7 +150,9 @@ def overlay_png(
     ax = fig.add_axes((0.0, 0.0, 1.0, 1.0))
     finite = image[np.isfinite(image)]
     lo, hi = np.percentile(finite, (0.5, 99.5)) if finite.size else (0.0, 1.0)
-    ax.imshow(image.T, cmap="gray", vmin=lo, vmax=hi if hi > lo else lo + 1.0, interpolation="bilinear", aspect=pixel_aspect)
+    ax.imshow(
+        image.T, cmap="gray", vmin=lo, vmax=hi if hi > lo else lo + 1.0, interpolation="bilinear", aspect=pixel_aspect
+    )
     for (rx, ry), (px, py) in zip(ref, pred):
         if np.isfinite([rx, ry, px, py]).all():
             ax.plot([rx, px], [ry, py], color="yellow", linewidth=1.0)
@@ -150,7 +168,9 @@ def overlay_png(
     return _png(fig)
 
 
-def save_sdr_curve(path: str | os.PathLike, errors_mm, max_mm: float = 10.0, marks: Sequence[float] = DEFAULT_THRESHOLDS) -> Path:
+def save_sdr_curve(
+    path: str | os.PathLike, errors_mm, max_mm: float = 10.0, marks: Sequence[float] = DEFAULT_THRESHOLDS
+) -> Path:
     """Plot SDR (%) against the threshold from 0 to ``max_mm`` mm, the ``marks`` thresholds labelled."""
     errors = np.asarray(errors_mm, dtype=np.float64).ravel()
     errors = errors[~np.isnan(errors)]
@@ -183,7 +203,9 @@ def unique_name(stem: str, taken: set[str]) -> str:
     return name
 
 
-def write_markups_per_image(output_dir: str | os.PathLike, records: Sequence[Mapping[str, Any]], names: Sequence[str]) -> list[Path]:
+def write_markups_per_image(
+    output_dir: str | os.PathLike, records: Sequence[Mapping[str, Any]], names: Sequence[str]
+) -> list[Path]:
     """One 3D Slicer ``.mrk.json`` (RAS) per record, ``output_dir/<image stem>.mrk.json``, of its ``pred`` (L, 3) world mm.
 
     A NaN prediction is stored as an unplaced point; two images with the same stem get ``_2``, ``_3``... suffixes.
@@ -193,7 +215,9 @@ def write_markups_per_image(output_dir: str | os.PathLike, records: Sequence[Map
     for record in records:
         pred = np.asarray(record["pred"], dtype=np.float64)
         if pred.shape != (len(names), 3):
-            raise ValueError(f"markups for {record['image']}: predictions {pred.shape} do not fit {len(names)} 3D landmarks")
+            raise ValueError(
+                f"markups for {record['image']}: predictions {pred.shape} do not fit {len(names)} 3D landmarks"
+            )
         points = [ControlPoint(str(n), tuple(p) if np.isfinite(p).all() else None) for n, p in zip(names, pred)]
         name = unique_name(image_stem(record["image"]), taken)
         paths.append(write_mrk_json(Path(output_dir) / f"{name}.mrk.json", points, coordinate_system="RAS"))

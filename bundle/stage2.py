@@ -72,7 +72,11 @@ class MaskedHeatmapLoss(_Loss):
         heatmap = torch.as_tensor(heatmap).float().to(pred.device)
         if heatmap.shape != pred.shape:
             raise ValueError(f"heatmap target {tuple(heatmap.shape)} and prediction {tuple(pred.shape)} differ")
-        mask = torch.ones(pred.shape[:2], device=pred.device) if mask is None else torch.as_tensor(mask).float().to(pred.device)
+        mask = (
+            torch.ones(pred.shape[:2], device=pred.device)
+            if mask is None
+            else torch.as_tensor(mask).float().to(pred.device)
+        )
         if self.kind == "bce":
             weight = 1.0 + (self.pos_weight - 1.0) * heatmap if self.pos_weight != 1.0 else None
             per_pixel = F.binary_cross_entropy_with_logits(pred, heatmap, weight=weight, reduction="none")
@@ -89,7 +93,9 @@ class HeatmapPrepareBatch:
         self.keys = (image_key, heatmap_key, mask_key)
 
     def __call__(self, batchdata: dict, device=None, non_blocking: bool = False, **kwargs: Any):
-        image, heatmap, mask = (torch.as_tensor(batchdata[k]).to(device=device, non_blocking=non_blocking, **kwargs) for k in self.keys)
+        image, heatmap, mask = (
+            torch.as_tensor(batchdata[k]).to(device=device, non_blocking=non_blocking, **kwargs) for k in self.keys
+        )
         return image, (heatmap, mask)
 
 
@@ -148,9 +154,9 @@ def pseudo_labelled_items(
     the images it is measured on. ``output_path``: the pseudo-labelled datalist is written there (atomic),
     with the per-landmark cycle errors under ``pseudo_labels``.
     """
-    from bundle.templates import with_templates
     from bundle.oneshot import OneShotInferer
     from bundle.pseudo_labels import pseudo_label, reliable_landmarks
+    from bundle.templates import with_templates
 
     template_images = {t["image"] for t in templates}
     held_out = _held_out_images(datalist) if exclude_held_out else set()
@@ -170,8 +176,12 @@ def pseudo_labelled_items(
     kept = sum(p is not None for it in items for p in it["landmarks"])
     total = sum(len(it["landmarks"]) for it in items)
     logger.info(
-        "stage 2: %d training images (%d template(s) + %d pseudo-labelled), %d of %d landmarks kept", len(items),
-        len(templates), len(labelled), kept, total,
+        "stage 2: %d training images (%d template(s) + %d pseudo-labelled), %d of %d landmarks kept",
+        len(items),
+        len(templates),
+        len(labelled),
+        kept,
+        total,
     )
     if output_path is not None:
         out = {k: v for k, v in datalist.items() if k not in ("training",)}

@@ -42,7 +42,9 @@ def _as_batch(image: torch.Tensor, index: int, grid_size: tuple[int, ...], devic
     return x[None].float().to(device)
 
 
-def _encode(network, inferer: OneShotInferer, image: torch.Tensor, index: int, grid_size: tuple[int, ...], device: torch.device):
+def _encode(
+    network, inferer: OneShotInferer, image: torch.Tensor, index: int, grid_size: tuple[int, ...], device: torch.device
+):
     """The network's feature maps of ``images[index]`` and their grid norms (:meth:`OneShotInferer.feature_norms`)."""
     features = list(network(_as_batch(image, index, grid_size, device)))
     return features, inferer.feature_norms(features, grid_size)
@@ -103,7 +105,9 @@ def select_template(
         for c in others:
             features_c, norms_c = cached[c]
             forward, similarity = inferer.match(queries[c], features_j, grid_size, norms_j)
-            backward, _ = inferer.match(feature_vectors(features_j, forward.float(), grid_size), features_c, grid_size, norms_c)
+            backward, _ = inferer.match(
+                feature_vectors(features_j, forward.float(), grid_size), features_c, grid_size, norms_c
+            )
             closes = (backward - points.double()).norm(dim=-1) <= cycle_tolerance
             totals[c] += float((similarity.double() * closes).mean())
     scores = [totals[c] / (n_images - 1) for c in candidates]
@@ -132,7 +136,9 @@ def landmark_transfer_errors(
     """
     n_images = len(images)
     if not n_images == len(points) == len(grid_to_physical) or n_images < 2:
-        raise ValueError(f"need at least 2 images with one points array and one matrix each, got {n_images}, {len(points)}, {len(grid_to_physical)}")
+        raise ValueError(
+            f"need at least 2 images with one points array and one matrix each, got {n_images}, {len(points)}, {len(grid_to_physical)}"
+        )
     inferer = OneShotInferer() if inferer is None else inferer
     grid_size = tuple(torch.as_tensor(images[0]).shape[1:])
     device = _device(network, torch.as_tensor(images[0]).device)

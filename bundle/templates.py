@@ -77,7 +77,11 @@ TEMPLATE_RULES = ("landmarks", "features")
 
 
 def resolve_template(
-    datalist: dict, network: torch.nn.Module, preprocessing, device: torch.device | str, max_images: int = 32,
+    datalist: dict,
+    network: torch.nn.Module,
+    preprocessing,
+    device: torch.device | str,
+    max_images: int = 32,
     rule: str = "landmarks",
 ) -> dict:
     """The evaluation template: the datalist's ``template``, else one chosen among its labelled training items.
@@ -111,8 +115,11 @@ def resolve_template(
             index, scores = select_template(network, images, candidates=candidates)
             how = f"score {scores[candidates.index(index)]:.3f}, no landmark read"
     logging.getLogger(__name__).info(
-        "template chosen among %d labelled training items (rule %r): %s (%s)", len(candidates), rule,
-        pool[index]["image"], how,
+        "template chosen among %d labelled training items (rule %r): %s (%s)",
+        len(candidates),
+        rule,
+        pool[index]["image"],
+        how,
     )
     return dict(pool[index])
 
@@ -130,8 +137,15 @@ def pseudo_template_pool(datalist: dict, templates: list[dict]) -> list[dict]:
 
 
 def resolve_templates(
-    datalist: dict, network: torch.nn.Module, preprocessing, device: torch.device | str, rule: str = "landmarks",
-    max_images: int = 32, pseudo_candidates: int = 0, pseudo_templates: int = 0, cycle_tolerance: float = 2.0,
+    datalist: dict,
+    network: torch.nn.Module,
+    preprocessing,
+    device: torch.device | str,
+    rule: str = "landmarks",
+    max_images: int = 32,
+    pseudo_candidates: int = 0,
+    pseudo_templates: int = 0,
+    cycle_tolerance: float = 2.0,
     combine: str = "geometric_median",
 ) -> list[dict]:
     """The evaluation templates: the datalist's ``templates`` / ``template`` (k-shot), else one chosen by
@@ -155,7 +169,10 @@ def resolve_templates(
     if len(pool) < pseudo_templates:
         logging.getLogger(__name__).warning(
             "pseudo_templates=%d but only %d training images outside the templates and the validation/test splits "
-            "(pseudo_candidates=%d): all of them are labelled and kept", pseudo_templates, len(pool), pseudo_candidates,
+            "(pseudo_candidates=%d): all of them are labelled and kept",
+            pseudo_templates,
+            len(pool),
+            pseudo_candidates,
         )
     if not pool:
         return templates

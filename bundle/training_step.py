@@ -38,7 +38,10 @@ class ContrastiveIterationUpdate:
     """
 
     def __init__(
-        self, channels_last: bool = False, num_threads: int | str | None = None, trials: int = 1,
+        self,
+        channels_last: bool = False,
+        num_threads: int | str | None = None,
+        trials: int = 1,
         retune_every: int = 200,
     ) -> None:
         if not (num_threads is None or num_threads == "auto" or (isinstance(num_threads, int) and num_threads >= 1)):

@@ -63,8 +63,10 @@ CONVERGED_ROWS = {  # row: (entropy_sampling, adaptive_augmentation, factor rang
     "full_estimated": (True, True, None),
     "full_authors": (True, True, "configs/authors_ranges.yaml"),
 }
-ROW_TITLES.update(full_estimated="+ both, factor ranges of the paper's MI estimator (estimated here)",
-                  full_authors="+ both, the authors' published factor ranges")
+ROW_TITLES.update(
+    full_estimated="+ both, factor ranges of the paper's MI estimator (estimated here)",
+    full_authors="+ both, the authors' published factor ranges",
+)
 DEFAULT_GAMMA, DEFAULT_ALPHA = 0.3, 0.8
 GAMMAS, ALPHAS = (0.0, 0.1, 0.3, 1.0), (0.4, 0.8, 1.0, 1.7)
 
@@ -76,10 +78,18 @@ def plan(seeds) -> list[dict]:
     entropy sampling with the fixed augmentation (gamma 0 is the "baseline" row, 0.3 the "entropy" row), so
     that it measures the sampling alone. The extra points run in the order most informative first.
     """
+
     def spec(name: str, row: str, seed: int, gamma: float = DEFAULT_GAMMA, alpha_hat: float = DEFAULT_ALPHA) -> dict:
         entropy, adaptive = ROWS[row]
-        return dict(name=f"{name}_s{seed}", row=row, seed=seed, entropy_sampling=entropy,
-                    adaptive_augmentation=adaptive, gamma=gamma, alpha_hat=alpha_hat)
+        return dict(
+            name=f"{name}_s{seed}",
+            row=row,
+            seed=seed,
+            entropy_sampling=entropy,
+            adaptive_augmentation=adaptive,
+            gamma=gamma,
+            alpha_hat=alpha_hat,
+        )
 
     runs = [spec(row, row, seed) for seed in seeds for row in ROWS]
     for kind, value in [("alpha", 1.7), ("gamma", 0.1), ("gamma", 1.0), ("alpha", 1.0), ("alpha", 0.4)]:
@@ -98,9 +108,19 @@ def plan_converged(seeds) -> list[dict]:
     runs = []
     for seed in seeds:
         for row, (entropy, adaptive, ranges) in CONVERGED_ROWS.items():
-            runs.append(dict(name=f"{row}_s{seed}", row=row, seed=seed, entropy_sampling=entropy, adaptive_augmentation=adaptive,
-                             gamma=DEFAULT_GAMMA if entropy else 0.0, alpha_hat=DEFAULT_ALPHA, augmentation_file=ranges,
-                             group_mode="query" if adaptive else None))
+            runs.append(
+                dict(
+                    name=f"{row}_s{seed}",
+                    row=row,
+                    seed=seed,
+                    entropy_sampling=entropy,
+                    adaptive_augmentation=adaptive,
+                    gamma=DEFAULT_GAMMA if entropy else 0.0,
+                    alpha_hat=DEFAULT_ALPHA,
+                    augmentation_file=ranges,
+                    group_mode="query" if adaptive else None,
+                )
+            )
     return runs
 
 
@@ -123,43 +143,82 @@ def _bundle(command: str, configs: list[str], overrides: dict, log: Path) -> tup
     return seconds, usage.ru_maxrss / 1024.0, text
 
 
-def run_one(spec: dict, datalist: str, out: Path, iterations: int, epoch_length: int, augmentation: str,
-            template_rule: str = "landmarks") -> dict:
+def run_one(
+    spec: dict,
+    datalist: str,
+    out: Path,
+    iterations: int,
+    epoch_length: int,
+    augmentation: str,
+    template_rule: str = "landmarks",
+) -> dict:
     """Train one planned run, evaluate it on the datalist's test items (template chosen by ``template_rule``),
     write and return its result."""
     run_dir = out / spec["name"]
     run_dir.mkdir(parents=True, exist_ok=True)
     aug = spec.get("augmentation_file") or augmentation.format(alpha=spec["alpha_hat"])
     if not Path(aug).is_file():
-        raise FileNotFoundError(f"{aug}: no estimated intensities for alpha_hat {spec['alpha_hat']} "
-                                f"(run scripts/estimate_augmentation.py --alpha_hat {spec['alpha_hat']} --output {aug})")
+        raise FileNotFoundError(
+            f"{aug}: no estimated intensities for alpha_hat {spec['alpha_hat']} "
+            f"(run scripts/estimate_augmentation.py --alpha_hat {spec['alpha_hat']} --output {aug})"
+        )
     epochs = max(1, iterations // epoch_length)
-    overrides = dict(datalist=datalist, output_dir=run_dir / "train", ckpt_dir=run_dir / "models", seed=spec["seed"],
-                     entropy_sampling=spec["entropy_sampling"], adaptive_augmentation=spec["adaptive_augmentation"],
-                     sampling_gamma=spec["gamma"], epochs=epochs, epoch_length=epoch_length, val_interval=epochs,
-                     progress_bar=False)
+    overrides = dict(
+        datalist=datalist,
+        output_dir=run_dir / "train",
+        ckpt_dir=run_dir / "models",
+        seed=spec["seed"],
+        entropy_sampling=spec["entropy_sampling"],
+        adaptive_augmentation=spec["adaptive_augmentation"],
+        sampling_gamma=spec["gamma"],
+        epochs=epochs,
+        epoch_length=epoch_length,
+        val_interval=epochs,
+        progress_bar=False,
+    )
     if spec.get("group_mode"):
         overrides["augmentation#group_mode"] = spec["group_mode"]
     train_s, train_rss, log = _bundle("training", ["configs/train.yaml", aug], overrides, run_dir / "train.log")
     val = [float(v) for v in re.findall(r"val_mre_mm: ([0-9.]+)", log)]
     eval_s, eval_rss, _ = _bundle(
-        "evaluating", ["configs/train.yaml", "configs/evaluate.yaml"],
-        dict(datalist=datalist, output_dir=run_dir / "eval", ckpt_path=run_dir / "models" / "model.pt",
-             template_rule=template_rule),
+        "evaluating",
+        ["configs/train.yaml", "configs/evaluate.yaml"],
+        dict(
+            datalist=datalist,
+            output_dir=run_dir / "eval",
+            ckpt_path=run_dir / "models" / "model.pt",
+            template_rule=template_rule,
+        ),
         run_dir / "eval.log",
     )
     metrics = json.loads((run_dir / "eval" / "metrics.json").read_text())
-    result = dict(spec, iterations=epochs * epoch_length, augmentation_file=aug, template_rule=template_rule,
-                  validation_mre_mm=val[-1] if val else None, test=metrics,
-                  train_seconds=round(train_s, 1), train_peak_rss_mb=round(train_rss),
-                  eval_seconds=round(eval_s, 1), eval_peak_rss_mb=round(eval_rss))
+    result = dict(
+        spec,
+        iterations=epochs * epoch_length,
+        augmentation_file=aug,
+        template_rule=template_rule,
+        validation_mre_mm=val[-1] if val else None,
+        test=metrics,
+        train_seconds=round(train_s, 1),
+        train_peak_rss_mb=round(train_rss),
+        eval_seconds=round(eval_s, 1),
+        eval_peak_rss_mb=round(eval_rss),
+    )
     write_json_atomic(run_dir / "result.json", result)
     return result
 
 
-def run(datalist: str, out: str, iterations: int = 500, epoch_length: int = 100, seeds=(0, 1),
-        augmentation: str = "runs/hamedan/aug_{alpha}.yaml", only=None, template_rule: str = "landmarks",
-        plan: str = "sweep") -> None:
+def run(
+    datalist: str,
+    out: str,
+    iterations: int = 500,
+    epoch_length: int = 100,
+    seeds=(0, 1),
+    augmentation: str = "runs/hamedan/aug_{alpha}.yaml",
+    only=None,
+    template_rule: str = "landmarks",
+    plan: str = "sweep",
+) -> None:
     """Run every run of the plan (``sweep`` or ``converged``; or those named in ``only``) that has no
     ``result.json`` yet."""
     if plan not in PLANS:
@@ -173,8 +232,11 @@ def run(datalist: str, out: str, iterations: int = 500, epoch_length: int = 100,
             continue
         res = run_one(spec, datalist, out_dir, iterations, epoch_length, augmentation, template_rule)
         t = res["test"]
-        print(f"{spec['name']}: test MRE {t['mre_mm']:.2f} mm ({t['mre_px']:.1f} px), SDR 2 mm {t['sdr']['2.0']:.1f} %, "
-              f"validation {res['validation_mre_mm']}, {res['train_seconds']:.0f} s", flush=True)
+        print(
+            f"{spec['name']}: test MRE {t['mre_mm']:.2f} mm ({t['mre_px']:.1f} px), SDR 2 mm {t['sdr']['2.0']:.1f} %, "
+            f"validation {res['validation_mre_mm']}, {res['train_seconds']:.0f} s",
+            flush=True,
+        )
 
 
 def selection_datalist(datalist: dict, template_image: str) -> dict:
@@ -185,6 +247,7 @@ def selection_datalist(datalist: dict, template_image: str) -> dict:
     items play no other part than template candidates (the self-supervised stage reads no landmark), so
     they are as unseen as the test images, and there are six times more of them than validation items.
     """
+
     def absolute(items: list[dict]) -> list[dict]:  # the new datalist is written elsewhere than the original
         return [dict(it, image=str(Path(it["image"]).resolve())) for it in items]
 
@@ -210,14 +273,24 @@ def select(datalist: str, out: str) -> None:
         run_dir = path.parent
         template = json.loads((run_dir / "eval" / "metrics.json").read_text())["template"]
         write_json_atomic(run_dir / "selection_datalist.json", selection_datalist(full, template))
-        _bundle("evaluating", ["configs/train.yaml", "configs/evaluate.yaml"],
-                dict(datalist=run_dir / "selection_datalist.json", output_dir=run_dir / "selection",
-                     ckpt_path=run_dir / "models" / "model.pt", overlays=False),
-                run_dir / "selection.log")
+        _bundle(
+            "evaluating",
+            ["configs/train.yaml", "configs/evaluate.yaml"],
+            dict(
+                datalist=run_dir / "selection_datalist.json",
+                output_dir=run_dir / "selection",
+                ckpt_path=run_dir / "models" / "model.pt",
+                overlays=False,
+            ),
+            run_dir / "selection.log",
+        )
         metrics = json.loads((run_dir / "selection" / "metrics.json").read_text())
         write_json_atomic(path, dict(result, selection=metrics, selection_mre_mm=metrics["mre_mm"]))
-        print(f"{result['name']}: selection MRE {metrics['mre_mm']:.2f} mm on {metrics['n_images']} images, "
-              f"test {result['test']['mre_mm']:.2f} mm", flush=True)
+        print(
+            f"{result['name']}: selection MRE {metrics['mre_mm']:.2f} mm on {metrics['n_images']} images, "
+            f"test {result['test']['mre_mm']:.2f} mm",
+            flush=True,
+        )
 
 
 def template_rules(datalist: str, run_dir: str, pool_size: int = 32) -> dict:
@@ -234,21 +307,35 @@ def template_rules(datalist: str, run_dir: str, pool_size: int = 32) -> dict:
     from bundle.templates import grid_landmarks, resolve_template
 
     run_path = Path(run_dir)
-    parser = bundle_parser(["configs/train.yaml", "configs/evaluate.yaml"], datalist=datalist,
-                           ckpt_path=str(run_path / "models" / "model.pt"), device="cpu")
+    parser = bundle_parser(
+        ["configs/train.yaml", "configs/evaluate.yaml"],
+        datalist=datalist,
+        ckpt_path=str(run_path / "models" / "model.pt"),
+        device="cpu",
+    )
     network, preprocessing = parser.get_parsed_content("network"), parser.get_parsed_content("validate#preprocessing")
     full = load_datalist(datalist)
     labelled = labelled_training_items(full)
     pool, held = labelled[:pool_size], labelled[pool_size:] + list(full.get("validation", []))
     if not held:
-        raise ValueError(f"{datalist}: no labelled item outside the first {pool_size} labelled training items to score on")
-    chosen = {rule: resolve_template(dict(full, training=pool, template=None), network, preprocessing, "cpu", max_images=pool_size, rule=rule)
-              for rule in ("features", "landmarks")}
+        raise ValueError(
+            f"{datalist}: no labelled item outside the first {pool_size} labelled training items to score on"
+        )
+    chosen = {
+        rule: resolve_template(
+            dict(full, training=pool, template=None), network, preprocessing, "cpu", max_images=pool_size, rule=rule
+        )
+        for rule in ("features", "landmarks")
+    }
     prepared = [preprocessing(dict(it)) for it in [chosen["features"], chosen["landmarks"]] + held]
     points, matrices = zip(*(grid_landmarks(d) for d in prepared))
-    errors = landmark_transfer_errors(network, [torch.as_tensor(d["image"]) for d in prepared], points, matrices, templates=[0, 1])
-    result = {rule: {"template": chosen[rule]["image"], "held_out_mre_mm": float(errors[row, 2:].nanmean())}
-              for row, rule in enumerate(("features", "landmarks"))}
+    errors = landmark_transfer_errors(
+        network, [torch.as_tensor(d["image"]) for d in prepared], points, matrices, templates=[0, 1]
+    )
+    result = {
+        rule: {"template": chosen[rule]["image"], "held_out_mre_mm": float(errors[row, 2:].nanmean())}
+        for row, rule in enumerate(("features", "landmarks"))
+    }
     result["n_pool"], result["n_held_out"] = len(pool), len(held)
     write_json_atomic(run_path / "template_rules.json", result)
     return result
@@ -303,8 +390,10 @@ def selector_agreement(results: list[dict]) -> str:
     from scipy.stats import spearmanr
 
     lines = []
-    for key, label in (("validation_mre_mm", "validation MRE (validation images, the datalist's first labelled item as template)"),
-                       ("selection_mre_mm", "selection MRE (labelled non-test images, the run's own template)")):
+    for key, label in (
+        ("validation_mre_mm", "validation MRE (validation images, the datalist's first labelled item as template)"),
+        ("selection_mre_mm", "selection MRE (labelled non-test images, the run's own template)"),
+    ):
         runs = [r for r in results if r.get(key) is not None]
         if len(runs) >= 3:
             rho = spearmanr([r[key] for r in runs], [r["test"]["mre_mm"] for r in runs]).statistic
@@ -317,9 +406,18 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
-METRIC_HEADER = ["MRE mm (mean ± SD over seeds)", "MRE mm per seed", "MRE px", "SDR 2 mm %", "SDR 2.5 mm %",
-                 "SDR 3 mm %", "SDR 4 mm %", "median error mm", f"errors > {GROSS_MM:g} mm %",
-                 "selection MRE mm (labelled non-test images)"]
+METRIC_HEADER = [
+    "MRE mm (mean ± SD over seeds)",
+    "MRE mm per seed",
+    "MRE px",
+    "SDR 2 mm %",
+    "SDR 2.5 mm %",
+    "SDR 3 mm %",
+    "SDR 4 mm %",
+    "median error mm",
+    f"errors > {GROSS_MM:g} mm %",
+    "selection MRE mm (labelled non-test images)",
+]
 
 
 def tables(results: list[dict]) -> str:
@@ -333,15 +431,24 @@ def tables(results: list[dict]) -> str:
             continue
         mean = float(np.mean([r["test"]["mre_mm"] for r in runs]))
         baseline = mean if row == "baseline" else baseline
-        change = "" if baseline is None or row == "baseline" else f"{round(100 * (baseline - mean) / baseline, 1) or 0.0:+.1f} %"
+        change = (
+            ""
+            if baseline is None or row == "baseline"
+            else f"{round(100 * (baseline - mean) / baseline, 1) or 0.0:+.1f} %"
+        )
         rows.append([ROW_TITLES[row], str(len(runs))] + _metrics_row(runs) + [change])
     budget, rules = {r["iterations"] for r in results}, {r["template_rule"] for r in results}
-    text = [f"Budget per run: {', '.join(map(str, sorted(budget)))} iterations of batch 8; seeds {seeds}; "
-            f"test template chosen by the rule {' / '.join(sorted(rules))!r}.", "",
-            _table(["row", "seeds"] + METRIC_HEADER + ["MRE gain over baseline"], rows)]
+    text = [
+        f"Budget per run: {', '.join(map(str, sorted(budget)))} iterations of batch 8; seeds {seeds}; "
+        f"test template chosen by the rule {' / '.join(sorted(rules))!r}.",
+        "",
+        _table(["row", "seeds"] + METRIC_HEADER + ["MRE gain over baseline"], rows),
+    ]
     first = seeds[0] if seeds else 0
-    for kind, values, label in (("gamma", GAMMAS, "gamma (sampling weight H^gamma)"),
-                                ("alpha", ALPHAS, "alpha_hat (target MI share)")):
+    for kind, values, label in (
+        ("gamma", GAMMAS, "gamma (sampling weight H^gamma)"),
+        ("alpha", ALPHAS, "alpha_hat (target MI share)"),
+    ):
         sweep = []
         for v in values:
             r = _sweep_run(by_name, kind, v, first)
@@ -350,7 +457,10 @@ def tables(results: list[dict]) -> str:
             extra = []
             if kind == "alpha":
                 aug = _load_augmentation(r["augmentation_file"])
-                extra = [" / ".join(f"{a:.2f}" for a in aug["brightness"]), " / ".join(f"{a:.2f}" for a in aug["contrast"])]
+                extra = [
+                    " / ".join(f"{a:.2f}" for a in aug["brightness"]),
+                    " / ".join(f"{a:.2f}" for a in aug["contrast"]),
+                ]
             val = r["validation_mre_mm"]
             cells = _metrics_row([r])
             sweep.append([f"{v:g}"] + extra + [f"{val:.2f}" if val is not None else "-"] + cells[:1] + cells[2:])
@@ -383,16 +493,38 @@ def length_table(short: list[dict], long: list[dict]) -> str:
     rows = []
     for r in sorted(long, key=lambda r: (list(ROWS).index(r["row"]), r["name"])):
         base = long_by_name.get(f"baseline_s{r['seed']}")
-        gain = "" if base is None or r is base else f"{100 * (base['test']['mre_mm'] - r['test']['mre_mm']) / base['test']['mre_mm']:+.1f} %"
+        gain = (
+            ""
+            if base is None or r is base
+            else f"{100 * (base['test']['mre_mm'] - r['test']['mre_mm']) / base['test']['mre_mm']:+.1f} %"
+        )
         before = short_by_name.get(r["name"])
         label_free = r["test"] if r["template_rule"] == "features" else r.get("test_features_rule")
         cells = _metrics_row([r])
-        rows.append([_run_title(r), str(r["seed"]), str(r["iterations"]), r["template_rule"],
-                     f"{before['test']['mre_mm']:.2f} ({before['iterations']}, {before['template_rule']})" if before else "-",
-                     f"{label_free['mre_mm']:.2f}" if label_free else "-"]
-                    + cells[:1] + cells[2:] + [gain])
-    head = ["run", "seed", "iterations", "template rule", "MRE mm at the sweep budget (iterations, rule)",
-            "MRE mm, rule 'features'", "MRE mm"] + METRIC_HEADER[2:]
+        rows.append(
+            [
+                _run_title(r),
+                str(r["seed"]),
+                str(r["iterations"]),
+                r["template_rule"],
+                f"{before['test']['mre_mm']:.2f} ({before['iterations']}, {before['template_rule']})"
+                if before
+                else "-",
+                f"{label_free['mre_mm']:.2f}" if label_free else "-",
+            ]
+            + cells[:1]
+            + cells[2:]
+            + [gain]
+        )
+    head = [
+        "run",
+        "seed",
+        "iterations",
+        "template rule",
+        "MRE mm at the sweep budget (iterations, rule)",
+        "MRE mm, rule 'features'",
+        "MRE mm",
+    ] + METRIC_HEADER[2:]
     return _table(head + ["MRE gain over the baseline of this length"], rows)
 
 
@@ -481,12 +613,19 @@ def converged_table(results: list[dict]) -> str:
         mean = {k: np.mean([r["test"]["mre_mm"] for r in by_row[k] if r["seed"] in seeds]) for k in (row, reference)}
         return f"{100 * (mean[reference] - mean[row]) / mean[reference]:+.1f} % ({len(seeds)} seed{'s' * (len(seeds) > 1)})"
 
-    lines = [[ROW_TITLES[row], " / ".join(str(r["seed"]) for r in runs)] + _metrics_row(runs) + [gain(row, "baseline"), gain(row, "entropy")]
-             for row, runs in by_row.items() if runs]
+    lines = [
+        [ROW_TITLES[row], " / ".join(str(r["seed"]) for r in runs)]
+        + _metrics_row(runs)
+        + [gain(row, "baseline"), gain(row, "entropy")]
+        for row, runs in by_row.items()
+        if runs
+    ]
     budget, rules = sorted({r["iterations"] for r in results}), sorted({r["template_rule"] for r in results})
     head = ["row", "seeds"] + METRIC_HEADER + ["MRE gain over baseline", "MRE gain over + entropy sampling"]
-    return (f"Budget per run: {', '.join(map(str, budget))} iterations of batch 8; test template chosen by the rule "
-            f"{' / '.join(rules)!r}.\n\n{_table(head, lines)}")
+    return (
+        f"Budget per run: {', '.join(map(str, budget))} iterations of batch 8; test template chosen by the rule "
+        f"{' / '.join(rules)!r}.\n\n{_table(head, lines)}"
+    )
 
 
 def report_converged(out: str, docs: str = "docs") -> None:
@@ -514,5 +653,12 @@ def report_converged(out: str, docs: str = "docs") -> None:
 
 
 if __name__ == "__main__":
-    fire.Fire({"run": run, "select": select, "template_rules": template_rules, "report": report,
-               "report_converged": report_converged})
+    fire.Fire(
+        {
+            "run": run,
+            "select": select,
+            "template_rules": template_rules,
+            "report": report,
+            "report_converged": report_converged,
+        }
+    )

@@ -72,8 +72,16 @@ def kshot_datalist(datalist: dict, k: int, path: Path) -> Path:
 
 
 def pseudo_template_datalist(
-    configs: list[str], datalist_path: Path, ckpt: Path, path: Path, datalist: dict, common: dict, pseudo_templates: int,
-    pseudo_candidates: int, pseudo_cycle_tolerance: float, template_combine: str,
+    configs: list[str],
+    datalist_path: Path,
+    ckpt: Path,
+    path: Path,
+    datalist: dict,
+    common: dict,
+    pseudo_templates: int,
+    pseudo_candidates: int,
+    pseudo_cycle_tolerance: float,
+    template_combine: str,
 ) -> tuple[Path, list[dict]]:
     """The templates of ``datalist_path`` plus ``pseudo_templates`` pseudo-templates, chosen exactly as the evaluating
     command's ``pseudo_*`` keys do (``bundle.templates.resolve_templates``), written as a datalist (``path``) whose
@@ -87,18 +95,31 @@ def pseudo_template_datalist(
     parser = bundle_parser(configs, bundle_root=ROOT, datalist=str(datalist_path), ckpt_path=str(ckpt), **overrides)
     source = parser.get_parsed_content("dataset")
     chosen = resolve_templates(
-        source, parser.get_parsed_content("network"), parser.get_parsed_content("validate#preprocessing"),
-        parser.get_parsed_content("device"), pseudo_candidates=pseudo_candidates, pseudo_templates=pseudo_templates,
-        cycle_tolerance=pseudo_cycle_tolerance, combine=template_combine,
+        source,
+        parser.get_parsed_content("network"),
+        parser.get_parsed_content("validate#preprocessing"),
+        parser.get_parsed_content("device"),
+        pseudo_candidates=pseudo_candidates,
+        pseudo_templates=pseudo_templates,
+        cycle_tolerance=pseudo_cycle_tolerance,
+        combine=template_combine,
     )
     truth = {it["image"]: np.asarray(it["landmarks"], float) for it in datalist["training"] if it.get("landmarks")}
     n_own = len(template_items(source))
     report = []
     for item in chosen[n_own:]:
         kept = np.array([p is not None for p in item["landmarks"]])
-        errors = np.linalg.norm(np.asarray([p if p is not None else [np.nan] * 3 for p in item["landmarks"]], float) - truth[item["image"]], axis=1)
-        report.append({"image": Path(item["image"]).name, "kept": int(kept.sum()),
-                       "kept_mre_mm": float(errors[kept].mean()) if kept.any() else float("nan")})
+        errors = np.linalg.norm(
+            np.asarray([p if p is not None else [np.nan] * 3 for p in item["landmarks"]], float) - truth[item["image"]],
+            axis=1,
+        )
+        report.append(
+            {
+                "image": Path(item["image"]).name,
+                "kept": int(kept.sum()),
+                "kept_mre_mm": float(errors[kept].mean()) if kept.any() else float("nan"),
+            }
+        )
     out = {key: value for key, value in source.items() if key != "template"}
     out["templates"] = chosen
     return save_datalist(out, path), report
@@ -143,34 +164,63 @@ def main(
     datalist_path = work / "data" / "datalist.json"
     start = time.perf_counter()
     if not datalist_path.is_file():
-        prepare_afids_datalist(work / "data", n_training=n_training, n_test=n_test, spacing=min(2.0, spacing), seed=seed)
+        prepare_afids_datalist(
+            work / "data", n_training=n_training, n_test=n_test, spacing=min(2.0, spacing), seed=seed
+        )
     prepared = time.perf_counter()
     datalist = load_datalist(datalist_path)
     setting = setting_name(templates, pseudo_templates)
-    eval_datalist = datalist_path if templates == 1 else kshot_datalist(datalist, templates, work / "data" / f"datalist_k{templates}.json")
+    eval_datalist = (
+        datalist_path
+        if templates == 1
+        else kshot_datalist(datalist, templates, work / "data" / f"datalist_k{templates}.json")
+    )
 
     configs = [str(ROOT / "configs" / f) for f in ("train.yaml", "train_3d.yaml")]
     common = {
-        "bundle_root": str(ROOT), "target_spacing": [spacing] * 3,
-        "image_size": list(image_size), "load_transforms": MRI_LOAD_TRANSFORMS, "progress_bar": False, "seed": seed,
+        "bundle_root": str(ROOT),
+        "target_spacing": [spacing] * 3,
+        "image_size": list(image_size),
+        "load_transforms": MRI_LOAD_TRANSFORMS,
+        "progress_bar": False,
+        "seed": seed,
     }
     ckpt = work / "models" / "model_final.pt"
     info_path = work / "models" / "training.json"
     epochs = max(1, iterations // 20)
     n_iter = epochs * max(1, iterations // epochs)
     if retrain or not ckpt.is_file():
-        run("training", config_file=configs, datalist=str(datalist_path), output_dir=str(work / "train"), ckpt_dir=str(work / "models"),
-            crop_size=list(crop_size), batch_size=batch_size, epochs=epochs, epoch_length=max(1, iterations // epochs),
-            val_interval=10**6, **common)
-        training = {"iterations": n_iter, "batch_size": batch_size, "crop_size": list(crop_size), "spacing_mm": spacing,
-                    "image_size": list(image_size), "seed": seed, "train_seconds": time.perf_counter() - prepared}
+        run(
+            "training",
+            config_file=configs,
+            datalist=str(datalist_path),
+            output_dir=str(work / "train"),
+            ckpt_dir=str(work / "models"),
+            crop_size=list(crop_size),
+            batch_size=batch_size,
+            epochs=epochs,
+            epoch_length=max(1, iterations // epochs),
+            val_interval=10**6,
+            **common,
+        )
+        training = {
+            "iterations": n_iter,
+            "batch_size": batch_size,
+            "crop_size": list(crop_size),
+            "spacing_mm": spacing,
+            "image_size": list(image_size),
+            "seed": seed,
+            "train_seconds": time.perf_counter() - prepared,
+        }
         write_json_atomic(info_path, training)
     else:
         training = json.loads(info_path.read_text()) if info_path.is_file() else {}
         print(f"reusing {ckpt} (trained {training or 'with unrecorded settings'}); --retrain true trains again")
         if training and (training.get("spacing_mm") != spacing or training.get("image_size") != list(image_size)):
-            raise ValueError(f"{ckpt} was trained at {training['spacing_mm']} mm on grid {training['image_size']}; "
-                             f"evaluate with the same --spacing and --image_size, or --retrain true")
+            raise ValueError(
+                f"{ckpt} was trained at {training['spacing_mm']} mm on grid {training['image_size']}; "
+                f"evaluate with the same --spacing and --image_size, or --retrain true"
+            )
     trained = time.perf_counter()
     evaluation = configs + [str(ROOT / "configs" / f) for f in ("evaluate.yaml", "evaluate_3d.yaml")]
     eval_dir = work / f"eval_{setting}"
@@ -178,38 +228,74 @@ def main(
     pseudo = []
     if pseudo_templates:
         eval_datalist, pseudo = pseudo_template_datalist(
-            evaluation, eval_datalist, ckpt, work / "data" / f"datalist_{setting}.json", datalist, common,
-            pseudo_templates=pseudo_templates, pseudo_candidates=candidates, pseudo_cycle_tolerance=pseudo_cycle_tolerance,
+            evaluation,
+            eval_datalist,
+            ckpt,
+            work / "data" / f"datalist_{setting}.json",
+            datalist,
+            common,
+            pseudo_templates=pseudo_templates,
+            pseudo_candidates=candidates,
+            pseudo_cycle_tolerance=pseudo_cycle_tolerance,
             template_combine=template_combine,
         )
-    run("evaluating", config_file=evaluation, datalist=str(eval_datalist), output_dir=str(eval_dir), ckpt_path=str(ckpt),
-        template_combine=template_combine, **common)
+    run(
+        "evaluating",
+        config_file=evaluation,
+        datalist=str(eval_datalist),
+        output_dir=str(eval_dir),
+        ckpt_path=str(ckpt),
+        template_combine=template_combine,
+        **common,
+    )
     evaluated = time.perf_counter()
 
     metrics = json.loads((eval_dir / "metrics.json").read_text())
     used = metrics.get("templates") or [metrics["template"]]
     template = np.asarray(datalist["template"]["landmarks"], float)
     groups = _group_errors(eval_dir / "predictions.csv", datalist, template)
-    print(f"AFID check, setting {setting}: {len(used)} template(s) {[Path(t).name for t in used]}, {len(template)} AFIDs, "
-          f"volumes at {spacing} mm, network grid {list(image_size)}, combined by {template_combine}")
-    print(f"budget: data {prepared - start:.0f} s, training {training.get('iterations', '?')} iterations x batch "
-          f"{training.get('batch_size', '?')} in {training.get('train_seconds', float('nan')):.0f} s"
-          f"{'' if trained - prepared > 1 else ' (reused)'}, evaluation {evaluated - trained:.0f} s "
-          f"(CPU threads: {__import__('torch').get_num_threads()})")
+    print(
+        f"AFID check, setting {setting}: {len(used)} template(s) {[Path(t).name for t in used]}, {len(template)} AFIDs, "
+        f"volumes at {spacing} mm, network grid {list(image_size)}, combined by {template_combine}"
+    )
+    print(
+        f"budget: data {prepared - start:.0f} s, training {training.get('iterations', '?')} iterations x batch "
+        f"{training.get('batch_size', '?')} in {training.get('train_seconds', float('nan')):.0f} s"
+        f"{'' if trained - prepared > 1 else ' (reused)'}, evaluation {evaluated - trained:.0f} s "
+        f"(CPU threads: {__import__('torch').get_num_threads()})"
+    )
     for entry in pseudo:
-        print(f"pseudo-template {entry['image']}: {entry['kept']} of {len(template)} AFIDs kept (cycle <= {pseudo_cycle_tolerance} "
-              f"voxels), their error against the AFIDs carried through its warp: {entry['kept_mre_mm']:.2f} mm")
+        print(
+            f"pseudo-template {entry['image']}: {entry['kept']} of {len(template)} AFIDs kept (cycle <= {pseudo_cycle_tolerance} "
+            f"voxels), their error against the AFIDs carried through its warp: {entry['kept_mre_mm']:.2f} mm"
+        )
     print(f"{'test group':<22}{'volumes':>8}{'MRE mm':>9}{'SD mm':>8}{'SDR 4mm %':>11}{'no-matching MRE mm':>20}")
     table = {}
     for group, entry in sorted(groups.items()):
         e, b = np.asarray(entry["matched"]), np.asarray(entry["baseline"])
-        table[group] = {"volumes": len(e) // len(template), "mre_mm": float(e.mean()), "sd_mm": float(e.std()),
-                        "sdr_4mm": float((e <= 4.0).mean() * 100), "baseline_mre_mm": float(b.mean())}
+        table[group] = {
+            "volumes": len(e) // len(template),
+            "mre_mm": float(e.mean()),
+            "sd_mm": float(e.std()),
+            "sdr_4mm": float((e <= 4.0).mean() * 100),
+            "baseline_mre_mm": float(b.mean()),
+        }
         t = table[group]
-        print(f"{group:<22}{t['volumes']:>8d}{t['mre_mm']:>9.2f}{t['sd_mm']:>8.2f}{t['sdr_4mm']:>11.1f}{t['baseline_mre_mm']:>20.2f}")
-    summary = {"spacing_mm": spacing, "image_size": list(image_size), "training": training, "templates": used,
-               "template_combine": template_combine, "pseudo_candidates": candidates if pseudo_templates else 0,
-               "pseudo_cycle_tolerance": pseudo_cycle_tolerance, "pseudo_labels": pseudo, "eval_seconds": evaluated - trained, "groups": table}
+        print(
+            f"{group:<22}{t['volumes']:>8d}{t['mre_mm']:>9.2f}{t['sd_mm']:>8.2f}{t['sdr_4mm']:>11.1f}{t['baseline_mre_mm']:>20.2f}"
+        )
+    summary = {
+        "spacing_mm": spacing,
+        "image_size": list(image_size),
+        "training": training,
+        "templates": used,
+        "template_combine": template_combine,
+        "pseudo_candidates": candidates if pseudo_templates else 0,
+        "pseudo_cycle_tolerance": pseudo_cycle_tolerance,
+        "pseudo_labels": pseudo,
+        "eval_seconds": evaluated - trained,
+        "groups": table,
+    }
     results_path = work / "afids_check.json"
     results = json.loads(results_path.read_text()) if results_path.is_file() else {}
     if "groups" in results:  # the single-setting file of an earlier version

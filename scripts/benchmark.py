@@ -55,7 +55,7 @@ def cephalogram_2d(rng: np.random.Generator, shape: tuple[int, int] = (1935, 240
         image = resize(rows_cols.T, shape, order=1, preserve_range=True, anti_aliasing=False)
         return np.clip(np.rint(image), 0, 255).astype(np.uint8), f"real ({path.name}, resized)"
     x, y = np.meshgrid(np.linspace(-1, 1, shape[0]), np.linspace(-1, 1, shape[1]), indexing="ij")
-    skull = 90 * np.exp(-((x / 0.7) ** 2 + (y / 0.8) ** 2) ** 3) + 40 * np.sin(7 * x + 3 * y) * (x > -0.2)
+    skull = 90 * np.exp(-(((x / 0.7) ** 2 + (y / 0.8) ** 2) ** 3)) + 40 * np.sin(7 * x + 3 * y) * (x > -0.2)
     teeth = 60 * ((np.abs(np.sin(40 * x)) > 0.7) & (np.abs(y - 0.4) < 0.1))
     texture = resize(rng.normal(0, 25, (shape[0] // 8, shape[1] // 8)), shape)
     image = 30 + skull + teeth + texture + rng.normal(0, 6, shape)
@@ -111,7 +111,13 @@ def _peak_memory_note(device: Any) -> str:
     return f"peak process RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB"
 
 
-def training(iterations: int = 20, warmup: int = 3, config: str | list[str] = "configs/train.yaml", compare: int = 6, **overrides: Any) -> None:
+def training(
+    iterations: int = 20,
+    warmup: int = 3,
+    config: str | list[str] = "configs/train.yaml",
+    compare: int = 6,
+    **overrides: Any,
+) -> None:
     """Training throughput of ``config`` (default 2D settings): full iterations (data pipeline + step) against
     the optimisation step alone on one fixed batch, measured in the same run; then the configured step
     (``cpu_channels_last``, ``cpu_threads``) against the earlier one (torch's defaults: contiguous layout,
@@ -129,8 +135,15 @@ def training(iterations: int = 20, warmup: int = 3, config: str | list[str] = "c
 
     default_threads = torch.get_num_threads()
     with tempfile.TemporaryDirectory() as tmp:
-        settings = {"output_dir": tmp, "ckpt_dir": tmp, "epochs": 1, "epoch_length": warmup + iterations,
-                    "val_interval": 10**6, "progress_bar": False, **overrides}
+        settings = {
+            "output_dir": tmp,
+            "ckpt_dir": tmp,
+            "epochs": 1,
+            "epoch_length": warmup + iterations,
+            "val_interval": 10**6,
+            "progress_bar": False,
+            **overrides,
+        }
         parser = bundle_parser(config, **settings)
         trainer = parser.get_parsed_content("train#trainer")
         device = parser.get_parsed_content("device")
@@ -157,29 +170,53 @@ def training(iterations: int = 20, warmup: int = 3, config: str | list[str] = "c
                 torch.cuda.synchronize(device)
             step_times.append(time.perf_counter() - start)
         step = float(np.mean(step_times[warmup:]))
-        comparison = _compare_steps(trainer, initial, batch, step_fn, ContrastiveIterationUpdate(), default_threads,
-                                    parser.get_parsed_content("learning_rate"), warmup, compare, device) if compare else None
-    print(f"training ({config}, device {device}, batch {batch_size}, image {parser['image_size']}, crop {parser['crop_size']})")
+        comparison = (
+            _compare_steps(
+                trainer,
+                initial,
+                batch,
+                step_fn,
+                ContrastiveIterationUpdate(),
+                default_threads,
+                parser.get_parsed_content("learning_rate"),
+                warmup,
+                compare,
+                device,
+            )
+            if compare
+            else None
+        )
+    print(
+        f"training ({config}, device {device}, batch {batch_size}, image {parser['image_size']}, crop {parser['crop_size']})"
+    )
     print(f"{'what':<32}{'s/iteration':>12}{'samples/s':>11}")
     print(f"{'full iteration (data + step)':<32}{full:>12.3f}{batch_size / full:>11.1f}")
     print(f"{'step alone (reference)':<32}{step:>12.3f}{batch_size / step:>11.1f}")
-    print(f"ratio full / step alone: {full / step:.2f} (1.0 = the data pipeline costs nothing); {_peak_memory_note(device)}")
+    print(
+        f"ratio full / step alone: {full / step:.2f} (1.0 = the data pipeline costs nothing); {_peak_memory_note(device)}"
+    )
     if comparison is not None:
         old, new, losses_old, losses_new, threads = comparison
-        print(f"step: earlier (torch defaults, {default_threads} threads) against configured (cpu_channels_last="
-              f"{parser['cpu_channels_last']}, cpu_threads={parser['cpu_threads']}: {threads} threads), {compare} interleaved pairs")
+        print(
+            f"step: earlier (torch defaults, {default_threads} threads) against configured (cpu_channels_last="
+            f"{parser['cpu_channels_last']}, cpu_threads={parser['cpu_threads']}: {threads} threads), {compare} interleaved pairs"
+        )
         print(f"{'':<12}" + "".join(f"{k + 1:>8d}" for k in range(compare)) + f"{'median':>9}")
         print(f"{'earlier s':<12}" + "".join(f"{t:>8.2f}" for t in old) + f"{np.median(old):>9.2f}")
         print(f"{'new s':<12}" + "".join(f"{t:>8.2f}" for t in new) + f"{np.median(new):>9.2f}")
         ratios = np.asarray(old) / np.asarray(new)
-        print(f"speed-up earlier / new: median of pairs {np.median(ratios):.2f}x, of totals {sum(old) / sum(new):.2f}x "
-              f"(pairs {' '.join(f'{r:.2f}' for r in ratios)})")
+        print(
+            f"speed-up earlier / new: median of pairs {np.median(ratios):.2f}x, of totals {sum(old) / sum(new):.2f}x "
+            f"(pairs {' '.join(f'{r:.2f}' for r in ratios)})"
+        )
         rel = np.abs(np.asarray(losses_new) - np.asarray(losses_old)) / np.abs(np.asarray(losses_old))
         print(f"losses, earlier: {' '.join(f'{v:.5f}' for v in losses_old)}")
         print(f"losses, new:     {' '.join(f'{v:.5f}' for v in losses_new)}  (max relative difference {rel.max():.1e})")
 
 
-def _compare_steps(trainer, initial, batch, new_fn, old_fn, default_threads: int, lr: float, warmup: int, n: int, device) -> tuple:
+def _compare_steps(
+    trainer, initial, batch, new_fn, old_fn, default_threads: int, lr: float, warmup: int, n: int, device
+) -> tuple:
     """Interleaved timing of two step functions, each on its own copy of ``initial`` with a fresh Adam at ``lr``."""
     import copy
 
@@ -191,7 +228,7 @@ def _compare_steps(trainer, initial, batch, new_fn, old_fn, default_threads: int
         runs[name] = {"network": net, "optimizer": torch.optim.Adam(net.parameters(), lr=lr), "times": [], "losses": []}
     functions = {"old": old_fn, "new": new_fn}
     new_threads = torch.get_num_threads()
-    for k in range(max(warmup, len(getattr(new_fn, "candidates", [])) * getattr(new_fn, "trials", 1) + 1) + n):
+    for _ in range(max(warmup, len(getattr(new_fn, "candidates", [])) * getattr(new_fn, "trials", 1) + 1) + n):
         for name in ("old", "new"):
             run = runs[name]
             if name == "old":
@@ -205,11 +242,19 @@ def _compare_steps(trainer, initial, batch, new_fn, old_fn, default_threads: int
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             run["times"].append(time.perf_counter() - start)
-            run["losses"].append(float((out if isinstance(out, dict) else out[0])["loss"]))  # MONAI decollates the output
+            run["losses"].append(
+                float((out if isinstance(out, dict) else out[0])["loss"])
+            )  # MONAI decollates the output
             if name == "new":
                 new_threads = torch.get_num_threads()
     torch.set_num_threads(default_threads)
-    return (runs["old"]["times"][-n:], runs["new"]["times"][-n:], runs["old"]["losses"], runs["new"]["losses"], new_threads)
+    return (
+        runs["old"]["times"][-n:],
+        runs["new"]["times"][-n:],
+        runs["old"]["losses"],
+        runs["new"]["losses"],
+        new_threads,
+    )
 
 
 def inference(repeats: int = 3, config: str | list[str] = "configs/train.yaml", **overrides: Any) -> None:
@@ -222,7 +267,9 @@ def inference(repeats: int = 3, config: str | list[str] = "configs/train.yaml", 
 
     with tempfile.TemporaryDirectory() as tmp:
         settings = {"output_dir": tmp, "overlays": False, **overrides}
-        parser = bundle_parser([*([config] if isinstance(config, str) else config), "configs/evaluate.yaml"], **settings)
+        parser = bundle_parser(
+            [*([config] if isinstance(config, str) else config), "configs/evaluate.yaml"], **settings
+        )
         parser["network"] = "$@network_def.to(@device)"  # timing does not need trained weights
         parser["evaluate#templates"] = "$bundle.templates.default_templates(@dataset)"
         evaluator = parser.get_parsed_content("evaluate#evaluator")
@@ -264,8 +311,14 @@ def inference_3d(repeats: int = 2, **overrides: Any) -> None:
     inference(repeats=repeats, config=["configs/train.yaml", "configs/train_3d.yaml"], **overrides)
 
 
-COMMANDS = {"entropy": entropy, "training": training, "inference": inference, "all": all,
-            "training_3d": training_3d, "inference_3d": inference_3d}
+COMMANDS = {
+    "entropy": entropy,
+    "training": training,
+    "inference": inference,
+    "all": all,
+    "training_3d": training_3d,
+    "inference_3d": inference_3d,
+}
 
 if __name__ == "__main__":
     fire.Fire(COMMANDS)

@@ -98,8 +98,10 @@ def build(
     template["sources"] = [f"{data.get('name', Path(datalist).stem)}/{Path(it['image']).name}" for it in items]
     path = save_template(output, template)
     valid = (~torch.isnan(template["queries"]).any(-1).any(-1)).sum(1).tolist()
-    print(f"{path}: {len(items)} templates ({', '.join(template['sources'])}), landmarks per template {valid}, "
-          f"{path.stat().st_size / 1024:.0f} KB")
+    print(
+        f"{path}: {len(items)} templates ({', '.join(template['sources'])}), landmarks per template {valid}, "
+        f"{path.stat().st_size / 1024:.0f} KB"
+    )
     return str(path)
 
 

@@ -48,7 +48,7 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 from monai.transforms import Resize  # noqa: E402
 
-from bundle.data.datalist import load_datalist, landmarks_array  # noqa: E402
+from bundle.data.datalist import landmarks_array, load_datalist  # noqa: E402
 from bundle.data.images import load_grey  # noqa: E402
 from bundle.information import (  # noqa: E402
     estimate_group_intensities,
@@ -135,8 +135,12 @@ def _network_grid(image: np.ndarray, grid_size: list[int]) -> torch.Tensor:
 
 
 def encoder_correspondences(
-    template: np.ndarray, template_points: np.ndarray, others: list[np.ndarray], ckpt_path: str,
-    config_file="configs/train.yaml", device: str = "cpu",
+    template: np.ndarray,
+    template_points: np.ndarray,
+    others: list[np.ndarray],
+    ckpt_path: str,
+    config_file="configs/train.yaml",
+    device: str = "cpu",
 ) -> np.ndarray:
     """Correspondences ``(len(others), K, D)`` (original pixels/voxels, array axes) of the template's points,
     found by one-shot matching with a trained stage-1 network (:class:`bundle.oneshot.OneShotInferer`).
@@ -144,8 +148,8 @@ def encoder_correspondences(
     Images go to the network grid of ``config_file``'s ``image_size`` (area resampling, as in evaluation);
     points map with the pixel-centre convention both ways. NaN template points stay NaN.
     """
-    from bundle.configs import bundle_parser, check_image_size
     from bundle.checkpoints import load_weights
+    from bundle.configs import bundle_parser, check_image_size
     from bundle.oneshot import OneShotInferer
 
     parser = bundle_parser(config_file, device=f"$torch.device('{device}')")
@@ -162,7 +166,9 @@ def encoder_correspondences(
 
     points = np.asarray(template_points, dtype=np.float64)
     inferer = OneShotInferer()
-    inferer.set_template(_network_grid(template, grid).to(device), torch.as_tensor(to_grid(points, template.shape), dtype=torch.float32))
+    inferer.set_template(
+        _network_grid(template, grid).to(device), torch.as_tensor(to_grid(points, template.shape), dtype=torch.float32)
+    )
     out = []
     with torch.no_grad():
         for image in others:
@@ -207,7 +213,9 @@ def estimate(
     if mi not in MI_KINDS:
         raise ValueError(f"mi={mi!r}: choose one of {MI_KINDS}")
     if correspondences not in CORRESPONDENCE_SOURCES:
-        raise ValueError(f"correspondences={correspondences!r} is not available; choose one of {CORRESPONDENCE_SOURCES}")
+        raise ValueError(
+            f"correspondences={correspondences!r} is not available; choose one of {CORRESPONDENCE_SOURCES}"
+        )
     if correspondences == "encoder" and not ckpt_path:
         raise ValueError("correspondences='encoder' needs --ckpt_path (a trained stage-1 checkpoint)")
     d_patch, d_size, d_bins, d_step = MI_DEFAULTS[mi]
@@ -238,8 +246,16 @@ def estimate(
 
     t_work, t_points_work = _to_working_grid(t_img, t_points, image_size)
     work = [_to_working_grid(img, c, image_size) for img, c in zip(other_imgs, corr)]
-    common = dict(thresholds=thresholds, n_keypoints=n_keypoints, min_keypoints=min_keypoints, patch_size=patch_size,
-                  alpha_hat=alpha_hat, step=step, bins=bins, seed=seed)
+    common = dict(
+        thresholds=thresholds,
+        n_keypoints=n_keypoints,
+        min_keypoints=min_keypoints,
+        patch_size=patch_size,
+        alpha_hat=alpha_hat,
+        step=step,
+        bins=bins,
+        seed=seed,
+    )
     inputs = (t_work, [w[0] for w in work], t_points_work, np.stack([w[1] for w in work]), point_entropy)
     if mi == "distribution":
         groups = estimate_group_ranges(*inputs, min_factor=min_factor, max_factor=max_factor, **common)
@@ -252,12 +268,20 @@ def estimate(
         return round(v, 4) if isinstance(v, float) else v
 
     source = {
-        "datalist": str(Path(datalist).resolve()), "template": template["image"],
-        "images": [it["image"] for it in others], "n_images": len(others), "correspondences": correspondences,
-        "window": int(window), "patch_size": int(patch_size),
+        "datalist": str(Path(datalist).resolve()),
+        "template": template["image"],
+        "images": [it["image"] for it in others],
+        "n_images": len(others),
+        "correspondences": correspondences,
+        "window": int(window),
+        "patch_size": int(patch_size),
         "image_size": None if image_size is None else list(np.atleast_1d(image_size).astype(int).tolist()),
-        "radius": int(radius), "stride": int(stride), "n_keypoints": int(n_keypoints), "bins": int(bins),
-        "step": float(step), "seed": int(seed),
+        "radius": int(radius),
+        "stride": int(stride),
+        "n_keypoints": int(n_keypoints),
+        "bins": int(bins),
+        "step": float(step),
+        "seed": int(seed),
     }
     if correspondences == "encoder":
         source.update(ckpt_path=str(Path(ckpt_path).resolve()), config_file=config_file)
@@ -271,8 +295,12 @@ def estimate(
         augmentation["brightness"] = [clean(groups[g]["brightness"]) for g in GROUP_NAMES]
         augmentation["contrast"] = [clean(groups[g]["contrast"]) for g in GROUP_NAMES]
         source.update(max_intensity=float(max_intensity))
-    augmentation.update(alpha_hat=float(alpha_hat), mi=mi, source=source,
-                        groups={g: {k: clean(v) for k, v in groups[g].items()} for g in GROUP_NAMES})
+    augmentation.update(
+        alpha_hat=float(alpha_hat),
+        mi=mi,
+        source=source,
+        groups={g: {k: clean(v) for k, v in groups[g].items()} for g in GROUP_NAMES},
+    )
     result = {"augmentation": augmentation}
     write_text_atomic(output, yaml.safe_dump(result, sort_keys=False))
     _print_table(groups, mi)
@@ -290,7 +318,9 @@ def _fill_missing_groups(groups: dict) -> dict:
             continue
         donor = next((d for d in order[g] if groups[d].get("brightness") is not None), None)
         if donor is None:
-            raise ValueError("no information group has enough key points for an estimate; add images, landmarks or a larger radius")
+            raise ValueError(
+                "no information group has enough key points for an estimate; add images, landmarks or a larger radius"
+            )
         for kind in ("brightness", "contrast"):
             filled[g][kind] = groups[donor][kind]
         groups[g]["filled_from"] = donor
@@ -317,7 +347,10 @@ def _print_table(groups: dict, mi: str) -> None:
         width = (22, 20) if mi == "distribution" else (10, 12)
         print(f"{g:<8}{e['n_keypoints']:>8}{target:>11}{fmt('brightness'):>{width[0]}}{fmt('contrast'):>{width[1]}}")
         if "note" in e:
-            print(f"  warning ({g}): {e['note']}" + (f"; uses the {e['filled_from']} group's ranges" if "filled_from" in e else ""))
+            print(
+                f"  warning ({g}): {e['note']}"
+                + (f"; uses the {e['filled_from']} group's ranges" if "filled_from" in e else "")
+            )
 
 
 if __name__ == "__main__":

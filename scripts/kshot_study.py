@@ -52,27 +52,62 @@ def _evaluate(datalist: dict, out: Path, ckpt_path: str, **overrides) -> dict:
     from monai.bundle import run
 
     out.mkdir(parents=True, exist_ok=True)
-    absolute = {k: ([_absolute(it) for it in v] if k in ("training", "validation", "test", "templates") else _absolute(v) if k == "template" else v)
-                for k, v in datalist.items()}
+    absolute = {
+        k: (
+            [_absolute(it) for it in v]
+            if k in ("training", "validation", "test", "templates")
+            else _absolute(v)
+            if k == "template"
+            else v
+        )
+        for k, v in datalist.items()
+    }
     path = save_datalist(absolute, out / "datalist.json")
     start = time.perf_counter()
-    run("evaluating", config_file=[str(ROOT / c) for c in CONFIGS], bundle_root=str(ROOT), datalist=str(path),
-        output_dir=str(out), ckpt_path=ckpt_path, overlays=False, progress_bar=False, **overrides)
+    run(
+        "evaluating",
+        config_file=[str(ROOT / c) for c in CONFIGS],
+        bundle_root=str(ROOT),
+        datalist=str(path),
+        output_dir=str(out),
+        ckpt_path=ckpt_path,
+        overlays=False,
+        progress_bar=False,
+        **overrides,
+    )
     seconds = time.perf_counter() - start
     metrics = json.loads((out / "metrics.json").read_text())
     errors = np.array([r["error_mm"] for r in read_predictions_csv(out / "predictions.csv")])
     errors = errors[np.isfinite(errors)]
-    result = {**overrides, "mre_mm": metrics["mre_mm"], "sdr_2mm": metrics["sdr"]["2.0"], "sdr_4mm": metrics["sdr"]["4.0"],
-              "median_mm": float(np.median(errors)), "over_10mm_percent": float(100 * np.mean(errors > 10.0)),
-              "n_images": metrics["n_images"], "templates": metrics.get("templates", [metrics["template"]]), "seconds": seconds}
+    result = {
+        **overrides,
+        "mre_mm": metrics["mre_mm"],
+        "sdr_2mm": metrics["sdr"]["2.0"],
+        "sdr_4mm": metrics["sdr"]["4.0"],
+        "median_mm": float(np.median(errors)),
+        "over_10mm_percent": float(100 * np.mean(errors > 10.0)),
+        "n_images": metrics["n_images"],
+        "templates": metrics.get("templates", [metrics["template"]]),
+        "seconds": seconds,
+    }
     write_json_atomic(out / "result.json", result)
-    print(f"{out.name}: MRE {result['mre_mm']:.2f} mm, SDR 2 mm {result['sdr_2mm']:.1f} %, > 10 mm "
-          f"{result['over_10mm_percent']:.1f} %, {len(result['templates'])} templates, {seconds:.0f} s", flush=True)
+    print(
+        f"{out.name}: MRE {result['mre_mm']:.2f} mm, SDR 2 mm {result['sdr_2mm']:.1f} %, > 10 mm "
+        f"{result['over_10mm_percent']:.1f} %, {len(result['templates'])} templates, {seconds:.0f} s",
+        flush=True,
+    )
     return result
 
 
-def selection(datalist: str, template: str, out: str = "runs/kshot", pool: int = 30, keep=(0, 3, 5, 10),
-              tolerances=(1.0, 2.0, 4.0), ckpt_path: str = "models/model.pt") -> list[dict]:
+def selection(
+    datalist: str,
+    template: str,
+    out: str = "runs/kshot",
+    pool: int = 30,
+    keep=(0, 3, 5, 10),
+    tolerances=(1.0, 2.0, 4.0),
+    ckpt_path: str = "models/model.pt",
+) -> list[dict]:
     """Pseudo-template settings scored on labelled non-test images (see the module doc)."""
     full = load_datalist(datalist)
     labelled = labelled_training_items(full)
@@ -80,15 +115,32 @@ def selection(datalist: str, template: str, out: str = "runs/kshot", pool: int =
     others = [it for it in labelled if it is not chosen]
     candidates = [{"image": it["image"]} for it in others[:pool]]
     scored = [dict(it) for it in others[pool:]] + [dict(it) for it in full["validation"]]
-    study = {"name": f"{full.get('name', 'datalist')} selection", "spatial_dims": full["spatial_dims"],
-             "landmark_names": full["landmark_names"], "training": candidates, "validation": [], "test": scored,
-             "template": chosen}
+    study = {
+        "name": f"{full.get('name', 'datalist')} selection",
+        "spatial_dims": full["spatial_dims"],
+        "landmark_names": full["landmark_names"],
+        "training": candidates,
+        "validation": [],
+        "test": scored,
+        "template": chosen,
+    }
     results = []
     for m in keep:
         for tol in tolerances if m else tolerances[:1]:
             name = f"sel_m{m}_tol{tol:g}"
-            results.append({"name": name, **_evaluate(study, Path(out) / name, ckpt_path, pseudo_candidates=pool,
-                                                      pseudo_templates=m, pseudo_cycle_tolerance=tol)})
+            results.append(
+                {
+                    "name": name,
+                    **_evaluate(
+                        study,
+                        Path(out) / name,
+                        ckpt_path,
+                        pseudo_candidates=pool,
+                        pseudo_templates=m,
+                        pseudo_cycle_tolerance=tol,
+                    ),
+                }
+            )
     write_json_atomic(Path(out) / "selection.json", results)
     return results
 

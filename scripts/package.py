@@ -65,7 +65,9 @@ def bundle_files(root: Path, max_mb: float = MAX_MB) -> list[Path]:
             if path.stat().st_size > max_mb * 2**20:
                 if str(rel) in listed:
                     continue
-                raise PackagingError(f"{rel} is over {max_mb:g} MB: list it in large_files.yml (path, url, hash_val, hash_type)")
+                raise PackagingError(
+                    f"{rel} is over {max_mb:g} MB: list it in large_files.yml (path, url, hash_val, hash_type)"
+                )
             files.append(rel)
     if not files:
         raise PackagingError(f"nothing to package under {root}")

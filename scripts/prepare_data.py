@@ -32,14 +32,14 @@ if str(ROOT) not in sys.path:
 import fire  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bundle.data.annotations import MultiAnnotatorSet, image_stem, natural_key  # noqa: E402
 from bundle.data.datalist import SECTIONS, load_datalist, save_datalist  # noqa: E402
 from bundle.data.dicom import dicom_series_datalist, dicom_xray_datalist, find_dicom_files  # noqa: E402
 from bundle.data.hand_csv import hand_datalist  # noqa: E402
+from bundle.data.images import ImageError, check_image_file  # noqa: E402
 from bundle.data.isbi2015 import ISBI_2015_LANDMARK_NAMES, ISBI_2015_SPACING_MM, read_isbi2015_set  # noqa: E402
-from bundle.data.annotations import MultiAnnotatorSet, image_stem, natural_key  # noqa: E402
 from bundle.data.labelme import read_labelme_set  # noqa: E402
 from bundle.data.nifti import nifti_datalist  # noqa: E402
-from bundle.data.images import ImageError, check_image_file  # noqa: E402
 from bundle.io_utils import atomic_path  # noqa: E402
 
 BUILT_IN_NAMES = {"isbi": ISBI_2015_LANDMARK_NAMES}
@@ -113,8 +113,11 @@ def split_training(
     n_test = min(round(test_fraction * len(candidates)), len(candidates) - n_val)
     moved = {candidates[k]: "validation" for k in order[:n_val]}
     moved.update({candidates[k]: "test" for k in order[n_val : n_val + n_test]})
-    kept = [(it if i not in moved else {"image": it["image"]}) for i, it in enumerate(training)
-            if keep_held_out_images or i not in moved]
+    kept = [
+        (it if i not in moved else {"image": it["image"]})
+        for i, it in enumerate(training)
+        if keep_held_out_images or i not in moved
+    ]
     out = dict(datalist, training=kept)
     for section in ("validation", "test"):
         joined = datalist[section] + [training[i] for i, s in moved.items() if s == section]
@@ -317,7 +320,9 @@ def dicom(
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point: ``prepare_data.py {labelme|isbi2015|hand|nifti|dicom} ...``."""
     try:
-        fire.Fire({"labelme": labelme, "isbi2015": isbi2015, "hand": hand, "nifti": nifti, "dicom": dicom}, command=argv)
+        fire.Fire(
+            {"labelme": labelme, "isbi2015": isbi2015, "hand": hand, "nifti": nifti, "dicom": dicom}, command=argv
+        )
     except (ValueError, KeyError) as e:  # DatalistError is a ValueError: bad input, not a bug
         print(f"error: {e.args[0] if isinstance(e, KeyError) and e.args else e}", file=sys.stderr)
         sys.exit(2)

@@ -43,11 +43,18 @@ def iie(image: str, output: str, window: int = 10, thresholds=(2.0, 4.0), width:
     grey = load_grey(image, 2)[0]  # indexed [x, y], channels averaged, in [0, 1]
     entropy = local_entropy(grey, window).numpy()
     groups = information_groups(entropy, thresholds)
-    shown = [_shrink(grey, width)[0], _shrink(entropy, width)[0], _shrink(groups.astype(np.float64), width, "nearest")[0]]
+    shown = [
+        _shrink(grey, width)[0],
+        _shrink(entropy, width)[0],
+        _shrink(groups.astype(np.float64), width, "nearest")[0],
+    ]
     share = [100.0 * np.mean(groups == g) for g in range(3)]
     fig = Figure(figsize=(12.0, 5.2), dpi=80)
-    titles = ["image", f"IIE map, {window}×{window} window (bits)",
-              "groups: " + ", ".join(f"{n} {s:.0f} %" for n, s in zip(GROUP_NAMES, share))]
+    titles = [
+        "image",
+        f"IIE map, {window}×{window} window (bits)",
+        "groups: " + ", ".join(f"{n} {s:.0f} %" for n, s in zip(GROUP_NAMES, share)),
+    ]
     for k, (data, title) in enumerate(zip(shown, titles)):
         ax = fig.add_subplot(1, 3, k + 1)
         if k == 0:
@@ -55,7 +62,9 @@ def iie(image: str, output: str, window: int = 10, thresholds=(2.0, 4.0), width:
         elif k == 1:
             fig.colorbar(ax.imshow(data.T, cmap="magma"), ax=ax, fraction=0.046)
         else:
-            ax.imshow(data.T, cmap=ListedColormap(["#2c3e91", "#e0a100", "#d62728"]), vmin=0, vmax=2, interpolation="nearest")
+            ax.imshow(
+                data.T, cmap=ListedColormap(["#2c3e91", "#e0a100", "#d62728"]), vmin=0, vmax=2, interpolation="nearest"
+            )
         ax.set_title(title, fontsize=10)
         ax.set_axis_off()
     fig.tight_layout()

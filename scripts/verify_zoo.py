@@ -34,7 +34,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import fire  # noqa: E402
-
 import package as packaging  # noqa: E402
 
 EXTRA_CHECKS = r"""

@@ -15,8 +15,13 @@ ALLOWED = ("__pycache__/", ".pytest_cache/", ".venv/", ".venv-monailabel/")
 def _tree_state() -> set[str] | None:
     """Untracked and ignored paths and modified tracked files of the checkout; None outside a git checkout."""
     try:
-        done = subprocess.run(["git", "status", "--porcelain", "--ignored", "--untracked-files=all"], cwd=ROOT,
-                              capture_output=True, text=True, timeout=60)
+        done = subprocess.run(
+            ["git", "status", "--porcelain", "--ignored", "--untracked-files=all"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     if done.returncode != 0:

@@ -52,8 +52,15 @@ def world_fields(tmp_path):
     landmarks = voxels @ AFFINE[:3, :3].T + AFFINE[:3, 3]
     item = {"image": Path(paths[0]).name, "landmarks": landmarks.tolist()}
     datalist = save_datalist(
-        {"name": "fields", "spatial_dims": 3, "landmark_names": [f"p{i}" for i in range(5)],
-         "training": [item], "validation": [item], "test": [item], "template": item},
+        {
+            "name": "fields",
+            "spatial_dims": 3,
+            "landmark_names": [f"p{i}" for i in range(5)],
+            "training": [item],
+            "validation": [item],
+            "test": [item],
+            "template": item,
+        },
         tmp_path / "datalist.json",
     )
     return paths, landmarks, datalist
@@ -83,15 +90,17 @@ def test_world_voxel_world_round_trip_through_the_3d_pipeline(world_fields):
 
     # orientation, resampling, pad, crop and resize by hand: the affine follows every one of them
     keys = ["a", "b", "c"]
-    manual = Compose([
-        LoadImaged(keys, ensure_channel_first=True, image_only=True),
-        Orientationd(keys, axcodes="RAS"),
-        Spacingd(keys, pixdim=(3.0, 2.5, 2.0)),
-        SpatialPadd(keys, spatial_size=(32, 32, 40)),
-        CenterSpatialCropd(keys, roi_size=(20, 26, 30)),
-        Resized(keys, spatial_size=(24, 32, 28), mode="trilinear"),
-        LandmarkTargetsd("a", n_landmarks=5),
-    ])
+    manual = Compose(
+        [
+            LoadImaged(keys, ensure_channel_first=True, image_only=True),
+            Orientationd(keys, axcodes="RAS"),
+            Spacingd(keys, pixdim=(3.0, 2.5, 2.0)),
+            SpatialPadd(keys, spatial_size=(32, 32, 40)),
+            CenterSpatialCropd(keys, roi_size=(20, 26, 30)),
+            Resized(keys, spatial_size=(24, 32, 28), mode="trilinear"),
+            LandmarkTargetsd("a", n_landmarks=5),
+        ]
+    )
     out = manual({**dict(zip(keys, paths)), "landmarks": landmarks.tolist()})
     assert tuple(out["a"].shape) == (1, 24, 32, 28)
     grid = apply_homogeneous(out["grid_to_physical"], torch.as_tensor(landmarks), inverse=True).numpy()
@@ -154,7 +163,9 @@ def _chance_mre_mm(datalist: dict, n: int = 4000, seed: int = 0) -> float:
     errors = []
     for item in datalist["test"]:
         image = nib.load(item["image"])
-        guesses = rng.uniform(-0.5, np.asarray(image.shape) - 0.5, size=(n, 3)) @ image.affine[:3, :3].T + image.affine[:3, 3]
+        guesses = (
+            rng.uniform(-0.5, np.asarray(image.shape) - 0.5, size=(n, 3)) @ image.affine[:3, :3].T + image.affine[:3, 3]
+        )
         for point in landmarks_array(item, len(datalist["landmark_names"]), 3):
             errors.append(np.linalg.norm(guesses - point, axis=1).mean())
     return float(np.mean(errors))
@@ -162,18 +173,34 @@ def _chance_mre_mm(datalist: dict, n: int = 4000, seed: int = 0) -> float:
 
 def _evaluate(datalist: Path, out: Path, ckpt: Path, **overrides) -> dict:
     settings = {k: TINY_3D[k] for k in ("target_spacing", "image_size", "progress_bar", "seed", "network_def#channels")}
-    run("evaluating", config_file=EVAL_3D, bundle_root=str(ROOT), datalist=str(datalist), output_dir=str(out),
-        ckpt_path=str(ckpt), **settings, **overrides)
+    run(
+        "evaluating",
+        config_file=EVAL_3D,
+        bundle_root=str(ROOT),
+        datalist=str(datalist),
+        output_dir=str(out),
+        ckpt_path=str(ckpt),
+        **settings,
+        **overrides,
+    )
     return json.loads((out / "metrics.json").read_text())
 
 
 def test_tiny_3d_training_beats_chance_and_writes_markups(tmp_path):
-    datalist_path = generate_synthetic_3d(tmp_path / "data", n_training=6, n_validation=1, n_test=3,
-                                          shape=(36, 36, 36), spacing=(3.0, 3.0, 3.0), seed=2)
+    datalist_path = generate_synthetic_3d(
+        tmp_path / "data", n_training=6, n_validation=1, n_test=3, shape=(36, 36, 36), spacing=(3.0, 3.0, 3.0), seed=2
+    )
     datalist = load_datalist(datalist_path)
     models = tmp_path / "models"
-    run("training", config_file=TRAIN_3D, bundle_root=str(ROOT), datalist=str(datalist_path),
-        output_dir=str(tmp_path / "train"), ckpt_dir=str(models), **TINY_3D)
+    run(
+        "training",
+        config_file=TRAIN_3D,
+        bundle_root=str(ROOT),
+        datalist=str(datalist_path),
+        output_dir=str(tmp_path / "train"),
+        ckpt_dir=str(models),
+        **TINY_3D,
+    )
     assert (models / "model_final.pt").is_file()
     trained = _evaluate(datalist_path, tmp_path / "eval", models / "model_final.pt")
 
@@ -192,7 +219,9 @@ def test_tiny_3d_training_beats_chance_and_writes_markups(tmp_path):
         points = read_markups(tmp_path / "eval" / f"{stem}.mrk.json")
         assert [p.label for p in points] == datalist["landmark_names"]
         mine = [r for r in rows if Path(r["image"]).name == Path(item["image"]).name]
-        np.testing.assert_allclose([p.position for p in points], [[float(r[a]) for a in "xyz"] for r in mine], atol=1e-5)
+        np.testing.assert_allclose(
+            [p.position for p in points], [[float(r[a]) for a in "xyz"] for r in mine], atol=1e-5
+        )
         reference = landmarks_array(item, len(points), 3)
         errors = np.linalg.norm(np.asarray([p.position for p in points]) - reference, axis=1)
         np.testing.assert_allclose(errors, [float(r["error_mm"]) for r in mine], atol=1e-4)
@@ -209,8 +238,9 @@ def _untrained_checkpoint(datalist: Path, path: Path) -> Path:
 
 def test_3d_kshot_and_pseudo_template_evaluation_list_their_templates(tmp_path):
     """k-shot (2 datalist templates) and 1 template + 2 pseudo-templates through the 3D evaluating command."""
-    datalist_path = generate_synthetic_3d(tmp_path / "data", n_training=5, n_validation=1, n_test=2,
-                                          shape=(32, 32, 32), spacing=(3.0, 3.0, 3.0), seed=4)
+    datalist_path = generate_synthetic_3d(
+        tmp_path / "data", n_training=5, n_validation=1, n_test=2, shape=(32, 32, 32), spacing=(3.0, 3.0, 3.0), seed=4
+    )
     datalist = load_datalist(datalist_path)
     ckpt = _untrained_checkpoint(datalist_path, tmp_path / "untrained.pt")
     chance = _chance_mre_mm(datalist)
@@ -232,8 +262,14 @@ def test_3d_kshot_and_pseudo_template_evaluation_list_their_templates(tmp_path):
 
     settings = {k: TINY_3D[k] for k in ("target_spacing", "image_size", "network_def#channels")}
     parser = bundle_parser(EVAL_3D, datalist=str(datalist_path), ckpt_path=str(ckpt), device="cpu", **settings)
-    chosen = resolve_templates(parser.get_parsed_content("dataset"), parser.get_parsed_content("network"),
-                               parser.get_parsed_content("validate#preprocessing"), "cpu", pseudo_candidates=3, pseudo_templates=2)
+    chosen = resolve_templates(
+        parser.get_parsed_content("dataset"),
+        parser.get_parsed_content("network"),
+        parser.get_parsed_content("validate#preprocessing"),
+        "cpu",
+        pseudo_candidates=3,
+        pseudo_templates=2,
+    )
     assert [it["image"] for it in chosen] == pseudo["templates"] and "landmarks" in chosen[1]
     truth = {it["image"]: landmarks_array(it, len(datalist["landmark_names"]), 3) for it in datalist["training"]}
     for item in chosen[1:]:
@@ -279,7 +315,10 @@ def test_3d_templates_combined_in_world_mm_and_cycle_errors_match_an_independent
     network = ContrastiveLandmarkNet(spatial_dims=3, channels=(8, 16, 32, 64, 64)).eval()
     grid = (32, 32, 32)
     rng = np.random.default_rng(3)
-    smooth = lambda v: torch.nn.functional.avg_pool3d(torch.as_tensor(v, dtype=torch.float32)[None, None], 5, 1, 2)
+
+    def smooth(v):
+        return torch.nn.functional.avg_pool3d(torch.as_tensor(v, dtype=torch.float32)[None, None], 5, 1, 2)
+
     images = [smooth(rng.uniform(0, 1, grid)) for _ in range(3)]
     landmarks = [torch.as_tensor(rng.integers(6, 26, (4, 3)), dtype=torch.float32) for _ in range(3)]
     landmarks[2][1] = float("nan")  # template 2 lacks landmark 1: it does not vote for it
@@ -296,15 +335,22 @@ def test_3d_templates_combined_in_world_mm_and_cycle_errors_match_an_independent
 
     combined = inferer(inputs, network, grid_to_physical=matrix[None])[0].numpy()
     world = per_template[:, 0].numpy() @ AFFINE[:3, :3].T + AFFINE[:3, 3]  # (K, L, 3) mm
-    cost = lambda votes, c: np.linalg.norm(votes - c, axis=1).sum()
+
+    def cost(votes, c):
+        return np.linalg.norm(votes - c, axis=1).sum()
+
     for j in range(4):
         votes = world[:, j][np.isfinite(world[:, j]).all(1)]
         assert len(votes) == (2 if j == 1 else 3)
         if len(votes) == 2:  # two votes: every point between them is a median
             assert cost(votes, combined[j]) == pytest.approx(np.linalg.norm(votes[0] - votes[1]), abs=1e-6)
             continue
-        reference = minimize(lambda c: cost(votes, c), votes.mean(0), method="Nelder-Mead",
-                             options={"xatol": 1e-9, "fatol": 1e-12, "maxiter": 20000}).x
+        reference = minimize(
+            lambda c: cost(votes, c),
+            votes.mean(0),
+            method="Nelder-Mead",
+            options={"xatol": 1e-9, "fatol": 1e-12, "maxiter": 20000},
+        ).x
         np.testing.assert_allclose(combined[j], reference, atol=1e-3)
 
     # cycle errors on the integer grid (no sub-pixel search) against a brute-force back-match
@@ -320,6 +366,8 @@ def test_3d_templates_combined_in_world_mm_and_cycle_errors_match_an_independent
                     assert torch.isnan(errors[k, 0, j])
                     continue
                 at = found[k, 0, j].float()[None, None]
-                query = [torch.nn.functional.normalize(sample_features(f, at, grid), dim=-1)[0, 0] for f in input_features]
+                query = [
+                    torch.nn.functional.normalize(sample_features(f, at, grid), dim=-1)[0, 0] for f in input_features
+                ]
                 back = _brute_force_match(query, template_features, grid)
                 assert float(errors[k, 0, j]) == pytest.approx(np.linalg.norm(back - points[j].numpy()), abs=1e-6)

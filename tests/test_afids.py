@@ -28,7 +28,8 @@ from bundle.data.datalist import load_datalist
 ROOT = Path(__file__).resolve().parents[1]
 
 needs_autoafids = pytest.mark.skipif(
-    importlib.util.find_spec("autoafids") is None, reason="autoafids not installed (pip install --no-deps -r requirements-3d.txt)"
+    importlib.util.find_spec("autoafids") is None,
+    reason="autoafids not installed (pip install --no-deps -r requirements-3d.txt)",
 )
 
 
@@ -45,8 +46,15 @@ def test_warp_carries_points_exactly_onto_the_moved_anatomy():
     np.testing.assert_allclose(np.linalg.norm(grid[:3, :3], axis=0), 2.0)
     moved = carry_points(warp, points)
     voxels = (moved - grid[:3, 3]) @ np.linalg.inv(grid[:3, :3]).T
-    held = np.stack([map_coordinates(warp_volume(world[..., a], affine, warp, grid, grid_shape).astype(np.float64), voxels.T, order=1)
-                     for a in range(3)], 1)
+    held = np.stack(
+        [
+            map_coordinates(
+                warp_volume(world[..., a], affine, warp, grid, grid_shape).astype(np.float64), voxels.T, order=1
+            )
+            for a in range(3)
+        ],
+        1,
+    )
     np.testing.assert_allclose(held, points, atol=1e-3)
     assert np.abs(moved - points).max() > 1.0  # the warp really moved them
 
@@ -93,7 +101,9 @@ def test_prepare_afids_datalist(tmp_path):
     assert np.abs(np.asarray(warped["landmarks"]) - afids).max() > 1.0
     # the training warps carry their AFIDs (k-shot templates; training never reads them), each moved by its warp
     for item in datalist["training"]:
-        assert np.asarray(item["landmarks"]).shape == (32, 3) and np.abs(np.asarray(item["landmarks"]) - afids).max() > 1.0
+        assert (
+            np.asarray(item["landmarks"]).shape == (32, 3) and np.abs(np.asarray(item["landmarks"]) - afids).max() > 1.0
+        )
 
     # afids_check --templates k: the T1w template and the first k - 1 training warps with their AFIDs
     spec = importlib.util.spec_from_file_location("afids_check", ROOT / "scripts" / "afids_check.py")
@@ -101,7 +111,8 @@ def test_prepare_afids_datalist(tmp_path):
     spec.loader.exec_module(afids_check)
     kshot = load_datalist(afids_check.kshot_datalist(datalist, 3, tmp_path / "datalist_k3.json"))
     assert "template" not in kshot and [it["image"] for it in kshot["templates"]] == [datalist["template"]["image"]] + [
-        it["image"] for it in datalist["training"]]
+        it["image"] for it in datalist["training"]
+    ]
     np.testing.assert_allclose(kshot["templates"][2]["landmarks"], datalist["training"][1]["landmarks"])
     assert kshot["test"] == datalist["test"] and afids_check.setting_name(1, 5) == "k1_pseudo5"
     with pytest.raises(ValueError, match="at most 3 templates"):
@@ -123,15 +134,36 @@ def test_afids_check_pseudo_templates_are_written_and_scored_against_the_carried
     path = prepare_afids_datalist(tmp_path / "data", n_training=3, n_test=1, spacing=6.0, seed=3)
     datalist = load_datalist(path)
     configs = [str(ROOT / "configs" / f) for f in ("train.yaml", "train_3d.yaml", "evaluate.yaml", "evaluate_3d.yaml")]
-    common = {"bundle_root": str(ROOT), "target_spacing": [6.0] * 3, "image_size": [32, 32, 32],
-              "load_transforms": MRI_LOAD_TRANSFORMS, "progress_bar": False, "seed": 0, "network_def#channels": [8, 16, 32, 64, 64]}
+    common = {
+        "bundle_root": str(ROOT),
+        "target_spacing": [6.0] * 3,
+        "image_size": [32, 32, 32],
+        "load_transforms": MRI_LOAD_TRANSFORMS,
+        "progress_bar": False,
+        "seed": 0,
+        "network_def#channels": [8, 16, 32, 64, 64],
+    }
     torch.manual_seed(0)
     ckpt = tmp_path / "untrained.pt"
     overrides = {k: v for k, v in common.items() if k != "bundle_root"}
-    torch.save(bundle_parser(configs, bundle_root=ROOT, datalist=str(path), **overrides).get_parsed_content("network_def").state_dict(), ckpt)
+    torch.save(
+        bundle_parser(configs, bundle_root=ROOT, datalist=str(path), **overrides)
+        .get_parsed_content("network_def")
+        .state_dict(),
+        ckpt,
+    )
     written, report = afids_check.pseudo_template_datalist(
-        configs, path, ckpt, tmp_path / "data" / "datalist_k1_pseudo2.json", datalist, common, pseudo_templates=2,
-        pseudo_candidates=3, pseudo_cycle_tolerance=1000.0, template_combine="geometric_median")
+        configs,
+        path,
+        ckpt,
+        tmp_path / "data" / "datalist_k1_pseudo2.json",
+        datalist,
+        common,
+        pseudo_templates=2,
+        pseudo_candidates=3,
+        pseudo_cycle_tolerance=1000.0,
+        template_combine="geometric_median",
+    )
     out = load_datalist(written)
     assert "template" not in out and len(out["templates"]) == 3 and out["templates"][0] == datalist["template"]
     training = {it["image"]: it for it in datalist["training"]}
@@ -139,5 +171,7 @@ def test_afids_check_pseudo_templates_are_written_and_scored_against_the_carried
     assert [r["image"] for r in report] == [Path(it["image"]).name for it in out["templates"][1:]]
     for entry, item in zip(report, out["templates"][1:]):
         assert entry["kept"] == 32  # a tolerance of 1000 voxels keeps every pseudo-label
-        errors = np.linalg.norm(np.asarray(item["landmarks"]) - np.asarray(training[item["image"]]["landmarks"]), axis=1)
+        errors = np.linalg.norm(
+            np.asarray(item["landmarks"]) - np.asarray(training[item["image"]]["landmarks"]), axis=1
+        )
         assert entry["kept_mre_mm"] == pytest.approx(errors.mean())

@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import nibabel as nib
@@ -23,7 +22,6 @@ from PIL import Image
 from bundle.checkpoints import CheckpointError, load_weights, resume_path, save_atomically
 from bundle.configs import bundle_parser, check_image_size
 from bundle.data.datalist import DatalistError, load_datalist
-from bundle.data.images import ImageError
 from bundle.data.synthetic import generate_synthetic_2d
 from bundle.export import image_items
 from bundle.handlers import LastCheckpointSaver, ResumeCheckpointLoader
@@ -88,8 +86,15 @@ def preprocessing(files, datalist: Path, key: str = "validate#preprocessing", **
 
 
 def evaluate(datalist: Path, out: Path, ckpt: Path, **overrides) -> None:
-    run("evaluating", config_file=[str(ROOT / f) for f in EVALUATE], bundle_root=str(ROOT), datalist=str(datalist),
-        output_dir=str(out), ckpt_path=str(ckpt), **{**SMALL, **overrides})
+    run(
+        "evaluating",
+        config_file=[str(ROOT / f) for f in EVALUATE],
+        bundle_root=str(ROOT),
+        datalist=str(datalist),
+        output_dir=str(out),
+        ckpt_path=str(ckpt),
+        **{**SMALL, **overrides},
+    )
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
@@ -113,8 +118,16 @@ def test_empty_test_list_is_refused_naming_the_datalist(data2d, tmp_path):
 def test_empty_training_list_is_refused_naming_the_datalist(data2d, tmp_path):
     datalist = variant(data2d, tmp_path, training=[])
     text = raises(
-        run, "training", config_file=str(ROOT / "configs/train.yaml"), bundle_root=str(ROOT), datalist=str(datalist),
-        output_dir=str(tmp_path / "out"), ckpt_dir=str(tmp_path / "models"), epochs=1, epoch_length=2, **SMALL,
+        run,
+        "training",
+        config_file=str(ROOT / "configs/train.yaml"),
+        bundle_root=str(ROOT),
+        datalist=str(datalist),
+        output_dir=str(tmp_path / "out"),
+        ckpt_dir=str(tmp_path / "models"),
+        epochs=1,
+        epoch_length=2,
+        **SMALL,
     )
     assert f"{datalist}: the 'training' list is empty" in text
 
@@ -123,7 +136,9 @@ def test_duplicate_landmark_names_are_refused_naming_the_duplicate(data2d, tmp_p
     names = list(data2d["content"]["landmark_names"])
     names[5] = names[2]
     datalist = variant(data2d, tmp_path, landmark_names=names)
-    with pytest.raises(DatalistError, match=rf"'landmark_names' must be unique, duplicated: '{names[2]}' at positions \[2, 5\]"):
+    with pytest.raises(
+        DatalistError, match=rf"'landmark_names' must be unique, duplicated: '{names[2]}' at positions \[2, 5\]"
+    ):
         load_datalist(datalist)
 
 
@@ -162,14 +177,19 @@ def test_volume_in_the_2d_configuration_is_refused(data2d, tmp_path):
 
 def volume_datalist(tmp_path: Path, image: Path, landmarks=None) -> Path:
     item = {"image": str(image), "landmarks": landmarks or [[0.0, 0.0, 0.0], [10.0, 10.0, 10.0]]}
-    return write_json(tmp_path / "ct.json", {"spatial_dims": 3, "landmark_names": ["a", "b"], "training": [item], "test": [item]})
+    return write_json(
+        tmp_path / "ct.json", {"spatial_dims": 3, "landmark_names": ["a", "b"], "training": [item], "test": [item]}
+    )
 
 
 def test_2d_png_in_the_3d_configuration_is_refused(data2d, tmp_path):
     png = Path(data2d["datalist"].parent / data2d["content"]["test"][0]["image"])
     pipeline = preprocessing(EVALUATE_3D, volume_datalist(tmp_path, png), image_size=[32, 32, 32])
     text = raises(pipeline, {"image": str(png)})
-    assert f"{png}: a 2D image (spatial shape [64, 72]), but this configuration expects 3D images (spatial_dims: 3)" in text
+    assert (
+        f"{png}: a 2D image (spatial shape [64, 72]), but this configuration expects 3D images (spatial_dims: 3)"
+        in text
+    )
 
 
 def test_nan_volume_in_3d_evaluation_is_refused_naming_it(tmp_path):
@@ -205,7 +225,9 @@ def test_landmark_far_outside_its_image_is_refused_in_test_items_and_templates(d
 
 def test_zero_image_size_is_refused_naming_the_key(data2d):
     text = raises(preprocessing, TRAIN, data2d["datalist"], image_size=[0, 0])
-    assert "image_size: expected 2 positive integers (the network grid), each divisible by 16" in text and "[0, 0]" in text
+    assert (
+        "image_size: expected 2 positive integers (the network grid), each divisible by 16" in text and "[0, 0]" in text
+    )
     assert check_image_size([64, 96], 2) == [64, 96]
     with pytest.raises(ValueError, match=r"image_size: expected 3 positive integers .* got \[64, 64\]"):
         check_image_size([64, 64], 3)
@@ -278,7 +300,10 @@ def test_checkpoint_writes_go_through_unique_temporaries_and_ignore_killed_lefto
     network = torch.nn.Linear(2, 2)
     replaced = []
     real_replace = os.replace
-    monkeypatch.setattr("bundle.io_utils.os.replace", lambda src, dst: (replaced.append((Path(src), Path(dst))), real_replace(src, dst))[1])
+    monkeypatch.setattr(
+        "bundle.io_utils.os.replace",
+        lambda src, dst: (replaced.append((Path(src), Path(dst))), real_replace(src, dst))[1],
+    )
     saver = LastCheckpointSaver(models / "last.pt", {"model": network}, engine_key=None)
     saver(Engine(lambda e, b: None))
     saver(Engine(lambda e, b: None))
@@ -309,7 +334,9 @@ def test_failed_evaluation_keeps_the_previous_outputs_unmixed(data2d, tmp_path):
     out = tmp_path / "eval"
     evaluate(data2d["datalist"], out, data2d["ckpt"])
     before = snapshot(out)
-    assert {"metrics.json", "predictions.csv", "sdr_curve.png"} <= set(before) and any(k.startswith("overlays/") for k in before)
+    assert {"metrics.json", "predictions.csv", "sdr_curve.png"} <= set(before) and any(
+        k.startswith("overlays/") for k in before
+    )
 
     # the second test image breaks after the first one's overlay was drawn
     broken = tmp_path / "broken.png"
@@ -340,8 +367,15 @@ def test_template_without_landmarks_fails_before_inference_leaving_outputs(data2
     datalist = variant(data2d, tmp_path, template=template, templates=[])
     png = str(data2d["datalist"].parent / data2d["content"]["test"][0]["image"])
     text = raises(
-        run, "inferring", config_file=str(ROOT / "configs/inference.yaml"), bundle_root=str(ROOT), datalist=str(datalist),
-        images=[png], output_dir=str(out), ckpt_path=str(data2d["ckpt"]), image_size=[64, 64],
+        run,
+        "inferring",
+        config_file=str(ROOT / "configs/inference.yaml"),
+        bundle_root=str(ROOT),
+        datalist=str(datalist),
+        images=[png],
+        output_dir=str(out),
+        ckpt_path=str(data2d["ckpt"]),
+        image_size=[64, 64],
     )
     assert f"{datalist}:template: a template must carry 'landmarks', at least one of them not null" in text
     assert snapshot(out) == {"predictions.csv": b"old\n"} and staging_leftovers(out) == []
@@ -368,5 +402,8 @@ def test_prepare_data_refuses_a_truncated_png(tmp_path, capsys):
     with pytest.raises(SystemExit):
         prepare_data.main(["hand", str(root), str(out), "--spacing", "[0.1,0.1]"])
     err = capsys.readouterr().err
-    assert "1 image(s) cannot be used; no datalist written" in err and f"cannot read image {root / 'images' / '2.png'}" in err
+    assert (
+        "1 image(s) cannot be used; no datalist written" in err
+        and f"cannot read image {root / 'images' / '2.png'}" in err
+    )
     assert "image file is truncated" in err and not out.exists()

@@ -23,7 +23,10 @@ def tiny_datalist(tmp_path_factory):
 
 def parser_for(files, datalist, tmp_path) -> ConfigParser:
     return bundle_parser(
-        [f"configs/{f}" for f in files], datalist=str(datalist), output_dir=str(tmp_path / "out"), ckpt_dir=str(tmp_path / "models")
+        [f"configs/{f}" for f in files],
+        datalist=str(datalist),
+        output_dir=str(tmp_path / "out"),
+        ckpt_dir=str(tmp_path / "models"),
     )
 
 
@@ -59,11 +62,19 @@ def test_evaluation_picks_a_labelled_training_template_by_either_rule(tiny_datal
     labelled = {Path(it["image"]).name for it in datalist["training"] if it.get("landmarks")}
     assert len(labelled) >= 2
     for rule in ("landmarks", "features"):
-        parser = bundle_parser(["configs/train.yaml", "configs/evaluate.yaml"], datalist=str(no_template),
-                               output_dir=str(tmp_path / "out"), template_rule=rule)
+        parser = bundle_parser(
+            ["configs/train.yaml", "configs/evaluate.yaml"],
+            datalist=str(no_template),
+            output_dir=str(tmp_path / "out"),
+            template_rule=rule,
+        )
         assert Path(parser.get_parsed_content("evaluate#template")["image"]).name in labelled
-    parser = bundle_parser(["configs/train.yaml", "configs/evaluate.yaml"], datalist=str(no_template),
-                           output_dir=str(tmp_path / "out"), template_rule="nearest")
+    parser = bundle_parser(
+        ["configs/train.yaml", "configs/evaluate.yaml"],
+        datalist=str(no_template),
+        output_dir=str(tmp_path / "out"),
+        template_rule="nearest",
+    )
     with pytest.raises(RuntimeError) as failure:  # MONAI wraps the error of a config expression
         parser.get_parsed_content("evaluate#template")
     assert "template rule must be one of ('landmarks', 'features'), got 'nearest'" in str(failure.value.__cause__)

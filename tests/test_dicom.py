@@ -26,8 +26,15 @@ from PIL import Image
 
 from bundle.configs import bundle_parser
 from bundle.data.datalist import load_datalist, save_datalist
+from bundle.data.dicom import (
+    DicomError,
+    XRayDicomd,
+    dicom_series_datalist,
+    dicom_xray_datalist,
+    header_spacing,
+    voi_window,
+)
 from bundle.data.images import load_grey
-from bundle.data.dicom import DicomError, XRayDicomd, dicom_series_datalist, dicom_xray_datalist, header_spacing, voi_window
 from bundle.data.markups import ControlPoint, write_markups
 from bundle.data.synthetic import generate_synthetic_2d
 from bundle.transforms.landmarks import LandmarkTargetsd
@@ -44,18 +51,33 @@ CT_STORAGE = "1.2.840.10008.5.1.4.1.1.2"
 EXPLICIT_LITTLE = "1.2.840.10008.1.2.1"
 # keyword: (group, element, VR)
 ELEMENTS = {
-    "SOPClassUID": (0x0008, 0x0016, "UI"), "SOPInstanceUID": (0x0008, 0x0018, "UI"), "Modality": (0x0008, 0x0060, "CS"),
-    "PatientID": (0x0010, 0x0020, "LO"), "SliceThickness": (0x0018, 0x0050, "DS"),
-    "EstimatedRadiographicMagnificationFactor": (0x0018, 0x1114, "DS"), "ImagerPixelSpacing": (0x0018, 0x1164, "DS"),
-    "StudyInstanceUID": (0x0020, 0x000D, "UI"), "SeriesInstanceUID": (0x0020, 0x000E, "UI"),
-    "InstanceNumber": (0x0020, 0x0013, "IS"), "ImagePositionPatient": (0x0020, 0x0032, "DS"),
-    "ImageOrientationPatient": (0x0020, 0x0037, "DS"), "FrameOfReferenceUID": (0x0020, 0x0052, "UI"),
-    "SamplesPerPixel": (0x0028, 0x0002, "US"), "PhotometricInterpretation": (0x0028, 0x0004, "CS"),
-    "NumberOfFrames": (0x0028, 0x0008, "IS"), "Rows": (0x0028, 0x0010, "US"), "Columns": (0x0028, 0x0011, "US"),
-    "PixelSpacing": (0x0028, 0x0030, "DS"), "BitsAllocated": (0x0028, 0x0100, "US"), "BitsStored": (0x0028, 0x0101, "US"),
-    "HighBit": (0x0028, 0x0102, "US"), "PixelRepresentation": (0x0028, 0x0103, "US"),
-    "WindowCenter": (0x0028, 0x1050, "DS"), "WindowWidth": (0x0028, 0x1051, "DS"),
-    "RescaleIntercept": (0x0028, 0x1052, "DS"), "RescaleSlope": (0x0028, 0x1053, "DS"),
+    "SOPClassUID": (0x0008, 0x0016, "UI"),
+    "SOPInstanceUID": (0x0008, 0x0018, "UI"),
+    "Modality": (0x0008, 0x0060, "CS"),
+    "PatientID": (0x0010, 0x0020, "LO"),
+    "SliceThickness": (0x0018, 0x0050, "DS"),
+    "EstimatedRadiographicMagnificationFactor": (0x0018, 0x1114, "DS"),
+    "ImagerPixelSpacing": (0x0018, 0x1164, "DS"),
+    "StudyInstanceUID": (0x0020, 0x000D, "UI"),
+    "SeriesInstanceUID": (0x0020, 0x000E, "UI"),
+    "InstanceNumber": (0x0020, 0x0013, "IS"),
+    "ImagePositionPatient": (0x0020, 0x0032, "DS"),
+    "ImageOrientationPatient": (0x0020, 0x0037, "DS"),
+    "FrameOfReferenceUID": (0x0020, 0x0052, "UI"),
+    "SamplesPerPixel": (0x0028, 0x0002, "US"),
+    "PhotometricInterpretation": (0x0028, 0x0004, "CS"),
+    "NumberOfFrames": (0x0028, 0x0008, "IS"),
+    "Rows": (0x0028, 0x0010, "US"),
+    "Columns": (0x0028, 0x0011, "US"),
+    "PixelSpacing": (0x0028, 0x0030, "DS"),
+    "BitsAllocated": (0x0028, 0x0100, "US"),
+    "BitsStored": (0x0028, 0x0101, "US"),
+    "HighBit": (0x0028, 0x0102, "US"),
+    "PixelRepresentation": (0x0028, 0x0103, "US"),
+    "WindowCenter": (0x0028, 0x1050, "DS"),
+    "WindowWidth": (0x0028, 0x1051, "DS"),
+    "RescaleIntercept": (0x0028, 0x1052, "DS"),
+    "RescaleSlope": (0x0028, 0x1053, "DS"),
     "PixelData": (0x7FE0, 0x0010, "OW"),
 }
 
@@ -71,7 +93,9 @@ def _element(group: int, element: int, vr: str, value) -> bytes:
         data = bytes(value)
     else:
         values = value if isinstance(value, (list, tuple, np.ndarray)) else [value]
-        data = "\\".join(v if isinstance(v, str) else f"{float(v):.10g}" if vr == "DS" else str(v) for v in values).encode()
+        data = "\\".join(
+            v if isinstance(v, str) else f"{float(v):.10g}" if vr == "DS" else str(v) for v in values
+        ).encode()
     if len(data) % 2:
         data += b"\0" if vr in ("UI", "OB") else b" "
     if vr in ("OW", "OB"):
@@ -83,26 +107,48 @@ def write_dicom(path: Path, sop_class: str, **attributes) -> Path:
     """A DICOM file with the ``ELEMENTS`` keywords given, in tag order, after the PS3.10 preamble and file meta."""
     instance = attributes.setdefault("SOPInstanceUID", new_uid())
     attributes["SOPClassUID"] = sop_class
-    meta = b"".join([
-        _element(0x0002, 0x0001, "OB", b"\0\1"), _element(0x0002, 0x0002, "UI", sop_class),
-        _element(0x0002, 0x0003, "UI", instance), _element(0x0002, 0x0010, "UI", EXPLICIT_LITTLE),
-        _element(0x0002, 0x0012, "UI", "2.25.1"),
-    ])
-    body = b"".join(_element(*ELEMENTS[k], v) for k, v in sorted(attributes.items(), key=lambda kv: ELEMENTS[kv[0]][:2]))
+    meta = b"".join(
+        [
+            _element(0x0002, 0x0001, "OB", b"\0\1"),
+            _element(0x0002, 0x0002, "UI", sop_class),
+            _element(0x0002, 0x0003, "UI", instance),
+            _element(0x0002, 0x0010, "UI", EXPLICIT_LITTLE),
+            _element(0x0002, 0x0012, "UI", "2.25.1"),
+        ]
+    )
+    body = b"".join(
+        _element(*ELEMENTS[k], v) for k, v in sorted(attributes.items(), key=lambda kv: ELEMENTS[kv[0]][:2])
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(b"\0" * 128 + b"DICM" + struct.pack("<HH2sHI", 2, 0, b"UL", 4, len(meta)) + meta + body)
     return path
 
 
-def write_xray(path: Path, stored: np.ndarray, bits_stored: int | None = None, photometric: str = "MONOCHROME2",
-               signed: bool = False, **tags) -> Path:
+def write_xray(
+    path: Path,
+    stored: np.ndarray,
+    bits_stored: int | None = None,
+    photometric: str = "MONOCHROME2",
+    signed: bool = False,
+    **tags,
+) -> Path:
     """A DX file of ``stored`` ((rows, columns), or (frames, rows, columns)) with the given attributes."""
     bits = bits_stored or stored.dtype.itemsize * 8
     attributes = dict(
-        Modality="DX", PatientID="test", StudyInstanceUID=new_uid(), SeriesInstanceUID=new_uid(),
-        SamplesPerPixel=1, PhotometricInterpretation=photometric, Rows=stored.shape[-2], Columns=stored.shape[-1],
-        BitsAllocated=stored.dtype.itemsize * 8, BitsStored=bits, HighBit=bits - 1, PixelRepresentation=int(signed),
-        PixelData=np.ascontiguousarray(stored).astype(stored.dtype.newbyteorder("<")).tobytes(), **tags,
+        Modality="DX",
+        PatientID="test",
+        StudyInstanceUID=new_uid(),
+        SeriesInstanceUID=new_uid(),
+        SamplesPerPixel=1,
+        PhotometricInterpretation=photometric,
+        Rows=stored.shape[-2],
+        Columns=stored.shape[-1],
+        BitsAllocated=stored.dtype.itemsize * 8,
+        BitsStored=bits,
+        HighBit=bits - 1,
+        PixelRepresentation=int(signed),
+        PixelData=np.ascontiguousarray(stored).astype(stored.dtype.newbyteorder("<")).tobytes(),
+        **tags,
     )
     if stored.ndim == 3:
         attributes["NumberOfFrames"] = stored.shape[0]
@@ -136,8 +182,14 @@ def ramp(rows: int = 20, columns: int = 30, top: int = 4095, seed: int = 0) -> n
         ({"PixelSpacing": [0.2, 0.1]}, [0.1, 0.2]),  # row spacing \ column spacing -> [x, y]
         ({"ImagerPixelSpacing": [0.15, 0.125]}, [0.125, 0.15]),
         ({"ImagerPixelSpacing": [0.15, 0.125], "EstimatedRadiographicMagnificationFactor": 1.25}, [0.1, 0.12]),
-        ({"PixelSpacing": [0.12, 0.12], "ImagerPixelSpacing": [0.3, 0.3], "EstimatedRadiographicMagnificationFactor": 2},
-         [0.12, 0.12]),
+        (
+            {
+                "PixelSpacing": [0.12, 0.12],
+                "ImagerPixelSpacing": [0.3, 0.3],
+                "EstimatedRadiographicMagnificationFactor": 2,
+            },
+            [0.12, 0.12],
+        ),
     ],
 )
 def test_spacing_from_each_header_tag(tmp_path, tags, expected):
@@ -199,8 +251,15 @@ def test_12_bit_stored_in_16_ignores_the_upper_bits(tmp_path):
 def test_signed_12_bit_and_rescale(tmp_path):
     values = ramp(top=1500, seed=4) - 700  # -700..800
     stored = (values.astype(np.int16).view(np.uint16)) & np.uint16(0x0FFF)  # 12-bit two's complement
-    path = write_xray(tmp_path / "s.dcm", stored, bits_stored=12, signed=True, RescaleSlope=0.5, RescaleIntercept=10,
-                      PixelSpacing=[0.1, 0.1])
+    path = write_xray(
+        tmp_path / "s.dcm",
+        stored,
+        bits_stored=12,
+        signed=True,
+        RescaleSlope=0.5,
+        RescaleIntercept=10,
+        PixelSpacing=[0.1, 0.1],
+    )
     raw = XRayDicomd(keys="image")(LoadImaged(keys="image")({"image": str(path)}))["image"].numpy().T
     np.testing.assert_allclose(raw, 0.5 * values + 10, atol=1e-4)
 
@@ -214,7 +273,7 @@ def dicom_linear_window(x: np.ndarray, c: float, w: float) -> np.ndarray:
         elif v > c - 0.5 + (w - 1) / 2:
             out[idx] = 1.0
         else:
-            out[idx] = ((v - (c - 0.5)) / (w - 1) + 0.5)
+            out[idx] = (v - (c - 0.5)) / (w - 1) + 0.5
     return out
 
 
@@ -222,8 +281,17 @@ def dicom_linear_window(x: np.ndarray, c: float, w: float) -> np.ndarray:
 def test_rescale_then_voi_window(tmp_path, photometric):
     stored = ramp(top=4000, seed=5).astype(np.uint16)
     slope, intercept, center, width = 2.0, -1000.0, 3000.0, 4001.0
-    path = write_xray(tmp_path / "w.dcm", stored, bits_stored=12, photometric=photometric, RescaleSlope=slope,
-                      RescaleIntercept=intercept, WindowCenter=center, WindowWidth=width, PixelSpacing=[0.1, 0.1])
+    path = write_xray(
+        tmp_path / "w.dcm",
+        stored,
+        bits_stored=12,
+        photometric=photometric,
+        RescaleSlope=slope,
+        RescaleIntercept=intercept,
+        WindowCenter=center,
+        WindowWidth=width,
+        PixelSpacing=[0.1, 0.1],
+    )
     modality = slope * stored + intercept  # -1000..7000: the window [1000, 5000] clips both ends
     windowed = dicom_linear_window(modality, center, width)
     expected = windowed if photometric == "MONOCHROME2" else 1.0 - windowed
@@ -237,7 +305,9 @@ def test_voi_functions():
     x = np.array([0.0, 99.5, 100.0, 200.0, 300.0, 400.0])
     np.testing.assert_allclose(voi_window(x, 200.0, 201.0), [0.0, 0.0, 0.0025, 0.5025, 1.0, 1.0])
     np.testing.assert_allclose(voi_window(x, 200.0, 200.0, "LINEAR_EXACT"), [0.0, 0.0, 0.0, 0.5, 1.0, 1.0])
-    np.testing.assert_allclose(voi_window(np.array([200.0, 250.0]), 200.0, 100.0, "SIGMOID"), [0.5, 1 / (1 + np.exp(-2))])
+    np.testing.assert_allclose(
+        voi_window(np.array([200.0, 250.0]), 200.0, 100.0, "SIGMOID"), [0.5, 1 / (1 + np.exp(-2))]
+    )
     with pytest.raises(ValueError, match="unknown VOI LUT function"):
         voi_window(x, 1.0, 2.0, "CUBIC")
 
@@ -310,14 +380,28 @@ def write_ct_series(folder: Path, hu: np.ndarray, affine_lps: np.ndarray, row: n
     order = np.random.default_rng(0).permutation(hu.shape[2])
     for k in range(hu.shape[2]):
         write_dicom(
-            folder / f"IM{order[k]:04d}", CT_STORAGE, Modality="CT", PatientID="test", StudyInstanceUID=study,
-            SeriesInstanceUID=series, FrameOfReferenceUID=frame, InstanceNumber=k + 1,
+            folder / f"IM{order[k]:04d}",
+            CT_STORAGE,
+            Modality="CT",
+            PatientID="test",
+            StudyInstanceUID=study,
+            SeriesInstanceUID=series,
+            FrameOfReferenceUID=frame,
+            InstanceNumber=k + 1,
             ImagePositionPatient=list(affine_lps[:3, :3] @ [0, 0, k] + affine_lps[:3, 3]),
             ImageOrientationPatient=list(np.concatenate([row, col])),
             PixelSpacing=[np.linalg.norm(affine_lps[:3, 1]), np.linalg.norm(affine_lps[:3, 0])],
-            SliceThickness=np.linalg.norm(affine_lps[:3, 2]), SamplesPerPixel=1, PhotometricInterpretation="MONOCHROME2",
-            Rows=hu.shape[1], Columns=hu.shape[0], BitsAllocated=16, BitsStored=12, HighBit=11, PixelRepresentation=0,
-            RescaleIntercept=-1024, RescaleSlope=1,
+            SliceThickness=np.linalg.norm(affine_lps[:3, 2]),
+            SamplesPerPixel=1,
+            PhotometricInterpretation="MONOCHROME2",
+            Rows=hu.shape[1],
+            Columns=hu.shape[0],
+            BitsAllocated=16,
+            BitsStored=12,
+            HighBit=11,
+            PixelRepresentation=0,
+            RescaleIntercept=-1024,
+            RescaleSlope=1,
             PixelData=np.ascontiguousarray((hu[:, :, k].T.astype(np.int32) + 1024).astype("<u2")).tobytes(),
         )
     return folder
@@ -416,15 +500,24 @@ def dicom_copy(png: Path, path: Path, spacing: list[float]) -> Path:
     """The PNG as a MONOCHROME1, 12-of-16-bit DX file with a rescale: the same picture once decoded."""
     grey = np.asarray(Image.open(png).convert("L"), dtype=np.uint16)  # (rows, columns)
     stored = 4095 - grey * 16  # MONOCHROME1: bright = low; 0..4080 in 12 bits
-    return write_xray(path, stored.astype(np.uint16), bits_stored=12, photometric="MONOCHROME1", RescaleSlope=0.5,
-                      RescaleIntercept=-20, PixelSpacing=[spacing[1], spacing[0]],
-                      ImagerPixelSpacing=[3 * spacing[1], 3 * spacing[0]])
+    return write_xray(
+        path,
+        stored.astype(np.uint16),
+        bits_stored=12,
+        photometric="MONOCHROME1",
+        RescaleSlope=0.5,
+        RescaleIntercept=-20,
+        PixelSpacing=[spacing[1], spacing[0]],
+        ImagerPixelSpacing=[3 * spacing[1], 3 * spacing[0]],
+    )
 
 
 def read_predictions(path: Path) -> dict[tuple[str, str], list[float]]:
     with path.open() as f:
-        return {(Path(r["image"]).stem, r["landmark"]): [float(r["x"]), float(r["y"]), float(r["error_mm"] or "nan")]
-                for r in csv.DictReader(f)}
+        return {
+            (Path(r["image"]).stem, r["landmark"]): [float(r["x"]), float(r["y"]), float(r["error_mm"] or "nan")]
+            for r in csv.DictReader(f)
+        }
 
 
 def png_and_dicom_datalists(tmp_path: Path) -> tuple[Path, Path]:
@@ -439,16 +532,24 @@ def png_and_dicom_datalists(tmp_path: Path) -> tuple[Path, Path]:
     def as_dicom(item: dict) -> dict:  # no datalist spacing: the header's must give the same mm
         return {"image": dicom[item["image"]], "landmarks": item["landmarks"]}
 
-    dicom_list = save_datalist({**datalist, "training": [as_dicom(it) for it in datalist["training"]],
-                                "test": [as_dicom(it) for it in datalist["test"]],
-                                "template": as_dicom(datalist["template"])}, tmp_path / "dcm" / "datalist.json")
+    dicom_list = save_datalist(
+        {
+            **datalist,
+            "training": [as_dicom(it) for it in datalist["training"]],
+            "test": [as_dicom(it) for it in datalist["test"]],
+            "template": as_dicom(datalist["template"]),
+        },
+        tmp_path / "dcm" / "datalist.json",
+    )
     return png_list, dicom_list
 
 
 def same_predictions(png: dict, dcm: dict) -> float:
     """Largest difference (pixels) between the x, y of two predictions.csv tables with the same rows."""
     assert png.keys() == dcm.keys() and len(png) > 0
-    return float(np.abs(np.array([png[k][:2] for k in sorted(png)]) - np.array([dcm[k][:2] for k in sorted(png)])).max())
+    return float(
+        np.abs(np.array([png[k][:2] for k in sorted(png)]) - np.array([dcm[k][:2] for k in sorted(png)])).max()
+    )
 
 
 def test_evaluating_gives_the_same_landmarks_and_mm_on_png_and_dicom(tmp_path):
@@ -459,8 +560,16 @@ def test_evaluating_gives_the_same_landmarks_and_mm_on_png_and_dicom(tmp_path):
         out = tmp_path / f"eval_{kind}"
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            run("evaluating", config_file=config, bundle_root=str(ROOT), datalist=str(path), output_dir=str(out),
-                ckpt_path=str(ROOT / "models" / "model.pt"), progress_bar=False, overlays=False)
+            run(
+                "evaluating",
+                config_file=config,
+                bundle_root=str(ROOT),
+                datalist=str(path),
+                output_dir=str(out),
+                ckpt_path=str(ROOT / "models" / "model.pt"),
+                progress_bar=False,
+                overlays=False,
+            )
         results[kind] = (read_predictions(out / "predictions.csv"), json.loads((out / "metrics.json").read_text()))
     (png, png_metrics), (dcm, dcm_metrics) = results["png"], results["dcm"]
     assert len(png) == 2 * 16 and same_predictions(png, dcm) < 0.01  # pixels
@@ -479,8 +588,16 @@ def test_inferring_gives_the_same_landmarks_on_png_and_dicom(tmp_path):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             # the standalone inference config, its template taken from the datalist's template item
-            run("inferring", config_file=str(ROOT / "configs" / "inference.yaml"), bundle_root=str(ROOT), datalist=str(path), images=[it["image"] for it in load_datalist(path)["test"]],
-                output_dir=str(out), ckpt_path=str(ROOT / "models" / "model.pt"), overlays=False)
+            run(
+                "inferring",
+                config_file=str(ROOT / "configs" / "inference.yaml"),
+                bundle_root=str(ROOT),
+                datalist=str(path),
+                images=[it["image"] for it in load_datalist(path)["test"]],
+                output_dir=str(out),
+                ckpt_path=str(ROOT / "models" / "model.pt"),
+                overlays=False,
+            )
         predictions[kind] = read_predictions(out / "predictions.csv")
     assert len(predictions["png"]) == 2 * 16
     assert same_predictions(predictions["png"], predictions["dcm"]) < 0.01  # pixels

@@ -13,8 +13,22 @@ from bundle.data.synthetic import generate_synthetic_2d
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
-    "--epochs", "2", "--epoch_length", "2", "--val_interval", "2", "--batch_size", "2",
-    "--image_size", "[64,64]", "--crop_size", "[32,32]", "--num_queries", "4", "--progress_bar", "False",
+    "--epochs",
+    "2",
+    "--epoch_length",
+    "2",
+    "--val_interval",
+    "2",
+    "--batch_size",
+    "2",
+    "--image_size",
+    "[64,64]",
+    "--crop_size",
+    "[32,32]",
+    "--num_queries",
+    "4",
+    "--progress_bar",
+    "False",
 ]
 
 
@@ -22,11 +36,31 @@ def test_two_gloo_processes_train_and_rank0_writes_one_checkpoint(tmp_path):
     datalist = generate_synthetic_2d(tmp_path / "data", n_training=4, n_validation=1, n_test=1, size=(64, 72), seed=1)
     models, logs = tmp_path / "models", tmp_path / "logs"
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc_per_node", "2",
-        "--log-dir", str(logs), "--redirects", "3",
-        "-m", "monai.bundle", "run", "training",
-        "--config_file", "['configs/train.yaml','configs/multi_gpu_train.yaml']",
-        "--datalist", str(datalist), "--ckpt_dir", str(models), "--output_dir", str(tmp_path / "out"), *TINY,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nnodes",
+        "1",
+        "--nproc_per_node",
+        "2",
+        "--log-dir",
+        str(logs),
+        "--redirects",
+        "3",
+        "-m",
+        "monai.bundle",
+        "run",
+        "training",
+        "--config_file",
+        "['configs/train.yaml','configs/multi_gpu_train.yaml']",
+        "--datalist",
+        str(datalist),
+        "--ckpt_dir",
+        str(models),
+        "--output_dir",
+        str(tmp_path / "out"),
+        *TINY,
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)

@@ -94,7 +94,9 @@ def test_tiny_training_learns_better_than_chance_and_than_untrained(tmp_path):
     kshot.pop("template", None)
     kshot_path = tmp_path / "data" / "kshot.json"
     kshot_path.write_text(json.dumps(kshot))
-    combined = evaluate(kshot_path, tmp_path / "eval_kshot", models / "model.pt", pseudo_candidates=4, pseudo_templates=2)
+    combined = evaluate(
+        kshot_path, tmp_path / "eval_kshot", models / "model.pt", pseudo_candidates=4, pseudo_templates=2
+    )
     assert len(combined["templates"]) == 5 and combined["template"] == kshot["templates"][0]["image"]
     held_out = {it["image"] for it in datalist["test"] + datalist["validation"]}
     assert not held_out & set(combined["templates"])

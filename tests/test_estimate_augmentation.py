@@ -30,7 +30,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _load_script():
-    spec = importlib.util.spec_from_file_location("estimate_augmentation", ROOT / "scripts" / "estimate_augmentation.py")
+    spec = importlib.util.spec_from_file_location(
+        "estimate_augmentation", ROOT / "scripts" / "estimate_augmentation.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -57,7 +59,9 @@ def test_paired_sample_mi_by_hand():
         a = rng.integers(0, 6, 256)
         b = np.where(rng.random(256) < 0.6, a, rng.integers(0, 9, 256))
         assert paired_sample_mutual_information(a, b) == pytest.approx(_hand_mi(a.tolist(), b.tolist()), rel=1e-12)
-        assert paired_sample_mutual_information(a, b) == pytest.approx(paired_sample_mutual_information(b, a), rel=1e-12)
+        assert paired_sample_mutual_information(a, b) == pytest.approx(
+            paired_sample_mutual_information(b, a), rel=1e-12
+        )
     with pytest.raises(ValueError, match="same length"):
         paired_sample_mutual_information([1, 2], [1, 2, 3])
 
@@ -76,13 +80,18 @@ def test_distribution_mi_of_two_patches_is_the_mi_of_their_256_bin_histograms():
     ha = np.histogram(np.rint(a * 255), bins=256, range=(-0.5, 255.5))[0]  # numpy's own 8-bit histogram
     hb = np.histogram(np.rint(b * 255), bins=256, range=(-0.5, 255.5))[0]
     np.testing.assert_array_equal(grey_level_histogram(a), ha)
-    assert grey_level_histogram(a).sum() == 64 * 64 and grey_level_histogram(np.array([-1.0, 2.0])).tolist()[::255] == [1, 1]
+    assert grey_level_histogram(a).sum() == 64 * 64 and grey_level_histogram(np.array([-1.0, 2.0])).tolist()[::255] == [
+        1,
+        1,
+    ]
     assert distribution_mutual_information(a, b) == pytest.approx(_hand_mi(ha.tolist(), hb.tolist()), rel=1e-12)
     # with itself: the entropy (nats) of the distribution of the count values
     counts = np.unique(ha, return_counts=True)[1] / 256
     assert distribution_mutual_information(a, a) == pytest.approx(-(counts * np.log(counts)).sum(), rel=1e-12)
     # only the histograms matter: a shuffled patch has the same distribution, any shape
-    assert distribution_mutual_information(a, rng.permutation(a.ravel())) == pytest.approx(distribution_mutual_information(a, a))
+    assert distribution_mutual_information(a, rng.permutation(a.ravel())) == pytest.approx(
+        distribution_mutual_information(a, a)
+    )
 
 
 # ---------------------------------------------------------------- range search
@@ -112,7 +121,9 @@ def test_search_returns_the_first_factors_whose_mi_falls_below_the_target(kind):
     # the bound hits the target: below it at the bound, at or above it one step closer to 1 (each side)
     assert _mean_mi(patches, kind, lo) < target <= _mean_mi(patches, kind, lo + step) or lo + step >= 1 - 1e-9
     assert _mean_mi(patches, kind, hi) < target <= _mean_mi(patches, kind, hi - step) or hi - step <= 1 + 1e-9
-    assert res["lo_mi"] == pytest.approx(_mean_mi(patches, kind, lo)) and res["hi_mi"] == pytest.approx(_mean_mi(patches, kind, hi))
+    assert res["lo_mi"] == pytest.approx(_mean_mi(patches, kind, lo)) and res["hi_mi"] == pytest.approx(
+        _mean_mi(patches, kind, hi)
+    )
     # every factor nearer to 1 than the bound keeps the MI at or above the target (first crossing)
     for f in np.arange(lo + step, 1.0 - 1e-9, step):
         assert _mean_mi(patches, kind, f) >= target
@@ -137,8 +148,10 @@ def synthetic_setup():
     rng = np.random.default_rng(5)
     template = _three_region_image(rng)
     shifts = [(0, -2), (0, 5), (0, 1)]
-    others = [np.clip(np.roll(template, s, axis=(0, 1)) ** g + 0.02 * rng.standard_normal(template.shape), 0, 1)
-              for s, g in zip(shifts, (0.8, 1.2, 0.9))]
+    others = [
+        np.clip(np.roll(template, s, axis=(0, 1)) ** g + 0.02 * rng.standard_normal(template.shape), 0, 1)
+        for s, g in zip(shifts, (0.8, 1.2, 0.9))
+    ]
     axis = np.arange(10, 87, 7)
     points = np.stack(np.meshgrid(axis, axis, indexing="ij"), -1).reshape(-1, 2).astype(float)
     correspondences = np.stack([points + np.array(s, dtype=float) for s in shifts])
@@ -149,15 +162,24 @@ def synthetic_setup():
 def test_group_ranges_target_and_search_match_an_independent_computation(synthetic_setup):
     template, others, points, corr, point_entropy = synthetic_setup
     groups = information_groups(point_entropy)
-    res = estimate_group_ranges(template, others, points, corr, point_entropy, patch_size=8, n_keypoints=1000, alpha_hat=0.9, step=0.05)
+    res = estimate_group_ranges(
+        template, others, points, corr, point_entropy, patch_size=8, n_keypoints=1000, alpha_hat=0.9, step=0.05
+    )
     for g, name in enumerate(("low", "medium", "high")):
         e = res[name]
         sel = np.flatnonzero((groups == g) & extract_patches(template, points, 8)[1])
         assert e["n_keypoints"] == len(sel) and e["n_pairs"] == 3 * len(sel)
         patches = extract_patches(template, points[sel], 8)[0]
-        pairs = [_hand_mi(np.bincount(np.rint(patches[i] * 255).astype(int).ravel(), minlength=256).tolist(),
-                          np.bincount(np.rint(extract_patches(o, c[sel], 8)[0][i] * 255).astype(int).ravel(), minlength=256).tolist())
-                 for o, c in zip(others, corr) for i in range(len(sel))]
+        pairs = [
+            _hand_mi(
+                np.bincount(np.rint(patches[i] * 255).astype(int).ravel(), minlength=256).tolist(),
+                np.bincount(
+                    np.rint(extract_patches(o, c[sel], 8)[0][i] * 255).astype(int).ravel(), minlength=256
+                ).tolist(),
+            )
+            for o, c in zip(others, corr)
+            for i in range(len(sel))
+        ]
         assert e["target_mi"] == pytest.approx(0.9 * np.mean(pairs), rel=1e-9)
         for kind in ("brightness", "contrast"):
             lo, hi = e[kind]
@@ -184,7 +206,14 @@ def _write_png_datalist(tmp_path: Path, n_images: int = 4, labelled: bool = True
         if labelled or i == 0:
             item["landmarks"] = (landmarks + shift).tolist()
         items.append(item)
-    dl = {"name": "synthetic", "spatial_dims": 2, "landmark_names": ["a", "b", "c"], "training": items, "validation": [], "test": []}
+    dl = {
+        "name": "synthetic",
+        "spatial_dims": 2,
+        "landmark_names": ["a", "b", "c"],
+        "training": items,
+        "validation": [],
+        "test": [],
+    }
     path = tmp_path / "datalist.json"
     path.write_text(json.dumps(dl))
     return path
@@ -196,7 +225,17 @@ def test_script_default_is_the_distribution_estimate_and_merges_into_training(tm
     script = _load_script()
     datalist = _write_png_datalist(tmp_path)
     out = tmp_path / "augmentation.yaml"
-    script.estimate(str(datalist), str(out), n_images=3, patch_size=16, image_size=None, radius=8, stride=8, n_keypoints=10, step=0.1)
+    script.estimate(
+        str(datalist),
+        str(out),
+        n_images=3,
+        patch_size=16,
+        image_size=None,
+        radius=8,
+        stride=8,
+        n_keypoints=10,
+        step=0.1,
+    )
     aug = yaml.safe_load(out.read_text())["augmentation"]
     assert aug["mi"] == "distribution" and "brightness" not in aug and aug["source"]["patch_size"] == 16
     for kind in ("brightness_ranges", "contrast_ranges"):
@@ -208,7 +247,9 @@ def test_script_default_is_the_distribution_estimate_and_merges_into_training(tm
     np.testing.assert_allclose(transform.contrast_ranges, aug["contrast_ranges"])
     assert transform.group_mode == "pixel" and transform.thresholds == (2.0, 4.0)
     # the joint estimator stays available and writes the symmetric intensities
-    script.estimate(str(datalist), str(tmp_path / "joint.yaml"), mi="joint", n_images=3, patch_size=8, radius=8, stride=8, step=0.1)
+    script.estimate(
+        str(datalist), str(tmp_path / "joint.yaml"), mi="joint", n_images=3, patch_size=8, radius=8, stride=8, step=0.1
+    )
     joint = yaml.safe_load((tmp_path / "joint.yaml").read_text())["augmentation"]
     assert joint["mi"] == "joint" and len(joint["brightness"]) == 3 and "brightness_ranges" not in joint
     with pytest.raises(ValueError, match="mi="):
@@ -220,7 +261,9 @@ def test_script_default_is_the_distribution_estimate_and_merges_into_training(tm
 def test_authors_ranges_config_merges():
     from bundle.configs import bundle_parser
 
-    transform = bundle_parser(["configs/train.yaml", "configs/authors_ranges.yaml"]).get_parsed_content("train#crop_augmentation")
+    transform = bundle_parser(["configs/train.yaml", "configs/authors_ranges.yaml"]).get_parsed_content(
+        "train#crop_augmentation"
+    )
     assert transform.group_mode == "query" and transform.thresholds == (3.5, 4.5)
     np.testing.assert_allclose(transform.brightness_ranges[1], [0.505, 1.997])
     np.testing.assert_allclose(transform.contrast_ranges[2], [0.416, 1.817])
@@ -242,15 +285,29 @@ def test_encoder_correspondences_need_no_labels_and_find_identical_images(tmp_pa
     image = _three_region_image(rng)
     points = np.array([[20.0, 30.0], [50.0, 40.0], [75.0, 70.0], [np.nan, np.nan]])
     (tmp_path / "cfg.yaml").write_text("image_size: [96, 96]\n")
-    corr = script.encoder_correspondences(image, points, [image, image], str(ckpt), ["configs/train.yaml", str(tmp_path / "cfg.yaml")])
+    corr = script.encoder_correspondences(
+        image, points, [image, image], str(ckpt), ["configs/train.yaml", str(tmp_path / "cfg.yaml")]
+    )
     assert corr.shape == (2, 4, 2) and np.isnan(corr[:, 3]).all()
-    np.testing.assert_allclose(corr[:, :3], np.broadcast_to(points[:3], (2, 3, 2)), atol=1.0)  # the same image: the same points
+    np.testing.assert_allclose(
+        corr[:, :3], np.broadcast_to(points[:3], (2, 3, 2)), atol=1.0
+    )  # the same image: the same points
     # the script: only the template needs landmarks
     datalist = _write_png_datalist(tmp_path, n_images=3, labelled=False)
     out = tmp_path / "enc.yaml"
-    script.estimate(str(datalist), str(out), correspondences="encoder", ckpt_path=str(ckpt),
-                    config_file=["configs/train.yaml", str(tmp_path / "cfg.yaml")],
-                    n_images=2, patch_size=16, image_size=None, radius=8, stride=8, step=0.1)
+    script.estimate(
+        str(datalist),
+        str(out),
+        correspondences="encoder",
+        ckpt_path=str(ckpt),
+        config_file=["configs/train.yaml", str(tmp_path / "cfg.yaml")],
+        n_images=2,
+        patch_size=16,
+        image_size=None,
+        radius=8,
+        stride=8,
+        step=0.1,
+    )
     aug = yaml.safe_load(out.read_text())["augmentation"]
     assert aug["source"]["correspondences"] == "encoder" and aug["source"]["n_images"] == 2
     assert all(lo <= 1 <= hi for lo, hi in aug["brightness_ranges"])

@@ -25,7 +25,9 @@ def test_plan_covers_rows_seeds_and_sweeps_once():
     runs = ablation.plan([0, 1])
     names = [r["name"] for r in runs]
     assert len(names) == len(set(names)) == 4 * 2 + 2 + 3
-    assert {(r["entropy_sampling"], r["adaptive_augmentation"]) for r in runs if r["name"].startswith("baseline")} == {(False, False)}
+    assert {(r["entropy_sampling"], r["adaptive_augmentation"]) for r in runs if r["name"].startswith("baseline")} == {
+        (False, False)
+    }
     # every sweep value has exactly one run for the first seed, shared points included
     runs_by_name = {r["name"]: r for r in runs}
     for kind, values in (("gamma", ablation.GAMMAS), ("alpha", ablation.ALPHAS)):
@@ -39,8 +41,14 @@ def test_plan_covers_rows_seeds_and_sweeps_once():
 
 def fake_result(out: Path, spec: dict, mre: float, aug_file: Path) -> None:
     sdr = {t: 100.0 - 10 * mre for t in ("2.0", "2.5", "3.0", "4.0")}
-    result = dict(spec, iterations=500, augmentation_file=str(aug_file), validation_mre_mm=mre + 0.5, template_rule="features",
-                  test={"mre_mm": mre, "mre_px": mre / 0.12, "sdr": sdr})
+    result = dict(
+        spec,
+        iterations=500,
+        augmentation_file=str(aug_file),
+        validation_mre_mm=mre + 0.5,
+        template_rule="features",
+        test={"mre_mm": mre, "mre_px": mre / 0.12, "sdr": sdr},
+    )
     (out / spec["name"]).mkdir(parents=True)
     (out / spec["name"] / "result.json").write_text(json.dumps(result))
 
@@ -48,8 +56,15 @@ def fake_result(out: Path, spec: dict, mre: float, aug_file: Path) -> None:
 def test_report_tables_spread_gain_and_markers(tmp_path):
     aug = tmp_path / "aug.yaml"
     aug.write_text("augmentation:\n  brightness: [0.1, 0.2, 0.3]\n  contrast: [0.4, 0.5, 0.6]\n")
-    mre = {"baseline_s0": 4.0, "baseline_s1": 3.0, "full_s0": 2.8, "full_s1": 2.4, "entropy_s0": 3.3,
-           "alpha1.7_s0": 2.2, "gamma1.0_s0": 3.9}
+    mre = {
+        "baseline_s0": 4.0,
+        "baseline_s1": 3.0,
+        "full_s0": 2.8,
+        "full_s1": 2.4,
+        "entropy_s0": 3.3,
+        "alpha1.7_s0": 2.2,
+        "gamma1.0_s0": 3.9,
+    }
     for spec in ablation.plan([0, 1]):
         if spec["name"] in mre:
             fake_result(tmp_path / "runs", spec, mre[spec["name"]], aug)
@@ -66,7 +81,10 @@ def test_report_tables_spread_gain_and_markers(tmp_path):
     assert "2.60 ± 0.28" in full_line and "+25.7 %" in full_line  # (3.5 - 2.6) / 3.5
     alpha_line = next(line for line in page.splitlines() if line.startswith("| 1.7 |"))
     assert "0.10 / 0.20 / 0.30" in alpha_line and "2.70" in alpha_line and "2.20" in alpha_line
-    assert "validation MRE (validation images, the datalist's first labelled item as template): Spearman's rho with the test MRE +1.00 over 7 runs" in page
+    assert (
+        "validation MRE (validation images, the datalist's first labelled item as template): Spearman's rho with the test MRE +1.00 over 7 runs"
+        in page
+    )
     assert "selection MRE (" not in page  # no run was scored on the selection images
     assert (docs / "results_mre.png").stat().st_size > 10_000
     (docs / "results.md").write_text("no markers\n")
@@ -87,7 +105,9 @@ def test_report_adds_the_longer_runs_beside_their_short_runs(tmp_path):
         result = json.loads((tmp_path / "long" / name / "result.json").read_text())
         if name == "baseline_s0":  # also evaluated with the label-free template
             result["test_features_rule"] = dict(result["test"], mre_mm=2.9)
-        (tmp_path / "long" / name / "result.json").write_text(json.dumps(dict(result, iterations=3000, template_rule="landmarks")))
+        (tmp_path / "long" / name / "result.json").write_text(
+            json.dumps(dict(result, iterations=3000, template_rule="landmarks"))
+        )
     docs = tmp_path / "docs"
     docs.mkdir()
     (docs / "results.md").write_text("<!-- ablation:begin -->\n<!-- ablation:end -->\n")
@@ -95,11 +115,15 @@ def test_report_adds_the_longer_runs_beside_their_short_runs(tmp_path):
     page = (docs / "results.md").read_text()
     assert "trained for 3000 iterations" in page
     full_line = [line for line in page.splitlines() if line.startswith("| + both")][-1]
-    assert "| 0 | 3000 | landmarks | 5.00 (500, features) | - | 2.00 |" in full_line and "+20.0 %" in full_line  # (2.5 - 2.0) / 2.5
+    assert (
+        "| 0 | 3000 | landmarks | 5.00 (500, features) | - | 2.00 |" in full_line and "+20.0 %" in full_line
+    )  # (2.5 - 2.0) / 2.5
     baseline_line = [line for line in page.splitlines() if line.startswith("| baseline")][-1]
     assert "| 0 | 3000 | landmarks | 4.00 (500, features) | 2.90 | 2.50 |" in baseline_line
     sweep_line = next(line for line in page.splitlines() if line.startswith("| + both (full method), alpha_hat 1 |"))
-    assert "| 0 | 3000 | landmarks | - | - | 3.00 |" in sweep_line and "-20.0 %" in sweep_line  # no short run of it here
+    assert (
+        "| 0 | 3000 | landmarks | - | - | 3.00 |" in sweep_line and "-20.0 %" in sweep_line
+    )  # no short run of it here
     with pytest.raises(FileNotFoundError, match="missing"):
         ablation.report(str(tmp_path / "short"), str(docs), long=str(tmp_path / "missing"))
 
@@ -109,8 +133,9 @@ def test_converged_plan_differs_only_in_what_each_row_names():
     assert len(runs) == 8 and {r["seed"] for r in runs.values()} == {0, 1}
     estimated, authors = runs["full_estimated_s1"], runs["full_authors_s1"]
     assert authors["augmentation_file"] == "configs/authors_ranges.yaml" and estimated["augmentation_file"] is None
-    assert {k: v for k, v in estimated.items() if k not in ("name", "row", "augmentation_file")} == \
-        {k: v for k, v in authors.items() if k not in ("name", "row", "augmentation_file")}
+    assert {k: v for k, v in estimated.items() if k not in ("name", "row", "augmentation_file")} == {
+        k: v for k, v in authors.items() if k not in ("name", "row", "augmentation_file")
+    }
     assert estimated["group_mode"] == "query" and runs["entropy_s0"]["group_mode"] is None
     assert (runs["baseline_s0"]["entropy_sampling"], runs["baseline_s0"]["adaptive_augmentation"]) == (False, False)
     with pytest.raises(ValueError, match="plan must be one of"):
@@ -128,10 +153,16 @@ def test_converged_report_keeps_earlier_runs_and_gives_both_gains(tmp_path):
     for name, mre in (("full_estimated_s0", 2.0), ("baseline_s1", 4.0), ("entropy_s0", 2.4)):  # the next one, a rerun
         fake_result(tmp_path / "next", specs[name], mre, tmp_path / "aug.yaml")
     ablation.report_converged(str(tmp_path / "next"), str(docs))
-    recorded = {r["name"]: r["test"]["mre_mm"] for r in json.loads((docs / "results_ablation_converged.json").read_text())}
+    recorded = {
+        r["name"]: r["test"]["mre_mm"] for r in json.loads((docs / "results_ablation_converged.json").read_text())
+    }
     assert recorded == {"baseline_s0": 3.0, "entropy_s0": 2.4, "full_estimated_s0": 2.0, "baseline_s1": 4.0}
     page = (docs / "results.md").read_text()
-    assert page.startswith("a\n<!-- converged:begin -->\n") and page.endswith("<!-- converged:end -->\nb\n") and "old" not in page
+    assert (
+        page.startswith("a\n<!-- converged:begin -->\n")
+        and page.endswith("<!-- converged:end -->\nb\n")
+        and "old" not in page
+    )
     baseline = next(line for line in page.splitlines() if line.startswith("| baseline"))
     assert "| 0 / 1 | 3.50 ± 0.71 | 3.00 / 4.00 |" in baseline
     full = next(line for line in page.splitlines() if line.startswith("| + both, factor ranges of the paper"))
@@ -146,9 +177,14 @@ def test_converged_report_keeps_earlier_runs_and_gives_both_gains(tmp_path):
 def test_selection_datalist_scores_on_labelled_items_outside_test(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     item = lambda name, labelled: dict(image=f"img/{name}.png", **({"landmarks": [[1.0, 2.0]]} if labelled else {}))  # noqa: E731
-    datalist = {"name": "d", "spatial_dims": 2, "landmark_names": ["a"],
-                "training": [item("t0", True), item("u0", False), item("t1", True), item("t2", True)],
-                "validation": [item("v0", True)], "test": [item("x0", True)]}
+    datalist = {
+        "name": "d",
+        "spatial_dims": 2,
+        "landmark_names": ["a"],
+        "training": [item("t0", True), item("u0", False), item("t1", True), item("t2", True)],
+        "validation": [item("v0", True)],
+        "test": [item("x0", True)],
+    }
     chosen = ablation.selection_datalist(datalist, "img/../img/t1.png")
     assert chosen["template"]["image"] == str(tmp_path / "img" / "t1.png")
     assert [Path(it["image"]).name for it in chosen["test"]] == ["v0.png", "t0.png", "t2.png"]  # never x0, never t1
@@ -221,7 +257,9 @@ def test_overlays_pick_the_median_and_the_worst_image(tmp_path):
         for i, err in enumerate((1.0, 5.0, 3.0)):
             w.writerow([str(tmp_path / f"{i}.png"), "a", 12.0, 10.0, err])
             w.writerow([str(tmp_path / f"{i}.png"), "b", 50.0, 30.0, ""])
-    written = results_figures.overlays(str(tmp_path / "dl.json"), str(tmp_path / "eval"), str(tmp_path / "docs"), width=40)
+    written = results_figures.overlays(
+        str(tmp_path / "dl.json"), str(tmp_path / "eval"), str(tmp_path / "docs"), width=40
+    )
     assert [p.name for p in written] == ["results_overlay_2.png", "results_overlay_1.png"]
     assert all(p.stat().st_size > 2_000 for p in written)
     (tmp_path / "other").mkdir()

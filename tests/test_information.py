@@ -33,7 +33,9 @@ REAL_DATA = ROOT.parent / "shared" / "data" / "hamedan_ceph"
 
 
 def _load_script():
-    spec = importlib.util.spec_from_file_location("estimate_augmentation", ROOT / "scripts" / "estimate_augmentation.py")
+    spec = importlib.util.spec_from_file_location(
+        "estimate_augmentation", ROOT / "scripts" / "estimate_augmentation.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -60,7 +62,9 @@ def test_mi_matches_histogram2d_reference_on_union_and_fixed_range():
     b = np.clip(0.6 * a + 0.3 * rng.random((40, 40)) + 0.05, 0, 1)
     union = (min(a.min(), b.min()), max(a.max(), b.max()))
     assert mutual_information(a, b, bins=16) == pytest.approx(_reference_mi(a, b, 16, union), abs=1e-10)
-    assert mutual_information(a, b, bins=32, value_range=(0, 1)) == pytest.approx(_reference_mi(a, b, 32, (0, 1)), abs=1e-10)
+    assert mutual_information(a, b, bins=32, value_range=(0, 1)) == pytest.approx(
+        _reference_mi(a, b, 32, (0, 1)), abs=1e-10
+    )
 
 
 def test_mi_matches_skimage_nmi_when_both_patches_span_the_same_range():
@@ -206,13 +210,21 @@ def test_estimate_matches_independent_first_crossing_and_differs_between_groups(
     template, others, points, corr, point_entropy = synthetic_setup
     groups = information_groups(point_entropy)
     assert sorted(set(groups.tolist())) == [0, 1, 2]
-    res = estimate_group_intensities(template, others, points, corr, point_entropy, patch_size=8, n_keypoints=1000, alpha_hat=0.9, step=0.04)
+    res = estimate_group_intensities(
+        template, others, points, corr, point_entropy, patch_size=8, n_keypoints=1000, alpha_hat=0.9, step=0.04
+    )
     for g, name in enumerate(("low", "medium", "high")):
         e = res[name]
         sel = np.flatnonzero((groups == g) & extract_patches(template, points, 8)[1])
         assert e["n_keypoints"] == len(sel) and e["n_pairs"] == 3 * len(sel)
         patches = extract_patches(template, points[sel], 8)[0]
-        ref_target = 0.9 * np.mean([mutual_information(patches[i], extract_patches(o, c[sel], 8)[0][i]) for o, c in zip(others, corr) for i in range(len(sel))])
+        ref_target = 0.9 * np.mean(
+            [
+                mutual_information(patches[i], extract_patches(o, c[sel], 8)[0][i])
+                for o, c in zip(others, corr)
+                for i in range(len(sel))
+            ]
+        )
         assert e["target_mi"] == pytest.approx(ref_target, rel=1e-9)
         assert e["target_mi"] < e["self_mi"]
         for kind in ("brightness", "contrast"):
@@ -224,7 +236,12 @@ def test_estimate_matches_independent_first_crossing_and_differs_between_groups(
 
 def test_larger_alpha_hat_gives_smaller_or_equal_intensities(synthetic_setup):
     template, others, points, corr, point_entropy = synthetic_setup
-    runs = [estimate_group_intensities(template, others, points, corr, point_entropy, patch_size=8, n_keypoints=8, alpha_hat=a) for a in (0.5, 0.8, 0.95, 1.7)]
+    runs = [
+        estimate_group_intensities(
+            template, others, points, corr, point_entropy, patch_size=8, n_keypoints=8, alpha_hat=a
+        )
+        for a in (0.5, 0.8, 0.95, 1.7)
+    ]
     for name in ("low", "medium", "high"):
         for kind in ("brightness", "contrast"):
             values = [r[name][kind] for r in runs]
@@ -235,7 +252,17 @@ def test_larger_alpha_hat_gives_smaller_or_equal_intensities(synthetic_setup):
 def test_estimate_flags_empty_groups_and_saturation(synthetic_setup):
     template, others, points, corr, point_entropy = synthetic_setup
     keep = information_groups(point_entropy) != 1  # no medium candidates at all
-    res = estimate_group_intensities(template, others, points[keep], corr[:, keep], point_entropy[keep], patch_size=8, n_keypoints=5, max_intensity=0.1, step=0.05)
+    res = estimate_group_intensities(
+        template,
+        others,
+        points[keep],
+        corr[:, keep],
+        point_entropy[keep],
+        patch_size=8,
+        n_keypoints=5,
+        max_intensity=0.1,
+        step=0.05,
+    )
     assert res["medium"]["brightness"] is None and res["medium"]["contrast"] is None
     assert "no estimate" in res["medium"]["note"] and res["medium"]["n_keypoints"] == 0
     assert res["low"]["brightness"] == pytest.approx(0.1) and res["low"]["brightness_at_max"] is True
@@ -258,7 +285,14 @@ def _write_png_datalist(tmp_path: Path, n_images: int = 4) -> Path:
         arr = np.roll(base, tuple(shift), axis=(0, 1))
         Image.fromarray(arr.T).save(tmp_path / f"{i:03d}.png")  # PNG rows are y: store the transpose
         items.append({"image": f"{i:03d}.png", "landmarks": (landmarks + shift).tolist()})
-    dl = {"name": "synthetic", "spatial_dims": 2, "landmark_names": ["a", "b", "c"], "training": items, "validation": [], "test": []}
+    dl = {
+        "name": "synthetic",
+        "spatial_dims": 2,
+        "landmark_names": ["a", "b", "c"],
+        "training": items,
+        "validation": [],
+        "test": [],
+    }
     path = tmp_path / "datalist.json"
     path.write_text(json.dumps(dl))
     return path
@@ -268,7 +302,9 @@ def test_script_writes_mergeable_yaml(tmp_path, capsys):
     script = _load_script()
     datalist = _write_png_datalist(tmp_path)
     out = tmp_path / "aug" / "augmentation.yaml"
-    script.estimate(str(datalist), str(out), mi="joint", n_images=3, patch_size=8, radius=8, stride=8, n_keypoints=10, step=0.05)
+    script.estimate(
+        str(datalist), str(out), mi="joint", n_images=3, patch_size=8, radius=8, stride=8, n_keypoints=10, step=0.05
+    )
     aug = yaml.safe_load(out.read_text())["augmentation"]
     assert aug["thresholds"] == [2.0, 4.0] and aug["alpha_hat"] == 0.8
     assert aug["source"]["template"].endswith("000.png") and aug["source"]["n_images"] == 3
@@ -306,8 +342,28 @@ def test_script_world_to_voxel_for_3d():
 def test_script_cli(tmp_path):
     datalist = _write_png_datalist(tmp_path, n_images=3)
     out = tmp_path / "cli.yaml"
-    cmd = [sys.executable, str(ROOT / "scripts" / "estimate_augmentation.py"), "--datalist", str(datalist), "--output", str(out),
-           "--mi", "joint", "--n_images", "2", "--patch_size", "8", "--radius", "4", "--stride", "4", "--thresholds", "[2,4]", "--step", "0.1"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "scripts" / "estimate_augmentation.py"),
+        "--datalist",
+        str(datalist),
+        "--output",
+        str(out),
+        "--mi",
+        "joint",
+        "--n_images",
+        "2",
+        "--patch_size",
+        "8",
+        "--radius",
+        "4",
+        "--stride",
+        "4",
+        "--thresholds",
+        "[2,4]",
+        "--step",
+        "0.1",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert yaml.safe_load(out.read_text())["augmentation"]["source"]["n_images"] == 2
@@ -321,11 +377,15 @@ def test_real_cephalograms_landmarks_only(tmp_path):
     for i in (1, 3, 4):  # 002 carries a duplicated label
         js = json.loads((REAL_DATA / "annotations" / "farhadifar" / f"{i:03d}.json").read_text())
         pts = {s["label"].lower(): s["points"][0] for s in js["shapes"]}
-        items.append({"image": str(REAL_DATA / "images" / f"{i:03d}.png"), "landmarks": [pts.get(f"l{k}") for k in range(1, 20)]})
+        items.append(
+            {"image": str(REAL_DATA / "images" / f"{i:03d}.png"), "landmarks": [pts.get(f"l{k}") for k in range(1, 20)]}
+        )
     dl = {"name": "ceph", "spatial_dims": 2, "landmark_names": [f"l{k}" for k in range(1, 20)], "training": items}
     path = tmp_path / "dl.json"
     path.write_text(json.dumps(dl))
-    res = _load_script().estimate(str(path), str(tmp_path / "a.yaml"), mi="joint", n_images=2, radius=0, n_keypoints=19, step=0.05)
+    res = _load_script().estimate(
+        str(path), str(tmp_path / "a.yaml"), mi="joint", n_images=2, radius=0, n_keypoints=19, step=0.05
+    )
     groups = res["augmentation"]["groups"]
     assert sum(groups[g]["n_candidates"] for g in groups) == 19
     for g in groups.values():

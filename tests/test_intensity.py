@@ -28,7 +28,10 @@ def _data(rng: np.random.Generator, spatial=(12, 10), channels=1, entropy=None):
     img = rng.random((channels, *spatial)).astype(np.float32)
     h = rng.uniform(0, 6.5, (1, *spatial)) if entropy is None else np.broadcast_to(entropy, (1, *spatial))
     meta = {"filename_or_obj": "case.png", "affine": torch.eye(len(spatial) + 1)}
-    return {"image": MetaTensor(torch.from_numpy(img), meta=meta), "entropy": torch.as_tensor(np.array(h), dtype=torch.float32)}
+    return {
+        "image": MetaTensor(torch.from_numpy(img), meta=meta),
+        "entropy": torch.as_tensor(np.array(h), dtype=torch.float32),
+    }
 
 
 def test_deterministic_with_set_random_state_and_factor_ranges():
@@ -60,7 +63,9 @@ def test_uniform_intensities_reproduce_plain_color_jitter():
 @pytest.mark.parametrize("level, group", [(0.5, 0), (3.0, 1), (6.0, 2)])
 def test_single_group_image_uses_that_groups_factors(level, group):
     data = _data(np.random.default_rng(2), entropy=level)
-    t = InfoGuidedIntensityd("image", "entropy", brightness=(0.1, 0.3, 0.5), contrast=(0.2, 0.4, 0.6)).set_random_state(5)
+    t = InfoGuidedIntensityd("image", "entropy", brightness=(0.1, 0.3, 0.5), contrast=(0.2, 0.4, 0.6)).set_random_state(
+        5
+    )
     out = t(data)["image"]
     f, c = t.brightness_factors[group], t.contrast_factors[group]
     np.testing.assert_allclose(out.numpy(), _jitter(data["image"].numpy().astype(np.float64), f, c), atol=1e-6)
@@ -87,7 +92,11 @@ def test_no_seam_across_a_threshold():
         assert gap > 0.1
         jumps[width] = (np.abs(np.diff(out)).max(), gap)
         # independent reference: the blended factor times the grey value 0.5
-        m = _memberships(h[0, 0], w=width) if width else np.stack([h[0, 0] < 2, h[0, 0] >= 2, 0 * h[0, 0]]).astype(float)
+        m = (
+            _memberships(h[0, 0], w=width)
+            if width
+            else np.stack([h[0, 0] < 2, h[0, 0] >= 2, 0 * h[0, 0]]).astype(float)
+        )
         np.testing.assert_allclose(out, 0.5 * (m.T @ t.brightness_factors), atol=1e-6)
     smooth, gap = jumps[0.5]
     assert smooth <= 0.5 * gap * 0.01 / 0.5 + 1e-5  # a linear ramp: at most slope x step
@@ -147,7 +156,9 @@ def test_bad_inputs_raise_clear_errors():
 def test_ranges_draw_factors_within_lo_hi_uniformly_and_together():
     data = _data(np.random.default_rng(6))
     b_ranges, c_ranges = [[0.5, 1.2], [0.505, 1.997], [0.9, 1.0]], [[0.34, 2.329], [1.0, 1.5], [0.416, 1.817]]
-    t = InfoGuidedIntensityd("image", "entropy", brightness_ranges=b_ranges, contrast_ranges=c_ranges).set_random_state(0)
+    t = InfoGuidedIntensityd("image", "entropy", brightness_ranges=b_ranges, contrast_ranges=c_ranges).set_random_state(
+        0
+    )
     assert t.brightness is None and t.contrast is None
     draws_b, draws_c = [], []
     for _ in range(400):
@@ -164,9 +175,14 @@ def test_ranges_draw_factors_within_lo_hi_uniformly_and_together():
 
 def test_symmetric_intensities_equal_the_ranges_one_minus_plus_a():
     data = _data(np.random.default_rng(7))
-    sym = InfoGuidedIntensityd("image", "entropy", brightness=(0.1, 0.2, 0.3), contrast=(0.2, 0.3, 0.4)).set_random_state(2)
+    sym = InfoGuidedIntensityd(
+        "image", "entropy", brightness=(0.1, 0.2, 0.3), contrast=(0.2, 0.3, 0.4)
+    ).set_random_state(2)
     rng_t = InfoGuidedIntensityd(
-        "image", "entropy", brightness_ranges=[[0.9, 1.1], [0.8, 1.2], [0.7, 1.3]], contrast_ranges=[[0.8, 1.2], [0.7, 1.3], [0.6, 1.4]]
+        "image",
+        "entropy",
+        brightness_ranges=[[0.9, 1.1], [0.8, 1.2], [0.7, 1.3]],
+        contrast_ranges=[[0.8, 1.2], [0.7, 1.3], [0.6, 1.4]],
     ).set_random_state(2)
     for _ in range(3):
         torch.testing.assert_close(sym(data)["image"].as_tensor(), rng_t(data)["image"].as_tensor(), atol=1e-6, rtol=0)
@@ -180,10 +196,20 @@ def test_query_mode_gives_the_whole_crop_one_group_from_the_query_pixel():
     h[:, :, 10:] = 6.0  # ... and high on the right half
     h[:, 15:, :] = 1.0  # low at the bottom
     b_ranges = [[0.2, 0.3], [0.5, 0.6], [1.5, 1.6]]  # disjoint, so the group is read off the factor
-    t = InfoGuidedIntensityd("image", "entropy", thresholds=(3.5, 4.5), brightness_ranges=b_ranges, contrast_ranges=[[0.4, 2.0]] * 3,
-                             group_mode="query").set_random_state(3)
+    t = InfoGuidedIntensityd(
+        "image",
+        "entropy",
+        thresholds=(3.5, 4.5),
+        brightness_ranges=b_ranges,
+        contrast_ranges=[[0.4, 2.0]] * 3,
+        group_mode="query",
+    ).set_random_state(3)
     for query, group in (([2.0, 3.0], 1), ([4.2, 12.6], 2), ([17.0, 4.0], 0), ([-3.0, 30.0], 2)):
-        data = {"image": torch.from_numpy(img), "entropy": torch.from_numpy(h), "crop_query": np.array([query, [17.0, 1.0]])}
+        data = {
+            "image": torch.from_numpy(img),
+            "entropy": torch.from_numpy(h),
+            "crop_query": np.array([query, [17.0, 1.0]]),
+        }
         out = t(data)["image"].numpy().astype(np.float64)
         assert t.last_group == group
         f, c = t.brightness_factors[group], t.contrast_factors[group]
@@ -207,9 +233,17 @@ def test_query_mode_in_the_view_pair_sampler_uses_the_anchor_query():
     image = torch.from_numpy(rng.random((1, 48, 48)).astype(np.float32))
     h = torch.full((1, 48, 48), 4.0)
     h[:, 24:] = 6.0
-    t = InfoGuidedIntensityd("image", "entropy", thresholds=(3.5, 4.5), brightness_ranges=[[0.2, 0.3], [0.5, 0.6], [1.5, 1.6]],
-                             contrast_ranges=[[1.0, 1.0]] * 3, group_mode="query")
-    sampler = RandViewPaird(weight_key=None, crop_size=(16, 16), num_queries=4, entropy_key="entropy", crop_intensity_transform=t)
+    t = InfoGuidedIntensityd(
+        "image",
+        "entropy",
+        thresholds=(3.5, 4.5),
+        brightness_ranges=[[0.2, 0.3], [0.5, 0.6], [1.5, 1.6]],
+        contrast_ranges=[[1.0, 1.0]] * 3,
+        group_mode="query",
+    )
+    sampler = RandViewPaird(
+        weight_key=None, crop_size=(16, 16), num_queries=4, entropy_key="entropy", crop_intensity_transform=t
+    )
     sampler.set_random_state(1)
     for _ in range(10):
         out = sampler({"image": image, "entropy": h})

@@ -20,18 +20,31 @@ def test_geometric_median_matches_a_numerical_minimiser_of_summed_distances():
     for dims in (2, 3):
         points = rng.normal(size=(7, dims)) * [5.0] * dims
         points[0] += 200.0  # a gross outlier
-        reference = minimize(lambda c: np.linalg.norm(points - c, axis=1).sum(), points.mean(0), method="Nelder-Mead",
-                             options={"xatol": 1e-9, "fatol": 1e-12, "maxiter": 20000}).x
+        reference = minimize(
+            lambda c: np.linalg.norm(points - c, axis=1).sum(),
+            points.mean(0),
+            method="Nelder-Mead",
+            options={"xatol": 1e-9, "fatol": 1e-12, "maxiter": 20000},
+        ).x
         ours = geometric_median(torch.as_tensor(points)[:, None]).numpy()[0]
         assert np.allclose(ours, reference, atol=1e-4)
-        assert np.linalg.norm(ours - points[1:].mean(0)) < 10.0 < 25.0 < np.linalg.norm(points.mean(0) - points[1:].mean(0))
+        assert (
+            np.linalg.norm(ours - points[1:].mean(0))
+            < 10.0
+            < 25.0
+            < np.linalg.norm(points.mean(0) - points[1:].mean(0))
+        )
 
 
 def test_combine_ignores_missing_votes_and_keeps_all_missing_landmarks_nan():
     nan = float("nan")
-    p = torch.tensor([[[0.0, 0.0], [nan, nan], [nan, nan]],
-                      [[2.0, 0.0], [5.0, 5.0], [nan, nan]],
-                      [[1.0, 9.0], [7.0, 5.0], [nan, nan]]])
+    p = torch.tensor(
+        [
+            [[0.0, 0.0], [nan, nan], [nan, nan]],
+            [[2.0, 0.0], [5.0, 5.0], [nan, nan]],
+            [[1.0, 9.0], [7.0, 5.0], [nan, nan]],
+        ]
+    )
     for rule in ("geometric_median", "median", "mean"):
         out = combine_landmarks(p, rule)
         assert out.shape == (3, 2) and torch.isnan(out[2]).all()
@@ -46,9 +59,17 @@ def test_combine_ignores_missing_votes_and_keeps_all_missing_landmarks_nan():
 def test_datalist_templates_resolve_paths_and_refuse_a_template_without_landmarks(tmp_path):
     (tmp_path / "a.png").write_bytes(b"")
     (tmp_path / "b.png").write_bytes(b"")
-    base = {"name": "t", "spatial_dims": 2, "landmark_names": ["p", "q"], "training": [{"image": "a.png"}, {"image": "b.png"}],
-            "template": {"image": "a.png", "landmarks": [[1, 2], [3, 4]]},
-            "templates": [{"image": "b.png", "landmarks": [[1, 2], None]}, {"image": "a.png", "landmarks": [[1, 2], [3, 4]]}]}
+    base = {
+        "name": "t",
+        "spatial_dims": 2,
+        "landmark_names": ["p", "q"],
+        "training": [{"image": "a.png"}, {"image": "b.png"}],
+        "template": {"image": "a.png", "landmarks": [[1, 2], [3, 4]]},
+        "templates": [
+            {"image": "b.png", "landmarks": [[1, 2], None]},
+            {"image": "a.png", "landmarks": [[1, 2], [3, 4]]},
+        ],
+    }
     path = tmp_path / "d.json"
     path.write_text(json.dumps(base))
     loaded = load_datalist(path)
@@ -62,8 +83,11 @@ def test_datalist_templates_resolve_paths_and_refuse_a_template_without_landmark
 
 
 def test_pseudo_template_pool_leaves_out_templates_and_held_out_images():
-    datalist = {"training": [{"image": f"{i}.png", "landmarks": [[1, 1]]} for i in range(6)],
-                "validation": [{"image": "4.png"}], "test": [{"image": "5.png"}]}
+    datalist = {
+        "training": [{"image": f"{i}.png", "landmarks": [[1, 1]]} for i in range(6)],
+        "validation": [{"image": "4.png"}],
+        "test": [{"image": "5.png"}],
+    }
     pool = pseudo_template_pool(datalist, [{"image": "0.png"}])
     assert [it["image"] for it in pool] == ["1.png", "2.png", "3.png"]
     assert all("landmarks" not in it for it in pool)
@@ -71,9 +95,17 @@ def test_pseudo_template_pool_leaves_out_templates_and_held_out_images():
 
 def test_select_pseudo_templates_ranks_by_closed_cycles_and_drops_unreliable_landmarks():
     def entry(name, errors):
-        return {"item": {"image": name, "landmarks": [[float(i), 0.0] for i in range(len(errors))]}, "cycle_error": np.array(errors)}
+        return {
+            "item": {"image": name, "landmarks": [[float(i), 0.0] for i in range(len(errors))]},
+            "cycle_error": np.array(errors),
+        }
 
-    labelled = [entry("bad", [9.0, 8.0, 0.5]), entry("good", [0.1, 0.2, 3.0]), entry("best", [0.1, 0.1, 0.1]), entry("tie", [0.5, 0.9, 3.0])]
+    labelled = [
+        entry("bad", [9.0, 8.0, 0.5]),
+        entry("good", [0.1, 0.2, 3.0]),
+        entry("best", [0.1, 0.1, 0.1]),
+        entry("tie", [0.5, 0.9, 3.0]),
+    ]
     assert reliability(labelled[1], 2.0) > reliability(labelled[3], 2.0)  # same closed fraction, smaller median error
     chosen = select_pseudo_templates(labelled, keep=2, cycle_tolerance=2.0)
     assert [c["image"] for c in chosen] == ["best", "good"]

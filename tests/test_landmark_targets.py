@@ -66,8 +66,13 @@ def test_2d_resize_only_gives_the_numbers_of_the_shape_ratio(tmp_path, size):
 def test_2d_targets_follow_a_crop_or_pad_before_the_resize(tmp_path, spatial, offset, extent):
     item = {"image": str(_png(tmp_path)), "landmarks": [[45.0, 10.0]], "spacing": [0.1, 0.2]}
     pipeline = Compose(
-        [LoadImaged("image"), EnsureChannelFirstd("image"), spatial, Resized("image", (32, 32), mode="area"),
-         LandmarkTargetsd("image", n_landmarks=1)]
+        [
+            LoadImaged("image"),
+            EnsureChannelFirstd("image"),
+            spatial,
+            Resized("image", (32, 32), mode="area"),
+            LandmarkTargetsd("image", n_landmarks=1),
+        ]
     )
     out = pipeline(item)
     np.testing.assert_allclose(out["label"][0].numpy(), [4.5, 2.0], rtol=1e-6)  # physical: file pixels x spacing

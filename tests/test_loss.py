@@ -76,16 +76,23 @@ def test_two_scales_match_hand_computation(two_scale_case: dict) -> None:
 
     loss = MultiScaleInfoNCELoss(temperature=temperature, local_window=[None, 3])
     total, terms = loss(
-        to_torch(*case["image"]), to_torch(*case["crop"]),
-        *to_torch(case["image_points"], case["crop_points"]), (4, 4), (4, 4), return_terms=True,
+        to_torch(*case["image"]),
+        to_torch(*case["crop"]),
+        *to_torch(case["image_points"], case["crop_points"]),
+        (4, 4),
+        (4, 4),
+        return_terms=True,
     )
     np.testing.assert_allclose([t.item() for t in terms], expected_terms, rtol=1e-10)
     assert total.item() == pytest.approx(sum(expected_terms), rel=1e-10)
 
     weighted = MultiScaleInfoNCELoss(temperature=temperature, local_window=[None, 3], scale_weights=[0.5, 2.0])
     value = weighted(
-        to_torch(*case["image"]), to_torch(*case["crop"]),
-        *to_torch(case["image_points"], case["crop_points"]), (4, 4), (4, 4),
+        to_torch(*case["image"]),
+        to_torch(*case["crop"]),
+        *to_torch(case["image_points"], case["crop_points"]),
+        (4, 4),
+        (4, 4),
     )
     assert value.item() == pytest.approx(0.5 * expected_terms[0] + 2.0 * expected_terms[1], rel=1e-10)
 

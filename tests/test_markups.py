@@ -84,9 +84,7 @@ def test_fcsv_cannot_store_unplaced_points(tmp_path):
     assert [p.label for p in read_markups(path)] == [p.label for p in POINTS]
 
 
-@pytest.mark.parametrize(
-    ("system", "sign"), [("LPS", -1.0), ("1", -1.0), ("RAS", 1.0), ("0", 1.0)]
-)
+@pytest.mark.parametrize(("system", "sign"), [("LPS", -1.0), ("1", -1.0), ("RAS", 1.0), ("0", 1.0)])
 def test_slicer_written_fcsv(tmp_path, system, sign):
     text = FCSV_HEADER.format(version="4.11", system=system)
     text += "vtkMRMLMarkupsFiducialNode_0,-1.5,2.25,3,0,0,0,1,1,1,0,F-1,,vtkMRMLScalarVolumeNode1\n"
@@ -106,11 +104,22 @@ def test_fcsv_without_coordinate_line_is_ras_and_columns_line_is_followed(tmp_pa
 
 def test_mrk_json_defaults_to_lps_and_converts_micrometres(tmp_path):
     path = tmp_path / "x.mrk.json"
-    path.write_text(json.dumps({"@schema": "s", "markups": [
-        {"type": "Fiducial", "controlPoints": [{"label": "a", "position": [1, 2, 3]}]},
-        {"type": "Fiducial", "coordinateSystem": "RAS", "coordinateUnits": "um",
-         "controlPoints": [{"label": "b", "position": [1000, 2000, 3000]}]},
-    ]}))
+    path.write_text(
+        json.dumps(
+            {
+                "@schema": "s",
+                "markups": [
+                    {"type": "Fiducial", "controlPoints": [{"label": "a", "position": [1, 2, 3]}]},
+                    {
+                        "type": "Fiducial",
+                        "coordinateSystem": "RAS",
+                        "coordinateUnits": "um",
+                        "controlPoints": [{"label": "b", "position": [1000, 2000, 3000]}],
+                    },
+                ],
+            }
+        )
+    )
     assert read_mrk_json(path) == [ControlPoint("a", (-1.0, -2.0, 3.0)), ControlPoint("b", (1.0, 2.0, 3.0))]
 
 
@@ -128,8 +137,18 @@ def test_bad_input_names_the_file(tmp_path):
     with pytest.raises(DatalistError, match="c.mrk.json"):
         read_markups(corrupt)
     short = tmp_path / "s.mrk.json"
-    short.write_text(json.dumps({"markups": [{"type": "Fiducial", "controlPoints": [
-        {"label": "a", "position": [0, 0, 0]}, {"label": "b", "position": [0, 0]}]}]}))
+    short.write_text(
+        json.dumps(
+            {
+                "markups": [
+                    {
+                        "type": "Fiducial",
+                        "controlPoints": [{"label": "a", "position": [0, 0, 0]}, {"label": "b", "position": [0, 0]}],
+                    }
+                ]
+            }
+        )
+    )
     with pytest.raises(DatalistError, match=r"s.mrk.json: markups\[0\].controlPoints\[1\].position"):
         read_markups(short)
     system = tmp_path / "w.mrk.json"
@@ -159,4 +178,3 @@ def test_markups_stem():
     assert markups_stem("dir/case_01.mrk.json") == "case_01"
     assert markups_stem("case.02.fcsv") == "case.02"
     assert markups_stem("case.nii.gz") is None
-

@@ -98,7 +98,9 @@ def test_ignite_metric_handler_with_decollated_outputs():
     data = [[{"pred": torch.as_tensor(pred_mm[i]), "label": torch.as_tensor(ref_mm[i])}] for i in range(2)]
     engine = Engine(lambda engine, batch: batch)  # the "network output" is the decollated batch itself
     IgniteMetricHandler(RadialErrorMetric(), output_transform=from_engine(["pred", "label"])).attach(engine, "mre_mm")
-    IgniteMetricHandler(SuccessDetectionRateMetric(1.8), output_transform=from_engine(["pred", "label"])).attach(engine, "sdr_1.8mm")
+    IgniteMetricHandler(SuccessDetectionRateMetric(1.8), output_transform=from_engine(["pred", "label"])).attach(
+        engine, "sdr_1.8mm"
+    )
     state = engine.run(data)
     assert state.metrics["mre_mm"] == pytest.approx(np.nanmean(expected_mm))
     assert state.metrics["sdr_1.8mm"] == pytest.approx(60.0)

@@ -53,10 +53,18 @@ def test_metadata_verifies_offline_against_the_shipped_schema_and_zoo_rules():
     verify_metadata(meta_file=str(META), filepath=str(SCHEMA))
     assert meta["version"] in meta["changelog"]
     pins = _pins(ROOT / "requirements.txt")
-    assert meta["monai_version"] == pins["monai"] and meta["pytorch_version"] == pins["torch"] == torch.__version__.split("+")[0]
+    assert (
+        meta["monai_version"] == pins["monai"]
+        and meta["pytorch_version"] == pins["torch"] == torch.__version__.split("+")[0]
+    )
     assert meta["numpy_version"] == pins["numpy"] and "+" not in meta["pytorch_version"]
-    assert {name: pins.get(name.lower()) for name in meta["required_packages_version"]} == meta["required_packages_version"]
-    assert bundle.__version__ == meta["version"] and max(meta["changelog"], key=lambda v: tuple(map(int, v.split(".")))) == meta["version"]
+    assert {name: pins.get(name.lower()) for name in meta["required_packages_version"]} == meta[
+        "required_packages_version"
+    ]
+    assert (
+        bundle.__version__ == meta["version"]
+        and max(meta["changelog"], key=lambda v: tuple(map(int, v.split(".")))) == meta["version"]
+    )
     assert not re.search(r"^version\s*=", (ROOT / "pyproject.toml").read_text(), re.M)  # one version: the metadata's
     assert "pytorch-ignite" in meta["required_packages_version"]
     fmt = meta["network_data_format"]
@@ -97,12 +105,29 @@ def test_standalone_inference_config_has_the_zoo_keys_and_the_inference_properti
     import yaml
 
     config = yaml.safe_load(Path(INFERENCE).read_text())
-    for key in ("imports", "bundle_root", "device", "network_def", "inferer", "preprocessing", "postprocessing",
-                "dataset_dir", "dataset", "evaluator", "output_dir", "run"):
+    for key in (
+        "imports",
+        "bundle_root",
+        "device",
+        "network_def",
+        "inferer",
+        "preprocessing",
+        "postprocessing",
+        "dataset_dir",
+        "dataset",
+        "evaluator",
+        "output_dir",
+        "run",
+    ):
         assert key in config, key
     assert not any("#" in key for key in config)  # nothing patches another file's keys: it loads alone
-    workflow = ConfigWorkflow(config_file=INFERENCE, meta_file=str(META), logging_file=str(ROOT / "configs/logging.conf"),
-                              workflow_type="inference", bundle_root=str(ROOT))
+    workflow = ConfigWorkflow(
+        config_file=INFERENCE,
+        meta_file=str(META),
+        logging_file=str(ROOT / "configs/logging.conf"),
+        workflow_type="inference",
+        bundle_root=str(ROOT),
+    )
     workflow.initialize()
     assert workflow.check_properties() == []
 
@@ -110,17 +135,25 @@ def test_standalone_inference_config_has_the_zoo_keys_and_the_inference_properti
 def test_network_def_verifies_scripts_and_matches_the_python_path(tmp_path, tiny_datalist):
     from bundle.export import TemplateFeatureInferer
 
-    verify_net_in_out(net_id="network_def", meta_file=str(META), config_file=INFERENCE, device="cpu", bundle_root=str(ROOT))
+    verify_net_in_out(
+        net_id="network_def", meta_file=str(META), config_file=INFERENCE, device="cpu", bundle_root=str(ROOT)
+    )
     ts = tmp_path / "model.ts"
     ckpt_export(  # what the zoo's CI does: torch.jit.script (no trace)
-        net_id="network_def", filepath=str(ts), ckpt_file=str(ROOT / "models/model.pt"), meta_file=str(META),
-        config_file=INFERENCE, bundle_root=str(ROOT),
+        net_id="network_def",
+        filepath=str(ts),
+        ckpt_file=str(ROOT / "models/model.pt"),
+        meta_file=str(META),
+        config_file=INFERENCE,
+        bundle_root=str(ROOT),
     )
     exported = torch.jit.load(str(ts))
     parser = bundle_parser("configs/inference.yaml")
     preprocessing = parser.get_parsed_content("preprocessing")
     test = json.loads(Path(tiny_datalist).read_text())["test"][0]
-    image = torch.as_tensor(preprocessing({"image": str(Path(tiny_datalist).parent / test["image"])})["image"])[None].float()
+    image = torch.as_tensor(preprocessing({"image": str(Path(tiny_datalist).parent / test["image"])})["image"])[
+        None
+    ].float()
     # reference: the Python path on the grid without sub-pixel refinement, 6 templates by the geometric median
     inferer = TemplateFeatureInferer(parser.get_parsed_content("template"), refine_radius=0)
     expected = inferer(image, parser.get_parsed_content("encoder").eval()).float()
@@ -167,7 +200,9 @@ def test_scripted_geometric_median_equals_the_kshot_one():
     points[1, 0, 3] = float("nan")
     points[:, 2, 4] = float("nan")
     points[2:, 1, 7] = points[0, 1, 7]
-    torch.testing.assert_close(torch.jit.script(geometric_median_script)(points), geometric_median(points), equal_nan=True)
+    torch.testing.assert_close(
+        torch.jit.script(geometric_median_script)(points), geometric_median(points), equal_nan=True
+    )
 
 
 def test_package_refuses_an_unlisted_large_file(tmp_path):
@@ -179,7 +214,9 @@ def test_package_refuses_an_unlisted_large_file(tmp_path):
     (root / "models/big.pt").write_bytes(b"0" * 3 * 2**20)
     with pytest.raises(packaging.PackagingError, match="models/big.pt"):
         packaging.package(output_dir=str(tmp_path / "dist"), root=str(root), max_mb=2)
-    (root / "large_files.yml").write_text('large_files:\n  - path: "models/big.pt"\n    url: "https://example.org/big.pt"\n')
+    (root / "large_files.yml").write_text(
+        'large_files:\n  - path: "models/big.pt"\n    url: "https://example.org/big.pt"\n'
+    )
     zipped = packaging.package(output_dir=str(tmp_path / "dist"), root=str(root), max_mb=2, name="b")
     names = zipfile.ZipFile(zipped).namelist()
     assert "b/models/model.pt" in names and "b/models/big.pt" not in names
@@ -218,15 +255,26 @@ def test_zip_downloads_through_monai_and_runs_inference_from_the_unpacked_copy(t
     outputs = {}
     for where, cwd in (("repo", ROOT), ("zip", unpacked)):
         command = [
-            sys.executable, "-m", "monai.bundle", "run", "inferring", "--config_file", "configs/inference.yaml",
-            "--images", f"['{image}']", "--output_dir", str(tmp_path / where),
+            sys.executable,
+            "-m",
+            "monai.bundle",
+            "run",
+            "inferring",
+            "--config_file",
+            "configs/inference.yaml",
+            "--images",
+            f"['{image}']",
+            "--output_dir",
+            str(tmp_path / where),
         ]
         env = dict(os.environ, PYTHONPATH=str(cwd), OMP_NUM_THREADS="1")
         done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr[-3000:]
         outputs[where] = _predictions(tmp_path / where / "predictions.csv")
     # the unpacked bundle (its own code, weights and built-in template, no data) predicts what the repository does
-    assert [name for name, _, _ in outputs["zip"]] == list(meta["network_data_format"]["outputs"]["pred"]["channel_def"].values())
+    assert [name for name, _, _ in outputs["zip"]] == list(
+        meta["network_data_format"]["outputs"]["pred"]["channel_def"].values()
+    )
     assert outputs["zip"] == outputs["repo"]
     assert not (unpacked / "data").exists()  # nothing was generated or downloaded
 
@@ -240,9 +288,17 @@ def test_zip_downloads_through_monai_and_runs_inference_from_the_unpacked_copy(t
         sys.path.remove(str(unpacked))
 
 
-@pytest.mark.skipif(not os.environ.get("MODEL_ZOO_DIR"), reason="MODEL_ZOO_DIR (a Project-MONAI/model-zoo checkout) not set")
+@pytest.mark.skipif(
+    not os.environ.get("MODEL_ZOO_DIR"), reason="MODEL_ZOO_DIR (a Project-MONAI/model-zoo checkout) not set"
+)
 def test_the_zoo_verify_bundle_full_passes(tmp_path):
-    command = [sys.executable, str(ROOT / "scripts/verify_zoo.py"), os.environ["MODEL_ZOO_DIR"], "--workdir", str(tmp_path)]
+    command = [
+        sys.executable,
+        str(ROOT / "scripts/verify_zoo.py"),
+        os.environ["MODEL_ZOO_DIR"],
+        "--workdir",
+        str(tmp_path),
+    ]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert "PASSED: the zoo's verify_bundle.py -m full" in done.stdout

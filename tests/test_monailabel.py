@@ -36,7 +36,14 @@ ROOT = Path(__file__).resolve().parents[1]
 PYTHON = Path(os.environ.get("MONAILABEL_PYTHON", ROOT / ".venv-monailabel" / "bin" / "python"))
 START_TIMEOUT_S = 120
 TRAIN_TIMEOUT_S = 180
-TINY_TRAIN = {"epochs": 1, "epoch_length": 1, "batch_size": 1, "image_size": [64, 64], "crop_size": [32, 32], "num_queries": 4}
+TINY_TRAIN = {
+    "epochs": 1,
+    "epoch_length": 1,
+    "batch_size": 1,
+    "image_size": [64, 64],
+    "crop_size": [32, 32],
+    "num_queries": 4,
+}
 
 if not PYTHON.is_file():
     if os.environ.get("CI"):
@@ -46,8 +53,12 @@ if not PYTHON.is_file():
 
 def _client_class():
     """``MONAILabelClient`` from the server's environment (its ``requests`` is not in the project's .venv)."""
-    purelib = subprocess.run([str(PYTHON), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             capture_output=True, text=True, check=True).stdout.strip()
+    purelib = subprocess.run(
+        [str(PYTHON), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     sys.path.append(purelib)  # after the project's packages: only what .venv lacks comes from there
     try:
         from monailabel.client.client import MONAILabelClient, MONAILabelClientException
@@ -65,9 +76,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _request(url: str, data: bytes | None = None, headers: dict | None = None, timeout: float = 120, method: str | None = None):
+def _request(
+    url: str, data: bytes | None = None, headers: dict | None = None, timeout: float = 120, method: str | None = None
+):
     """JSON reply and status of one HTTP call; 4xx/5xx come back as (detail JSON, status) instead of raising."""
-    req = urllib.request.Request(url, data=data, headers=headers or {}, method=method or ("POST" if data is not None else "GET"))
+    req = urllib.request.Request(
+        url, data=data, headers=headers or {}, method=method or ("POST" if data is not None else "GET")
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as response:
             return json.loads(response.read()), response.status
@@ -82,20 +97,38 @@ def _request(url: str, data: bytes | None = None, headers: dict | None = None, t
 def _multipart(field: str, path: Path, filename: str | None = None) -> tuple[bytes, dict]:
     boundary = uuid.uuid4().hex
     body = (
-        f'--{boundary}\r\nContent-Disposition: form-data; name="{field}"; filename="{filename or path.name}"\r\n'
-        "Content-Type: application/octet-stream\r\n\r\n"
-    ).encode() + path.read_bytes() + f"\r\n--{boundary}--\r\n".encode()
+        (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="{field}"; filename="{filename or path.name}"\r\n'
+            "Content-Type: application/octet-stream\r\n\r\n"
+        ).encode()
+        + path.read_bytes()
+        + f"\r\n--{boundary}--\r\n".encode()
+    )
     return body, {"Content-Type": f"multipart/form-data; boundary={boundary}"}
 
 
 def _cli_predictions(image: Path, datalist: Path, out: Path) -> dict[str, tuple[float, float]]:
     """The bundle's own command-line inference on ``image`` (the reference the server must match)."""
     command = [
-        sys.executable, "-m", "monai.bundle", "run", "inferring", "--config_file", "configs/inference.yaml",
-        "--datalist", str(datalist),  # the server's template
-        "--images", f"['{image}']", "--output_dir", str(out), "--overlays", "False",
+        sys.executable,
+        "-m",
+        "monai.bundle",
+        "run",
+        "inferring",
+        "--config_file",
+        "configs/inference.yaml",
+        "--datalist",
+        str(datalist),  # the server's template
+        "--images",
+        f"['{image}']",
+        "--output_dir",
+        str(out),
+        "--overlays",
+        "False",
     ]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=180, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    done = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=180, env=dict(os.environ, OMP_NUM_THREADS="1")
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     with open(out / "predictions.csv") as f:
         return {r["landmark"]: (float(r["x"]), float(r["y"])) for r in csv.DictReader(f)}
@@ -105,8 +138,11 @@ def _mrk_json(path: Path, names: list[str], points: list) -> Path:
     """A Slicer point list over a PNG: pixel (x, y) at LPS (x, y, 0)."""
     from bundle.data.markups import ControlPoint, write_mrk_json
 
-    return write_mrk_json(path, [ControlPoint(n, None if p is None else (-p[0], -p[1], 0.0)) for n, p in zip(names, points)],
-                          coordinate_system="LPS")
+    return write_mrk_json(
+        path,
+        [ControlPoint(n, None if p is None else (-p[0], -p[1], 0.0)) for n, p in zip(names, points)],
+        coordinate_system="LPS",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +156,9 @@ def server(tmp_path_factory):
     datalist_path = generate_synthetic_2d(tmp_path / "data")
     datalist = open_datalist(datalist_path)
     app = tmp_path / "app"
-    shutil.copytree(ROOT / "apps/monailabel", app, ignore=shutil.ignore_patterns("__pycache__", "bin", "lib", "logs", "model"))
+    shutil.copytree(
+        ROOT / "apps/monailabel", app, ignore=shutil.ignore_patterns("__pycache__", "bin", "lib", "logs", "model")
+    )
     studies = tmp_path / "studies"
     studies.mkdir()
     truth = {}
@@ -131,14 +169,31 @@ def server(tmp_path_factory):
     server_tmp.mkdir()
     port = _free_port()
     command = [
-        str(PYTHON), "-m", "monailabel.main", "start_server", "--app", str(app), "--studies", str(studies),
-        "--host", "127.0.0.1", "--port", str(port), "--conf", "bundle_root", str(ROOT),
-        "--conf", "datalist", str(datalist_path),
+        str(PYTHON),
+        "-m",
+        "monailabel.main",
+        "start_server",
+        "--app",
+        str(app),
+        "--studies",
+        str(studies),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--conf",
+        "bundle_root",
+        str(ROOT),
+        "--conf",
+        "datalist",
+        str(datalist_path),
     ]
     log = open(tmp_path / "server.log", "w")
     env = dict(os.environ, OMP_NUM_THREADS="1", MONAI_LABEL_DATASTORE_AUTO_RELOAD="false", TMPDIR=str(server_tmp))
     started = time.monotonic()
-    process = subprocess.Popen(command, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    process = subprocess.Popen(
+        command, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
     base = f"http://127.0.0.1:{port}"
     client = MONAILabelClient(base, tmpdir=str(tmp_path / "client"))
     try:
@@ -151,9 +206,18 @@ def server(tmp_path_factory):
                     pytest.fail(f"server did not start:\n{(tmp_path / 'server.log').read_text()[-4000:]}")
                 time.sleep(0.5)
         yield {
-            "base": base, "client": client, "info": info, "app": app, "studies": studies, "tmp": server_tmp,
-            "log": tmp_path / "server.log", "truth": truth, "names": list(datalist["landmark_names"]),
-            "start_s": time.monotonic() - started, "work": tmp_path, "datalist": datalist_path,
+            "base": base,
+            "client": client,
+            "info": info,
+            "app": app,
+            "studies": studies,
+            "tmp": server_tmp,
+            "log": tmp_path / "server.log",
+            "truth": truth,
+            "names": list(datalist["landmark_names"]),
+            "start_s": time.monotonic() - started,
+            "work": tmp_path,
+            "datalist": datalist_path,
         }
     finally:
         os.killpg(process.pid, signal.SIGTERM)
@@ -166,7 +230,9 @@ def server(tmp_path_factory):
 
 
 def _infer_id(server, image_id: str):
-    return _request(f"{server['base']}/infer/landmarks?image={urllib.request.quote(image_id, safe='')}&output=json", b"")
+    return _request(
+        f"{server['base']}/infer/landmarks?image={urllib.request.quote(image_id, safe='')}&output=json", b""
+    )
 
 
 def _wait_training(server) -> dict:
@@ -210,10 +276,16 @@ def test_upload_suggests_the_bundle_command_line_landmarks(server):
     assert list(server["tmp"].glob("landmarks-*")) == []  # the upload and the result file are gone
 
 
-@pytest.mark.parametrize("image", [
-    "OUTSIDE",  # a real image outside --studies: the synthetic set's test_005.png
-    "../../etc/passwd", "/etc/passwd", "test_000/../../x", "no_such_image",
-])
+@pytest.mark.parametrize(
+    "image",
+    [
+        "OUTSIDE",  # a real image outside --studies: the synthetic set's test_005.png
+        "../../etc/passwd",
+        "/etc/passwd",
+        "test_000/../../x",
+        "no_such_image",
+    ],
+)
 def test_image_ids_are_confined_to_the_datastore(server, image):
     if image == "OUTSIDE":
         image = str(Path(server["datalist"]).parent / "images" / "test_005.png")
@@ -250,7 +322,9 @@ def test_junk_upload_is_refused_naming_it_and_leaves_no_file(server, tmp_path):
 
 
 def _train_request(server, params: dict):
-    return _request(f"{server['base']}/train/landmarks", json.dumps(params).encode(), {"Content-Type": "application/json"})
+    return _request(
+        f"{server['base']}/train/landmarks", json.dumps(params).encode(), {"Content-Type": "application/json"}
+    )
 
 
 def test_detector_training_needs_two_labelled_images(server):
@@ -280,7 +354,10 @@ def test_strategies_first_and_last_skip_labelled_images(server, tmp_path):
 def test_saved_labels_become_the_templates(server):
     reply, status = _infer_id(server, "test_001")
     assert status == 200, reply
-    assert reply["templates"] == [{"image": "test_000", "source": "datastore"}, {"image": "test_003", "source": "datastore"}]
+    assert reply["templates"] == [
+        {"image": "test_000", "source": "datastore"},
+        {"image": "test_003", "source": "datastore"},
+    ]
     assert reply["template_source"] == "datastore" and reply["template_combine"] == "geometric_median"
     # an image is never its own template (leave-one-out)
     reply, _ = _infer_id(server, "test_000")
@@ -291,11 +368,18 @@ def test_saved_labels_become_the_templates(server):
     assert np.linalg.norm(found - truth, axis=1).mean() < 10.0
 
 
-@pytest.mark.parametrize("params, key", [
-    ({"epochs": "abc"}, "epochs"), ({"batch_size": 0}, "batch_size"), ({"image_size": [64]}, "image_size"),
-    ({"learning_rate": "fast"}, "learning_rate"), ({"min_improvement": [1]}, "min_improvement"),
-    ({"network": "unet"}, "network"), ({"network": "detector", "holdout": 1.5}, "holdout"),
-])
+@pytest.mark.parametrize(
+    "params, key",
+    [
+        ({"epochs": "abc"}, "epochs"),
+        ({"batch_size": 0}, "batch_size"),
+        ({"image_size": [64]}, "image_size"),
+        ({"learning_rate": "fast"}, "learning_rate"),
+        ({"min_improvement": [1]}, "min_improvement"),
+        ({"network": "unet"}, "network"),
+        ({"network": "detector", "holdout": 1.5}, "holdout"),
+    ],
+)
 def test_bad_training_values_are_refused_naming_the_key(server, params, key):
     reply, status = _train_request(server, params)
     assert status == 422, reply
@@ -313,9 +397,13 @@ def test_training_reads_the_labels_and_keeps_the_served_model_when_not_better(se
     assert status["status"] == "DONE", f"{status}\n{server['log'].read_text()[-4000:]}"
     datalist = json.loads((model / "train" / "datalist.json").read_text())
     labelled = {Path(it["image"]).stem: it["landmarks"] for it in datalist["training"] if it.get("landmarks")}
-    assert sorted(Path(it["image"]).name for it in datalist["training"]) == sorted(p.name for p in server["studies"].glob("*.png"))
+    assert sorted(Path(it["image"]).name for it in datalist["training"]) == sorted(
+        p.name for p in server["studies"].glob("*.png")
+    )
     assert labelled.keys() == {"test_000", "test_003"}
-    np.testing.assert_allclose(np.array(labelled["test_003"], float), np.array(server["truth"]["test_003"], float), atol=1e-6)
+    np.testing.assert_allclose(
+        np.array(labelled["test_003"], float), np.array(server["truth"]["test_003"], float), atol=1e-6
+    )
     stats = client.info()["train_stats"]["landmarks"]  # written by the training process, shown by /info/
     assert stats["published"] is False and "kept the served model" in stats["decision"]
     assert stats["train"]["init_weights"] == str(ROOT / "models" / "model.pt")  # fine-tuned from the served weights
@@ -350,8 +438,15 @@ def test_dicom_upload_gives_the_png_landmarks_in_its_own_frame(server, tmp_path)
     for name in server["names"]:
         assert from_dcm["landmarks"][name] == pytest.approx(from_png["landmarks"][name], abs=0.01), name
     # the Slicer point list sits in the DICOM's own frame: LPS (x * sx, y * sy, 0)
-    for spacing, result in (([0.125, 0.125], from_dcm),
-                            ([0.1, 0.2], server["client"].infer("landmarks", "", {}, file=str(dicom_copy(png, tmp_path / "aniso.dcm", [0.1, 0.2])))[1])):
+    for spacing, result in (
+        ([0.125, 0.125], from_dcm),
+        (
+            [0.1, 0.2],
+            server["client"].infer("landmarks", "", {}, file=str(dicom_copy(png, tmp_path / "aniso.dcm", [0.1, 0.2])))[
+                1
+            ],
+        ),
+    ):
         for point in result["markups"]["markups"][0]["controlPoints"]:
             x, y = result["landmarks"][point["label"]]
             assert point["position"] == pytest.approx([x * spacing[0], y * spacing[1], 0.0], abs=1e-6)
@@ -373,7 +468,9 @@ def _detector_stats(server, params: dict) -> dict:
     stats = server["client"].info()["train_stats"]["landmarks"]
     assert stats["network"] == "detector" and stats["eval"]["key_metric_name"] == "mre"
     assert np.isfinite(stats["eval"]["metrics"]["mre_trained"]) and np.isfinite(stats["eval"]["metrics"]["mre_served"])
-    assert (server["app"] / "model" / "candidate_detector" / "model_final.pt").is_file()  # no validation, still a checkpoint
+    assert (
+        server["app"] / "model" / "candidate_detector" / "model_final.pt"
+    ).is_file()  # no validation, still a checkpoint
     return stats
 
 
@@ -408,10 +505,19 @@ def test_published_detector_is_served(server):
     assert info["image_size"] == TINY_TRAIN["image_size"] and info["held_out"] == stats["train"]["held_out"]
     reply, status = _infer_id(server, "test_001")
     assert status == 200, reply
-    assert reply["predictor"] == "detector" and reply["checkpoint"] == str(model / "detector.pt") and reply["templates"] == []
+    assert (
+        reply["predictor"] == "detector"
+        and reply["checkpoint"] == str(model / "detector.pt")
+        and reply["templates"] == []
+    )
     width, height = Image.open(server["studies"] / "test_001.png").size
     points = np.array([reply["landmarks"][n] for n in server["names"]], dtype=float)
-    assert np.isfinite(points).all() and (points >= 0).all() and (points[:, 0] <= width - 1).all() and (points[:, 1] <= height - 1).all()
+    assert (
+        np.isfinite(points).all()
+        and (points >= 0).all()
+        and (points[:, 0] <= width - 1).all()
+        and (points[:, 1] <= height - 1).all()
+    )
     # template matching stays available on request
     _, forced = server["client"].infer("landmarks", "test_001", {"predictor": "templates"})
     assert forced["predictor"] == "templates" and forced["templates"][0]["source"] == "datastore"

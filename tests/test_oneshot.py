@@ -75,7 +75,9 @@ def scene():
 
 
 def test_apply_homogeneous_forward_inverse_and_nan():
-    m = torch.tensor([[[0.1, 0.0, 5.0], [0.0, 0.2, -3.0], [0.0, 0.0, 1.0]], [[2.0, 0.0, 0.0], [0.0, 2.0, 1.0], [0.0, 0.0, 1.0]]])
+    m = torch.tensor(
+        [[[0.1, 0.0, 5.0], [0.0, 0.2, -3.0], [0.0, 0.0, 1.0]], [[2.0, 0.0, 0.0], [0.0, 2.0, 1.0], [0.0, 0.0, 1.0]]]
+    )
     pts = torch.tensor([[[3.0, 4.0], [float("nan"), 1.0]], [[1.0, 1.0], [0.0, 0.0]]])
     out = apply_homogeneous(m, pts)
     assert out.dtype == torch.float64
@@ -144,9 +146,13 @@ def test_grid_to_physical_and_chunking(scene):
     inferer.set_template(template, POINTS_2D)
     batch = torch.cat([template, crop(big, (13, 18), (128, 128))])
     grid_pred = inferer(batch, net)
-    matrices = torch.tensor([[[0.1, 0.0, 2.0], [0.0, 0.2, 1.0], [0.0, 0.0, 1.0]], [[0.5, 0.0, 0.0], [0.0, 0.25, 0.0], [0.0, 0.0, 1.0]]])
+    matrices = torch.tensor(
+        [[[0.1, 0.0, 2.0], [0.0, 0.2, 1.0], [0.0, 0.0, 1.0]], [[0.5, 0.0, 0.0], [0.0, 0.25, 0.0], [0.0, 0.0, 1.0]]]
+    )
     physical = inferer(batch, net, grid_to_physical=matrices)
-    expected = grid_pred * torch.tensor([[[0.1, 0.2]], [[0.5, 0.25]]], dtype=torch.float64) + torch.tensor([[[2.0, 1.0]], [[0.0, 0.0]]], dtype=torch.float64)
+    expected = grid_pred * torch.tensor([[[0.1, 0.2]], [[0.5, 0.25]]], dtype=torch.float64) + torch.tensor(
+        [[[2.0, 1.0]], [[0.0, 0.0]]], dtype=torch.float64
+    )
     assert torch.allclose(physical, expected)
     chunked = OneShotInferer(max_map_elements=2 * 2 * 128 * 128)  # two landmarks (channels) per chunk
     chunked.set_template(template, POINTS_2D)

@@ -16,10 +16,10 @@ import pytest
 import SimpleITK as sitk
 from PIL import Image
 
+from bundle.data.annotations import natural_key
 from bundle.data.datalist import DatalistError, load_datalist
 from bundle.data.hand_csv import hand_datalist, read_landmark_csv
 from bundle.data.isbi2015 import ISBI_2015_LANDMARK_NAMES, isbi2015_datalist, read_isbi_annotation
-from bundle.data.annotations import natural_key
 from bundle.data.labelme import labelme_datalist, read_labelme_set
 from bundle.data.markups import ControlPoint, write_markups
 from bundle.data.nifti import nifti_datalist
@@ -269,11 +269,17 @@ def test_nifti_markups_datalist(tmp_path):
     write_nifti(images / "a.nii.gz")
     write_nifti(images / "b.nii")
     write_nifti(images / "c.nii.gz")  # no markups
-    a_points = [ControlPoint("p1", (0.0, 0.0, 0.0)), ControlPoint("p2", (4.0, 2.0, 6.0)),
-                ControlPoint("p10", (-8.0, 5.5, 9.0))]
+    a_points = [
+        ControlPoint("p1", (0.0, 0.0, 0.0)),
+        ControlPoint("p2", (4.0, 2.0, 6.0)),
+        ControlPoint("p10", (-8.0, 5.5, 9.0)),
+    ]
     write_markups(marks / "a.mrk.json", a_points, "RAS")
-    b_points = [ControlPoint("p2", (1.0, -2.0, 3.0)), ControlPoint("p1", (2.0, 3.0, 4.0)),
-                ControlPoint("extra", (0.0, 0.0, 0.0))]
+    b_points = [
+        ControlPoint("p2", (1.0, -2.0, 3.0)),
+        ControlPoint("p1", (2.0, 3.0, 4.0)),
+        ControlPoint("extra", (0.0, 0.0, 0.0)),
+    ]
     write_markups(marks / "b.fcsv", b_points, "LPS")  # stored in LPS, read back in RAS
     write_markups(marks / "z.fcsv", a_points)  # no volume
     with pytest.warns(UserWarning) as record:
@@ -298,8 +304,15 @@ def test_nifti_markups_datalist(tmp_path):
 def test_nifti_markups_warnings_and_errors(tmp_path):
     images = tmp_path / "ct"
     write_nifti(images / "a.nii.gz")  # covers RAS x in [-11, 9], y in [-9.75, 7.75], z in [-13.5, 10.5]
-    write_markups(images / "a.mrk.json", [ControlPoint("p1", (8.0, 0.0, 0.0)), ControlPoint("p1", (1.0, 1.0, 1.0)),
-                                          ControlPoint("p2", (30.0, 0.0, 0.0)), ControlPoint("p3", None)])
+    write_markups(
+        images / "a.mrk.json",
+        [
+            ControlPoint("p1", (8.0, 0.0, 0.0)),
+            ControlPoint("p1", (1.0, 1.0, 1.0)),
+            ControlPoint("p2", (30.0, 0.0, 0.0)),
+            ControlPoint("p3", None),
+        ],
+    )
     with pytest.warns(UserWarning) as record:
         dl = nifti_datalist(images)  # markups beside the volumes
     assert dl["training"][0]["landmarks"] == [None, [30.0, 0.0, 0.0], None]
@@ -352,8 +365,21 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 def test_cli_labelme_writes_a_valid_datalist(labelme_root, tmp_path):
     out = tmp_path / "lists" / "ceph.json"
-    proc = run_cli("labelme", "--root", str(labelme_root), "--out", str(out), "--landmark_names", "sella,nasion,menton",
-                   "--spacing", "0.1", "--test_fraction", "0.5", "--template", "001")
+    proc = run_cli(
+        "labelme",
+        "--root",
+        str(labelme_root),
+        "--out",
+        str(out),
+        "--landmark_names",
+        "sella,nasion,menton",
+        "--spacing",
+        "0.1",
+        "--test_fraction",
+        "0.5",
+        "--template",
+        "001",
+    )
     assert proc.returncode == 0, proc.stderr
     assert "warnings: 5" in proc.stdout and "label 'l1' appears 2 times" in proc.stdout
     assert "inter-annotator distance: mean" in proc.stdout
@@ -391,8 +417,14 @@ def test_hamedan_real_data():
         path, _, rest = message.partition(": label ")
         found.add((Path(path).parent.name + "/" + Path(path).stem, rest.split("'")[1]))
     assert found == {
-        ("farhadifar/002", "l17"), ("farhadifar/002", "l18"), ("mollabashi/002", "l11"), ("mollabashi/009", "l15"),
-        ("mollabashi/010", "l12"), ("mollabashi/064", "l7"), ("mollabashi/098", "l5"), ("mollabashi/086", "l16"),
+        ("farhadifar/002", "l17"),
+        ("farhadifar/002", "l18"),
+        ("mollabashi/002", "l11"),
+        ("mollabashi/009", "l15"),
+        ("mollabashi/010", "l12"),
+        ("mollabashi/064", "l7"),
+        ("mollabashi/098", "l5"),
+        ("mollabashi/086", "l16"),
     }
     assert len(record) == 8
     # the README's figure is 11.8 px (its exact pair set is not stated); here 1892 clean pairs

@@ -16,10 +16,10 @@ from monai.data import MetaTensor
 
 from bundle.handlers import LandmarkReportHandler
 from bundle.reporting import (
+    read_predictions_csv,
     save_overlay_png,
     save_sdr_curve,
     write_metrics_json,
-    read_predictions_csv,
     write_predictions_csv,
 )
 
@@ -38,8 +38,13 @@ def _colour_fraction(png: np.ndarray, rgb: tuple[float, float, float], tol: floa
 
 def test_write_metrics_json_round_trip(tmp_path):
     summary = {
-        "n_images": 2, "n_landmarks": 2, "mre_mm": 1.5, "mre_std_mm": 0.5, "mre_px": 12.0,
-        "sdr": {"2.0": 75.0}, "per_landmark_mre_mm": {"sella": 1.0, "nasion": None},
+        "n_images": 2,
+        "n_landmarks": 2,
+        "mre_mm": 1.5,
+        "mre_std_mm": 0.5,
+        "mre_px": 12.0,
+        "sdr": {"2.0": 75.0},
+        "per_landmark_mre_mm": {"sella": 1.0, "nasion": None},
     }
     path = write_metrics_json(tmp_path / "out" / "metrics.json", summary, template="t.png", checkpoint="m.pt")
     assert json.loads(path.read_text()) == {**summary, "template": "t.png", "checkpoint": "m.pt"}
@@ -59,8 +64,15 @@ def test_write_predictions_csv_2d_3d_and_missing(tmp_path):
     assert table[1] == ["a.png", "sella", "10.250000", "20.500000", "0.854000"]
     assert table[2] == ["a.png", "nasion", "", "", ""]
     assert table[3] == ["b.png", "sella", "1.000000", "2.000000", ""]
-    table3 = _read_csv(write_predictions_csv(tmp_path / "p3.csv", [{"image": "v.nii.gz", "landmark": "l", "point": [-1.5, 2, 3], "error_mm": 1}]))
-    assert table3 == [["image", "landmark", "x", "y", "z", "error_mm"], ["v.nii.gz", "l", "-1.500000", "2.000000", "3.000000", "1.000000"]]
+    table3 = _read_csv(
+        write_predictions_csv(
+            tmp_path / "p3.csv", [{"image": "v.nii.gz", "landmark": "l", "point": [-1.5, 2, 3], "error_mm": 1}]
+        )
+    )
+    assert table3 == [
+        ["image", "landmark", "x", "y", "z", "error_mm"],
+        ["v.nii.gz", "l", "-1.500000", "2.000000", "3.000000", "1.000000"],
+    ]
     back = read_predictions_csv(tmp_path / "p.csv")
     assert [(r["image"], r["landmark"]) for r in back] == [("a.png", "sella"), ("a.png", "nasion"), ("b.png", "sella")]
     np.testing.assert_allclose(back[0]["point"], [10.25, 20.5])
@@ -132,7 +144,9 @@ def test_report_handler_2d_through_an_engine(tmp_path, caplog):
     table = _read_csv(tmp_path / "eval" / "predictions.csv")
     assert table[0] == ["image", "landmark", "x", "y", "error_mm"] and len(table) == 7
     assert table[1][:2] == ["/d/img001.png", "sella"]
-    np.testing.assert_allclose([float(v) for v in table[1][2:]], [13.0, 14.0, math.hypot(0.3, 0.8)], atol=1e-6)  # original pixels
+    np.testing.assert_allclose(
+        [float(v) for v in table[1][2:]], [13.0, 14.0, math.hypot(0.3, 0.8)], atol=1e-6
+    )  # original pixels
     assert table[4][1:] == ["nasion", "11.000000", "12.000000", ""]  # predicted but not measurable
     overlays = sorted(p.name for p in (tmp_path / "eval" / "overlays").iterdir())
     assert overlays == ["img001.png", "img001_2.png", "img002.png"]  # stem clash resolved

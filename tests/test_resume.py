@@ -19,15 +19,42 @@ from bundle.data.synthetic import generate_synthetic_2d
 ROOT = Path(__file__).resolve().parents[1]
 EPOCHS = 6
 TINY = [
-    "--epoch_length", "2", "--val_interval", "2", "--batch_size", "2", "--image_size", "[64,64]",
-    "--crop_size", "[32,32]", "--num_queries", "4", "--progress_bar", "False", "--epochs", str(EPOCHS),
+    "--epoch_length",
+    "2",
+    "--val_interval",
+    "2",
+    "--batch_size",
+    "2",
+    "--image_size",
+    "[64,64]",
+    "--crop_size",
+    "[32,32]",
+    "--num_queries",
+    "4",
+    "--progress_bar",
+    "False",
+    "--epochs",
+    str(EPOCHS),
 ]
 
 
 def _command(datalist: Path, models: Path, out: Path, *extra: str) -> list[str]:
     return [
-        sys.executable, "-m", "monai.bundle", "run", "training", "--config_file", "configs/train.yaml",
-        "--datalist", str(datalist), "--ckpt_dir", str(models), "--output_dir", str(out), *TINY, *extra,
+        sys.executable,
+        "-m",
+        "monai.bundle",
+        "run",
+        "training",
+        "--config_file",
+        "configs/train.yaml",
+        "--datalist",
+        str(datalist),
+        "--ckpt_dir",
+        str(models),
+        "--output_dir",
+        str(out),
+        *TINY,
+        *extra,
     ]
 
 
@@ -37,8 +64,13 @@ def test_killed_training_resumes_from_its_last_epoch(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     # killed as soon as the first epoch is saved (SIGKILL: no clean-up of any kind)
     first = subprocess.Popen(
-        _command(datalist, models, tmp_path / "out1"), cwd=ROOT, env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        _command(datalist, models, tmp_path / "out1"),
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
     last = models / "last.pt"
     deadline = time.monotonic() + 120
@@ -54,7 +86,11 @@ def test_killed_training_resumes_from_its_last_epoch(tmp_path):
 
     resumed = subprocess.run(
         _command(datalist, models, tmp_path / "out2", "--resume", "true"),
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     log = resumed.stdout + resumed.stderr
     assert resumed.returncode == 0, log[-3000:]

@@ -25,13 +25,24 @@ from bundle.stage2 import HeatmapInferer, MaskedHeatmapLoss, detector_templates
 from bundle.transforms.heatmaps import GaussianHeatmapd, render_gaussian_heatmaps
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = {"image_size": [64, 64], "crop_size": [32, 32], "num_queries": 8, "batch_size": 4, "progress_bar": False, "seed": 0}
+TINY = {
+    "image_size": [64, 64],
+    "crop_size": [32, 32],
+    "num_queries": 8,
+    "batch_size": 4,
+    "progress_bar": False,
+    "seed": 0,
+}
 
 
 def _item(points: np.ndarray, size=(48, 56)) -> dict:
     """An item as LandmarkTargetsd leaves it, with grid = physical (identity grid_to_physical)."""
     image = MetaTensor(torch.rand(1, *size))
-    return {"image": image, "label": torch.as_tensor(points, dtype=torch.float32), "grid_to_physical": torch.eye(3, dtype=torch.float64)}
+    return {
+        "image": image,
+        "label": torch.as_tensor(points, dtype=torch.float32),
+        "grid_to_physical": torch.eye(3, dtype=torch.float64),
+    }
 
 
 def test_heatmap_peak_is_at_the_landmark_subpixel():
@@ -54,8 +65,13 @@ def test_rand_affine_keeps_the_heatmap_peak_at_the_transformed_landmark():
     points = np.array([[20.4, 25.7], [30.2, 18.9]])
     d = GaussianHeatmapd("image", sigma=2.5)(_item(points, size=(56, 56)))
     affine = RandAffined(
-        ["image", "heatmap"], prob=1.0, rotate_range=0.4, scale_range=(0.15, 0.15), translate_range=(4, 4),
-        mode=["bilinear", "bilinear"], padding_mode="zeros",
+        ["image", "heatmap"],
+        prob=1.0,
+        rotate_range=0.4,
+        scale_range=(0.15, 0.15),
+        translate_range=(4, 4),
+        mode=["bilinear", "bilinear"],
+        padding_mode="zeros",
     )
     affine.set_random_state(3)
     out = affine(d)
@@ -86,7 +102,9 @@ def test_masked_loss_ignores_missing_landmarks():
         changed[1, 2] -= 50.0
         assert float(loss(changed, (target, mask))) == pytest.approx(float(value), rel=1e-6)
         # equals the mean over the valid channels
-        valid = [loss(pred[b : b + 1, c : c + 1].detach(), target[b : b + 1, c : c + 1]) for b, c in ((0, 0), (0, 2), (1, 0))]
+        valid = [
+            loss(pred[b : b + 1, c : c + 1].detach(), target[b : b + 1, c : c + 1]) for b, c in ((0, 0), (0, 2), (1, 0))
+        ]
         assert float(value) == pytest.approx(float(sum(valid)) / 3, rel=1e-5)
 
 
@@ -131,7 +149,9 @@ def test_finetune_config_uses_the_first_labelled_training_items(tmp_path):
     assert parser.get_parsed_content("ckpt_dir").endswith("models/finetune")
 
 
-@pytest.mark.parametrize("random_init, expected", [("true", None), ("false", "stage1"), (True, None), ("maybe", ValueError)])
+@pytest.mark.parametrize(
+    "random_init, expected", [("true", None), ("false", "stage1"), (True, None), ("maybe", ValueError)]
+)
 def test_random_init_as_the_command_line_gives_it(random_init, expected):
     """``--random_init true`` reaches the config as the string 'true' (and ``--init_checkpoint None`` not at all)."""
     parser = ConfigParser()
@@ -149,7 +169,9 @@ def test_random_init_as_the_command_line_gives_it(random_init, expected):
 def test_shipped_detector_loads_into_the_configured_network_and_names_its_templates():
     """models/stage2 (the one-label stage-2 detector of the model card) fits the default 2D configuration."""
     parser = ConfigParser()
-    parser.read_config([str(ROOT / f"configs/{c}.yaml") for c in ("train", "train_stage2", "evaluate", "evaluate_detector")])
+    parser.read_config(
+        [str(ROOT / f"configs/{c}.yaml") for c in ("train", "train_stage2", "evaluate", "evaluate_detector")]
+    )
     parser.update({"bundle_root": str(ROOT), "network_def#n_landmarks": 19})  # the 19 cephalometric landmarks
     ckpt = Path(parser.get_parsed_content("ckpt_path"))
     assert ckpt == ROOT / "models" / "stage2" / "model.pt"
@@ -165,11 +187,28 @@ def test_tiny_stage2_training_and_evaluation_beat_chance(tmp_path):
     datalist_path = generate_synthetic_2d(tmp_path / "data", n_training=8, n_validation=1, n_test=2, seed=3)
     datalist = load_datalist(datalist_path)
     common = dict(bundle_root=str(ROOT), datalist=str(datalist_path), **TINY)
-    run("training", config_file=str(ROOT / "configs/train.yaml"), output_dir=str(tmp_path / "t1"),
-        ckpt_dir=str(tmp_path / "m1"), epochs=2, epoch_length=15, val_interval=2, **common)
+    run(
+        "training",
+        config_file=str(ROOT / "configs/train.yaml"),
+        output_dir=str(tmp_path / "t1"),
+        ckpt_dir=str(tmp_path / "m1"),
+        epochs=2,
+        epoch_length=15,
+        val_interval=2,
+        **common,
+    )
     stage2 = [str(ROOT / f"configs/{c}.yaml") for c in ("train", "train_stage2")]
-    run("training", config_file=stage2, output_dir=str(tmp_path / "t2"), ckpt_dir=str(tmp_path / "m2"),
-        stage1_ckpt=str(tmp_path / "m1" / "model.pt"), epochs=4, epoch_length=15, val_interval=4, **common)
+    run(
+        "training",
+        config_file=stage2,
+        output_dir=str(tmp_path / "t2"),
+        ckpt_dir=str(tmp_path / "m2"),
+        stage1_ckpt=str(tmp_path / "m1" / "model.pt"),
+        epochs=4,
+        epoch_length=15,
+        val_interval=4,
+        **common,
+    )
     assert (tmp_path / "m2" / "model.pt").is_file() and (tmp_path / "m2" / "model_final.pt").is_file()
     pseudo = json.loads((tmp_path / "t2" / "pseudo_labels.json").read_text())
     held_out = {it["image"] for it in datalist["validation"] + datalist["test"]}
@@ -177,13 +216,30 @@ def test_tiny_stage2_training_and_evaluation_beat_chance(tmp_path):
     expected = templates | {it["image"] for it in datalist["training"] if it["image"] not in held_out}
     assert {it["image"] for it in pseudo["training"]} == expected and len(pseudo["training"]) == len(expected)
     assert not held_out & {it["image"] for it in pseudo["training"]}
-    assert set(pseudo["pseudo_labels"]["cycle_error"]) == {it["image"] for it in pseudo["training"]} - set(pseudo["pseudo_labels"]["templates"])
+    assert set(pseudo["pseudo_labels"]["cycle_error"]) == {it["image"] for it in pseudo["training"]} - set(
+        pseudo["pseudo_labels"]["templates"]
+    )
 
     out = tmp_path / "eval"
-    run("evaluating", config_file=stage2 + [str(ROOT / f"configs/{c}.yaml") for c in ("evaluate", "evaluate_detector")],
-        output_dir=str(out), ckpt_path=str(tmp_path / "m2" / "model.pt"), **common)
+    run(
+        "evaluating",
+        config_file=stage2 + [str(ROOT / f"configs/{c}.yaml") for c in ("evaluate", "evaluate_detector")],
+        output_dir=str(out),
+        ckpt_path=str(tmp_path / "m2" / "model.pt"),
+        **common,
+    )
     metrics = json.loads((out / "metrics.json").read_text())
-    for key in ("n_images", "n_landmarks", "mre_mm", "mre_std_mm", "mre_px", "sdr", "per_landmark_mre_mm", "template", "checkpoint"):
+    for key in (
+        "n_images",
+        "n_landmarks",
+        "mre_mm",
+        "mre_std_mm",
+        "mre_px",
+        "sdr",
+        "per_landmark_mre_mm",
+        "template",
+        "checkpoint",
+    ):
         assert key in metrics
     assert metrics["n_images"] == 2 and metrics["template"] == pseudo["pseudo_labels"]["templates"][0]
     with open(out / "predictions.csv") as f:

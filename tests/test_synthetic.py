@@ -42,7 +42,9 @@ def _edge_check(subject: synthetic.PhantomSubject, points: np.ndarray, step: flo
     """Contrast of the clean picture across the local edge normal at ``points``, and how far the value at the
     point is from the midpoint of the two sides (as a fraction of the contrast): ~0 on an edge."""
     h = 0.25 * step
-    grad = np.stack([subject.clean(points + h * e) - subject.clean(points - h * e) for e in np.eye(points.shape[1])], axis=1)
+    grad = np.stack(
+        [subject.clean(points + h * e) - subject.clean(points - h * e) for e in np.eye(points.shape[1])], axis=1
+    )
     normal = grad / np.maximum(np.linalg.norm(grad, axis=1, keepdims=True), 1e-12)
     plus, minus = subject.clean(points + step * normal), subject.clean(points - step * normal)
     contrast = np.abs(plus - minus)
@@ -50,7 +52,9 @@ def _edge_check(subject: synthetic.PhantomSubject, points: np.ndarray, step: flo
 
 
 def _normals(subject: synthetic.PhantomSubject, points: np.ndarray, h: float) -> np.ndarray:
-    grad = np.stack([subject.clean(points + h * e) - subject.clean(points - h * e) for e in np.eye(points.shape[1])], axis=1)
+    grad = np.stack(
+        [subject.clean(points + h * e) - subject.clean(points - h * e) for e in np.eye(points.shape[1])], axis=1
+    )
     return grad / np.linalg.norm(grad, axis=1, keepdims=True)
 
 
@@ -172,7 +176,11 @@ def test_3d_landmarks_are_ras_world_mm_on_structures(set_3d):
         sides = []
         for s in (1, -1):
             p = world + s * 3.0 * normal
-            sides.append(ndimage.map_coordinates(data, ((np.c_[p, np.ones(len(p))] @ np.linalg.inv(image.affine).T)[:, :3]).T, order=1))
+            sides.append(
+                ndimage.map_coordinates(
+                    data, ((np.c_[p, np.ones(len(p))] @ np.linalg.inv(image.affine).T)[:, :3]).T, order=1
+                )
+            )
         assert np.min(np.abs(sides[0] - sides[1])) > 300
         # the whole volume has the model's geometry, read through the header's affine
         ijk = np.stack(np.meshgrid(*(np.arange(64),) * 3, indexing="ij"), axis=-1).reshape(-1, 3)
@@ -244,7 +252,9 @@ def test_ensure_generates_the_default_set_once(tmp_path, monkeypatch):
 
 
 def test_ensure_3d_uses_the_3d_generator(tmp_path, monkeypatch):
-    small = functools.partial(synthetic.generate_synthetic_3d, n_training=1, n_validation=0, n_test=0, shape=(32, 32, 32))
+    small = functools.partial(
+        synthetic.generate_synthetic_3d, n_training=1, n_validation=0, n_test=0, shape=(32, 32, 32)
+    )
     monkeypatch.setattr(synthetic, "generate_synthetic_3d", small)
     path = synthetic.ensure_synthetic_dataset(tmp_path / "ct" / "datalist.json", spatial_dims=3)
     assert load_datalist(path)["spatial_dims"] == 3

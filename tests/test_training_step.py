@@ -15,16 +15,26 @@ from bundle.training_step import ContrastiveIterationUpdate
 
 def _engine(network: torch.nn.Module, loss_function) -> SimpleNamespace:
     return SimpleNamespace(
-        state=SimpleNamespace(device=torch.device("cpu"), output=None), non_blocking=False, network=network,
-        optimizer=torch.optim.Adam(network.parameters(), lr=1e-3), loss_function=loss_function, optim_set_to_none=True,
-        amp=False, scaler=None, fire_event=lambda event: None,
+        state=SimpleNamespace(device=torch.device("cpu"), output=None),
+        non_blocking=False,
+        network=network,
+        optimizer=torch.optim.Adam(network.parameters(), lr=1e-3),
+        loss_function=loss_function,
+        optim_set_to_none=True,
+        amp=False,
+        scaler=None,
+        fire_event=lambda event: None,
     )
 
 
 def _batch(seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
-    return {"image": torch.rand(2, 1, 32, 32, generator=g), "crop": torch.rand(2, 1, 16, 16, generator=g),
-            "query": 4 + 24 * torch.rand(2, 4, 2, generator=g), "crop_query": 4 + 8 * torch.rand(2, 4, 2, generator=g)}
+    return {
+        "image": torch.rand(2, 1, 32, 32, generator=g),
+        "crop": torch.rand(2, 1, 16, 16, generator=g),
+        "query": 4 + 24 * torch.rand(2, 4, 2, generator=g),
+        "crop_query": 4 + 8 * torch.rand(2, 4, 2, generator=g),
+    }
 
 
 def test_channels_last_and_thread_tuning_give_the_same_losses_and_try_each_count():

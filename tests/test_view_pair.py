@@ -121,7 +121,9 @@ def test_query_frequencies_follow_the_weights():
     expected = np.array([1, 2, 3, 4]) / 10
     # a crop equal to the image: every query is drawn from the whole weight map
     t = RandViewPaird(crop_size=(size, size), num_queries=16, rotate_range=0.0, margin=0).set_random_state(7)
-    queries = torch.cat([t({"image": torch.zeros(1, size, size), "image_weight": weights})["query"] for _ in range(200)])
+    queries = torch.cat(
+        [t({"image": torch.zeros(1, size, size), "image_weight": weights})["query"] for _ in range(200)]
+    )
     counts = _quadrant_counts(queries, half)
     statistic = ((counts - expected * counts.sum()) ** 2 / (expected * counts.sum())).sum()
     assert statistic < chi2.ppf(0.999, df=3), (counts, statistic)
@@ -140,7 +142,9 @@ def test_set_random_state_makes_it_deterministic():
 
     def run(seed):
         t = RandViewPaird(
-            crop_size=(24, 24), num_queries=8, scale_range=0.1,
+            crop_size=(24, 24),
+            num_queries=8,
+            scale_range=0.1,
             crop_intensity_transform=RandScaleIntensityd(keys="image", factors=0.5, prob=1.0),
         ).set_random_state(seed)
         return [t({"image": image, "image_weight": weights}) for _ in range(3)]
@@ -170,7 +174,8 @@ def test_intensity_transforms_act_on_their_own_view_and_receive_the_entropy_crop
     kwargs = dict(crop_size=(32, 32), num_queries=16, rotate_range=20.0, entropy_key="entropy")
     plain = RandViewPaird(**kwargs).set_random_state(4)(data)
     out = RandViewPaird(
-        **kwargs, crop_intensity_transform=_AddEntropy(keys="image"),
+        **kwargs,
+        crop_intensity_transform=_AddEntropy(keys="image"),
         image_intensity_transform=Lambdad(keys="image", func=lambda x: 2 * x),
     ).set_random_state(4)(data)
     assert torch.equal(out["query"], plain["query"]) and torch.equal(out["crop_query"], plain["crop_query"])
@@ -185,7 +190,9 @@ def test_intensity_transforms_act_on_their_own_view_and_receive_the_entropy_crop
 
 def test_shapes_and_dtypes():
     image = MetaTensor(torch.rand(3, 40, 44, dtype=torch.float64))
-    out = RandViewPaird(crop_size=(16, 20), num_queries=5, weight_key=None).set_random_state(0)({"image": image, "id": 7})
+    out = RandViewPaird(crop_size=(16, 20), num_queries=5, weight_key=None).set_random_state(0)(
+        {"image": image, "id": 7}
+    )
     assert out["image"] is image and out["id"] == 7
     assert type(out["crop"]) is torch.Tensor and out["crop"].shape == (3, 16, 20) and out["crop"].dtype == torch.float32
     for key in ("query", "crop_query"):
@@ -209,7 +216,9 @@ def test_clear_errors():
     with pytest.raises(ValueError, match=r"'image'.*crop_size \(16, 16\).*\(1, 8, 32, 32\)"):
         t({"image": torch.rand(1, 8, 32, 32), "image_weight": torch.ones(1, 8, 32, 32)})
     with pytest.raises(ValueError, match="entropy map 'iie'"):
-        RandViewPaird(crop_size=(16, 16), weight_key=None, entropy_key="iie")({"image": image, "iie": torch.ones(32, 32)})
+        RandViewPaird(crop_size=(16, 16), weight_key=None, entropy_key="iie")(
+            {"image": image, "iie": torch.ones(32, 32)}
+        )
     with pytest.raises(ValueError, match="margin 8 leaves no room.*crop_size \\(16, 16\\)"):
         RandViewPaird(crop_size=(16, 16), margin=8)
     with pytest.raises(ValueError, match="rotate_range must be one number or 3 values"):

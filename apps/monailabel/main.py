@@ -27,9 +27,9 @@ import os
 import sys
 from pathlib import Path
 
+from monailabel.config import settings
 from monailabel.interfaces.app import MONAILabelApp
 from monailabel.interfaces.exception import MONAILabelException
-from monailabel.config import settings
 
 APP_DIR = Path(__file__).resolve().parent
 logger = logging.getLogger(__name__)
@@ -39,12 +39,15 @@ class LandmarkApp(MONAILabelApp):
     def __init__(self, app_dir: str, studies: str, conf: dict[str, str]) -> None:
         self.bundle_root = Path(conf.get("bundle_root", APP_DIR.parents[1])).resolve()
         if not (self.bundle_root / "configs" / "train.yaml").is_file():
-            raise FileNotFoundError(f"bundle_root {self.bundle_root} holds no configs/train.yaml (set --conf bundle_root)")
+            raise FileNotFoundError(
+                f"bundle_root {self.bundle_root} holds no configs/train.yaml (set --conf bundle_root)"
+            )
         for path in (str(self.bundle_root), str(APP_DIR)):  # the bundle package and this app's tasks
             if path not in sys.path:
                 sys.path.insert(0, path)
-        from bundle import __version__ as bundle_version
         from landmark_tasks.common import BundleContext
+
+        from bundle import __version__ as bundle_version
 
         self.model_dir = Path(app_dir) / "model"
         self.context = BundleContext(
@@ -61,11 +64,12 @@ class LandmarkApp(MONAILabelApp):
             conf=conf,
             name="Information-guided one-shot landmarks",
             description="Landmark suggestions from the labelled images (k-shot) by pixel-wise contrastive features "
-                        "(Quan et al., CVPR 2023), fine-tuned on the server's images",
+            "(Quan et al., CVPR 2023), fine-tuned on the server's images",
             version=bundle_version,
         )
         if "monailabel.app" in sys.modules:  # the server process (not a training child)
             from landmark_tasks.guards import install_infer_guard, install_train_guard
+
             install_infer_guard()
             install_train_guard(self._check_train_request)
 
@@ -87,7 +91,9 @@ class LandmarkApp(MONAILabelApp):
         return LandmarkDatastore(
             self.studies,
             check_image=lambda path, name: self.context.prepare({"image": path}, name),
-            check_label=lambda label, image, image_id: self.context.label_landmarks(label, image, f"image {image_id!r}"),
+            check_label=lambda label, image, image_id: self.context.label_landmarks(
+                label, image, f"image {image_id!r}"
+            ),
             auto_reload=settings.MONAI_LABEL_DATASTORE_AUTO_RELOAD,
             read_only=settings.MONAI_LABEL_DATASTORE_READ_ONLY,
         )
@@ -122,7 +128,10 @@ class LandmarkApp(MONAILabelApp):
             request.pop("image_id", None)
         else:
             if not isinstance(image, str) or not image:
-                raise HTTPException(status_code=400, detail="landmarks infer: give an image id of the datastore (?image=ID) or upload a file")
+                raise HTTPException(
+                    status_code=400,
+                    detail="landmarks infer: give an image id of the datastore (?image=ID) or upload a file",
+                )
             if os.path.isabs(image) or ".." in Path(image).parts or "\\" in image or "/" in image:
                 raise HTTPException(
                     status_code=400,
@@ -141,7 +150,12 @@ class LandmarkApp(MONAILabelApp):
         except MONAILabelException as e:
             raise HTTPException(status_code=400, detail=e.msg) from None
         except (FileNotFoundError, ValueError) as e:
-            raise HTTPException(status_code=422, detail=f"landmarks infer on {request.get('image_name')!r}: {e}") from None
+            raise HTTPException(
+                status_code=422, detail=f"landmarks infer on {request.get('image_name')!r}: {e}"
+            ) from None
         except Exception as e:
             logger.exception("landmarks infer failed")
-            raise HTTPException(status_code=500, detail=f"landmarks infer on {request.get('image_name')!r} failed: {type(e).__name__}: {e}") from None
+            raise HTTPException(
+                status_code=500,
+                detail=f"landmarks infer on {request.get('image_name')!r} failed: {type(e).__name__}: {e}",
+            ) from None

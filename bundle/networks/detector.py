@@ -38,11 +38,15 @@ def load_stage1_encoder(encoder: nn.Module, path: str | os.PathLike, device: tor
     or a dict holding one under ``model``) into ``encoder``, strictly; other entries (the crop encoder) are ignored."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"stage-1 checkpoint not found: {path} (train stage 1 first, or pass --init_checkpoint null)")
+        raise FileNotFoundError(
+            f"stage-1 checkpoint not found: {path} (train stage 1 first, or pass --init_checkpoint null)"
+        )
     state = read_state_dict(path, device, what="stage-1 checkpoint")
     encoder_state = {k[len(STAGE1_PREFIX) :]: v for k, v in state.items() if k.startswith(STAGE1_PREFIX)}
     if not encoder_state:
-        raise RuntimeError(f"{path} holds no '{STAGE1_PREFIX}*' weights: not a stage-1 (ContrastiveLandmarkNet) checkpoint")
+        raise RuntimeError(
+            f"{path} holds no '{STAGE1_PREFIX}*' weights: not a stage-1 (ContrastiveLandmarkNet) checkpoint"
+        )
     try:
         encoder.load_state_dict(encoder_state, strict=True)
     except RuntimeError as e:
@@ -85,8 +89,13 @@ class HeatmapDetector(nn.Module):
         self.spatial_dims = spatial_dims
         self.n_landmarks = int(n_landmarks)
         self.image_encoder = build_encoder(
-            backbone=backbone, spatial_dims=spatial_dims, in_channels=in_channels, embed_dim=embed_dim,
-            strides=strides, channels=channels, pretrained_path=pretrained_path,
+            backbone=backbone,
+            spatial_dims=spatial_dims,
+            in_channels=in_channels,
+            embed_dim=embed_dim,
+            strides=strides,
+            channels=channels,
+            pretrained_path=pretrained_path,
         )
         if init_checkpoint is not None:
             load_stage1_encoder(self.image_encoder, init_checkpoint)

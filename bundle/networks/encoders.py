@@ -45,8 +45,12 @@ def check_spatial_size(x: torch.Tensor, spatial_dims: int, divisor: int) -> None
     """
     if x.dim() != spatial_dims + 2:
         raise ValueError(
-            "expected a (B, C, " + str(spatial_dims) + " spatial) input of " + str(spatial_dims + 2)
-            + " dims, got shape " + str(list(x.shape))
+            "expected a (B, C, "
+            + str(spatial_dims)
+            + " spatial) input of "
+            + str(spatial_dims + 2)
+            + " dims, got shape "
+            + str(list(x.shape))
         )
     for size in x.shape[2:]:
         if size % divisor != 0:

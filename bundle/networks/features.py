@@ -13,7 +13,9 @@ import torch
 import torch.nn.functional as F
 
 
-def points_to_feature_index(points: torch.Tensor, input_size: Sequence[int], feature_size: Sequence[int]) -> torch.Tensor:
+def points_to_feature_index(
+    points: torch.Tensor, input_size: Sequence[int], feature_size: Sequence[int]
+) -> torch.Tensor:
     """Continuous positions of input-grid ``points`` (..., D) in a feature grid of ``feature_size``."""
     scale = torch.as_tensor([f / i for f, i in zip(feature_size, input_size)], dtype=points.dtype, device=points.device)
     return (points + 0.5) * scale - 0.5
@@ -32,7 +34,9 @@ def sample_features(features: torch.Tensor, points: torch.Tensor, input_size: Se
     """
     spatial_dims = features.ndim - 2
     if points.shape[-1] != spatial_dims or len(input_size) != spatial_dims:
-        raise ValueError(f"points have {points.shape[-1]} components and input_size {len(input_size)}, features {spatial_dims}")
+        raise ValueError(
+            f"points have {points.shape[-1]} components and input_size {len(input_size)}, features {spatial_dims}"
+        )
     size = torch.as_tensor(list(input_size), dtype=features.dtype, device=features.device)
     normalised = 2.0 * (points.to(features.dtype) + 0.5) / size - 1.0  # align_corners=False convention
     grid = normalised.flip(-1)  # grid_sample wants (x=last axis, y, z) order

@@ -22,7 +22,27 @@ __all__ = ["VGG19_CONFIG", "VGG19DenseEncoder", "load_vgg19_state_dict"]
 
 # torchvision's configuration "E": conv widths, "M" a 2x2 max-pool.
 VGG19_CONFIG: tuple[int | str, ...] = (
-    64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M", 512, 512, 512, 512, "M", 512, 512, 512, 512, "M"
+    64,
+    64,
+    "M",
+    128,
+    128,
+    "M",
+    256,
+    256,
+    256,
+    256,
+    "M",
+    512,
+    512,
+    512,
+    512,
+    "M",
+    512,
+    512,
+    512,
+    512,
+    "M",
 )
 VGG19_STAGE_CHANNELS = (64, 128, 256, 512, 512)
 
@@ -58,7 +78,7 @@ def load_vgg19_state_dict(features: nn.Sequential, path: str | os.PathLike) -> N
     loaded = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(loaded, dict):
         raise ValueError(f"{path}: expected a state dict (a mapping of tensors), got {type(loaded).__name__}")
-    source = {k[len("features."):] if k.startswith("features.") else k: v for k, v in loaded.items()}
+    source = {k[len("features.") :] if k.startswith("features.") else k: v for k, v in loaded.items()}
     target = features.state_dict()
     missing = sorted((k for k in target if k not in source), key=lambda k: int(k.split(".")[0]))
     if missing:

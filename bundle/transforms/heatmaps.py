@@ -77,7 +77,11 @@ class GaussianHeatmapd(MapTransform):
     sigma = property(lambda self: self.heatmap.sigma)
 
     def __init__(
-        self, keys: KeysCollection, sigma: float = 2.0, heatmap_key: str = "heatmap", mask_key: str = "landmark_mask",
+        self,
+        keys: KeysCollection,
+        sigma: float = 2.0,
+        heatmap_key: str = "heatmap",
+        mask_key: str = "landmark_mask",
         allow_missing_keys: bool = False,
     ) -> None:
         super().__init__(keys, allow_missing_keys)

@@ -145,11 +145,13 @@ class InfoGuidedIntensity(RandomizableTransform):
         self.brightness = None if brightness_ranges is not None else _check_intensities(brightness, "brightness")
         self.contrast = None if contrast_ranges is not None else _check_intensities(contrast, "contrast")
         self.brightness_ranges = (
-            _check_ranges(brightness_ranges, "brightness_ranges") if brightness_ranges is not None
+            _check_ranges(brightness_ranges, "brightness_ranges")
+            if brightness_ranges is not None
             else np.stack([1.0 - np.asarray(self.brightness), 1.0 + np.asarray(self.brightness)], 1)
         )
         self.contrast_ranges = (
-            _check_ranges(contrast_ranges, "contrast_ranges") if contrast_ranges is not None
+            _check_ranges(contrast_ranges, "contrast_ranges")
+            if contrast_ranges is not None
             else np.stack([1.0 - np.asarray(self.contrast), 1.0 + np.asarray(self.contrast)], 1)
         )
         self.last_group: int | None = None

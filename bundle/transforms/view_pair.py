@@ -189,7 +189,10 @@ class RandAffineCrop(RandomizableTransform):
         grid = np.ascontiguousarray(normalised[::-1].T).reshape(*self.crop_size, dims)
         grid = torch.as_tensor(grid, dtype=torch.float32)
         return F.grid_sample(
-            img[None].float(), grid.to(img.device)[None], mode="bilinear", padding_mode=self.padding_mode,
+            img[None].float(),
+            grid.to(img.device)[None],
+            mode="bilinear",
+            padding_mode=self.padding_mode,
             align_corners=False,
         )[0]
 

@@ -30,7 +30,19 @@ CONFIGS = ("configs/train.yaml", "configs/evaluate.yaml")  # the datalist's temp
 # the stage-2 heatmap detector fine-tuned on human labels (the bundle's `finetune.yaml`)
 DETECTOR_CONFIGS = ("configs/train.yaml", "configs/train_stage2.yaml", "configs/finetune.yaml")
 PREDICTORS = ("auto", "detector", "templates")
-IMAGE_EXTENSIONS = ("*.png", "*.jpg", "*.jpeg", "*.bmp", "*.tif", "*.tiff", "*.dcm", "*.nii.gz", "*.nii", "*.nrrd", "*.mha")
+IMAGE_EXTENSIONS = (
+    "*.png",
+    "*.jpg",
+    "*.jpeg",
+    "*.bmp",
+    "*.tif",
+    "*.tiff",
+    "*.dcm",
+    "*.nii.gz",
+    "*.nii",
+    "*.nrrd",
+    "*.mha",
+)
 # ".json" first: the datastore keeps the LAST matching extension, so "a.mrk.json" gets ".mrk.json"
 LABEL_EXTENSIONS = ("*.json", "*.mrk.json", "*.fcsv")
 FINAL_TAG = "final"
@@ -63,7 +75,9 @@ class BundleContext:
         self.detector_info_path = self.model_dir / "detector.json"
         self.templates_cache = self.model_dir / "bundle_templates.json"
         self._lock = threading.RLock()
-        self.parser = bundle_parser(CONFIGS, self.bundle_root, datalist=str(self.datalist), ckpt_path=str(self.shipped_ckpt))
+        self.parser = bundle_parser(
+            CONFIGS, self.bundle_root, datalist=str(self.datalist), ckpt_path=str(self.shipped_ckpt)
+        )
         self.names: list[str] = list(self.parser.get_parsed_content("landmark_names"))
         self.spatial_dims = int(self.parser.get_parsed_content("spatial_dims"))
         self.template_combine = str(self.parser.get_parsed_content("template_combine"))
@@ -138,7 +152,9 @@ class BundleContext:
         """A fresh one-shot / k-shot inferer (``evaluate#inferer``) holding the template ``items``."""
         from bundle.templates import with_templates
 
-        return with_templates(self.parser.get_parsed_content("evaluate#inferer", lazy=False), list(items), self.preprocessing, self.device)
+        return with_templates(
+            self.parser.get_parsed_content("evaluate#inferer", lazy=False), list(items), self.preprocessing, self.device
+        )
 
     def prepare(self, item: dict, name: str | None = None, preprocessing=None) -> dict:
         """The evaluation pipeline (or ``preprocessing``) on ``item``; unreadable images raise :class:`ImageError` naming ``name``."""
@@ -148,7 +164,9 @@ class BundleContext:
             cause = e
             while cause.__cause__ is not None:
                 cause = cause.__cause__
-            raise ImageError(f"cannot read image {name or Path(item['image']).name!r}: {type(cause).__name__}: {cause}") from e
+            raise ImageError(
+                f"cannot read image {name or Path(item['image']).name!r}: {type(cause).__name__}: {cause}"
+            ) from e
 
     # ---- frames: pixels <-> LPS mm ---------------------------------------------------------------------
     def frame(self, image: str | Path, data: dict | None = None) -> dict:
@@ -238,7 +256,11 @@ class BundleContext:
             if not uri:
                 continue
             item: dict[str, Any] = {"image": uri, "id": image_id}
-            label = datastore.get_label_uri(image_id, FINAL_TAG) if FINAL_TAG in datastore.get_labels_by_image_id(image_id) else ""
+            label = (
+                datastore.get_label_uri(image_id, FINAL_TAG)
+                if FINAL_TAG in datastore.get_labels_by_image_id(image_id)
+                else ""
+            )
             if label and os.path.isfile(label):
                 try:
                     item["landmarks"] = self.label_landmarks(label, uri, f"image {image_id!r}")
@@ -271,7 +293,10 @@ class BundleContext:
                 except (OSError, ValueError):
                     pass
             self.parser["ckpt_path"] = str(self.served_checkpoint())
-            templates = [dict(t, image=str(Path(t["image"]).resolve())) for t in self.parser.get_parsed_content("evaluate#templates")]
+            templates = [
+                dict(t, image=str(Path(t["image"]).resolve()))
+                for t in self.parser.get_parsed_content("evaluate#templates")
+            ]
             templates = json.loads(json.dumps(templates, default=float))  # plain JSON types
             write_json_atomic(self.templates_cache, {"key": key, "templates": templates})
             self._bundle_templates = templates

@@ -31,8 +31,11 @@ def is_upload_temp(path: str) -> bool:
 
 class LandmarkDatastore(LocalDatastore):
     def __init__(
-        self, path: str, check_image: Callable[[str, str], Any] | None = None,
-        check_label: Callable[[str, str, str], Any] | None = None, **kwargs: Any,
+        self,
+        path: str,
+        check_image: Callable[[str, str], Any] | None = None,
+        check_label: Callable[[str, str, str], Any] | None = None,
+        **kwargs: Any,
     ) -> None:
         self._check_image = check_image
         self._check_label = check_label
@@ -63,8 +66,11 @@ class LandmarkDatastore(LocalDatastore):
         if image_id not in self._datastore.objects:
             refuse(404, f"no image {image_id!r} in the datastore")
         if not any(label_filename.lower().endswith(p[1:]) for p in LABEL_EXTENSIONS):
-            refuse(422, f"label of image {image_id!r}: expected a 3D Slicer markups file (.mrk.json or .fcsv), "
-                        f"got {os.path.basename(label_filename)!r}")
+            refuse(
+                422,
+                f"label of image {image_id!r}: expected a 3D Slicer markups file (.mrk.json or .fcsv), "
+                f"got {os.path.basename(label_filename)!r}",
+            )
         if self._check_label is not None:
             try:
                 self._check_label(label_filename, self.get_image_uri(image_id), image_id)

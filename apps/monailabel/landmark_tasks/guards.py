@@ -52,7 +52,9 @@ def install_infer_guard() -> bool:
         return True
 
     @functools.wraps(original)
-    def run_inference(background_tasks, model, image="", session_id="", params="{}", file=None, label=None, output=None):
+    def run_inference(
+        background_tasks, model, image="", session_id="", params="{}", file=None, label=None, output=None
+    ):
         if not file:
             return original(background_tasks, model, image, session_id, params, file, label, output)
         fd, path = tempfile.mkstemp(prefix="landmarks-upload-", suffix=_suffix(file.filename))

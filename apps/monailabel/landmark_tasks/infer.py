@@ -32,8 +32,8 @@ import numpy as np
 import torch
 from monailabel.interfaces.tasks.infer_v2 import InferTask, InferType
 
-from bundle.data.markups import ControlPoint, write_mrk_json
 from bundle.checkpoints import load_weights
+from bundle.data.markups import ControlPoint, write_mrk_json
 
 from .common import PREDICTORS, BundleContext, file_key
 
@@ -78,7 +78,9 @@ def markups_points(names: list[str], points: np.ndarray, frame: dict | None = No
 class LandmarkInferTask(InferTask):
     """Suggest every landmark on the requested image from the datastore's labelled images (or the bundle's templates)."""
 
-    def __init__(self, context: BundleContext, datastore: Callable[[], Any] | None = None, predictor: str = "auto") -> None:
+    def __init__(
+        self, context: BundleContext, datastore: Callable[[], Any] | None = None, predictor: str = "auto"
+    ) -> None:
         if predictor not in PREDICTORS:
             raise ValueError(f"conf predictor must be one of {PREDICTORS}, got {predictor!r}")
         self.context = context
@@ -121,7 +123,10 @@ class LandmarkInferTask(InferTask):
 
     def _load_detector(self, path: Path) -> None:
         """The served detector (``model/detector.pt`` at the grid recorded in ``model/detector.json``), reloaded when republished."""
-        key = (file_key(path), file_key(self.context.detector_info_path) if self.context.detector_info_path.is_file() else None)
+        key = (
+            file_key(path),
+            file_key(self.context.detector_info_path) if self.context.detector_info_path.is_file() else None,
+        )
         if key == self.detector_key:
             return
         self.detector = self.context.new_detector(path, self.context.detector_info().get("image_size"))
@@ -136,20 +141,28 @@ class LandmarkInferTask(InferTask):
         if wanted == "auto":
             return "detector" if self.context.served_detector() else "templates"
         if wanted == "detector" and not self.context.served_detector():
-            raise ValueError("no detector is served yet (train one: POST /train/landmarks with {\"network\": \"detector\"})")
+            raise ValueError(
+                'no detector is served yet (train one: POST /train/landmarks with {"network": "detector"})'
+            )
         return wanted
 
     def _select_templates(self, exclude: str | None) -> list[dict]:
         """Labelled datastore images except ``exclude`` (a datastore id), else the bundle's templates."""
         items = []
         if self.datastore is not None:
-            items = [it for it in self.context.datastore_items(self.datastore(), with_labels_only=True) if it["id"] != exclude]
+            items = [
+                it
+                for it in self.context.datastore_items(self.datastore(), with_labels_only=True)
+                if it["id"] != exclude
+            ]
         if items:
             return [dict(it, source="datastore") for it in items]
         return [dict(it, source="bundle") for it in self.context.bundle_templates()]
 
     def _update_inferer(self, templates: list[dict]) -> None:
-        key = tuple((t["image"], json.dumps(t.get("landmarks")), t.get("label") and file_key(t["label"])) for t in templates)
+        key = tuple(
+            (t["image"], json.dumps(t.get("landmarks")), t.get("label") and file_key(t["label"])) for t in templates
+        )
         if key == self.template_key:
             return
         items = [{k: v for k, v in t.items() if k in ("image", "landmarks", "spacing")} for t in templates]
@@ -188,14 +201,16 @@ class LandmarkInferTask(InferTask):
         fd, path = tempfile.mkstemp(prefix="landmarks-", suffix=".mrk.json")
         os.close(fd)
         try:
-            write_mrk_json(path, markups_points(self.names, points, frame), coordinate_system="LPS" if self.spatial_dims == 2 else "RAS")
+            write_mrk_json(
+                path,
+                markups_points(self.names, points, frame),
+                coordinate_system="LPS" if self.spatial_dims == 2 else "RAS",
+            )
             result["markups"] = json.loads(Path(path).read_text())
         except BaseException:
             Path(path).unlink(missing_ok=True)
             raise
-        result["templates"] = [
-            {"image": t.get("id", t["image"]), "source": t["source"]} for t in templates
-        ]
+        result["templates"] = [{"image": t.get("id", t["image"]), "source": t["source"]} for t in templates]
         result["template"] = [t["image"] for t in templates]
         result["template_source"] = templates[0]["source"] if templates else None
         result["template_combine"] = self.context.template_combine

@@ -118,8 +118,14 @@ def _fraction(value: Any) -> float:
 
 # request key -> parser; the bundle keys go to `monai.bundle run training` as --key value
 BUNDLE_OPTIONS = {
-    "epochs": _positive_int, "epoch_length": _positive_int, "batch_size": _positive_int, "learning_rate": _positive_float,
-    "image_size": _size, "crop_size": _size, "num_queries": _positive_int, "seed": _int,
+    "epochs": _positive_int,
+    "epoch_length": _positive_int,
+    "batch_size": _positive_int,
+    "learning_rate": _positive_float,
+    "image_size": _size,
+    "crop_size": _size,
+    "num_queries": _positive_int,
+    "seed": _int,
 }
 APP_OPTIONS = {"min_improvement": _float, "network": _network, "holdout": _fraction}
 
@@ -156,7 +162,9 @@ def _hash(image_id: str) -> str:
     return hashlib.sha1(image_id.encode()).hexdigest()
 
 
-def detector_split(labelled_ids: list[str], previous: dict | None = None, holdout: float = DETECTOR_HOLDOUT) -> tuple[list[str], list[str]]:
+def detector_split(
+    labelled_ids: list[str], previous: dict | None = None, holdout: float = DETECTOR_HOLDOUT
+) -> tuple[list[str], list[str]]:
     """``(trained_on, held_out)`` ids of the labelled images (see the module docstring, detector step 1).
 
     ``previous``: the served detector's record (``model/detector.json``: ``trained_on``, ``held_out``).
@@ -176,7 +184,9 @@ def detector_split(labelled_ids: list[str], previous: dict | None = None, holdou
     return trained, sorted(held)
 
 
-def training_datalist(context: BundleContext, items: list[dict], templates: list[dict], test: list[dict] | None = None) -> dict:
+def training_datalist(
+    context: BundleContext, items: list[dict], templates: list[dict], test: list[dict] | None = None
+) -> dict:
     """The child's datalist: ``items`` the training items (labelled ones with their landmarks); ``test``: images
     held out (the bundle's fine-tuning never trains on the test split)."""
     if not items:
@@ -194,7 +204,9 @@ def training_datalist(context: BundleContext, items: list[dict], templates: list
 
 def _radial_errors(context: BundleContext, item: dict, network, inferer, preprocessing=None) -> list[float]:
     """Radial errors (mm, or pixels without spacing) of ``inferer(image, network)`` on a labelled ``item``."""
-    data = context.prepare({k: v for k, v in item.items() if k in ("image", "landmarks", "spacing")}, preprocessing=preprocessing)
+    data = context.prepare(
+        {k: v for k, v in item.items() if k in ("image", "landmarks", "spacing")}, preprocessing=preprocessing
+    )
     image = torch.as_tensor(data["image"]).unsqueeze(0).to(context.device)
     g2p = torch.as_tensor(data["grid_to_physical"]).unsqueeze(0).to(context.device)
     pred = inferer(image, network, g2p)[0].cpu().numpy().astype(np.float64)
@@ -219,7 +231,9 @@ def score_checkpoint(context: BundleContext, checkpoint: str | Path, cases: list
     return _mean(errors)
 
 
-def score_detector(context: BundleContext, checkpoint: str | Path, image_size: list[int] | None, items: list[dict]) -> float:
+def score_detector(
+    context: BundleContext, checkpoint: str | Path, image_size: list[int] | None, items: list[dict]
+) -> float:
     """Mean radial error of a detector checkpoint (at its training grid ``image_size``) over labelled ``items``."""
     network, preprocessing, inferer = context.new_detector(checkpoint, image_size)
     errors: list[float] = []
@@ -233,13 +247,22 @@ def scoring_cases(context: BundleContext, labelled: list[dict]) -> tuple[list[tu
     """(item, templates) pairs of the publication rule and a sentence saying what they are."""
     if len(labelled) >= 2:
         cases = [(it, [t for t in labelled if t is not it]) for it in labelled]
-        return cases, f"{len(labelled)} labelled datastore images, each from the other {len(labelled) - 1} (leave-one-out)"
+        return (
+            cases,
+            f"{len(labelled)} labelled datastore images, each from the other {len(labelled) - 1} (leave-one-out)",
+        )
     templates = context.bundle_templates()
     if labelled:
         return [(labelled[0], templates)], "the one labelled datastore image, from the bundle's templates"
     template_images = {t["image"] for t in templates}
-    validation = [it for it in context.parser.get_parsed_content("dataset").get("validation", []) if it["image"] not in template_images]
-    return [(it, templates) for it in validation], f"the bundle datalist's {len(validation)} validation images, from its templates"
+    validation = [
+        it
+        for it in context.parser.get_parsed_content("dataset").get("validation", [])
+        if it["image"] not in template_images
+    ]
+    return [
+        (it, templates) for it in validation
+    ], f"the bundle datalist's {len(validation)} validation images, from its templates"
 
 
 def _decision(published: bool, new: float, old: float, min_improvement: float, kept: str) -> str:
@@ -253,8 +276,10 @@ class BundleTrainTask(TrainTask):
     """Fine-tune the served weights (or the detector) on the datastore's images; publish only when better."""
 
     def __init__(self, context: BundleContext, defaults: dict[str, Any] | None = None) -> None:
-        super().__init__("Fine-tunes the served network (network=contrastive, self-supervised) or the stage-2 detector "
-                         "(network=detector, on the saved labels); published only when it scores better on the saved labels")
+        super().__init__(
+            "Fine-tunes the served network (network=contrastive, self-supervised) or the stage-2 detector "
+            "(network=detector, on the saved labels); published only when it scores better on the saved labels"
+        )
         self.context = context
         self.model_dir = context.model_dir
         self.stats_path = self.model_dir / "train_stats.json"
@@ -319,9 +344,25 @@ class BundleTrainTask(TrainTask):
         served = self.context.served_checkpoint()
         epochs = int(options.get("epochs", 10))
         command = [
-            sys.executable, "-m", "monai.bundle", "run", "training", "--config_file", "configs/train.yaml",
-            "--datalist", str(datalist_path), "--ckpt_dir", str(candidate_dir), "--output_dir", str(work / "output"),
-            "--init_weights", str(served), "--val_interval", str(epochs + 1), "--progress_bar", "False",
+            sys.executable,
+            "-m",
+            "monai.bundle",
+            "run",
+            "training",
+            "--config_file",
+            "configs/train.yaml",
+            "--datalist",
+            str(datalist_path),
+            "--ckpt_dir",
+            str(candidate_dir),
+            "--output_dir",
+            str(work / "output"),
+            "--init_weights",
+            str(served),
+            "--val_interval",
+            str(epochs + 1),
+            "--progress_bar",
+            "False",
         ]
         for key, value in options.items():
             command += [f"--{key}", json.dumps(value)]
@@ -360,7 +401,9 @@ class BundleTrainTask(TrainTask):
         }
 
     # ---- the stage-2 heatmap detector ------------------------------------------------------------------
-    def _train_detector(self, items: list[dict], options: dict, min_improvement: float, holdout: float) -> dict[str, Any]:
+    def _train_detector(
+        self, items: list[dict], options: dict, min_improvement: float, holdout: float
+    ) -> dict[str, Any]:
         context = self.context
         labelled = {it["id"]: it for it in items if it.get("landmarks")}
         served_detector = context.served_detector()
@@ -368,15 +411,31 @@ class BundleTrainTask(TrainTask):
         trained_ids, held_ids = detector_split(list(labelled), previous, holdout)
         trained, held = [labelled[i] for i in trained_ids], [labelled[i] for i in held_ids]
         work = self.model_dir / "train_detector"
-        datalist_path = write_json_atomic(work / "datalist.json", training_datalist(context, trained, trained, test=held))
+        datalist_path = write_json_atomic(
+            work / "datalist.json", training_datalist(context, trained, trained, test=held)
+        )
         candidate_dir = self.model_dir / "candidate_detector"
         shutil.rmtree(candidate_dir, ignore_errors=True)
         stage1 = context.served_checkpoint()
         epochs = int(options.get("epochs", 10))
         command = [
-            sys.executable, "-m", "monai.bundle", "run", "training", "--config_file", json.dumps(list(DETECTOR_CONFIGS)),
-            "--datalist", str(datalist_path), "--ckpt_dir", str(candidate_dir), "--output_dir", str(work / "output"),
-            "--val_interval", str(epochs + 1), "--progress_bar", "False",
+            sys.executable,
+            "-m",
+            "monai.bundle",
+            "run",
+            "training",
+            "--config_file",
+            json.dumps(list(DETECTOR_CONFIGS)),
+            "--datalist",
+            str(datalist_path),
+            "--ckpt_dir",
+            str(candidate_dir),
+            "--output_dir",
+            str(work / "output"),
+            "--val_interval",
+            str(epochs + 1),
+            "--progress_bar",
+            "False",
         ]
         if served_detector:  # the whole served detector; no stage-1 encoder to load first
             command += ["--init_weights", str(served_detector), "--random_init", "true"]
@@ -384,13 +443,19 @@ class BundleTrainTask(TrainTask):
             command += ["--init_checkpoint", str(stage1)]
         for key, value in options.items():
             command += [f"--{key}", json.dumps(value)]
-        init = {"init_weights": str(served_detector) if served_detector else None,
-                "init_checkpoint": None if served_detector else str(stage1)}
-        logger.info(f"training the detector on {len(trained)} labelled images ({len(held)} held out): {' '.join(command)}")
+        init = {
+            "init_weights": str(served_detector) if served_detector else None,
+            "init_checkpoint": None if served_detector else str(stage1),
+        }
+        logger.info(
+            f"training the detector on {len(trained)} labelled images ({len(held)} held out): {' '.join(command)}"
+        )
         candidate = candidate_dir / "model_final.pt"
         self._run_bundle(command, candidate)
 
-        image_size = options.get("image_size") or [int(v) for v in context.detector_parser().get_parsed_content("image_size")]
+        image_size = options.get("image_size") or [
+            int(v) for v in context.detector_parser().get_parsed_content("image_size")
+        ]
         new = score_detector(context, candidate, image_size, held)
         if served_detector:
             served_predictor = "detector"
@@ -402,23 +467,38 @@ class BundleTrainTask(TrainTask):
             cases = [(it, [t for t in labelled.values() if t is not it]) for it in held]
             old = score_checkpoint(context, stage1, cases)
             kept = f"template matching ({stage1})"
-            scored_on = (f"{len(held)} held-out labelled images: the new detector, and template matching from the other "
-                         f"{len(labelled) - 1} labelled images (leave-one-out)")
+            scored_on = (
+                f"{len(held)} held-out labelled images: the new detector, and template matching from the other "
+                f"{len(labelled) - 1} labelled images (leave-one-out)"
+            )
         published = new < old - min_improvement
         decision = _decision(published, new, old, min_improvement, kept)
         if published:
-            write_json_atomic(context.detector_info_path, {
-                "image_size": [int(v) for v in image_size], "trained_on": trained_ids, "held_out": held_ids,
-                "mre_held_out": new, "published_ts": int(time.time()), **init,
-            })
+            write_json_atomic(
+                context.detector_info_path,
+                {
+                    "image_size": [int(v) for v in image_size],
+                    "trained_on": trained_ids,
+                    "held_out": held_ids,
+                    "mre_held_out": new,
+                    "published_ts": int(time.time()),
+                    **init,
+                },
+            )
             with atomic_path(context.detector_path) as tmp:
                 shutil.copyfile(candidate, tmp)
         logger.info(f"scored on {scored_on}: {decision}")
         best = new if published else old
         return {
             "best_metric": best,
-            "train": {"images": len(trained), "labelled": len(labelled), "options": options, **init,
-                      "trained_on": trained_ids, "held_out": held_ids},
+            "train": {
+                "images": len(trained),
+                "labelled": len(labelled),
+                "options": options,
+                **init,
+                "trained_on": trained_ids,
+                "held_out": held_ids,
+            },
             "eval": {
                 "metrics": {"mre_served": old, "mre_trained": new},
                 "key_metric_name": "mre",
