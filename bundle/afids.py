@@ -223,7 +223,8 @@ def prepare_afids_datalist(
             test.append({"image": path, "landmarks": points.round(6).tolist()})
     datalist = {
         "name": "afids_mni152nlin2009casym",
-        "description": f"AFID check: {TEMPLATE} T1w/T2w from the autoafids package, warped at {spacing} mm (seed {seed})",
+        "description": f"AFID check: {TEMPLATE} T1w/T2w from the autoafids package, "
+        f"warped at {spacing} mm (seed {seed})",
         "spatial_dims": 3,
         "landmark_names": names,
         "training": training,

@@ -1,4 +1,5 @@
-"""The bundle's YAML configs loaded in Python (scripts, the MONAI Label app, tests), merged as ``monai.bundle run`` does."""
+"""The bundle's YAML configs loaded in Python (scripts, the MONAI Label app, tests), merged as ``monai.bundle run``
+does."""
 
 from __future__ import annotations
 

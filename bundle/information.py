@@ -156,7 +156,8 @@ def _group_keypoints(
         raise ValueError(f"alpha_hat must be positive, got {alpha_hat!r}")
     if patch_size < 2 or n_keypoints < 1 or min_keypoints < 1:
         raise ValueError(
-            f"need patch_size >= 2, n_keypoints >= 1, min_keypoints >= 1; got {patch_size}, {n_keypoints}, {min_keypoints}"
+            f"need patch_size >= 2, n_keypoints >= 1, min_keypoints >= 1; "
+            f"got {patch_size}, {n_keypoints}, {min_keypoints}"
         )
     template = _as_float_array(template, "template image")
     points = np.asarray(template_points, dtype=np.float64).reshape(-1, template.ndim)

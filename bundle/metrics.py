@@ -50,7 +50,8 @@ def summarize_errors(
     """Summary of per-instance errors ``(n_images, n_landmarks)`` (NaN = missing) in the metrics.json layout.
 
     Returns ``n_images``, ``n_landmarks``, ``mre_mm``, ``mre_std_mm`` (population std over instances),
-    ``mre_px`` (over the same instances), ``sdr`` ``{"2.0": %, ...}`` and ``per_landmark_mre_mm`` ``{name: mm}`` (``None`` for a
+    ``mre_px`` (over the same instances), ``sdr`` ``{"2.0": %, ...}`` and ``per_landmark_mre_mm`` ``{name: mm}``
+    (``None`` for a
     landmark never measured).
     """
     mm = np.asarray(errors_mm, dtype=np.float64)

@@ -67,7 +67,8 @@ def _upsampled_norm(features: torch.Tensor, grid_size: tuple[int, ...], chunk: i
 
 
 def refine_peaks(maps: torch.Tensor, step: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sub-pixel peak positions of score maps ``(B, N, *G)`` -> positions ``(B, N, D)`` (float64), peak values ``(B, N)``.
+    """Sub-pixel peak positions of score maps ``(B, N, *G)`` -> positions ``(B, N, D)`` (float64),
+    peak values ``(B, N)``.
 
     The integer argmax is refined along each axis by the vertex of the parabola through the values at
     the peak and at ``peak +/- step`` (separable quadratic fit); an axis whose neighbours fall outside
@@ -149,14 +150,17 @@ class OneShotInferer(Inferer):
         self.templates: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def set_template(self, image: torch.Tensor, points) -> None:
-        """Use one template: its grid image ``(1, 1, *spatial)`` and landmarks ``(L, D)`` in grid pixels (NaN = missing)."""
+        """Use one template: its grid image ``(1, 1, *spatial)``
+        and landmarks ``(L, D)`` in grid pixels (NaN = missing)."""
         self.set_templates([image], [points])
 
     def set_templates(self, images: Sequence[torch.Tensor], points: Sequence) -> None:
-        """Use K templates: grid images ``(1, 1, *spatial)`` of one size and landmarks ``(L, D)`` (same L; NaN = missing)."""
+        """Use K templates: grid images ``(1, 1, *spatial)`` of one size
+        and landmarks ``(L, D)`` (same L; NaN = missing)."""
         if len(images) != len(points) or not images:
             raise ValueError(
-                f"need one landmark array per template image and at least one template, got {len(images)} and {len(points)}"
+                f"need one landmark array per template image "
+                f"and at least one template, got {len(images)} and {len(points)}"
             )
         templates = []
         for k, (image, pts) in enumerate(zip(images, points)):
@@ -207,7 +211,8 @@ class OneShotInferer(Inferer):
         return max(1, self.max_map_elements // max(1, batch * math.prod(grid_size)))
 
     def feature_norms(self, features: Sequence[torch.Tensor], grid_size: Sequence[int]) -> list[torch.Tensor]:
-        """Per scale, the norm ``(B, 1, *G)`` of the features interpolated on the grid (reusable across :meth:`match` calls)."""
+        """Per scale, the norm ``(B, 1, *G)`` of the features interpolated on the grid
+        (reusable across :meth:`match` calls)."""
         grid_size = tuple(int(s) for s in grid_size)
         return [_upsampled_norm(_plain(f).float(), grid_size, self._chunk(f.shape[0], grid_size)) for f in features]
 

@@ -83,7 +83,8 @@ def write_predictions_csv(path: str | os.PathLike, rows: Iterable[Mapping[str, A
     for i, row in enumerate(rows):
         if len(row["point"]) != dims:
             raise ValueError(
-                f"{path}: row {i} ({row['image']}, {row['landmark']}) has {len(row['point'])} coordinates, expected {dims}"
+                f"{path}: row {i} ({row['image']}, {row['landmark']}) "
+                f"has {len(row['point'])} coordinates, expected {dims}"
             )
         writer.writerow([row["image"], row["landmark"], *(_number(v) for v in row["point"]), _number(row["error_mm"])])
     return write_text_atomic(path, buffer.getvalue())
@@ -206,7 +207,8 @@ def unique_name(stem: str, taken: set[str]) -> str:
 def write_markups_per_image(
     output_dir: str | os.PathLike, records: Sequence[Mapping[str, Any]], names: Sequence[str]
 ) -> list[Path]:
-    """One 3D Slicer ``.mrk.json`` (RAS) per record, ``output_dir/<image stem>.mrk.json``, of its ``pred`` (L, 3) world mm.
+    """One 3D Slicer ``.mrk.json`` (RAS) per record, ``output_dir/<image stem>.mrk.json``,
+    of its ``pred`` (L, 3) world mm.
 
     A NaN prediction is stored as an unplaced point; two images with the same stem get ``_2``, ``_3``... suffixes.
     """

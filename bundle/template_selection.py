@@ -24,7 +24,8 @@ from bundle.oneshot import OneShotInferer, apply_homogeneous, feature_vectors
 
 
 def grid_points(grid_size: Sequence[int], n_points: int, margin: float = 0.1) -> torch.Tensor:
-    """About ``n_points`` points ``(N, D)`` on a regular lattice covering the grid minus a ``margin`` fraction per side."""
+    """About ``n_points`` points ``(N, D)`` on a regular lattice
+    covering the grid minus a ``margin`` fraction per side."""
     if n_points < 1 or not 0.0 <= margin < 0.5:
         raise ValueError(f"need n_points >= 1 and 0 <= margin < 0.5, got {n_points}, {margin}")
     per_axis = max(1, math.ceil(n_points ** (1.0 / len(grid_size)) - 1e-9))
@@ -137,7 +138,8 @@ def landmark_transfer_errors(
     n_images = len(images)
     if not n_images == len(points) == len(grid_to_physical) or n_images < 2:
         raise ValueError(
-            f"need at least 2 images with one points array and one matrix each, got {n_images}, {len(points)}, {len(grid_to_physical)}"
+            f"need at least 2 images with one points array and one matrix each, "
+            f"got {n_images}, {len(points)}, {len(grid_to_physical)}"
         )
     inferer = OneShotInferer() if inferer is None else inferer
     grid_size = tuple(torch.as_tensor(images[0]).shape[1:])

@@ -63,7 +63,8 @@ def kshot_datalist(datalist: dict, k: int, path: Path) -> Path:
     labelled = labelled_training_items(datalist)
     if k < 1 or k - 1 > len(labelled):
         raise ValueError(
-            f"--templates {k}: the datalist has {len(labelled)} training warps with AFIDs (at most {len(labelled) + 1} templates); "
+            f"--templates {k}: the datalist has {len(labelled)} training warps with AFIDs "
+            f"(at most {len(labelled) + 1} templates); "
             "a workdir prepared before they were kept needs a fresh --workdir"
         )
     out = {key: value for key, value in datalist.items() if key != "template"}
@@ -255,7 +256,8 @@ def main(
     template = np.asarray(datalist["template"]["landmarks"], float)
     groups = _group_errors(eval_dir / "predictions.csv", datalist, template)
     print(
-        f"AFID check, setting {setting}: {len(used)} template(s) {[Path(t).name for t in used]}, {len(template)} AFIDs, "
+        f"AFID check, setting {setting}: {len(used)} template(s) {[Path(t).name for t in used]}, "
+        f"{len(template)} AFIDs, "
         f"volumes at {spacing} mm, network grid {list(image_size)}, combined by {template_combine}"
     )
     print(
@@ -266,7 +268,8 @@ def main(
     )
     for entry in pseudo:
         print(
-            f"pseudo-template {entry['image']}: {entry['kept']} of {len(template)} AFIDs kept (cycle <= {pseudo_cycle_tolerance} "
+            f"pseudo-template {entry['image']}: {entry['kept']} of {len(template)} AFIDs kept "
+            f"(cycle <= {pseudo_cycle_tolerance} "
             f"voxels), their error against the AFIDs carried through its warp: {entry['kept_mre_mm']:.2f} mm"
         )
     print(f"{'test group':<22}{'volumes':>8}{'MRE mm':>9}{'SD mm':>8}{'SDR 4mm %':>11}{'no-matching MRE mm':>20}")

@@ -187,19 +187,22 @@ def training(
             else None
         )
     print(
-        f"training ({config}, device {device}, batch {batch_size}, image {parser['image_size']}, crop {parser['crop_size']})"
+        f"training ({config}, device {device}, batch {batch_size}, "
+        f"image {parser['image_size']}, crop {parser['crop_size']})"
     )
     print(f"{'what':<32}{'s/iteration':>12}{'samples/s':>11}")
     print(f"{'full iteration (data + step)':<32}{full:>12.3f}{batch_size / full:>11.1f}")
     print(f"{'step alone (reference)':<32}{step:>12.3f}{batch_size / step:>11.1f}")
     print(
-        f"ratio full / step alone: {full / step:.2f} (1.0 = the data pipeline costs nothing); {_peak_memory_note(device)}"
+        f"ratio full / step alone: {full / step:.2f} (1.0 = the data pipeline costs nothing); "
+        f"{_peak_memory_note(device)}"
     )
     if comparison is not None:
         old, new, losses_old, losses_new, threads = comparison
         print(
             f"step: earlier (torch defaults, {default_threads} threads) against configured (cpu_channels_last="
-            f"{parser['cpu_channels_last']}, cpu_threads={parser['cpu_threads']}: {threads} threads), {compare} interleaved pairs"
+            f"{parser['cpu_channels_last']}, cpu_threads={parser['cpu_threads']}: {threads} threads), "
+            f"{compare} interleaved pairs"
         )
         print(f"{'':<12}" + "".join(f"{k + 1:>8d}" for k in range(compare)) + f"{'median':>9}")
         print(f"{'earlier s':<12}" + "".join(f"{t:>8.2f}" for t in old) + f"{np.median(old):>9.2f}")

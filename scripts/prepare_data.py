@@ -14,8 +14,8 @@ seeded random share of the labelled ``training`` items to ``validation`` / ``tes
 makes the item whose file name (without suffix) is ID the datalist's ``template`` (it stays in
 ``training`` and leaves ``validation`` / ``test``); ``--keep_held_out_images true`` leaves the moved items'
 images in ``training`` without their landmarks, so that the self-supervised stage sees every image while
-their labels stay held out (the transductive protocol of docs/results.md). Reader warnings (duplicated or missing labels, …)
-are printed, then a summary.
+their labels stay held out (the transductive protocol of docs/results.md). Reader warnings (duplicated or
+missing labels, …) are printed, then a summary.
 """
 
 from __future__ import annotations

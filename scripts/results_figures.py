@@ -1,6 +1,7 @@
 """Figures of docs/results.md drawn from real images: the IIE map with its three groups, prediction overlays.
 
-    python scripts/results_figures.py iie --image IMAGE --output docs/results_iie_groups.png [--window 10 --thresholds "[2,4]"]
+    python scripts/results_figures.py iie --image IMAGE --output docs/results_iie_groups.png \
+        [--window 10 --thresholds "[2,4]"]
     python scripts/results_figures.py overlays --datalist D --eval_dir RUN/eval --output_dir docs [--n 2 --width 480]
 
 The figures are downsampled renderings (``width`` pixels wide) for illustration only.

@@ -1,5 +1,5 @@
-"""Mutual information, information groups and the augmentation-intensity estimate (bundle/information.py, bundle/information_groups.py)
-and its command-line tool (scripts/estimate_augmentation.py)."""
+"""Mutual information, information groups and the augmentation-intensity estimate (bundle/information.py,
+bundle/information_groups.py) and its command-line tool (scripts/estimate_augmentation.py)."""
 
 from __future__ import annotations
 
