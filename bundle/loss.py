@@ -8,7 +8,8 @@ than to the image's features elsewhere (the negatives)::
 
 At the coarsest scale the keys are every cell of the whole image's map; at finer scales they are a local
 window around the positive (cells outside the map are left out of the softmax). The total is the
-(optionally weighted) sum over scales of the mean over queries.
+(optionally weighted) sum over scales of the mean over queries. ``mixing`` applies one of the paper's
+feature-space comparison methods to every scale's key set (:mod:`bundle.mixing`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules.loss import _Loss
 
+from bundle.mixing import FEATURE_MIXING
 from bundle.networks.features import points_to_feature_index, sample_features
 
 __all__ = ["MultiScaleInfoNCELoss"]
@@ -33,6 +35,10 @@ class MultiScaleInfoNCELoss(_Loss):
         local_window: key window size per scale, coarse to fine; ``None`` = every cell of the map. An int
             means ``None`` at the coarsest scale and that odd size at every finer one.
         scale_weights: optional weight per scale (default 1 each).
+        mixing: ``"none"``, ``"mochi"`` (:class:`bundle.mixing.HardNegativeMixing`) or ``"zhu"``
+            (:class:`bundle.mixing.FeatureTransformation`), applied to each query's keys at every scale.
+        mochi_hardest / mochi_synthetic / mochi_query_synthetic: MoCHi's N, s, s' as fractions of the negatives.
+        zhu_pos_alpha / zhu_neg_alpha: Zhu et al.'s Beta parameters of extrapolation and interpolation.
 
     Call ``loss(image_features, crop_features, image_points, crop_points, image_size, crop_size)``:
         image_features / crop_features: the two encoders' lists of ``(B, C, *S)`` maps, coarse to fine.
@@ -48,6 +54,12 @@ class MultiScaleInfoNCELoss(_Loss):
         temperature: float = 0.1,
         local_window: int | Sequence[int | None] = 9,
         scale_weights: Sequence[float] | None = None,
+        mixing: str = "none",
+        mochi_hardest: float = 1 / 16,
+        mochi_synthetic: float = 1 / 16,
+        mochi_query_synthetic: float = 1 / 128,
+        zhu_pos_alpha: float = 2.0,
+        zhu_neg_alpha: float = 1.6,
     ) -> None:
         super().__init__()
         if not temperature > 0:
@@ -59,6 +71,14 @@ class MultiScaleInfoNCELoss(_Loss):
         self.temperature = float(temperature)
         self.local_window = local_window
         self.scale_weights = None if scale_weights is None else [float(w) for w in scale_weights]
+        if mixing not in ("none", *FEATURE_MIXING):
+            raise ValueError(f"mixing must be one of {['none', *FEATURE_MIXING]}, got {mixing!r}")
+        self.mixing = mixing
+        params = {
+            "mochi": dict(hardest=mochi_hardest, synthetic=mochi_synthetic, query_synthetic=mochi_query_synthetic),
+            "zhu": dict(pos_alpha=zhu_pos_alpha, neg_alpha=zhu_neg_alpha),
+        }
+        self.mixer = FEATURE_MIXING[mixing](**params[mixing]) if mixing != "none" else None
 
     def windows_for(self, num_scales: int) -> list[int | None]:
         """Key window per scale, coarse to fine."""
@@ -104,9 +124,11 @@ class MultiScaleInfoNCELoss(_Loss):
             cell = cell.round().long()
             cell = torch.minimum(cell.clamp(min=0), torch.as_tensor(image_map.shape[2:], device=cell.device) - 1)
             if window is None:
-                logits, target = _global_logits(image_map, query, cell)
+                logits, target, keys = _global_logits(image_map, query, cell)
             else:
-                logits, target = _window_logits(image_map, query, cell, window)
+                logits, target, keys = _window_logits(image_map, query, cell, window)
+            if self.mixer is not None:
+                logits, target = self.mixer(query, keys, logits, target)
             ce = F.cross_entropy((logits / self.temperature).flatten(0, 1), target.flatten(), reduction="none")
             ce = ce.reshape(valid.shape)
             terms.append(ce[valid].sum() / valid.sum().clamp(min=1))
@@ -127,17 +149,20 @@ def _check_inside(name: str, points: torch.Tensor, size: Sequence[int]) -> None:
 
 def _global_logits(
     image_map: torch.Tensor, query: torch.Tensor, cell: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cosines of each query with every cell ``(B, Q, N)`` and the positive's flat index ``(B, Q)``."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Cosines of each query with every cell ``(B, Q, N)``, the positive's flat index ``(B, Q)`` and the key
+    vectors ``(B, Q, N, C)`` (a broadcast view)."""
     keys = image_map.flatten(2)  # (B, C, N)
     logits = torch.bmm(query, keys)
-    return logits, _flat_index(cell, image_map.shape[2:])
+    per_query = keys.transpose(1, 2)[:, None].expand(-1, query.shape[1], -1, -1)
+    return logits, _flat_index(cell, image_map.shape[2:]), per_query
 
 
 def _window_logits(
     image_map: torch.Tensor, query: torch.Tensor, cell: torch.Tensor, window: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Cosines with the ``window**D`` cells centred on each positive (outside cells at -inf) and the centre's index."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Cosines with the ``window**D`` cells centred on each positive (outside cells at -inf), the centre's index
+    and the key vectors ``(B, Q, K, C)``."""
     spatial = image_map.shape[2:]
     half = window // 2
     offsets = torch.tensor(list(itertools.product(range(-half, half + 1), repeat=len(spatial))), device=cell.device)
@@ -150,7 +175,7 @@ def _window_logits(
     gathered = torch.gather(keys, 1, flat.reshape(b, q * k, 1).expand(-1, -1, keys.shape[-1])).reshape(b, q, k, -1)
     logits = torch.einsum("bqc,bqkc->bqk", query, gathered).masked_fill(~inside, float("-inf"))
     target = torch.full((b, q), offsets.shape[0] // 2, dtype=torch.long, device=cell.device)
-    return logits, target
+    return logits, target, gathered
 
 
 def _flat_index(cell: torch.Tensor, spatial: Sequence[int]) -> torch.Tensor:

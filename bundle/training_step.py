@@ -2,7 +2,8 @@
 
 ``ContrastiveIterationUpdate`` implements the paper's pixel-wise contrastive learning (two encoders,
 multi-scale InfoNCE, Sec. 3.1): the whole image goes through the image encoder, the augmented crop through
-the crop encoder, and the loss compares the crop's query features with the image's.
+the crop encoder, and the loss compares the crop's query features with the image's. ``mixing="unmix"`` is
+the paper's Un-mix comparison (:func:`bundle.mixing.unmix_crops`, :func:`bundle.mixing.unmix_loss`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import torch
 from monai.engines import SupervisedTrainer
 from monai.engines.utils import IterationEvents
 from monai.utils.enums import CommonKeys as Keys
+
+from bundle.mixing import beta_sample, unmix_crops, unmix_loss
 
 TRAIN_KEYS = ("image", "crop", "query", "crop_query")
 
@@ -35,6 +38,12 @@ class ContrastiveIterationUpdate:
       a machine whose cores are shared with other processes, fewer threads than cores can be several
       times faster (OpenMP threads wait for each other at every operation), on an idle one they are not.
       The chosen count stays set for the process (the data pipeline and validation run with it too).
+
+    ``mixing``: ``"none"`` or ``"unmix"`` (Un-mix, Shen et al. AAAI 2022): each step draws
+    ``lam ~ Beta(unmix_alpha, unmix_alpha)`` from torch's global RNG, mixes the crops with the batch's reverse
+    and adds the mixed crops' loss ``lam L_own + (1 - lam) L_partner`` to the plain crops' loss (Un-mix keeps
+    both branches; its alternation of global mixup with region-level CutMix is not implemented: global mixup
+    only). The feature-space methods are the loss's ``mixing``.
     """
 
     def __init__(
@@ -43,11 +52,18 @@ class ContrastiveIterationUpdate:
         num_threads: int | str | None = None,
         trials: int = 1,
         retune_every: int = 200,
+        mixing: str = "none",
+        unmix_alpha: float = 1.0,
     ) -> None:
         if not (num_threads is None or num_threads == "auto" or (isinstance(num_threads, int) and num_threads >= 1)):
             raise ValueError(f"num_threads must be None, 'auto' or a positive integer, got {num_threads!r}")
         if trials < 1 or retune_every < 1:
             raise ValueError(f"trials and retune_every must be >= 1, got {trials}, {retune_every}")
+        if mixing not in ("none", "unmix"):
+            raise ValueError(f"mixing must be 'none' or 'unmix' (mochi / zhu are the loss's), got {mixing!r}")
+        if not unmix_alpha > 0:
+            raise ValueError(f"unmix_alpha must be positive, got {unmix_alpha}")
+        self.mixing, self.unmix_alpha = mixing, float(unmix_alpha)
         self.channels_last = bool(channels_last)
         self.num_threads, self.trials, self.retune_every = num_threads, int(trials), int(retune_every)
         most = torch.get_num_threads()
@@ -83,6 +99,7 @@ class ContrastiveIterationUpdate:
             raise KeyError(f"training batch lacks {missing}: the view-pair sampler must produce {list(TRAIN_KEYS)}")
         device, nb = engine.state.device, engine.non_blocking
         image, crop, query, crop_query = (torch.as_tensor(batchdata[k]).to(device, non_blocking=nb) for k in TRAIN_KEYS)
+        lam = float(beta_sample(self.unmix_alpha)) if self.mixing == "unmix" else None
         network = engine.network
         on_cpu = torch.device(device).type == "cpu"
         threads = self._threads_for_this_step() if on_cpu else None
@@ -101,9 +118,13 @@ class ContrastiveIterationUpdate:
             image_features = network(image)
             crop_features = network.encode_crops(crop)
             engine.fire_event(IterationEvents.FORWARD_COMPLETED)
-            loss = engine.loss_function(
-                image_features, crop_features, query, crop_query, tuple(image.shape[2:]), tuple(crop.shape[2:])
-            )
+            sizes = (tuple(image.shape[2:]), tuple(crop.shape[2:]))
+            loss = engine.loss_function(image_features, crop_features, query, crop_query, *sizes)
+            if lam is not None:  # Un-mix: the mixed crops' loss beside the plain one
+                mixed_features = network.encode_crops(unmix_crops(crop, lam))
+                loss = loss + unmix_loss(
+                    engine.loss_function, image_features, mixed_features, query, crop_query, *sizes, lam
+                )
             engine.state.output = {Keys.IMAGE: image, Keys.LOSS: loss}
             engine.fire_event(IterationEvents.LOSS_COMPLETED)
             return loss

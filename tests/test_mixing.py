@@ -1,0 +1,241 @@
+"""The paper's comparison methods (bundle.mixing): MoCHi, Zhu et al.'s feature transformation and Un-mix, each
+against a hand computation of its defining property, wired through the loss and the training step."""
+
+from __future__ import annotations
+
+import copy
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from bundle.loss import MultiScaleInfoNCELoss
+from bundle.mixing import FeatureTransformation, HardNegativeMixing, beta_sample, unmix_crops, unmix_loss
+from bundle.networks.contrastive import ContrastiveLandmarkNet
+from bundle.training_step import ContrastiveIterationUpdate
+
+
+def key_set(b: int = 2, q: int = 3, k: int = 10, c: int = 8, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Unit query and keys, their cosines with one left-out cell (-inf) per row, a random positive column."""
+    g = torch.Generator().manual_seed(seed)
+    query = F.normalize(torch.randn(b, q, c, generator=g, dtype=torch.float64), dim=-1)
+    keys = F.normalize(torch.randn(b, q, k, c, generator=g, dtype=torch.float64), dim=-1)
+    target = torch.randint(k, (b, q), generator=g)
+    left_out = (target + 1 + torch.randint(k - 1, (b, q), generator=g)) % k  # never the positive
+    logits = torch.einsum("bqc,bqkc->bqk", query, keys).scatter(-1, left_out[..., None], float("-inf"))
+    return query, keys, logits, target
+
+
+def test_mochi_synthetic_negatives_mix_the_hardest_and_never_the_positive():
+    query, keys, logits, target = key_set()
+    mochi = HardNegativeMixing(hardest=0.3, synthetic=1.0, query_synthetic=0.5)
+    assert mochi.counts(9) == (3, 9, 5)
+    torch.manual_seed(0)
+    syn = mochi.synthesize(query, keys, logits, target)
+    assert syn.vectors.shape == (2, 3, 14, 8) and bool(syn.usable.all())
+    for b in range(2):
+        for i in range(3):
+            negatives = {j: float(logits[b, i, j]) for j in range(10) if j != target[b, i] and logits[b, i, j] > -1e9}
+            hardest = set(sorted(negatives, key=negatives.get)[-3:])  # the 3 highest cosines
+            for m in range(14):
+                first, second, w = int(syn.first[b, i, m]), int(syn.second[b, i, m]), float(syn.share[b, i, m])
+                assert second in hardest and first != int(target[b, i])
+                if m < 9:  # between two hard negatives
+                    assert first in hardest and 0.0 <= w <= 1.0
+                    mix = w * keys[b, i, first] + (1 - w) * keys[b, i, second]
+                else:  # between the query and a hard negative, the query's share below 0.5
+                    assert first == -1 and 0.0 <= w < 0.5
+                    mix = w * query[b, i] + (1 - w) * keys[b, i, second]
+                torch.testing.assert_close(syn.vectors[b, i, m], mix / mix.norm())
+    torch.testing.assert_close(syn.vectors.norm(dim=-1), torch.ones(2, 3, 14, dtype=torch.float64))
+    # harder on average than the real negatives: higher cosine with the query
+    real = logits.scatter(-1, target[..., None], float("-inf"))
+    real_mean = real[torch.isfinite(real)].mean()
+    assert torch.einsum("bqc,bqsc->bqs", query, syn.vectors).mean() > real_mean + 0.2
+    # the loss sees the K real columns unchanged, then the synthetic ones as negatives; the positive stays put
+    torch.manual_seed(0)
+    mixed, new_target = mochi(query, keys, logits, target)
+    assert mixed.shape == (2, 3, 24) and torch.equal(mixed[..., :10], logits) and torch.equal(new_target, target)
+    torch.testing.assert_close(mixed[..., 10:], torch.einsum("bqc,bqsc->bqs", query, syn.vectors))
+
+
+def test_mochi_leaves_out_mixes_of_left_out_cells():
+    query, keys, logits, target = key_set(b=1, q=1, k=4)
+    logits = logits.clone()
+    logits[0, 0, [j for j in range(4) if j != target[0, 0]][1:]] = float("-inf")  # a single real negative
+    mochi = HardNegativeMixing(hardest=1.0, synthetic=1.0, query_synthetic=1.0)  # the hard set holds left-out cells
+    torch.manual_seed(0)
+    syn = mochi.synthesize(query, keys, logits, target)
+    torch.manual_seed(0)
+    mixed, _ = mochi(query, keys, logits, target)
+    for m in range(6):
+        mixed_cells = [int(syn.second[0, 0, m])] + [int(syn.first[0, 0, m])] * (m < 3)
+        assert bool(syn.usable[0, 0, m]) == all(math.isfinite(float(logits[0, 0, j])) for j in mixed_cells)
+    assert torch.equal(torch.isneginf(mixed[0, 0, 4:]), ~syn.usable[0, 0])
+    assert not bool((syn.first == target[..., None]).any() | (syn.second == target[..., None]).any())
+    assert math.isfinite(float(F.cross_entropy(mixed[0] / 0.1, target[0])))
+
+
+def orthogonal_case(k: int = 6, c: int = 8) -> tuple[torch.Tensor, ...]:
+    """Query and positive in span(e0, e1), negatives in the orthogonal complement (so q^ . n^ = 0)."""
+    g = torch.Generator().manual_seed(1)
+    query = torch.zeros(1, 1, c, dtype=torch.float64)
+    query[..., :2] = torch.tensor([1.0, 0.0])
+    positive = torch.tensor([0.6, 0.8], dtype=torch.float64)
+    keys = torch.zeros(1, 1, k, c, dtype=torch.float64)
+    keys[..., 2:] = F.normalize(torch.randn(1, 1, k, c - 2, generator=g, dtype=torch.float64), dim=-1)
+    target = torch.tensor([[2]])
+    keys[0, 0, 2] = 0.0
+    keys[0, 0, 2, :2] = positive
+    logits = torch.einsum("bqc,bqkc->bqk", query, keys)
+    logits[0, 0, 4] = float("-inf")
+    return query, keys, logits, target
+
+
+def test_zhu_extrapolates_the_positive_pair_and_interpolates_negatives():
+    query, keys, logits, target = orthogonal_case()
+    zhu = FeatureTransformation()
+    torch.manual_seed(3)
+    t = zhu.transform(query, keys, logits, target)
+    lam, mu = float(t.lam), float(t.mu)
+    assert 1.0 <= lam <= 2.0 and 0.0 <= mu <= 1.0
+    q, k = query[0, 0], keys[0, 0, 2]
+    # beyond the pair on the line through them: q^ = k + lam (q - k), k^ = q + lam (k - q)
+    torch.testing.assert_close(t.query[0, 0], k + lam * (q - k))
+    torch.testing.assert_close(t.positive[0, 0], q + lam * (k - q))
+    assert (t.query[0, 0] - t.positive[0, 0]).norm() >= (q - k).norm()
+    # each real negative mixed with another real negative of a random permutation (positive, left-out excluded)
+    real = [0, 1, 3, 5]
+    partner = t.partner[0, 0].tolist()
+    assert sorted(partner[j] for j in real) == real
+    for j in real:
+        torch.testing.assert_close(t.keys[0, 0, j], mu * keys[0, 0, j] + (1 - mu) * keys[0, 0, partner[j]])
+    # the loss rises as intended: the positive's cosine c drops to c + 2 lam (1 - lam) (1 - c), negatives stay 0
+    torch.manual_seed(3)
+    mixed, _ = zhu(query, keys, logits, target)
+    c = 0.6
+    hat = c + 2 * lam * (1 - lam) * (1 - c)
+    assert torch.isneginf(mixed[0, 0, 4]) and float(mixed[0, 0, 2]) == pytest.approx(hat)
+    temperature = 0.1
+    expected = -math.log(math.exp(hat / temperature) / (math.exp(hat / temperature) + 4))
+    loss = float(F.cross_entropy(mixed[0] / temperature, target[0]))
+    assert loss == pytest.approx(expected) and loss > float(F.cross_entropy(logits[0] / temperature, target[0]))
+
+
+def feature_maps(b: int, dims: int, seed: int, c: int = 4) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [F.normalize(torch.randn(b, c, *([n] * dims), generator=g), dim=1) for n in (2, 4)]
+
+
+def points(b: int, q: int, dims: int, size: int, seed: int) -> torch.Tensor:
+    return (size - 1) * torch.rand(b, q, dims, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("dims", [2, 3])
+def test_mixing_none_is_todays_loss_and_the_methods_run_in_2d_and_3d(dims):
+    image, crop = feature_maps(2, dims, 0), feature_maps(2, dims, 1)
+    for f in crop:
+        f.requires_grad_(True)
+    args = (image, crop, points(2, 5, dims, 8, 2), points(2, 5, dims, 8, 3), (8,) * dims, (8,) * dims)
+    base = MultiScaleInfoNCELoss(0.1, 3)(*args)
+    assert torch.equal(MultiScaleInfoNCELoss(0.1, 3, mixing="none")(*args), base)
+    for name in ("mochi", "zhu"):
+        torch.manual_seed(0)
+        first = MultiScaleInfoNCELoss(0.1, 3, mixing=name)(*args)
+        torch.manual_seed(0)
+        assert torch.equal(MultiScaleInfoNCELoss(0.1, 3, mixing=name)(*args), first)  # reproducible under a seed
+        assert torch.isfinite(first) and first > base  # harder negatives / harder positives
+        (grad,) = torch.autograd.grad(first, crop[1])
+        assert torch.isfinite(grad).all() and grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("dims", [2, 3])
+def test_unmix_mixes_crops_pixelwise_and_weights_own_and_partner_losses(dims):
+    b, q = 3, 4  # odd: the middle sample is its own partner
+    crops = torch.rand(b, 1, *([6] * dims), generator=torch.Generator().manual_seed(0))
+    lam = 0.3
+    mixed = unmix_crops(crops, lam)
+    for i in range(b):
+        torch.testing.assert_close(mixed[i], lam * crops[i] + (1 - lam) * crops[b - 1 - i])
+    image, crop = feature_maps(b, dims, 4), feature_maps(b, dims, 5)
+    image_points, crop_points = points(b, q, dims, 8, 6), points(b, q, dims, 8, 7)
+    loss_fn, size = MultiScaleInfoNCELoss(0.1, 3), (8,) * dims
+
+    def one(i: int, j: int) -> torch.Tensor:  # crop i's queries against sample j's points and image features
+        pick = slice(i, i + 1)
+        return loss_fn([f[j : j + 1] for f in image], [f[pick] for f in crop], image_points[j : j + 1],
+                       crop_points[j : j + 1], size, size)  # fmt: skip
+
+    own = torch.stack([one(i, i) for i in range(b)]).mean()
+    partner = torch.stack([one(i, b - 1 - i) for i in range(b)]).mean()
+    got = unmix_loss(loss_fn, image, crop, image_points, crop_points, size, size, lam)
+    torch.testing.assert_close(got, lam * own + (1 - lam) * partner)
+
+
+def test_training_step_unmix_feeds_the_mixed_crop_and_is_reproducible():
+    g = torch.Generator().manual_seed(0)
+    batch = {
+        "image": torch.rand(2, 1, 32, 32, generator=g),
+        "crop": torch.rand(2, 1, 16, 16, generator=g),
+        "query": 4 + 24 * torch.rand(2, 4, 2, generator=g),
+        "crop_query": 4 + 8 * torch.rand(2, 4, 2, generator=g),
+    }
+    losses, seen = [], []
+    for _ in range(2):
+        torch.manual_seed(0)
+        net = ContrastiveLandmarkNet(channels=(4, 8, 8), strides=(4, 2), embed_dim=8)
+        encode = net.encode_crops
+        net.encode_crops = lambda x, encode=encode: seen.append(x.clone()) or encode(x)
+        engine = SimpleNamespace(
+            state=SimpleNamespace(device=torch.device("cpu"), output=None),
+            non_blocking=False,
+            network=net,
+            optimizer=torch.optim.Adam(net.parameters(), lr=1e-3),
+            loss_function=MultiScaleInfoNCELoss(0.1, 3),
+            optim_set_to_none=True,
+            amp=False,
+            scaler=None,
+            fire_event=lambda event: None,
+        )
+        torch.manual_seed(7)
+        lam = float(beta_sample(1.0))
+        before = copy.deepcopy(net)  # the weights the step's loss saw (its encode_crops is still the recording one)
+
+        def before_crops(x, before=before):
+            return ContrastiveLandmarkNet.encode_crops(before, x)
+
+        torch.manual_seed(7)
+        losses.append(float(ContrastiveIterationUpdate(mixing="unmix")(engine, dict(batch))["loss"]))
+        # the plain crops, then the mixed ones; the loss is the plain loss plus the mixed crops' weighted loss
+        torch.testing.assert_close(seen[-2], batch["crop"])
+        torch.testing.assert_close(seen[-1], lam * batch["crop"] + (1 - lam) * batch["crop"].flip(0))
+        args = (before(batch["image"]), batch["query"], batch["crop_query"], (32, 32), (16, 16))
+        mixed = seen[-1]
+        plain = MultiScaleInfoNCELoss(0.1, 3)(args[0], before_crops(batch["crop"]), *args[1:])
+        own = MultiScaleInfoNCELoss(0.1, 3)(args[0], before_crops(mixed), *args[1:])
+        flipped = [f.flip(0) for f in args[0]]
+        partner = MultiScaleInfoNCELoss(0.1, 3)(
+            flipped, before_crops(mixed), batch["query"].flip(0), batch["crop_query"].flip(0), *args[3:]
+        )
+        assert losses[-1] == pytest.approx(float(plain + lam * own + (1 - lam) * partner), rel=1e-5)
+    assert losses[0] == losses[1]
+
+
+@pytest.mark.parametrize(
+    "make, key",
+    [
+        (lambda: MultiScaleInfoNCELoss(mixing="mixup"), "mixing"),
+        (lambda: MultiScaleInfoNCELoss(mixing="mochi", mochi_hardest=0.0), "mochi_hardest"),
+        (lambda: MultiScaleInfoNCELoss(mixing="mochi", mochi_synthetic=2.0), "mochi_synthetic"),
+        (lambda: MultiScaleInfoNCELoss(mixing="mochi", mochi_query_synthetic=-0.1), "mochi_query_synthetic"),
+        (lambda: MultiScaleInfoNCELoss(mixing="zhu", zhu_pos_alpha=0.0), "zhu_pos_alpha"),
+        (lambda: MultiScaleInfoNCELoss(mixing="zhu", zhu_neg_alpha=-1.0), "zhu_neg_alpha"),
+        (lambda: ContrastiveIterationUpdate(mixing="mochi"), "mixing"),
+        (lambda: ContrastiveIterationUpdate(mixing="unmix", unmix_alpha=0.0), "unmix_alpha"),
+    ],
+)
+def test_bad_settings_name_their_key(make, key):
+    with pytest.raises(ValueError, match=key):
+        make()
