@@ -8,6 +8,8 @@
     python scripts/ablation.py run --plan converged --datalist runs/hamedan/protocol.json --out runs/hamedan_3000 \
         --iterations 3000 --augmentation runs/hamedan/aug_estimated.yaml
     python scripts/ablation.py report_converged --out runs/hamedan_3000 --docs docs
+    python scripts/ablation.py run --plan comparison --datalist runs/hamedan/protocol.json --out runs/hamedan_mixing \
+        --iterations 3000 --augmentation runs/hamedan/aug_estimated.yaml
 
 ``run`` trains and evaluates every planned run (:func:`plan`) in turn with the bundle's own commands, the
 same budget for all, and writes ``OUT/<run>/result.json`` (settings, validation and test metrics, training
@@ -20,7 +22,8 @@ model. ``template_rules`` compares the template rules of the evaluation on one r
 ``<!-- ablation:begin/end -->`` markers) and the MRE bar plot. ``--plan converged`` runs the ablation at a
 length that converges (:func:`plan_converged`); ``report_converged`` keeps every finished run of it in
 ``docs/results_ablation_converged.json`` (run folders may not survive a session) and writes its table between
-the ``<!-- converged:begin/end -->`` markers.
+the ``<!-- converged:begin/end -->`` markers. ``--plan comparison`` runs the paper's comparison with view-mixing
+methods on the same network (:func:`plan_comparison`).
 """
 
 from __future__ import annotations
@@ -66,6 +69,17 @@ CONVERGED_ROWS = {  # row: (entropy_sampling, adaptive_augmentation, factor rang
 ROW_TITLES.update(
     full_estimated="+ both, factor ranges of the paper's MI estimator (estimated here)",
     full_authors="+ both, the authors' published factor ranges",
+)
+COMPARISON_ROWS = {  # row: the training's `mixing` (bundle/mixing.py)
+    "baseline": "none",
+    "unmix": "unmix",
+    "mochi": "mochi",
+    "zhu": "zhu",
+}
+ROW_TITLES.update(
+    unmix="Un-mix (Shen et al. 2022): image mixup of views",
+    mochi="MoCHi (Kalantidis et al. 2020): hard negative mixing",
+    zhu="Zhu et al. 2021: positive extrapolation, negative interpolation",
 )
 DEFAULT_GAMMA, DEFAULT_ALPHA = 0.3, 0.8
 GAMMAS, ALPHAS = (0.0, 0.1, 0.3, 1.0), (0.4, 0.8, 1.0, 1.7)
@@ -124,7 +138,46 @@ def plan_converged(seeds) -> list[dict]:
     return runs
 
 
-PLANS = {"sweep": plan, "converged": plan_converged}
+def plan_comparison(seeds) -> list[dict]:
+    """The paper's comparison of view-mixing methods on the same network, for each seed: the baseline, Un-mix,
+    MoCHi and Zhu et al. As the paper's comparison rows, every row samples queries uniformly and applies the
+    intensities estimated for the high-information group to every pixel (``high_group_everywhere``, from the
+    run's ``--augmentation``); the rows differ only in ``mixing``."""
+    return [
+        dict(
+            name=f"{row}_s{seed}",
+            row=row,
+            seed=seed,
+            entropy_sampling=False,
+            adaptive_augmentation=True,
+            gamma=0.0,
+            alpha_hat=DEFAULT_ALPHA,
+            augmentation_file=None,
+            group_mode=None,
+            high_group_everywhere=True,
+            mixing=mixing,
+        )
+        for seed in seeds
+        for row, mixing in COMPARISON_ROWS.items()
+    ]
+
+
+def high_group_overrides(augmentation: dict) -> dict:
+    """Training overrides that give all three information groups the high group's intensities of an
+    ``augmentation`` section (its factor ranges where it has them, else its symmetric intensities)."""
+    overrides = {}
+    for name in ("brightness", "contrast"):
+        ranges, intensities = augmentation.get(f"{name}_ranges"), augmentation.get(name)
+        if ranges is None and intensities is None:
+            raise ValueError(f"the augmentation has neither {name}_ranges nor {name}")
+        if ranges is not None:
+            overrides[f"augmentation#{name}_ranges"] = [list(ranges[2])] * 3
+        else:
+            overrides[f"augmentation#{name}"] = [intensities[2]] * 3
+    return overrides
+
+
+PLANS = {"sweep": plan, "converged": plan_converged, "comparison": plan_comparison}
 
 
 def _bundle(command: str, configs: list[str], overrides: dict, log: Path) -> tuple[float, float, str]:
@@ -178,6 +231,10 @@ def run_one(
     )
     if spec.get("group_mode"):
         overrides["augmentation#group_mode"] = spec["group_mode"]
+    if spec.get("high_group_everywhere"):
+        overrides.update(high_group_overrides(_load_augmentation(aug)))
+    if spec.get("mixing"):
+        overrides["mixing"] = spec["mixing"]
     train_s, train_rss, log = _bundle("training", ["configs/train.yaml", aug], overrides, run_dir / "train.log")
     val = [float(v) for v in re.findall(r"val_mre_mm: ([0-9.]+)", log)]
     eval_s, eval_rss, _ = _bundle(
@@ -219,7 +276,7 @@ def run(
     template_rule: str = "landmarks",
     plan: str = "sweep",
 ) -> None:
-    """Run every run of the plan (``sweep`` or ``converged``; or those named in ``only``) that has no
+    """Run every run of the plan (``sweep``, ``converged`` or ``comparison``; or those named in ``only``) that has no
     ``result.json`` yet."""
     if plan not in PLANS:
         raise ValueError(f"plan must be one of {sorted(PLANS)}, got {plan!r}")
@@ -298,7 +355,8 @@ def template_rules(datalist: str, run_dir: str, pool_size: int = 32) -> dict:
 
     Both rules choose among the first ``pool_size`` labelled training items (a template the datalist names is
     ignored), as the evaluation does; each chosen template is then scored by its one-shot MRE on the other
-    labelled training items and the validation items, which neither rule saw. Writes and returns ``RUN_DIR/template_rules.json``.
+    labelled training items and the validation items, which neither rule saw. Writes and returns
+    ``RUN_DIR/template_rules.json``.
     """
     import torch
 
@@ -592,7 +650,8 @@ def report(out: str, docs: str = "docs", long: str | None = None) -> None:
     table_text = tables(results)
     if long_results:
         budget = ", ".join(map(str, sorted({r["iterations"] for r in long_results})))
-        table_text += f"\n\nTraining length: the same rows trained for {budget} iterations:\n\n{length_table(results, long_results)}"
+        lengths = length_table(results, long_results)
+        table_text += f"\n\nTraining length: the same rows trained for {budget} iterations:\n\n{lengths}"
     agreement = selector_agreement(results + long_results)
     if agreement:
         table_text += f"\n\nHow well the scores computed without test images rank the runs:\n\n{agreement}"
@@ -611,7 +670,8 @@ def converged_table(results: list[dict]) -> str:
         if row == reference or not seeds:
             return ""
         mean = {k: np.mean([r["test"]["mre_mm"] for r in by_row[k] if r["seed"] in seeds]) for k in (row, reference)}
-        return f"{100 * (mean[reference] - mean[row]) / mean[reference]:+.1f} % ({len(seeds)} seed{'s' * (len(seeds) > 1)})"
+        gain_pct = 100 * (mean[reference] - mean[row]) / mean[reference]
+        return f"{gain_pct:+.1f} % ({len(seeds)} seed{'s' * (len(seeds) > 1)})"
 
     lines = [
         [ROW_TITLES[row], " / ".join(str(r["seed"]) for r in runs)]

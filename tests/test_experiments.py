@@ -82,8 +82,8 @@ def test_report_tables_spread_gain_and_markers(tmp_path):
     alpha_line = next(line for line in page.splitlines() if line.startswith("| 1.7 |"))
     assert "0.10 / 0.20 / 0.30" in alpha_line and "2.70" in alpha_line and "2.20" in alpha_line
     assert (
-        "validation MRE (validation images, the datalist's first labelled item as template): Spearman's rho with the test MRE +1.00 over 7 runs"
-        in page
+        "validation MRE (validation images, the datalist's first labelled item as template): "
+        "Spearman's rho with the test MRE +1.00 over 7 runs" in page
     )
     assert "selection MRE (" not in page  # no run was scored on the selection images
     assert (docs / "results_mre.png").stat().st_size > 10_000
@@ -266,3 +266,56 @@ def test_overlays_pick_the_median_and_the_worst_image(tmp_path):
     (tmp_path / "other" / "predictions.csv").write_text("image,landmark,x,y,error_mm\n/x/other.png,a,1,1,2.0\n")
     with pytest.raises(ValueError, match="none of the test images"):
         results_figures.overlays(str(tmp_path / "dl.json"), str(tmp_path / "other"), str(tmp_path / "docs"))
+
+
+def test_comparison_plan_differs_only_in_mixing():
+    runs = ablation.plan_comparison([0, 1])
+    assert [r["name"] for r in runs[:4]] == ["baseline_s0", "unmix_s0", "mochi_s0", "zhu_s0"] and len(runs) == 8
+    assert [r["mixing"] for r in runs[:4]] == ["none", "unmix", "mochi", "zhu"]
+    for seed in (0, 1):
+        settings = [
+            {k: v for k, v in r.items() if k not in ("name", "row", "mixing")} for r in runs if r["seed"] == seed
+        ]
+        assert all(s == settings[0] for s in settings)
+        assert settings[0]["entropy_sampling"] is False and settings[0]["gamma"] == 0.0
+        assert settings[0]["adaptive_augmentation"] and settings[0]["high_group_everywhere"]
+
+
+def test_high_group_overrides_take_the_high_group_for_every_group():
+    ranges = {"brightness_ranges": [[0.7, 1.5], [0.7, 1.5], [0.65, 1.63]], "contrast_ranges": [[1, 2], [1, 2], [3, 4]]}
+    assert ablation.high_group_overrides(ranges) == {
+        "augmentation#brightness_ranges": [[0.65, 1.63]] * 3,
+        "augmentation#contrast_ranges": [[3, 4]] * 3,
+    }
+    symmetric = {"brightness": [0.1, 0.2, 0.3], "contrast": [0.4, 0.5, 0.6], "brightness_ranges": None}
+    assert ablation.high_group_overrides(symmetric) == {
+        "augmentation#brightness": [0.3] * 3,
+        "augmentation#contrast": [0.6] * 3,
+    }
+    with pytest.raises(ValueError, match="contrast"):
+        ablation.high_group_overrides({"brightness": [0.1, 0.2, 0.3]})
+
+
+def test_run_one_passes_the_mixing_and_the_high_group_augmentation(tmp_path, monkeypatch):
+    aug = tmp_path / "aug.yaml"
+    aug.write_text(
+        "augmentation:\n  brightness_ranges: [[1, 2], [1, 2], [0.5, 1.5]]\n"
+        "  contrast_ranges: [[1, 2], [1, 2], [0.6, 1.6]]\n"
+    )
+    calls = {}
+
+    def fake_bundle(command, configs, overrides, log):
+        calls[command] = overrides
+        if command == "evaluating":
+            Path(overrides["output_dir"]).mkdir(parents=True)
+            (Path(overrides["output_dir"]) / "metrics.json").write_text(json.dumps({"mre_mm": 2.0}))
+        return 1.0, 1.0, "val_mre_mm: 2.5"
+
+    monkeypatch.setattr(ablation, "_bundle", fake_bundle)
+    spec = next(r for r in ablation.plan_comparison([0]) if r["row"] == "mochi")
+    result = ablation.run_one(spec, "d.json", tmp_path / "out", 20, 10, str(aug))
+    train = calls["training"]
+    assert train["mixing"] == "mochi" and train["entropy_sampling"] is False and train["sampling_gamma"] == 0.0
+    assert train["augmentation#brightness_ranges"] == [[0.5, 1.5]] * 3
+    assert train["augmentation#contrast_ranges"] == [[0.6, 1.6]] * 3
+    assert result["mixing"] == "mochi" and result["validation_mre_mm"] == 2.5
