@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from bundle.data.synthetic import generate_synthetic_2d
@@ -32,6 +33,7 @@ TINY = [
 ]
 
 
+@pytest.mark.slow
 def test_two_gloo_processes_train_and_rank0_writes_one_checkpoint(tmp_path):
     datalist = generate_synthetic_2d(tmp_path / "data", n_training=4, n_validation=1, n_test=1, size=(64, 72), seed=1)
     models, logs = tmp_path / "models", tmp_path / "logs"

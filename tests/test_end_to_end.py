@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from monai.bundle import run
 
@@ -53,6 +54,7 @@ def evaluate(datalist: Path, out: Path, ckpt: Path, **overrides) -> dict:
     return json.loads((out / "metrics.json").read_text())
 
 
+@pytest.mark.slow
 def test_tiny_training_learns_better_than_chance_and_than_untrained(tmp_path):
     datalist_path = generate_synthetic_2d(tmp_path / "data", n_training=12, n_validation=2, n_test=4, seed=3)
     datalist = load_datalist(datalist_path)

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # a MONAI Label server per module, trainings through it
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = Path(os.environ.get("MONAILABEL_PYTHON", ROOT / ".venv-monailabel" / "bin" / "python"))
 START_TIMEOUT_S = 120

@@ -58,6 +58,7 @@ def _command(datalist: Path, models: Path, out: Path, *extra: str) -> list[str]:
     ]
 
 
+@pytest.mark.slow
 def test_killed_training_resumes_from_its_last_epoch(tmp_path):
     datalist = generate_synthetic_2d(tmp_path / "data", n_training=4, n_validation=1, n_test=1, size=(64, 72), seed=2)
     models = tmp_path / "models"

@@ -181,6 +181,7 @@ def test_shipped_detector_loads_into_the_configured_network_and_names_its_templa
     assert [Path(t).name for t in detector_templates(ckpt)][:1] == ["046.png"]
 
 
+@pytest.mark.slow
 def test_tiny_stage2_training_and_evaluation_beat_chance(tmp_path):
     from tests.test_end_to_end import chance_mre_mm
 
