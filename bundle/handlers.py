@@ -1,9 +1,10 @@
 """Ignite handlers of the configs: checkpoint savers, the resume loader and the evaluation report.
 
-:class:`AtomicCheckpointSaver` takes MONAI ``CheckpointSaver``'s arguments and writes the same files, each
-through :func:`bundle.checkpoints.save_atomically`; :class:`LastCheckpointSaver` writes ``last.pt``, which
-:class:`ResumeCheckpointLoader` restores; :class:`LandmarkReportHandler` writes an evaluation's report files
-(:mod:`bundle.reporting`). Only public MONAI and Ignite API is used.
+:class:`AtomicCheckpointSaver` writes the best and the final model files, each through
+:func:`bundle.checkpoints.save_atomically`; :class:`LastCheckpointSaver` writes ``last.pt``, which
+:class:`ResumeCheckpointLoader` restores; :class:`TemplateHandler` gives one-shot detection its templates when an
+evaluation starts; :class:`LandmarkReportHandler` writes an evaluation's report files (:mod:`bundle.reporting`);
+:class:`DeferredSummaryWriter` opens TensorBoard logs at their first value. Only public MONAI and Ignite API is used.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import ignite.distributed as idist
 import numpy as np
@@ -36,6 +37,7 @@ from bundle.reporting import (
     write_png,
     write_predictions_csv,
 )
+from bundle.templates import with_templates
 from bundle.transforms.landmarks import physical_to_datalist
 
 # --------------------------------------------------------------------------- checkpoints
@@ -51,11 +53,12 @@ class AtomicSaveHandler(BaseSaveHandler):
     def __init__(self, dirname: str | os.PathLike, filename: str | None = None) -> None:
         self.dirname = Path(dirname).expanduser()
         self.filename = filename
-        if idist.get_rank() == 0:
-            self.dirname.mkdir(parents=True, exist_ok=True)
+        # read while every process builds its handlers: ignite's first call synchronises the processes
+        self.rank = idist.get_rank()
 
     def __call__(self, checkpoint: Mapping, filename: str, metadata: Mapping | None = None) -> None:
-        if idist.get_rank() == 0:
+        if self.rank == 0:
+            self.dirname.mkdir(parents=True, exist_ok=True)
             save_atomically(checkpoint, self.dirname / (self.filename or filename))
 
     def remove(self, filename: str) -> None:
@@ -397,3 +400,60 @@ class LandmarkReportHandler:
         write_metrics_json(folder / "metrics.json", summary, self.template, self.checkpoint)
         save_sdr_curve(folder / "sdr_curve.png", errors_mm, marks=self.thresholds)
         return summary
+
+
+# --------------------------------------------------------------------------- TensorBoard
+
+
+class DeferredSummaryWriter:
+    """A TensorBoard ``SummaryWriter`` of ``log_dir`` opened at its first use (the first value logged), for the
+    ``summary_writer`` of MONAI's TensorBoard handlers: building the handler writes nothing."""
+
+    def __init__(self, log_dir: str | os.PathLike) -> None:
+        self.log_dir = str(log_dir)
+        self._writer = None
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # copy/pickle protocol lookups do not open the writer
+            raise AttributeError(name)
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=self.log_dir)
+        return getattr(self._writer, name)
+
+
+# --------------------------------------------------------------------------- templates
+
+
+class TemplateHandler:
+    """Ignite handler resolving the templates of one-shot (k-shot) detection at the first ``Events.STARTED``.
+
+    ``templates`` returns the template items (the configs' ``evaluate#choose_templates``: choosing one may take
+    many network passes, so it runs when the evaluation starts, not when the config is parsed). They are set,
+    prepared by ``preprocessing``, on ``inferer`` (:func:`bundle.templates.with_templates`) and, as the list of
+    their images, on ``report`` (a :class:`LandmarkReportHandler`, for metrics.json) when given.
+    """
+
+    def __init__(
+        self,
+        templates: Callable[[], list[dict]],
+        inferer,
+        preprocessing,
+        device: torch.device | str,
+        report: LandmarkReportHandler | None = None,
+    ) -> None:
+        self.templates = templates
+        self.inferer, self.preprocessing, self.device, self.report = inferer, preprocessing, device, report
+        self.items: list[dict] | None = None
+
+    def attach(self, engine: Engine) -> None:
+        engine.add_event_handler(Events.STARTED, self)
+
+    def __call__(self, engine: Engine) -> None:
+        if self.items is not None:
+            return
+        self.items = list(self.templates())
+        with_templates(self.inferer, self.items, self.preprocessing, self.device)
+        if self.report is not None:
+            self.report.template = [t["image"] for t in self.items]

@@ -145,6 +145,7 @@ def training(
             **overrides,
         }
         parser = bundle_parser(config, **settings)
+        parser.get_parsed_content("initialize")  # as `monai.bundle run`: the embedded data set when missing
         trainer = parser.get_parsed_content("train#trainer")
         device = parser.get_parsed_content("device")
         batch_size = parser.get_parsed_content("batch_size")
@@ -273,8 +274,9 @@ def inference(repeats: int = 3, config: str | list[str] = "configs/train.yaml", 
         parser = bundle_parser(
             [*([config] if isinstance(config, str) else config), "configs/evaluate.yaml"], **settings
         )
+        parser.get_parsed_content("initialize")
         parser["network"] = "$@network_def.to(@device)"  # timing does not need trained weights
-        parser["evaluate#templates"] = "$bundle.templates.default_templates(@dataset)"
+        parser["evaluate#choose_templates"] = "$lambda: bundle.templates.default_templates(@dataset)"
         evaluator = parser.get_parsed_content("evaluate#evaluator")
         device = parser.get_parsed_content("device")
         n_images = len(parser.get_parsed_content("evaluate#dataset"))

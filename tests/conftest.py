@@ -16,7 +16,7 @@ def _tree_state() -> set[str] | None:
     """Untracked and ignored paths and modified tracked files of the checkout; None outside a git checkout."""
     try:
         done = subprocess.run(
-            ["git", "status", "--porcelain", "--ignored", "--untracked-files=all"],
+            ["git", "status", "--porcelain", "--ignored=matching", "--untracked-files=normal"],
             cwd=ROOT,
             capture_output=True,
             text=True,

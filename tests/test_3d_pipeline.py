@@ -130,7 +130,7 @@ def test_configured_3d_entropy_map_equals_skimage_rank_entropy(world_fields):
     """The training pipeline's IIE transform (k = 5 by default in 3D) against skimage's 3D rank entropy."""
     _, _, datalist = world_fields
     parser = _parser(TRAIN_3D, datalist)
-    entropy_transform = parser.get_parsed_content("train#view_pair_transforms#0")
+    entropy_transform = parser.get_parsed_content("train#entropy_map")
     assert entropy_transform.window == 5
     rng = np.random.default_rng(1)
     volume = np.clip(rng.normal(0.5, 0.2, (18, 20, 16)), 0.0, 1.0).astype(np.float32)

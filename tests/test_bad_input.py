@@ -213,7 +213,10 @@ def test_landmark_far_outside_its_image_is_refused_in_test_items_and_templates(d
     item["landmarks"][3] = [4469.0, 20.0]
     name = data2d["content"]["landmark_names"][3]
     pipeline = preprocessing(EVALUATE, data2d["datalist"], **SMALL)
-    expected = f"{item['image']}: landmark 3 ('{name}') [4469.0, 20.0] lies outside the image: the image's pixels span x in [-0.5, 63.5]"
+    expected = (
+        f"{item['image']}: landmark 3 ('{name}') [4469.0, 20.0] "
+        "lies outside the image: the image's pixels span x in [-0.5, 63.5]"
+    )
     assert expected in raises(pipeline, item)
     assert expected in raises(prepare_template, item, pipeline)  # the template: refused before any matching
     inside = dict(item, landmarks=[list(p) for p in data2d["content"]["test"][0]["landmarks"]])

@@ -239,3 +239,15 @@ def test_training_step_unmix_feeds_the_mixed_crop_and_is_reproducible():
 def test_bad_settings_name_their_key(make, key):
     with pytest.raises(ValueError, match=key):
         make()
+
+
+@pytest.mark.parametrize("mixing", ["none", "unmix", "mochi", "zhu"])
+def test_the_training_config_turns_each_method_on(mixing):
+    from bundle.configs import bundle_parser
+
+    parser = bundle_parser(["configs/train.yaml"], mixing=mixing, unmix_alpha=0.5, zhu_neg_alpha=1.2)
+    loss, step = parser.get_parsed_content("loss"), parser.get_parsed_content("train#trainer#iteration_update")
+    assert loss.mixing == (mixing if mixing in ("mochi", "zhu") else "none")
+    assert step.mixing == (mixing if mixing == "unmix" else "none") and step.unmix_alpha == 0.5
+    if mixing == "zhu":
+        assert loss.mixer.neg_alpha == 1.2

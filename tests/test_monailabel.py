@@ -6,8 +6,8 @@ leftover temporary file, the ``first`` / ``last`` strategies, saved labels becom
 bad training values refused naming the key, fine-tuning that keeps the served model when the new one is not
 better (and publishes it when it is), ``train_stats`` in ``/info/``, a DICOM X-ray giving the PNG's
 landmarks, and the stage-2 detector trained on the saved labels (refused with too few labels, kept out when
-not better, served by the infer task once published). Calls go through MONAI Label's own client (``monailabel.client.MONAILabelClient``) and raw HTTP
-where the client has no call or hides the status.
+not better, served by the infer task once published). Calls go through MONAI Label's own client
+(``monailabel.client.MONAILabelClient``) and raw HTTP where the client has no call or hides the status.
 
 Needs the app's environment (``make monailabel`` -> ``.venv-monailabel``, or ``MONAILABEL_PYTHON``);
 without it the module is skipped, except under CI where it must run.

@@ -74,7 +74,8 @@ class LandmarkApp(MONAILabelApp):
             install_train_guard(self._check_train_request)
 
     def _check_train_request(self, params: dict) -> None:
-        """Before a train request is queued: its values, and enough saved labels for the detector (ValueError -> 422)."""
+        """Before a train request is queued: its values, and enough saved labels for the detector
+        (ValueError -> 422)."""
         from landmark_tasks.common import FINAL_TAG
         from landmark_tasks.train import check_detector_labels, validate_options
 
@@ -135,7 +136,8 @@ class LandmarkApp(MONAILabelApp):
             if os.path.isabs(image) or ".." in Path(image).parts or "\\" in image or "/" in image:
                 raise HTTPException(
                     status_code=400,
-                    detail=f"landmarks infer: {image!r} is a path; only image ids of the datastore are accepted (or upload the file)",
+                    detail=f"landmarks infer: {image!r} is a path; "
+                    f"only image ids of the datastore are accepted (or upload the file)",
                 )
             uri = datastore.get_image_uri(image)
             if not uri or not os.path.isfile(uri):

@@ -15,10 +15,15 @@ from bundle.data.synthetic import ensure_synthetic_dataset
 EMBEDDED_DATASETS = {"synthetic_2d": 2, "synthetic_3d": 3}
 
 
-def open_datalist(path: str | os.PathLike) -> dict:
-    """Load a datalist; the embedded synthetic default (``.../synthetic_2d|3d/datalist.json``) is generated
-    when missing."""
+def ensure_embedded_dataset(path: str | os.PathLike) -> Path:
+    """Return ``path``; when it is a missing embedded synthetic default (``.../synthetic_2d|3d/datalist.json``),
+    first generate that set (the configs' ``initialize`` step). Any other path is left as it is."""
     path = Path(path)
     if not path.exists() and path.parent.name in EMBEDDED_DATASETS:
         ensure_synthetic_dataset(path, spatial_dims=EMBEDDED_DATASETS[path.parent.name])
-    return load_datalist(path)
+    return path
+
+
+def open_datalist(path: str | os.PathLike) -> dict:
+    """Load a datalist; the embedded synthetic default is generated when missing (:func:`ensure_embedded_dataset`)."""
+    return load_datalist(ensure_embedded_dataset(path))

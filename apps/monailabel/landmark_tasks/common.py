@@ -78,6 +78,7 @@ class BundleContext:
         self.parser = bundle_parser(
             CONFIGS, self.bundle_root, datalist=str(self.datalist), ckpt_path=str(self.shipped_ckpt)
         )
+        self.parser.get_parsed_content("initialize")  # as `monai.bundle run`: the embedded data set when missing
         self.names: list[str] = list(self.parser.get_parsed_content("landmark_names"))
         self.spatial_dims = int(self.parser.get_parsed_content("spatial_dims"))
         self.template_combine = str(self.parser.get_parsed_content("template_combine"))
@@ -103,7 +104,8 @@ class BundleContext:
             return self._device
 
     def served_checkpoint(self) -> Path:
-        """The weights the infer task serves: the app's ``model/model.pt`` once training published one, else the shipped ones."""
+        """The weights the infer task serves: the app's ``model/model.pt`` once training published one,
+        else the shipped ones."""
         return self.served_path if self.served_path.is_file() else self.shipped_ckpt
 
     def new_network(self, checkpoint: str | Path | None = None) -> torch.nn.Module:
@@ -119,14 +121,16 @@ class BundleContext:
         return self.detector_path if self.detector_path.is_file() else None
 
     def detector_info(self) -> dict:
-        """What ``model/detector.json`` records of the served detector (``image_size``, ``trained_on``, ``held_out``)."""
+        """What ``model/detector.json`` records of the served detector
+        (``image_size``, ``trained_on``, ``held_out``)."""
         try:
             return json.loads(self.detector_info_path.read_text())
         except (OSError, ValueError):
             return {}
 
     def detector_parser(self, image_size: Sequence[int] | None = None):
-        """The bundle's fine-tuning configs (``DETECTOR_CONFIGS``) at the detector's ``image_size`` (None: the config's)."""
+        """The bundle's fine-tuning configs (``DETECTOR_CONFIGS``)
+        at the detector's ``image_size`` (None: the config's)."""
         key = tuple(image_size) if image_size else None
         with self._lock:
             if key not in self._detector_parsers:
@@ -157,7 +161,8 @@ class BundleContext:
         )
 
     def prepare(self, item: dict, name: str | None = None, preprocessing=None) -> dict:
-        """The evaluation pipeline (or ``preprocessing``) on ``item``; unreadable images raise :class:`ImageError` naming ``name``."""
+        """The evaluation pipeline (or ``preprocessing``) on ``item``;
+        unreadable images raise :class:`ImageError` naming ``name``."""
         try:
             return (preprocessing or self.preprocessing)(dict(item))
         except Exception as e:  # MONAI wraps reader errors in RuntimeError chains: report the innermost cause

@@ -76,7 +76,8 @@ def markups_points(names: list[str], points: np.ndarray, frame: dict | None = No
 
 
 class LandmarkInferTask(InferTask):
-    """Suggest every landmark on the requested image from the datastore's labelled images (or the bundle's templates)."""
+    """Suggest every landmark on the requested image from the datastore's labelled images
+    (or the bundle's templates)."""
 
     def __init__(
         self, context: BundleContext, datastore: Callable[[], Any] | None = None, predictor: str = "auto"
@@ -122,7 +123,8 @@ class LandmarkInferTask(InferTask):
         logger.info(f"serving weights {path}")
 
     def _load_detector(self, path: Path) -> None:
-        """The served detector (``model/detector.pt`` at the grid recorded in ``model/detector.json``), reloaded when republished."""
+        """The served detector (``model/detector.pt`` at the grid recorded in ``model/detector.json``),
+        reloaded when republished."""
         key = (
             file_key(path),
             file_key(self.context.detector_info_path) if self.context.detector_info_path.is_file() else None,
@@ -134,7 +136,8 @@ class LandmarkInferTask(InferTask):
         logger.info(f"serving the detector {path}")
 
     def _predictor(self, request: dict) -> str:
-        """``detector`` or ``templates`` for this request (its ``predictor`` key over the conf's; ``auto``: the detector when one is served)."""
+        """``detector`` or ``templates`` for this request
+        (its ``predictor`` key over the conf's; ``auto``: the detector when one is served)."""
         wanted = request.get("predictor") or self.predictor
         if wanted not in PREDICTORS:
             raise ValueError(f"predictor must be one of {', '.join(PREDICTORS)}, got {wanted!r:.40}")

@@ -149,7 +149,8 @@ def validate_options(request: dict, defaults: dict | None = None, spatial_dims: 
 
 
 def check_detector_labels(n_labelled: int) -> None:
-    """Refuse detector training with fewer than ``MIN_DETECTOR_LABELS`` labelled images (ValueError naming the count)."""
+    """Refuse detector training with fewer than ``MIN_DETECTOR_LABELS`` labelled images
+    (ValueError naming the count)."""
     if n_labelled < MIN_DETECTOR_LABELS:
         raise ValueError(
             f"train request: the detector needs at least {MIN_DETECTOR_LABELS} labelled images (one to train on, one "
