@@ -145,7 +145,7 @@ def training(
             **overrides,
         }
         parser = bundle_parser(config, **settings)
-        parser.get_parsed_content("initialize")  # as `monai.bundle run`: the embedded data set when missing
+        parser.get_parsed_content("ensure_data")  # as the commands: the embedded data set when missing
         trainer = parser.get_parsed_content("train#trainer")
         device = parser.get_parsed_content("device")
         batch_size = parser.get_parsed_content("batch_size")
@@ -274,7 +274,7 @@ def inference(repeats: int = 3, config: str | list[str] = "configs/train.yaml", 
         parser = bundle_parser(
             [*([config] if isinstance(config, str) else config), "configs/evaluate.yaml"], **settings
         )
-        parser.get_parsed_content("initialize")
+        parser.get_parsed_content("ensure_data")
         parser["network"] = "$@network_def.to(@device)"  # timing does not need trained weights
         parser["evaluate#choose_templates"] = "$lambda: bundle.templates.default_templates(@dataset)"
         evaluator = parser.get_parsed_content("evaluate#evaluator")

@@ -78,7 +78,7 @@ class BundleContext:
         self.parser = bundle_parser(
             CONFIGS, self.bundle_root, datalist=str(self.datalist), ckpt_path=str(self.shipped_ckpt)
         )
-        self.parser.get_parsed_content("initialize")  # as `monai.bundle run`: the embedded data set when missing
+        self.parser.get_parsed_content("ensure_data")  # as the commands: the embedded data set when missing
         self.names: list[str] = list(self.parser.get_parsed_content("landmark_names"))
         self.spatial_dims = int(self.parser.get_parsed_content("spatial_dims"))
         self.template_combine = str(self.parser.get_parsed_content("template_combine"))
