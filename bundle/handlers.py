@@ -44,26 +44,22 @@ from bundle.transforms.landmarks import physical_to_datalist
 
 
 class AtomicSaveHandler(BaseSaveHandler):
-    """Ignite save handler writing ``dirname/filename`` with :func:`bundle.checkpoints.save_atomically` (rank 0).
+    """Ignite save handler writing every checkpoint to the one file ``dirname/filename`` with
+    :func:`bundle.checkpoints.save_atomically` (rank 0): each save replaces the previous file atomically, so
+    there is nothing to remove."""
 
-    With ``filename`` every checkpoint goes to that one file (as MONAI's fixed ``final_filename`` /
-    ``key_metric_filename``); removing it is then left to the next save, which replaces it atomically.
-    """
-
-    def __init__(self, dirname: str | os.PathLike, filename: str | None = None) -> None:
-        self.dirname = Path(dirname).expanduser()
-        self.filename = filename
+    def __init__(self, dirname: str | os.PathLike, filename: str) -> None:
+        self.path = Path(dirname).expanduser() / filename
         # read while every process builds its handlers: ignite's first call synchronises the processes
         self.rank = idist.get_rank()
 
     def __call__(self, checkpoint: Mapping, filename: str, metadata: Mapping | None = None) -> None:
         if self.rank == 0:
-            self.dirname.mkdir(parents=True, exist_ok=True)
-            save_atomically(checkpoint, self.dirname / (self.filename or filename))
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            save_atomically(checkpoint, self.path)
 
     def remove(self, filename: str) -> None:
-        if idist.get_rank() == 0 and self.filename is None:
-            (self.dirname / filename).unlink()
+        """Nothing to do: the next save replaces the file."""
 
 
 class AtomicCheckpointSaver:
@@ -89,7 +85,6 @@ class AtomicCheckpointSaver:
     ) -> None:
         if not save_dict:
             raise ValueError("AtomicCheckpointSaver: save_dict is empty, there is nothing to save")
-        self.save_dir = Path(save_dir)
         self.sign = -1.0 if key_metric_negative_sign else 1.0
         self.logger = logging.getLogger(__name__)
         self.final_checkpoint = self.key_metric_checkpoint = None
@@ -100,7 +95,6 @@ class AtomicCheckpointSaver:
                 score_function=lambda engine: engine.state.iteration,
                 score_name="final_iteration",
             )
-            self.final_path = self.save_dir / final_filename
         if save_key_metric:
             self.key_metric_checkpoint = Checkpoint(
                 save_dict,
@@ -135,7 +129,7 @@ class AtomicCheckpointSaver:
         """Write the final state (over an earlier final file of this run: one fixed name)."""
         self.final_checkpoint.reset()
         self.final_checkpoint(engine)
-        self.logger.info("final checkpoint saved: %s", self.final_path)
+        self.logger.info("final checkpoint saved: %s", self.final_checkpoint.save_handler.path)
 
     def save_final_and_raise(self, engine: Engine, error: Exception) -> None:
         """On an exception: keep the state reached, then raise the exception again."""
