@@ -85,6 +85,30 @@ DEFAULT_GAMMA, DEFAULT_ALPHA = 0.3, 0.8
 GAMMAS, ALPHAS = (0.0, 0.1, 0.3, 1.0), (0.4, 0.8, 1.0, 1.7)
 
 
+def run_spec(
+    name: str,
+    row: str,
+    seed: int,
+    entropy_sampling: bool,
+    adaptive_augmentation: bool,
+    gamma: float,
+    alpha_hat: float = DEFAULT_ALPHA,
+    **extra,
+) -> dict:
+    """One planned run: its name (``NAME_sSEED``), row, seed, the paper's two switches and their parameters,
+    plus a plan's own keys (``augmentation_file``, ``group_mode``, ``mixing``, ...)."""
+    return dict(
+        name=f"{name}_s{seed}",
+        row=row,
+        seed=seed,
+        entropy_sampling=entropy_sampling,
+        adaptive_augmentation=adaptive_augmentation,
+        gamma=gamma,
+        alpha_hat=alpha_hat,
+        **extra,
+    )
+
+
 def plan(seeds) -> list[dict]:
     """Every run: the four ablation rows for each seed, then the first seed's extra sweep points.
 
@@ -94,16 +118,7 @@ def plan(seeds) -> list[dict]:
     """
 
     def spec(name: str, row: str, seed: int, gamma: float = DEFAULT_GAMMA, alpha_hat: float = DEFAULT_ALPHA) -> dict:
-        entropy, adaptive = ROWS[row]
-        return dict(
-            name=f"{name}_s{seed}",
-            row=row,
-            seed=seed,
-            entropy_sampling=entropy,
-            adaptive_augmentation=adaptive,
-            gamma=gamma,
-            alpha_hat=alpha_hat,
-        )
+        return run_spec(name, row, seed, *ROWS[row], gamma=gamma, alpha_hat=alpha_hat)
 
     runs = [spec(row, row, seed) for seed in seeds for row in ROWS]
     for kind, value in [("alpha", 1.7), ("gamma", 0.1), ("gamma", 1.0), ("alpha", 1.0), ("alpha", 0.4)]:
@@ -119,23 +134,20 @@ def plan_converged(seeds) -> list[dict]:
     the full method with the factor ranges of the paper's estimator (``run --augmentation``) and with the
     authors' published ranges. Both full rows take one information group per crop, the query pixel's
     (``group_mode: query``, as the authors' code), so that they differ only in the ranges."""
-    runs = []
-    for seed in seeds:
-        for row, (entropy, adaptive, ranges) in CONVERGED_ROWS.items():
-            runs.append(
-                dict(
-                    name=f"{row}_s{seed}",
-                    row=row,
-                    seed=seed,
-                    entropy_sampling=entropy,
-                    adaptive_augmentation=adaptive,
-                    gamma=DEFAULT_GAMMA if entropy else 0.0,
-                    alpha_hat=DEFAULT_ALPHA,
-                    augmentation_file=ranges,
-                    group_mode="query" if adaptive else None,
-                )
-            )
-    return runs
+    return [
+        run_spec(
+            row,
+            row,
+            seed,
+            entropy,
+            adaptive,
+            gamma=DEFAULT_GAMMA if entropy else 0.0,
+            augmentation_file=ranges,
+            group_mode="query" if adaptive else None,
+        )
+        for seed in seeds
+        for row, (entropy, adaptive, ranges) in CONVERGED_ROWS.items()
+    ]
 
 
 def plan_comparison(seeds) -> list[dict]:
@@ -144,14 +156,13 @@ def plan_comparison(seeds) -> list[dict]:
     intensities estimated for the high-information group to every pixel (``high_group_everywhere``, from the
     run's ``--augmentation``); the rows differ only in ``mixing``."""
     return [
-        dict(
-            name=f"{row}_s{seed}",
-            row=row,
-            seed=seed,
-            entropy_sampling=False,
-            adaptive_augmentation=True,
+        run_spec(
+            row,
+            row,
+            seed,
+            False,
+            True,
             gamma=0.0,
-            alpha_hat=DEFAULT_ALPHA,
             augmentation_file=None,
             group_mode=None,
             high_group_everywhere=True,
