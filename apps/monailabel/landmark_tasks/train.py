@@ -273,6 +273,20 @@ def _decision(published: bool, new: float, old: float, min_improvement: float, k
     return f"kept {kept}: the new one's MRE {new:.3f} is not below {old:.3f}{margin}"
 
 
+def training_command(
+    config_file: str, datalist: Path, ckpt_dir: Path, work: Path, epochs: int, init_args: list[str], options: dict
+) -> list[str]:
+    """The bundle's training command for a train request: ``config_file`` on ``datalist``, checkpoints to
+    ``ckpt_dir``, logs to ``work/output``, no validation during the ``epochs``, the initialisation ``init_args``
+    and the request's ``options`` as JSON values."""
+    command = [sys.executable, "-m", "monai.bundle", "run", "training", "--config_file", config_file]
+    command += ["--datalist", str(datalist), "--ckpt_dir", str(ckpt_dir), "--output_dir", str(work / "output")]
+    command += ["--val_interval", str(epochs + 1), "--progress_bar", "False", *init_args]
+    for key, value in options.items():
+        command += [f"--{key}", json.dumps(value)]
+    return command
+
+
 class BundleTrainTask(TrainTask):
     """Fine-tune the served weights (or the detector) on the datastore's images; publish only when better."""
 
@@ -344,29 +358,9 @@ class BundleTrainTask(TrainTask):
         shutil.rmtree(candidate_dir, ignore_errors=True)
         served = self.context.served_checkpoint()
         epochs = int(options.get("epochs", 10))
-        command = [
-            sys.executable,
-            "-m",
-            "monai.bundle",
-            "run",
-            "training",
-            "--config_file",
-            "configs/train.yaml",
-            "--datalist",
-            str(datalist_path),
-            "--ckpt_dir",
-            str(candidate_dir),
-            "--output_dir",
-            str(work / "output"),
-            "--init_weights",
-            str(served),
-            "--val_interval",
-            str(epochs + 1),
-            "--progress_bar",
-            "False",
-        ]
-        for key, value in options.items():
-            command += [f"--{key}", json.dumps(value)]
+        command = training_command(
+            "configs/train.yaml", datalist_path, candidate_dir, work, epochs, ["--init_weights", str(served)], options
+        )
         logger.info(f"fine-tuning {served} on {len(items)} images ({len(labelled)} labelled): {' '.join(command)}")
         candidate = candidate_dir / "model_final.pt"
         self._run_bundle(command, candidate)
@@ -419,31 +413,13 @@ class BundleTrainTask(TrainTask):
         shutil.rmtree(candidate_dir, ignore_errors=True)
         stage1 = context.served_checkpoint()
         epochs = int(options.get("epochs", 10))
-        command = [
-            sys.executable,
-            "-m",
-            "monai.bundle",
-            "run",
-            "training",
-            "--config_file",
-            json.dumps(list(DETECTOR_CONFIGS)),
-            "--datalist",
-            str(datalist_path),
-            "--ckpt_dir",
-            str(candidate_dir),
-            "--output_dir",
-            str(work / "output"),
-            "--val_interval",
-            str(epochs + 1),
-            "--progress_bar",
-            "False",
-        ]
         if served_detector:  # the whole served detector; no stage-1 encoder to load first
-            command += ["--init_weights", str(served_detector), "--random_init", "true"]
+            init_args = ["--init_weights", str(served_detector), "--random_init", "true"]
         else:
-            command += ["--init_checkpoint", str(stage1)]
-        for key, value in options.items():
-            command += [f"--{key}", json.dumps(value)]
+            init_args = ["--init_checkpoint", str(stage1)]
+        command = training_command(
+            json.dumps(list(DETECTOR_CONFIGS)), datalist_path, candidate_dir, work, epochs, init_args, options
+        )
         init = {
             "init_weights": str(served_detector) if served_detector else None,
             "init_checkpoint": None if served_detector else str(stage1),
