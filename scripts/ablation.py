@@ -191,13 +191,16 @@ def high_group_overrides(augmentation: dict) -> dict:
 PLANS = {"sweep": plan, "converged": plan_converged, "comparison": plan_comparison}
 
 
-def _bundle(command: str, configs: list[str], overrides: dict, log: Path) -> tuple[float, float, str]:
-    """Run ``python -m monai.bundle run COMMAND``; return (seconds, peak RSS in MB, log text). Raises on failure."""
+def _bundle(
+    command: str, configs: list[str], overrides: dict, log: Path, append: bool = False
+) -> tuple[float, float, str]:
+    """Run ``python -m monai.bundle run COMMAND``; return (seconds, peak RSS in MB, log text). Raises on failure.
+    ``append`` keeps the log of an earlier, interrupted run of the same command."""
     args = [sys.executable, "-m", "monai.bundle", "run", command, "--config_file", repr(configs)]
     for key, value in overrides.items():
         args += [f"--{key}", str(value)]
     start = time.perf_counter()
-    with open(log, "w") as out:
+    with open(log, "a" if append else "w") as out:
         proc = subprocess.Popen(args, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
         _, status, usage = os.wait4(proc.pid, 0)
     seconds = time.perf_counter() - start
@@ -246,7 +249,13 @@ def run_one(
         overrides.update(high_group_overrides(_load_augmentation(aug)))
     if spec.get("mixing"):
         overrides["mixing"] = spec["mixing"]
-    train_s, train_rss, log = _bundle("training", ["configs/train.yaml", aug], overrides, run_dir / "train.log")
+    # a run interrupted by a stopped session continues from its last epoch instead of starting again
+    resumed = (run_dir / "models" / "last.pt").is_file()
+    if resumed:
+        overrides["resume"] = True
+    train_s, train_rss, log = _bundle(
+        "training", ["configs/train.yaml", aug], overrides, run_dir / "train.log", append=resumed
+    )
     val = [float(v) for v in re.findall(r"val_mre_mm: ([0-9.]+)", log)]
     eval_s, eval_rss, _ = _bundle(
         "evaluating",
@@ -267,7 +276,8 @@ def run_one(
         template_rule=template_rule,
         validation_mre_mm=val[-1] if val else None,
         test=metrics,
-        train_seconds=round(train_s, 1),
+        train_seconds=round(train_s, 1),  # of the last (resumed) part only when ``resumed``
+        resumed=resumed,
         train_peak_rss_mb=round(train_rss),
         eval_seconds=round(eval_s, 1),
         eval_peak_rss_mb=round(eval_rss),
