@@ -9,8 +9,9 @@ scales, every cell at the coarsest). The feature-space methods take a scale's ``
 * :class:`HardNegativeMixing`: MoCHi (Kalantidis et al., NeurIPS 2020);
 * :class:`FeatureTransformation`: positive extrapolation and negative interpolation (Zhu et al., ICCV 2021).
 
-Un-mix (Shen et al., AAAI 2022) mixes in image space: :func:`unmix_crops` before the crop encoder and
-:func:`unmix_loss` in the training step. Random draws use torch's global RNG (``set_determinism`` seeds it).
+Un-mix (Shen et al., AAAI 2022) mixes in image space: :func:`unmix_draw` chooses a mixture,
+:func:`unmix_crops` applies it before the crop encoder and :func:`unmix_loss` weights the loss in the training
+step. Random draws use torch's global RNG (``set_determinism`` seeds it).
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ __all__ = [
     "FeatureTransformation",
     "HardNegativeMixing",
     "beta_sample",
+    "UnmixDraw",
     "unmix_crops",
+    "unmix_draw",
     "unmix_loss",
 ]
 
@@ -187,11 +190,44 @@ class FeatureTransformation:
 FEATURE_MIXING: dict[str, Callable[..., object]] = {"mochi": HardNegativeMixing, "zhu": FeatureTransformation}
 
 
-def unmix_crops(crop: torch.Tensor, lam: float | torch.Tensor) -> torch.Tensor:
-    """Un-mix's image mixture (Shen et al., "Un-Mix: rethinking image mixtures for
-    unsupervised visual representation learning", AAAI 2022; global mixup): each crop mixed with the
-    crop of the batch's reverse order, ``lam x_b + (1 - lam) x_{B-1-b}``."""
-    return lam * crop + (1 - lam) * crop.flip(0)
+class UnmixDraw(NamedTuple):
+    """One Un-mix mixture: the weight ``lam`` of each crop's own pixels, and ``box`` (one slice per spatial axis)
+    the region pasted from the partner crop, or None for a global mixup."""
+
+    lam: float
+    box: tuple[slice, ...] | None
+
+
+def unmix_draw(crop_size: Sequence[int], alpha: float = 1.0, global_prob: float = 0.5) -> UnmixDraw:
+    """Un-mix's choice of mixture for one step (Shen et al., AAAI 2022, Sec. 3; the authors run it with
+    ``unmix_prob 0.5``), from torch's global RNG: ``lam ~ Beta(alpha, alpha)``; with probability ``global_prob``
+    a global mixup, otherwise a region-level (CutMix) box of side ``(1 - lam)^(1/d)`` of the crop's on each of
+    its ``d`` axes, centred uniformly and clipped to the crop, with ``lam`` reset to the share of the crop
+    outside the box."""
+    mix_globally = float(torch.rand(())) < global_prob
+    lam = float(beta_sample(alpha))
+    if mix_globally:
+        return UnmixDraw(lam, None)
+    side = (1.0 - lam) ** (1.0 / len(crop_size))
+    box = []
+    for n in crop_size:
+        centre, half = int(torch.randint(int(n), ())), int(n * side) // 2
+        box.append(slice(max(centre - half, 0), min(centre + half, int(n))))
+    inside = math.prod(b.stop - b.start for b in box) / math.prod(int(n) for n in crop_size)
+    return UnmixDraw(1.0 - inside, tuple(box))
+
+
+def unmix_crops(crop: torch.Tensor, lam: float | torch.Tensor, box: tuple[slice, ...] | None = None) -> torch.Tensor:
+    """Un-mix's image mixture (Shen et al., "Un-Mix: rethinking image mixtures for unsupervised visual
+    representation learning", AAAI 2022) of each crop with the crop of the batch's reverse order: global mixup
+    ``lam x_b + (1 - lam) x_{B-1-b}`` when ``box`` is None, otherwise the partner's pixels pasted in ``box``
+    (region-level CutMix; ``lam`` is then the share left to ``x_b``, see :func:`unmix_draw`)."""
+    if box is None:
+        return lam * crop + (1 - lam) * crop.flip(0)
+    mixed = crop.clone()
+    region = (slice(None), slice(None), *box)
+    mixed[region] = crop.flip(0)[region]
+    return mixed
 
 
 def unmix_loss(

@@ -16,7 +16,7 @@ from monai.engines import SupervisedTrainer
 from monai.engines.utils import IterationEvents
 from monai.utils.enums import CommonKeys as Keys
 
-from bundle.mixing import beta_sample, unmix_crops, unmix_loss
+from bundle.mixing import unmix_crops, unmix_draw, unmix_loss
 
 TRAIN_KEYS = ("image", "crop", "query", "crop_query")
 
@@ -39,11 +39,11 @@ class ContrastiveIterationUpdate:
       times faster (OpenMP threads wait for each other at every operation), on an idle one they are not.
       The chosen count stays set for the process (the data pipeline and validation run with it too).
 
-    ``mixing``: ``"none"`` or ``"unmix"`` (Un-mix, Shen et al. AAAI 2022): each step draws
-    ``lam ~ Beta(unmix_alpha, unmix_alpha)`` from torch's global RNG, mixes the crops with the batch's reverse
+    ``mixing``: ``"none"`` or ``"unmix"`` (Un-mix, Shen et al. AAAI 2022): each step draws a mixture
+    (:func:`bundle.mixing.unmix_draw`: global mixup with probability ``unmix_global_prob``, else a CutMix box;
+    ``lam ~ Beta(unmix_alpha, unmix_alpha)``) from torch's global RNG, mixes the crops with the batch's reverse
     and adds the mixed crops' loss ``lam L_own + (1 - lam) L_partner`` to the plain crops' loss (Un-mix keeps
-    both branches; its alternation of global mixup with region-level CutMix is not implemented: global mixup
-    only). The feature-space methods are the loss's ``mixing``.
+    both branches). The feature-space methods are the loss's ``mixing``.
     """
 
     def __init__(
@@ -54,6 +54,7 @@ class ContrastiveIterationUpdate:
         retune_every: int = 200,
         mixing: str = "none",
         unmix_alpha: float = 1.0,
+        unmix_global_prob: float = 0.5,
     ) -> None:
         if not (num_threads is None or num_threads == "auto" or (isinstance(num_threads, int) and num_threads >= 1)):
             raise ValueError(f"num_threads must be None, 'auto' or a positive integer, got {num_threads!r}")
@@ -63,7 +64,9 @@ class ContrastiveIterationUpdate:
             raise ValueError(f"mixing must be 'none' or 'unmix' (mochi / zhu are the loss's), got {mixing!r}")
         if not unmix_alpha > 0:
             raise ValueError(f"unmix_alpha must be positive, got {unmix_alpha}")
-        self.mixing, self.unmix_alpha = mixing, float(unmix_alpha)
+        if not 0.0 <= unmix_global_prob <= 1.0:
+            raise ValueError(f"unmix_global_prob must be a probability in [0, 1], got {unmix_global_prob}")
+        self.mixing, self.unmix_alpha, self.unmix_global_prob = mixing, float(unmix_alpha), float(unmix_global_prob)
         self.channels_last = bool(channels_last)
         self.num_threads, self.trials, self.retune_every = num_threads, int(trials), int(retune_every)
         most = torch.get_num_threads()
@@ -99,7 +102,7 @@ class ContrastiveIterationUpdate:
             raise KeyError(f"training batch lacks {missing}: the view-pair sampler must produce {list(TRAIN_KEYS)}")
         device, nb = engine.state.device, engine.non_blocking
         image, crop, query, crop_query = (torch.as_tensor(batchdata[k]).to(device, non_blocking=nb) for k in TRAIN_KEYS)
-        lam = float(beta_sample(self.unmix_alpha)) if self.mixing == "unmix" else None
+        unmix = unmix_draw(crop.shape[2:], self.unmix_alpha, self.unmix_global_prob) if self.mixing == "unmix" else None
         network = engine.network
         on_cpu = torch.device(device).type == "cpu"
         threads = self._threads_for_this_step() if on_cpu else None
@@ -120,10 +123,10 @@ class ContrastiveIterationUpdate:
             engine.fire_event(IterationEvents.FORWARD_COMPLETED)
             sizes = (tuple(image.shape[2:]), tuple(crop.shape[2:]))
             loss = engine.loss_function(image_features, crop_features, query, crop_query, *sizes)
-            if lam is not None:  # Un-mix: the mixed crops' loss beside the plain one
-                mixed_features = network.encode_crops(unmix_crops(crop, lam))
+            if unmix is not None:  # Un-mix: the mixed crops' loss beside the plain one
+                mixed_features = network.encode_crops(unmix_crops(crop, unmix.lam, unmix.box))
                 loss = loss + unmix_loss(
-                    engine.loss_function, image_features, mixed_features, query, crop_query, *sizes, lam
+                    engine.loss_function, image_features, mixed_features, query, crop_query, *sizes, unmix.lam
                 )
             engine.state.output = {Keys.IMAGE: image, Keys.LOSS: loss}
             engine.fire_event(IterationEvents.LOSS_COMPLETED)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from bundle.loss import MultiScaleInfoNCELoss
-from bundle.mixing import FeatureTransformation, HardNegativeMixing, beta_sample, unmix_crops, unmix_loss
+from bundle.mixing import FeatureTransformation, HardNegativeMixing, unmix_crops, unmix_draw, unmix_loss
 from bundle.networks.contrastive import ContrastiveLandmarkNet
 from bundle.training_step import ContrastiveIterationUpdate
 
@@ -174,7 +174,36 @@ def test_unmix_mixes_crops_pixelwise_and_weights_own_and_partner_losses(dims):
     torch.testing.assert_close(got, lam * own + (1 - lam) * partner)
 
 
-def test_training_step_unmix_feeds_the_mixed_crop_and_is_reproducible():
+@pytest.mark.parametrize("dims", [2, 3])
+def test_unmix_cutmix_pastes_a_box_of_the_partner_and_lam_is_the_own_share(dims):
+    size = (12, 10, 8)[:dims]
+    crops = torch.rand(3, 1, *size, generator=torch.Generator().manual_seed(1))
+    partner = crops.flip(0)
+    kinds = []
+    for seed in range(40):
+        torch.manual_seed(seed)
+        draw = unmix_draw(size, alpha=1.0, global_prob=0.0)
+        mixed = unmix_crops(crops, draw.lam, draw.box)
+        own = mixed == crops
+        assert ((mixed == partner) | own).all()  # every pixel is the crop's own or its partner's
+        # the partner's pixels fill one axis-aligned box inside the crop (the middle sample is its own partner)
+        pasted = ~own[0, 0]
+        if pasted.any():
+            index = pasted.nonzero()
+            lo, hi = index.min(0).values, index.max(0).values
+            box = tuple(slice(int(a), int(b) + 1) for a, b in zip(lo, hi))
+            assert pasted[box].all() and int(pasted.sum()) == math.prod(s.stop - s.start for s in box)
+        assert draw.lam == pytest.approx(float(own[0].float().mean()))  # lam: the crop's own share
+        kinds.append(draw.box is None)
+    assert not any(kinds)
+    torch.manual_seed(0)
+    assert all(unmix_draw(size, global_prob=1.0).box is None for _ in range(20))
+    global_share = sum(unmix_draw(size, global_prob=0.5).box is None for _ in range(400)) / 400
+    assert 0.4 < global_share < 0.6
+
+
+@pytest.mark.parametrize("global_prob", [1.0, 0.0])
+def test_training_step_unmix_feeds_the_mixed_crop_and_is_reproducible(global_prob):
     g = torch.Generator().manual_seed(0)
     batch = {
         "image": torch.rand(2, 1, 32, 32, generator=g),
@@ -200,17 +229,24 @@ def test_training_step_unmix_feeds_the_mixed_crop_and_is_reproducible():
             fire_event=lambda event: None,
         )
         torch.manual_seed(7)
-        lam = float(beta_sample(1.0))
+        draw = unmix_draw((16, 16), 1.0, global_prob)
+        lam = draw.lam
+        expected = lam * batch["crop"] + (1 - lam) * batch["crop"].flip(0)
+        if draw.box is not None:  # CutMix: the partner's pixels in the box, the crop's own elsewhere
+            inside = torch.zeros(16, 16, dtype=torch.bool)
+            inside[draw.box] = True
+            expected = torch.where(inside, batch["crop"].flip(0), batch["crop"])
         before = copy.deepcopy(net)  # the weights the step's loss saw (its encode_crops is still the recording one)
 
         def before_crops(x, before=before):
             return ContrastiveLandmarkNet.encode_crops(before, x)
 
         torch.manual_seed(7)
-        losses.append(float(ContrastiveIterationUpdate(mixing="unmix")(engine, dict(batch))["loss"]))
+        step = ContrastiveIterationUpdate(mixing="unmix", unmix_global_prob=global_prob)
+        losses.append(float(step(engine, dict(batch))["loss"]))
         # the plain crops, then the mixed ones; the loss is the plain loss plus the mixed crops' weighted loss
         torch.testing.assert_close(seen[-2], batch["crop"])
-        torch.testing.assert_close(seen[-1], lam * batch["crop"] + (1 - lam) * batch["crop"].flip(0))
+        torch.testing.assert_close(seen[-1], expected)
         args = (before(batch["image"]), batch["query"], batch["crop_query"], (32, 32), (16, 16))
         mixed = seen[-1]
         plain = MultiScaleInfoNCELoss(0.1, 3)(args[0], before_crops(batch["crop"]), *args[1:])
@@ -234,6 +270,7 @@ def test_training_step_unmix_feeds_the_mixed_crop_and_is_reproducible():
         (lambda: MultiScaleInfoNCELoss(mixing="zhu", zhu_neg_alpha=-1.0), "zhu_neg_alpha"),
         (lambda: ContrastiveIterationUpdate(mixing="mochi"), "mixing"),
         (lambda: ContrastiveIterationUpdate(mixing="unmix", unmix_alpha=0.0), "unmix_alpha"),
+        (lambda: ContrastiveIterationUpdate(mixing="unmix", unmix_global_prob=1.5), "unmix_global_prob"),
     ],
 )
 def test_bad_settings_name_their_key(make, key):
@@ -245,9 +282,12 @@ def test_bad_settings_name_their_key(make, key):
 def test_the_training_config_turns_each_method_on(mixing):
     from bundle.configs import bundle_parser
 
-    parser = bundle_parser(["configs/train.yaml"], mixing=mixing, unmix_alpha=0.5, zhu_neg_alpha=1.2)
+    parser = bundle_parser(
+        ["configs/train.yaml"], mixing=mixing, unmix_alpha=0.5, unmix_global_prob=0.25, zhu_neg_alpha=1.2
+    )
     loss, step = parser.get_parsed_content("loss"), parser.get_parsed_content("train#trainer#iteration_update")
     assert loss.mixing == (mixing if mixing in ("mochi", "zhu") else "none")
     assert step.mixing == (mixing if mixing == "unmix" else "none") and step.unmix_alpha == 0.5
+    assert step.unmix_global_prob == 0.25
     if mixing == "zhu":
         assert loss.mixer.neg_alpha == 1.2
