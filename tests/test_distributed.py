@@ -12,25 +12,9 @@ import torch
 
 from bundle.data.synthetic import generate_synthetic_2d
 
+from training_args import tiny_training_args
+
 ROOT = Path(__file__).resolve().parents[1]
-TINY = [
-    "--epochs",
-    "2",
-    "--epoch_length",
-    "2",
-    "--val_interval",
-    "2",
-    "--batch_size",
-    "2",
-    "--image_size",
-    "[64,64]",
-    "--crop_size",
-    "[32,32]",
-    "--num_queries",
-    "4",
-    "--progress_bar",
-    "False",
-]
 
 
 @pytest.mark.slow
@@ -62,7 +46,7 @@ def test_two_gloo_processes_train_and_rank0_writes_one_checkpoint(tmp_path):
         str(models),
         "--output_dir",
         str(tmp_path / "out"),
-        *TINY,
+        *tiny_training_args(2),
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)

@@ -16,26 +16,10 @@ import torch
 from bundle.checkpoints import resume_path
 from bundle.data.synthetic import generate_synthetic_2d
 
+from training_args import tiny_training_args
+
 ROOT = Path(__file__).resolve().parents[1]
 EPOCHS = 6
-TINY = [
-    "--epoch_length",
-    "2",
-    "--val_interval",
-    "2",
-    "--batch_size",
-    "2",
-    "--image_size",
-    "[64,64]",
-    "--crop_size",
-    "[32,32]",
-    "--num_queries",
-    "4",
-    "--progress_bar",
-    "False",
-    "--epochs",
-    str(EPOCHS),
-]
 
 
 def _command(datalist: Path, models: Path, out: Path, *extra: str) -> list[str]:
@@ -53,7 +37,7 @@ def _command(datalist: Path, models: Path, out: Path, *extra: str) -> list[str]:
         str(models),
         "--output_dir",
         str(out),
-        *TINY,
+        *tiny_training_args(EPOCHS),
         *extra,
     ]
 
