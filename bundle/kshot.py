@@ -15,24 +15,37 @@ import torch
 COMBINE_RULES = ("geometric_median", "median", "mean")
 
 
-def geometric_median(points: torch.Tensor, iterations: int = 100, tolerance: float = 1e-6) -> torch.Tensor:
-    """Geometric median over the first axis: ``(K, ..., D)`` -> ``(..., D)``, NaN points ignored.
+def geometric_median(points: torch.Tensor, iterations: int = 1000, tolerance: float = 1e-10) -> torch.Tensor:
+    """Geometric median over the first axis: ``(K, ..., D)`` -> ``(..., D)`` (float64), NaN points ignored.
 
-    Weiszfeld's iteration from the coordinate-wise median, with the distance floored at ``tolerance``
-    (so a current estimate that coincides with a point does not divide by zero); it stops when no
-    estimate moves by more than ``tolerance``. Where every point is NaN the result is NaN.
+    Weiszfeld's iteration with Vardi and Zhang's step (Proc. Natl. Acad. Sci. 2000), from the coordinate-wise
+    median: points at the current estimate are left out of the weighted mean and pull the estimate back in
+    proportion to their number, so a median that lies on a point (ties of grid-quantised peaks) is reached
+    exactly instead of approached ever more slowly. Scale-free: "at the estimate" and the stopping step are
+    ``tolerance`` times the points' spread around the start, so the result scales with the points (the same
+    landmarks in pixels and in mm). Where every point is NaN the result is NaN. TorchScript-compatible: the
+    exported points network (:mod:`bundle.networks.landmark_points`) scripts this function.
     """
-    p = torch.as_tensor(points, dtype=torch.float64)
+    p = points.to(torch.float64)
     valid = ~torch.isnan(p).any(dim=-1, keepdim=True)  # (K, ..., 1)
-    filled = torch.where(valid, p, torch.zeros((), dtype=p.dtype))
-    estimate = torch.nanmedian(p, dim=0).values
+    filled = torch.where(valid, p, torch.zeros_like(p))
+    estimate = torch.nanmedian(p, dim=0)[0]
+    start = torch.linalg.vector_norm(filled - estimate, dim=-1, keepdim=True)
+    spread = torch.where(valid, start, torch.zeros_like(start)).amax(0)  # (..., 1)
+    floor = torch.where(spread > 0, tolerance * spread, torch.ones_like(spread))
     for _ in range(iterations):
-        distance = (filled - estimate).norm(dim=-1, keepdim=True).clamp_min(tolerance)
-        weight = valid / distance
-        updated = (weight * filled).sum(0) / weight.sum(0)
-        moved = (updated - estimate).norm(dim=-1)
+        difference = filled - estimate
+        distance = torch.linalg.vector_norm(difference, dim=-1, keepdim=True)
+        at_estimate = valid & (distance <= floor)
+        weight = (valid & ~at_estimate).to(p.dtype) / torch.maximum(distance, floor)
+        mean = (weight * filled).sum(0) / torch.maximum(weight.sum(0), torch.full_like(floor, 1e-300))
+        pull = torch.linalg.vector_norm((weight * torch.where(valid, difference, filled)).sum(0), dim=-1, keepdim=True)
+        ties = at_estimate.to(p.dtype).sum(0)
+        stay = torch.where(pull > 0, torch.clamp(ties / pull, max=1.0), torch.ones_like(pull))
+        updated = (1.0 - stay) * mean + stay * estimate
+        moved = torch.linalg.vector_norm(updated - estimate, dim=-1, keepdim=True)
         estimate = updated
-        if not bool((moved > tolerance).any()):
+        if not bool((moved > floor).any()):
             break
     return estimate
 

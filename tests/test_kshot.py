@@ -36,6 +36,26 @@ def test_geometric_median_matches_a_numerical_minimiser_of_summed_distances():
         )
 
 
+def test_geometric_median_on_a_tied_point_is_exact_and_scales_with_the_points():
+    # three templates agree on a grid position, two others scatter: the median is the agreed point itself
+    points = torch.tensor([[[4.0, 7.0]], [[4.0, 7.0]], [[4.0, 7.0]], [[9.0, 7.0]], [[4.0, 1.0]]], dtype=torch.float64)
+    torch.testing.assert_close(
+        geometric_median(points), torch.tensor([[4.0, 7.0]], dtype=torch.float64), rtol=0, atol=1e-12
+    )
+    # grid-quantised peaks with ties (what K templates give on a feature grid), in pixels and in mm
+    g = torch.Generator().manual_seed(3)
+    peaks = torch.randint(0, 6, (7, 200, 2), generator=g).to(torch.float64)
+    for spacing in (0.1, 0.12, 2.5, 1000.0):
+        torch.testing.assert_close(
+            geometric_median(spacing * peaks) / spacing, geometric_median(peaks), rtol=0, atol=1e-8
+        )
+    # each result minimises the summed distances: no grid-neighbour offset of it does better
+    median = geometric_median(peaks)
+    cost = (peaks - median).norm(dim=-1).sum(0)
+    for step in ([1e-3, 0.0], [0.0, 1e-3], [-1e-3, 0.0], [0.0, -1e-3]):
+        assert ((peaks - (median + torch.tensor(step, dtype=torch.float64))).norm(dim=-1).sum(0) >= cost - 1e-12).all()
+
+
 def test_combine_ignores_missing_votes_and_keeps_all_missing_landmarks_nan():
     nan = float("nan")
     p = torch.tensor(

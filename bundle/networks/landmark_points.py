@@ -2,7 +2,7 @@
 
 :class:`LandmarkPointsNet` is the ``network_def`` of ``configs/inference.yaml``: the contrastive network followed
 by one-shot matching against a template feature file (:mod:`bundle.export`), TorchScript-scriptable;
-:func:`geometric_median_script` combines its templates' peaks.
+:func:`bundle.kshot.geometric_median` combines its templates' peaks.
 """
 
 from __future__ import annotations
@@ -14,29 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from bundle.export import check_template, load_template
+from bundle.kshot import geometric_median
 
-__all__ = ["LandmarkPointsNet", "geometric_median_script"]
-
-
-def geometric_median_script(points: torch.Tensor, iterations: int = 100, tolerance: float = 1e-6) -> torch.Tensor:
-    """:func:`bundle.kshot.geometric_median` written for TorchScript: ``(K, ..., D)`` -> ``(..., D)``, NaN ignored.
-
-    Weiszfeld's iteration from the coordinate-wise median of the valid points, distances floored at
-    ``tolerance``, stopping when no estimate moves by more than ``tolerance`` (tested against the original).
-    """
-    p = points.to(torch.float64)
-    valid = ~torch.isnan(p).any(dim=-1, keepdim=True)
-    filled = torch.where(valid, p, torch.zeros_like(p))
-    estimate = torch.nanmedian(p, dim=0)[0]
-    for _ in range(iterations):
-        distance = torch.linalg.vector_norm(filled - estimate, dim=-1, keepdim=True).clamp_min(tolerance)
-        weight = valid.to(p.dtype) / distance
-        updated = (weight * filled).sum(0) / weight.sum(0)
-        moved = torch.linalg.vector_norm(updated - estimate, dim=-1)
-        estimate = updated
-        if not bool((moved > tolerance).any()):
-            break
-    return estimate
+__all__ = ["LandmarkPointsNet"]
 
 
 class LandmarkPointsNet(torch.nn.Module):
@@ -99,4 +79,4 @@ class LandmarkPointsNet(torch.nn.Module):
         peaks = torch.stack(coords, dim=-1).to(torch.float64).reshape(b, k, n, len(grid)).transpose(0, 1)
         missing = ~self.valid[:, None, :, None].expand(k, b, n, len(grid))
         peaks = peaks.masked_fill(missing, float("nan"))
-        return geometric_median_script(peaks).to(torch.float32)
+        return geometric_median(peaks).to(torch.float32)
