@@ -32,9 +32,10 @@ from bundle.data.dicom import (
     dicom_series_datalist,
     dicom_xray_datalist,
     header_spacing,
+    read_header,
     voi_window,
 )
-from bundle.data.images import load_grey
+from bundle.data.images import ImageError, load_grey
 from bundle.data.markups import ControlPoint, write_markups
 from bundle.data.synthetic import generate_synthetic_2d
 from bundle.transforms.landmarks import LandmarkTargetsd
@@ -324,6 +325,19 @@ def test_two_frame_file_is_refused_naming_it(tmp_path):
     with pytest.raises(RuntimeError) as record:  # through the configured pipeline, the cause names the file
         load_2d(path)
     assert "cine.dcm: 2 frames" in str(record.value.__cause__)
+
+
+def test_truncated_file_is_refused_naming_it_as_a_dicom_file(tmp_path):
+    path = write_xray(tmp_path / "cut.dcm", ramp().astype(np.uint16), bits_stored=12, PixelSpacing=[0.1, 0.1])
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ImageError, match=r"cannot read image \S*cut\.dcm \(a DICOM file whose data cannot be decoded"):
+        load_grey(str(path), 2)
+    with pytest.raises(DicomError, match=r"cut\.dcm: unreadable DICOM file: truncated, or not DICOM"):
+        read_header(path)
+    (tmp_path / "empty.dcm").write_bytes(b"")
+    with pytest.raises(ImageError, match=r"empty\.dcm \(empty file, 0 bytes\)"):
+        load_grey(str(tmp_path / "empty.dcm"), 2)
 
 
 def test_malformed_spacing_tag_names_file_and_tag(tmp_path):

@@ -53,7 +53,9 @@ def _check_item(item: Any, where: str, spatial_dims: int, n_landmarks: int, base
         lms = item["landmarks"]
         if not isinstance(lms, list) or len(lms) != n_landmarks:
             got = len(lms) if isinstance(lms, list) else type(lms).__name__
-            raise DatalistError(f"{where}.landmarks: expected {n_landmarks} landmarks (one per landmark_names entry), got {got}")
+            raise DatalistError(
+                f"{where}.landmarks: expected {n_landmarks} landmarks (one per landmark_names entry), got {got}"
+            )
         for j, p in enumerate(lms):
             if p is None:
                 continue
@@ -62,7 +64,9 @@ def _check_item(item: Any, where: str, spatial_dims: int, n_landmarks: int, base
                 or len(p) != spatial_dims
                 or not all(isinstance(v, (int, float)) and math.isfinite(v) for v in p)
             ):
-                raise DatalistError(f"{where}.landmarks[{j}]: expected null or {spatial_dims} finite numbers, got {p!r}")
+                raise DatalistError(
+                    f"{where}.landmarks[{j}]: expected null or {spatial_dims} finite numbers, got {p!r}"
+                )
         out["landmarks"] = [None if p is None else [float(v) for v in p] for p in lms]
     if "spacing" in item and item["spacing"] is not None:
         sp = item["spacing"]
@@ -109,13 +113,16 @@ def load_datalist(path: str | os.PathLike, check_files: bool = True) -> dict:
             for i, it in enumerate(items)
         ]
     if data.get("template") is not None:
-        out["template"] = _check_template(data["template"], f"{path}:template", spatial_dims, len(names), base, check_files)
+        out["template"] = _check_template(
+            data["template"], f"{path}:template", spatial_dims, len(names), base, check_files
+        )
     templates = data.get("templates")
     if templates is not None:
         if not isinstance(templates, list):
             raise DatalistError(f"{path}: 'templates' must be a list of items with landmarks")
         out["templates"] = [
-            _check_template(it, f"{path}:templates[{i}]", spatial_dims, len(names), base, check_files) for i, it in enumerate(templates)
+            _check_template(it, f"{path}:templates[{i}]", spatial_dims, len(names), base, check_files)
+            for i, it in enumerate(templates)
         ]
     return out
 

@@ -93,7 +93,9 @@ def is_dicom_file(path: str | Path) -> bool:
 
 def dicom_tags(meta: Mapping) -> dict[str, str]:
     """The DICOM elements of an ITK meta dictionary, ``{"gggg|eeee": stripped text}`` (lower-case tags)."""
-    return {k.lower(): str(v).strip().strip("\x00").strip() for k, v in meta.items() if isinstance(k, str) and _TAG.match(k)}
+    return {
+        k.lower(): str(v).strip().strip("\x00").strip() for k, v in meta.items() if isinstance(k, str) and _TAG.match(k)
+    }
 
 
 def _tag(tag: str) -> str:
@@ -166,7 +168,9 @@ def voi_window(values: np.ndarray, center: float, width: float, function: str = 
     raise ValueError(f"unknown VOI LUT function {function!r} (LINEAR, LINEAR_EXACT or SIGMOID)")
 
 
-def xray_intensities(values: np.ndarray, tags: Mapping[str, str], where: str = "DICOM file", apply_window: bool = True) -> np.ndarray:
+def xray_intensities(
+    values: np.ndarray, tags: Mapping[str, str], where: str = "DICOM file", apply_window: bool = True
+) -> np.ndarray:
     """MONOCHROME2 presentation values of the pixels ITK (GDCM) read from an X-ray file (see the module doc).
 
     ``values`` are GDCM's output: bits above Bits Stored masked, the modality rescale applied, and for
@@ -181,13 +185,19 @@ def xray_intensities(values: np.ndarray, tags: Mapping[str, str], where: str = "
     """
     photometric = tags.get(PHOTOMETRIC, "MONOCHROME2").upper()
     if photometric not in ("MONOCHROME1", "MONOCHROME2"):
-        raise DicomError(f"{where}: {_tag(PHOTOMETRIC)} is {photometric!r}; a greyscale X-ray (MONOCHROME1 or MONOCHROME2) is expected")
+        raise DicomError(
+            f"{where}: {_tag(PHOTOMETRIC)} is {photometric!r}; "
+            "a greyscale X-ray (MONOCHROME1 or MONOCHROME2) is expected"
+        )
     x = np.asarray(values, dtype=np.float64)
     centers = _numbers(tags, WINDOW_CENTER, where)
     widths = _numbers(tags, WINDOW_WIDTH, where)
     window = apply_window and centers is not None and widths is not None
     if not window and apply_window and tags.get(VOI_LUT_SEQUENCE) is not None:
-        warnings.warn(f"{where}: a VOI LUT Sequence (0028,3010) without a window is not applied; the full range is used", stacklevel=2)
+        warnings.warn(
+            f"{where}: a VOI LUT Sequence (0028,3010) without a window is not applied; the full range is used",
+            stacklevel=2,
+        )
     if not window:  # MONOCHROME1: GDCM's inversion is MONOCHROME2 already (up to an offset ScaleIntensityd removes)
         return x
     if photometric == "MONOCHROME1":
@@ -195,7 +205,9 @@ def xray_intensities(values: np.ndarray, tags: Mapping[str, str], where: str = "
             raise DicomError(f"{where}: signed {_tag(PIXEL_REPRESENTATION)} MONOCHROME1 images are not supported")
         bits = (_numbers(tags, BITS_STORED, where, 1) or [0.0])[0]
         if not 1 <= bits <= 32:
-            raise DicomError(f"{where}: {_tag(BITS_STORED)} must be 1..32 for MONOCHROME1, got {tags.get(BITS_STORED)!r}")
+            raise DicomError(
+                f"{where}: {_tag(BITS_STORED)} must be 1..32 for MONOCHROME1, got {tags.get(BITS_STORED)!r}"
+            )
         slope = (_numbers(tags, RESCALE_SLOPE, where, 1) or [1.0])[0]
         intercept = (_numbers(tags, RESCALE_INTERCEPT, where, 1) or [0.0])[0]
         # GDCM gave slope * (2**bits - 1 - stored) + intercept; the modality value is slope * stored + intercept
@@ -204,7 +216,9 @@ def xray_intensities(values: np.ndarray, tags: Mapping[str, str], where: str = "
     try:
         out = voi_window(x, centers[0], widths[0], function)
     except ValueError as e:
-        raise DicomError(f"{where}: {_tag(WINDOW_CENTER)} / {_tag(WINDOW_WIDTH)} / {_tag(VOI_LUT_FUNCTION)}: {e}") from None
+        raise DicomError(
+            f"{where}: {_tag(WINDOW_CENTER)} / {_tag(WINDOW_WIDTH)} / {_tag(VOI_LUT_FUNCTION)}: {e}"
+        ) from None
     return 1.0 - out if photometric == "MONOCHROME1" else out
 
 
@@ -254,7 +268,10 @@ class XRayDicomd(MapTransform):
             )
         samples = _numbers(tags, SAMPLES_PER_PIXEL, where, 1)
         if (samples is not None and samples[0] != 1) or len(shape) not in (2, 3):
-            raise DicomError(f"{where}: {_tag(SAMPLES_PER_PIXEL)} {tags.get(SAMPLES_PER_PIXEL)}, image {shape}; a greyscale X-ray is expected")
+            raise DicomError(
+                f"{where}: {_tag(SAMPLES_PER_PIXEL)} {tags.get(SAMPLES_PER_PIXEL)}, image {shape}; "
+                "a greyscale X-ray is expected"
+            )
         plane = image.as_tensor().reshape(shape[:2]).numpy()
         pixels = xray_intensities(plane, tags, where, self.apply_window).astype(np.float32)
 
@@ -295,7 +312,9 @@ def read_header(path: str | Path) -> dict[str, str]:
     try:
         reader.ReadImageInformation()
     except RuntimeError as e:
-        raise DicomError(f"{path}: unreadable DICOM header ({str(e).strip().splitlines()[-1]})") from e
+        raise DicomError(
+            f"{path}: unreadable DICOM file: truncated, or not DICOM ({str(e).strip().splitlines()[-1]})"
+        ) from e
     return dicom_tags({k: reader.GetMetaData(k) for k in reader.GetMetaDataKeys()})
 
 
@@ -316,7 +335,9 @@ def check_single_frame(path: Path, tags: Mapping[str, str]) -> None:
     """Refuse a multi-frame or non-greyscale X-ray file, naming it."""
     frames = _numbers(tags, NUMBER_OF_FRAMES, str(path), 1)
     if frames is not None and frames[0] > 1:
-        raise DicomError(f"{path}: {int(frames[0])} frames ({_tag(NUMBER_OF_FRAMES)}); one single-frame 2D X-ray is expected")
+        raise DicomError(
+            f"{path}: {int(frames[0])} frames ({_tag(NUMBER_OF_FRAMES)}); one single-frame 2D X-ray is expected"
+        )
     photometric = tags.get(PHOTOMETRIC, "MONOCHROME2").upper()
     if photometric not in ("MONOCHROME1", "MONOCHROME2"):
         raise DicomError(f"{path}: {_tag(PHOTOMETRIC)} is {photometric!r}; a greyscale X-ray is expected")
@@ -373,8 +394,12 @@ def dicom_xray_datalist(
             f"given (first: {no_spacing[0]}): errors can only be measured in pixels",
             stacklevel=2,
         )
-    return {"name": name or root.name, "spatial_dims": 2, "landmark_names": names,
-            **{s: (items if s == "training" else []) for s in SECTIONS}}
+    return {
+        "name": name or root.name,
+        "spatial_dims": 2,
+        "landmark_names": names,
+        **{s: (items if s == "training" else []) for s in SECTIONS},
+    }
 
 
 def series_ids(folder: Path) -> list[str]:
@@ -433,7 +458,13 @@ def dicom_series_datalist(
         if stem in points:
             item["landmarks"] = markups_landmarks(files[stem], points[stem], names)
         else:
-            warnings.warn(f"{folders[stem]}: no markups file {stem}.fcsv or {stem}.mrk.json: kept without landmarks", stacklevel=2)
+            warnings.warn(
+                f"{folders[stem]}: no markups file {stem}.fcsv or {stem}.mrk.json: kept without landmarks", stacklevel=2
+            )
         items.append(item)
-    return {"name": name or root.name, "spatial_dims": 3, "landmark_names": names,
-            **{s: (items if s == "training" else []) for s in SECTIONS}}
+    return {
+        "name": name or root.name,
+        "spatial_dims": 3,
+        "landmark_names": names,
+        **{s: (items if s == "training" else []) for s in SECTIONS},
+    }

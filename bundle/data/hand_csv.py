@@ -15,8 +15,8 @@ from typing import Sequence
 
 import numpy as np
 
-from bundle.data.datalist import SECTIONS, DatalistError
 from bundle.data.annotations import HEADER_IMAGE_SUFFIXES, IMAGE_SUFFIXES, find_images, natural_key
+from bundle.data.datalist import SECTIONS, DatalistError
 
 
 def read_landmark_csv(path: str | Path) -> dict[str, np.ndarray]:

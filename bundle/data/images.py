@@ -12,6 +12,7 @@ its predictions are meaningless).
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 from typing import Any, Hashable, Mapping
 
 import numpy as np
@@ -39,8 +40,21 @@ def image_name(image: Any, default: str = "image") -> str:
     return str(name) if name else default
 
 
+def _what_is_wrong(files: Any) -> str:
+    """What can be told about an unreadable file without its reader: missing, empty, or a DICOM file."""
+    path = Path(str(files))
+    if not path.is_file():
+        return "" if path.is_dir() else " (no such file)"
+    head = path.open("rb").read(132)
+    if not head:
+        return " (empty file, 0 bytes)"
+    if head[128:132] == b"DICM":
+        return " (a DICOM file whose data cannot be decoded: truncated, or a compression GDCM cannot read)"
+    return ""
+
+
 def _read_error(files: Any, error: Exception) -> ImageError:
-    return ImageError(f"cannot read image {files}: {type(error).__name__}: {error}")
+    return ImageError(f"cannot read image {files}{_what_is_wrong(files)}: {type(error).__name__}: {error}")
 
 
 class LoadImaged(_LoadImaged):
@@ -52,12 +66,17 @@ class LoadImaged(_LoadImaged):
         except ImageError:
             raise
         except Exception as e:
-            files = ", ".join(str(data[k]) for k in self.key_iterator(dict(data))) if isinstance(data, Mapping) else str(data)
+            files = (
+                ", ".join(str(data[k]) for k in self.key_iterator(dict(data)))
+                if isinstance(data, Mapping)
+                else str(data)
+            )
             raise _read_error(files, e) from e
 
 
 def load_image(path: str, **kwargs: Any):
-    """``monai.transforms.LoadImage(image_only=True, **kwargs)(path)``; an unreadable file raises :class:`ImageError`."""
+    """``monai.transforms.LoadImage(image_only=True, **kwargs)(path)``; an unreadable file raises
+    :class:`ImageError`."""
     try:
         return _LoadImage(image_only=True, **kwargs)(path)
     except Exception as e:
@@ -74,7 +93,11 @@ def check_image(
     shape = tuple(int(s) for s in image.shape[1:])
     if len(shape) != spatial_dims:
         hint = {
-            (3, 2): "; volumes need the 3D configuration (merge configs/train_3d.yaml, and configs/evaluate_3d.yaml to evaluate)",
+            (
+                3,
+                2,
+            ): "; volumes need the 3D configuration (merge configs/train_3d.yaml, "
+            "and configs/evaluate_3d.yaml to evaluate)",
             (2, 3): "; 2D images need the 2D configuration (configs/train.yaml without configs/train_3d.yaml)",
         }.get((len(shape), spatial_dims), "")
         raise ImageError(
@@ -92,7 +115,10 @@ def check_image(
         finite = torch.isfinite(values)
         if not bool(finite.all()):
             bad = int((~finite).sum())
-            raise ImageError(f"{name}: {bad} of {finite.numel()} values are NaN or infinite; the image cannot be used (fix or re-export it)")
+            raise ImageError(
+                f"{name}: {bad} of {finite.numel()} values are NaN or infinite; "
+                "the image cannot be used (fix or re-export it)"
+            )
     if not warn_constant:
         return
     lo, hi = values.min(), values.max()
@@ -113,7 +139,9 @@ class CheckImaged(MapTransform):
         min_size: the smallest size accepted along each spatial axis (default :data:`MIN_IMAGE_SIZE`).
     """
 
-    def __init__(self, keys: KeysCollection, spatial_dims: int, min_size: int | None = None, allow_missing_keys: bool = False) -> None:
+    def __init__(
+        self, keys: KeysCollection, spatial_dims: int, min_size: int | None = None, allow_missing_keys: bool = False
+    ) -> None:
         super().__init__(keys, allow_missing_keys)
         if spatial_dims not in (2, 3):
             raise ValueError(f"spatial_dims must be 2 or 3, got {spatial_dims!r}")
@@ -128,7 +156,8 @@ class CheckImaged(MapTransform):
 
 
 def load_grey(path: str, spatial_dims: int) -> tuple[np.ndarray, np.ndarray]:
-    """Image as a spatial float array in [0, 1] (channels averaged; 2D indexed ``[x, y]``) and its voxel-to-world affine.
+    """Image as a spatial float array in [0, 1] (channels averaged; 2D indexed ``[x, y]``) and its voxel-to-world
+    affine.
 
     A DICOM X-ray is made 2D (header spacing, VOI window, MONOCHROME2) as in the pipeline's ``load_transforms``.
     An unreadable file or an image of another dimensionality raises :class:`ImageError` naming the file."""

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bundle.data.datalist import DatalistError
 from bundle.data.annotations import MultiAnnotatorSet, find_images
+from bundle.data.datalist import DatalistError
 
 ISBI_2015_LANDMARK_NAMES = (
     "sella",

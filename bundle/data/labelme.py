@@ -19,6 +19,7 @@ import numpy as np
 from bundle.data.annotations import IMAGE_SUFFIXES, MultiAnnotatorSet, find_images, natural_key
 from bundle.data.datalist import DatalistError, read_json
 
+
 def read_labelme_points(path: str | Path) -> dict[str, list[list[float]]]:
     """The ``point`` shapes of a labelme JSON file as ``{label: [[x, y], ...]}`` (case-folded labels).
 

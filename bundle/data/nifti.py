@@ -16,8 +16,8 @@ from typing import Sequence
 
 import numpy as np
 
-from bundle.data.datalist import SECTIONS, DatalistError
 from bundle.data.annotations import find_images, natural_key
+from bundle.data.datalist import SECTIONS, DatalistError
 from bundle.data.markups import MARKUPS_SUFFIXES, ControlPoint, markups_stem, read_markups
 
 VOLUME_SUFFIXES = (".nii.gz", ".nii")

@@ -145,7 +145,9 @@ def _stroke_outer_corner(vertices: np.ndarray, thickness: float, i: int) -> np.n
     return vertices[i] + thickness / 2 * _unit(d_in - d_out)
 
 
-def _box_sdf(p: Coords, centre: np.ndarray, half: np.ndarray, radius: float, axes: np.ndarray | None = None) -> np.ndarray:
+def _box_sdf(
+    p: Coords, centre: np.ndarray, half: np.ndarray, radius: float, axes: np.ndarray | None = None
+) -> np.ndarray:
     """Signed distance to a box with rounded edges; ``axes`` (D, D) holds the box axes as rows."""
     local = _shift(p, centre)
     local = local if axes is None else _linear(axes, local)
@@ -181,7 +183,9 @@ class _Warp:
     phases: np.ndarray  # (M,)
 
     @classmethod
-    def random(cls, rng: np.random.Generator, dims: int, amplitude: float, frequency: tuple[float, float], modes: int = 4) -> _Warp:
+    def random(
+        cls, rng: np.random.Generator, dims: int, amplitude: float, frequency: tuple[float, float], modes: int = 4
+    ) -> _Warp:
         directions = rng.normal(size=(modes, dims))
         directions /= np.linalg.norm(directions, axis=1, keepdims=True)
         wavevectors = directions * rng.uniform(*frequency, size=(modes, 1))
@@ -192,7 +196,10 @@ class _Warp:
         return cls(amplitudes, wavevectors, rng.uniform(0, 2 * np.pi, size=modes))
 
     def displacement(self, r: Coords) -> Coords:
-        waves = [np.sin(sum(float(k) * x for k, x in zip(wk, r)) + float(ph)) for wk, ph in zip(self.wavevectors, self.phases)]
+        waves = [
+            np.sin(sum(float(k) * x for k, x in zip(wk, r)) + float(ph))
+            for wk, ph in zip(self.wavevectors, self.phases)
+        ]
         return [sum(float(a[d]) * w for a, w in zip(self.amplitudes, waves)) for d in range(len(r))]
 
     def forward(self, r: Coords) -> Coords:
@@ -405,7 +412,12 @@ def _skull_model_2d(rng: np.random.Generator) -> tuple[Callable[[Coords, float],
 
 
 def _xray_levels(rng: np.random.Generator) -> Callable[[dict[str, np.ndarray]], np.ndarray]:
-    background, soft, cavity, bone = rng.uniform(0.02, 0.06), rng.uniform(0.20, 0.26), rng.uniform(0.04, 0.08), rng.uniform(0.40, 0.50)
+    background, soft, cavity, bone = (
+        rng.uniform(0.02, 0.06),
+        rng.uniform(0.20, 0.26),
+        rng.uniform(0.04, 0.08),
+        rng.uniform(0.40, 0.50),
+    )
 
     def compose(layers: dict[str, np.ndarray]) -> np.ndarray:
         bones = sum(v for k, v in layers.items() if k not in ("soft", "cranial_cavity"))
@@ -458,10 +470,16 @@ def _head_model_3d(rng: np.random.Generator) -> tuple[Callable[[Coords, float], 
     """Canonical head in RAS axes (x right, y anterior, z superior), unit ~ half the field of view; landmarks in the
     order of ``LANDMARKS_3D``."""
     head = rng.uniform(0.95, 1.05)  # one size factor for skin and skull, small independent jitter on top
-    skin_c, skin_r = _jitter(rng, (0.0, 0.0, 0.05)), head * np.array([_scaled(rng, r, 0.02) for r in (0.66, 0.80, 0.76)])
+    skin_c, skin_r = (
+        _jitter(rng, (0.0, 0.0, 0.05)),
+        head * np.array([_scaled(rng, r, 0.02) for r in (0.66, 0.80, 0.76)]),
+    )
     face_c, face_r = _jitter(rng, (0.0, 0.22, -0.45)), np.array([0.52, 0.55, 0.38])
     neck = np.array([[0.0, -0.08, -0.2], [0.0, -0.08, -3.0]])
-    skull_c, skull_r = _jitter(rng, (0.0, -0.02, 0.10)), head * np.array([_scaled(rng, r, 0.02) for r in (0.58, 0.72, 0.66)])
+    skull_c, skull_r = (
+        _jitter(rng, (0.0, -0.02, 0.10)),
+        head * np.array([_scaled(rng, r, 0.02) for r in (0.58, 0.72, 0.66)]),
+    )
     skull_t, base_z = _scaled(rng, 0.08, 0.1), -0.30 + rng.normal(0.0, 0.01)
     orbit_r, rim_t = _scaled(rng, 0.12), 0.04
     orbit_right = _jitter(rng, (0.26, 0.50, 0.02))
@@ -485,7 +503,10 @@ def _head_model_3d(rng: np.random.Generator) -> tuple[Callable[[Coords, float], 
         below_base = base_z - q[2]
         orbits = np.minimum(_sphere_sdf(q, orbit_left, orbit_r), _sphere_sdf(q, orbit_right, orbit_r))
         sdf = {
-            "soft": np.minimum(np.minimum(_ellipsoid_sdf(q, skin_c, skin_r), _ellipsoid_sdf(q, face_c, face_r)), _stroke_sdf(q, neck, 0.72)),
+            "soft": np.minimum(
+                np.minimum(_ellipsoid_sdf(q, skin_c, skin_r), _ellipsoid_sdf(q, face_c, face_r)),
+                _stroke_sdf(q, neck, 0.72),
+            ),
             "brain": np.maximum(skull_outer + skull_t, below_base),
             "skull": np.maximum(np.maximum(_shell(skull_outer, skull_t), below_base), -orbits),
             "orbit_rim": np.abs(orbits - rim_t / 2) - rim_t / 2,
@@ -550,8 +571,11 @@ def _lps_like_affine(rng: np.random.Generator, shape: Sequence[int], spacing: Se
     return affine
 
 
-def subject_3d(seed: int, split: str, index: int, shape: Sequence[int] = (64, 64, 64), spacing: Sequence[float] = (2.0, 2.0, 2.0)) -> PhantomSubject:
-    """The 3D subject that ``generate_synthetic_3d(seed=seed, shape=shape, spacing=spacing)`` writes as ``split`` item ``index``."""
+def subject_3d(
+    seed: int, split: str, index: int, shape: Sequence[int] = (64, 64, 64), spacing: Sequence[float] = (2.0, 2.0, 2.0)
+) -> PhantomSubject:
+    """The 3D subject that ``generate_synthetic_3d(seed=seed, shape=shape, spacing=spacing)`` writes as ``split``
+    item ``index``."""
     rng = np.random.default_rng([int(seed), 3, SPLIT_CODES[split], int(index)])
     model, landmarks = _head_model_3d(rng)
     affine = _lps_like_affine(rng, shape, spacing)
@@ -577,7 +601,9 @@ def _render_ct(subject: PhantomSubject, shape: Sequence[int]) -> np.ndarray:
     volume = subject.compose(subject._layers(world)).reshape(shape)
     texture = gaussian_filter(rng.standard_normal(tuple(shape), dtype=np.float32), sigma=1.5)
     texture /= texture.std()
-    volume += texture * np.where(volume > -500.0, 5.0 + 0.06 * np.maximum(volume - 100.0, 0.0), 0.0)  # tissue and bone only
+    volume += texture * np.where(
+        volume > -500.0, 5.0 + 0.06 * np.maximum(volume - 100.0, 0.0), 0.0
+    )  # tissue and bone only
     volume = volume + rng.normal(0.0, rng.uniform(8.0, 20.0), size=shape)
     return np.clip(np.round(volume), -1024, 3071).astype(np.int16)
 
@@ -593,7 +619,9 @@ def _check_counts(**counts: int) -> None:
 
 def _check_sizes(key: str, values: Sequence, dims: int, minimum: float, integer: bool) -> None:
     ok = isinstance(values, (list, tuple, np.ndarray)) and len(values) == dims
-    ok = ok and all(isinstance(v, (int, np.integer) if integer else (int, float, np.number)) and v >= minimum for v in values)
+    ok = ok and all(
+        isinstance(v, (int, np.integer) if integer else (int, float, np.number)) and v >= minimum for v in values
+    )
     if not ok:
         kind = "integers" if integer else "numbers"
         raise ValueError(f"{key} must be {dims} {kind} >= {minimum}, got {values!r}")
@@ -648,11 +676,16 @@ def generate_synthetic_2d(
         _check_inside(landmarks, np.asarray(size) - 1, name)
         with atomic_path(out_dir / "images" / name) as tmp:
             Image.fromarray(_render_xray(subject, size)).save(tmp, format="PNG")
-        item = {"image": f"images/{name}", "landmarks": landmarks.round(4).tolist(), "spacing": [float(s) for s in spacing]}
+        item = {
+            "image": f"images/{name}",
+            "landmarks": landmarks.round(4).tolist(),
+            "spacing": [float(s) for s in spacing],
+        }
         entries.append((split, item))
     header = {
         "name": "synthetic_lateral_skull_2d",
-        "description": "Synthetic X-ray-like lateral skull phantoms (bundle.data.synthetic), landmarks [x, y] in pixels.",
+        "description": "Synthetic X-ray-like lateral skull phantoms (bundle.data.synthetic), "
+        "landmarks [x, y] in pixels.",
         "seed": int(seed),
         "spatial_dims": 2,
         "landmark_names": list(LANDMARKS_2D),
@@ -729,7 +762,8 @@ def ensure_synthetic_dataset(datalist_path: str | os.PathLike, spatial_dims: int
 
 
 def _move_into_place(tmp: Path, target: Path, datalist_name: str) -> None:
-    """Rename ``tmp`` onto ``target`` (absent or empty); into a non-empty ``target`` move the images, then the datalist."""
+    """Rename ``tmp`` onto ``target`` (absent or empty); into a non-empty ``target`` move the images, then the
+    datalist."""
     try:
         os.rename(tmp, target)
         return
@@ -737,6 +771,8 @@ def _move_into_place(tmp: Path, target: Path, datalist_name: str) -> None:
         if (target / datalist_name).is_file() or not target.is_dir():
             raise
     if (target / "images").exists():
-        raise FileExistsError(f"cannot generate the synthetic set into {target}: {target / 'images'} exists but {datalist_name} does not")
+        raise FileExistsError(
+            f"cannot generate the synthetic set into {target}: {target / 'images'} exists but {datalist_name} does not"
+        )
     os.rename(tmp / "images", target / "images")
     os.replace(tmp / datalist_name, target / datalist_name)
