@@ -195,8 +195,10 @@ class ResumeCheckpointLoader(CheckpointLoader):
         checkpoint = read_checkpoint(self.load_path, self.map_location or "cpu", "resume checkpoint")
         missing = [k for k in self.load_dict if k not in checkpoint]
         if missing:
+            held = sorted(map(str, checkpoint))
+            shown = f"{held[:5]} and {len(held) - 5} more" if len(held) > 5 else str(held)
             raise CheckpointError(
-                f"resume checkpoint {self.load_path} lacks {missing} (it holds {sorted(map(str, checkpoint))}): "
+                f"resume checkpoint {self.load_path} lacks {missing} (it holds {shown}): "
                 "resume from the last.pt that training writes, not from a weights file such as model.pt"
             )
         super().__call__(engine)

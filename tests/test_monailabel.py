@@ -340,6 +340,10 @@ def test_strategies_first_and_last_skip_labelled_images(server, tmp_path):
     client = server["client"]
     assert client.next_sample("first", {})["id"] == "test_000"
     assert client.next_sample("last", {})["id"] == "test_003"
+    reply, status = _request(
+        f"{server['base']}/activelearning/nope", data=b"{}", headers={"Content-Type": "application/json"}
+    )
+    assert status == 404 and "'nope'" in reply["detail"] and "'first'" in reply["detail"]
     # a bad label is refused naming the image, and saves nothing
     bad = tmp_path / "bad.mrk.json"
     bad.write_text('{"markups": []}')
@@ -379,6 +383,9 @@ def test_saved_labels_become_the_templates(server):
         ({"min_improvement": [1]}, "min_improvement"),
         ({"network": "unet"}, "network"),
         ({"network": "detector", "holdout": 1.5}, "holdout"),
+        ({"max_epochs": -1}, "epochs"),
+        ({"max_epochs": 2, "epochs": 3}, "max_epochs"),
+        ({"max_epoch": 2}, "max_epoch"),
     ],
 )
 def test_bad_training_values_are_refused_naming_the_key(server, params, key):
@@ -417,10 +424,14 @@ def test_training_reads_the_labels_and_keeps_the_served_model_when_not_better(se
 
 def test_training_publishes_a_better_model(server):
     client, model = server["client"], server["app"] / "model"
-    client.train_start("landmarks", {**TINY_TRAIN, "min_improvement": -1e9})  # any new model counts as better
+    # in MONAI Label's own names: max_epochs and train_batch_size for epochs and batch_size
+    request = {k: v for k, v in TINY_TRAIN.items() if k not in ("epochs", "batch_size")}
+    request.update(max_epochs=1, train_batch_size=1, min_improvement=-1e9)  # any new model counts as better
+    client.train_start("landmarks", request)
     status = _wait_training(server)
     assert status["status"] == "DONE", f"{status}\n{server['log'].read_text()[-4000:]}"
     stats = client.info()["train_stats"]["landmarks"]
+    assert stats["epoch"] == 1  # not the default 10
     assert stats["published"] is True and stats["checkpoint"] == str(model / "model.pt")
     assert stats["best_metric"] == stats["eval"]["metrics"]["mre_trained"]
     reply, _ = _infer_id(server, "test_001")

@@ -79,7 +79,7 @@ class LandmarkApp(MONAILabelApp):
         from landmark_tasks.common import FINAL_TAG
         from landmark_tasks.train import check_detector_labels, validate_options
 
-        options = validate_options(params, spatial_dims=self.context.spatial_dims)
+        options = validate_options(params, spatial_dims=self.context.spatial_dims, strict=True)
         if options.get("network") == "detector":
             check_detector_labels(len(self.datastore().get_labeled_images(FINAL_TAG)))
 
@@ -113,6 +113,17 @@ class LandmarkApp(MONAILabelApp):
         from landmark_tasks.strategy import OrderedStrategy
 
         return {**super().init_strategies(), "first": OrderedStrategy(last=False), "last": OrderedStrategy(last=True)}
+
+    def next_sample(self, request):
+        """MONAI Label's active learning; an unknown strategy is answered 404 naming the strategies."""
+        from fastapi import HTTPException
+
+        strategy = request.get("strategy") or "random"
+        if strategy not in self._strategies:
+            raise HTTPException(
+                status_code=404, detail=f"no strategy {strategy!r}; the strategies are {sorted(self._strategies)}"
+            )
+        return super().next_sample(request)
 
     def infer(self, request, datastore=None):
         """Confine ``image`` to the datastore (or an upload of this request) and answer errors 4xx with their cause."""

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import os
 import re
@@ -40,59 +41,60 @@ def _suffix(filename: str | None) -> str:
     return suffix if _SUFFIX.match(suffix) else ""
 
 
-def install_infer_guard() -> bool:
-    """Wrap ``monailabel.endpoints.infer.run_inference`` (called by the route at request time)."""
+def _install(module: str, name: str, wrap: Callable[[Callable], Callable]) -> bool:
+    """Replace ``module.name`` by ``wrap(original)``, once per process; False (warned) when monailabel has no
+    such module."""
     try:
-        import monailabel.endpoints.infer as endpoint
+        endpoint = importlib.import_module(module)
     except ImportError:  # pragma: no cover - another monailabel layout
-        logger.warning("monailabel.endpoints.infer not found: uploads are not guarded")
+        logger.warning(f"{module} not found: {name} is not guarded")
         return False
-    original = endpoint.run_inference
+    original = getattr(endpoint, name)
     if getattr(original, "_landmark_guard", False):
         return True
-
-    @functools.wraps(original)
-    def run_inference(
-        background_tasks, model, image="", session_id="", params="{}", file=None, label=None, output=None
-    ):
-        if not file:
-            return original(background_tasks, model, image, session_id, params, file, label, output)
-        fd, path = tempfile.mkstemp(prefix="landmarks-upload-", suffix=_suffix(file.filename))
-        try:
-            with os.fdopen(fd, "wb") as out:
-                shutil.copyfileobj(file.file, out)
-            with _lock:
-                _uploads[path] = os.path.basename(file.filename or "upload")
-            return original(background_tasks, model, path, session_id, params, None, label, output)
-        finally:
-            with _lock:
-                _uploads.pop(path, None)
-            Path(path).unlink(missing_ok=True)
-
-    run_inference._landmark_guard = True
-    endpoint.run_inference = run_inference
+    guarded = functools.wraps(original)(wrap(original))
+    guarded._landmark_guard = True
+    setattr(endpoint, name, guarded)
     return True
+
+
+def install_infer_guard() -> bool:
+    """Wrap ``monailabel.endpoints.infer.run_inference`` (called by the route at request time)."""
+
+    def wrap(original: Callable) -> Callable:
+        def run_inference(
+            background_tasks, model, image="", session_id="", params="{}", file=None, label=None, output=None
+        ):
+            if not file:
+                return original(background_tasks, model, image, session_id, params, file, label, output)
+            fd, path = tempfile.mkstemp(prefix="landmarks-upload-", suffix=_suffix(file.filename))
+            try:
+                with os.fdopen(fd, "wb") as out:
+                    shutil.copyfileobj(file.file, out)
+                with _lock:
+                    _uploads[path] = os.path.basename(file.filename or "upload")
+                return original(background_tasks, model, path, session_id, params, None, label, output)
+            finally:
+                with _lock:
+                    _uploads.pop(path, None)
+                Path(path).unlink(missing_ok=True)
+
+        return run_inference
+
+    return _install("monailabel.endpoints.infer", "run_inference", wrap)
 
 
 def install_train_guard(validate: Callable[[dict], object]) -> bool:
     """Wrap ``monailabel.endpoints.train.run_model``: ``validate(params)`` raising ValueError -> 422."""
-    try:
-        import monailabel.endpoints.train as endpoint
-    except ImportError:  # pragma: no cover
-        logger.warning("monailabel.endpoints.train not found: train requests are checked in the training process only")
-        return False
-    original = endpoint.run_model
-    if getattr(original, "_landmark_guard", False):
-        return True
 
-    @functools.wraps(original)
-    def run_model(model, params=None, run_sync=False, enqueue=False):
-        try:
-            validate(dict(params or {}))
-        except ValueError as e:
-            raise HTTPException(status_code=422, detail=str(e)) from None
-        return original(model, params, run_sync, enqueue)
+    def wrap(original: Callable) -> Callable:
+        def run_model(model, params=None, run_sync=False, enqueue=False):
+            try:
+                validate(dict(params or {}))
+            except ValueError as e:
+                raise HTTPException(status_code=422, detail=str(e)) from None
+            return original(model, params, run_sync, enqueue)
 
-    run_model._landmark_guard = True
-    endpoint.run_model = run_model
-    return True
+        return run_model
+
+    return _install("monailabel.endpoints.train", "run_model", wrap)

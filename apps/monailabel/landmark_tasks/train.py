@@ -130,13 +130,41 @@ BUNDLE_OPTIONS = {
 APP_OPTIONS = {"min_improvement": _float, "network": _network, "holdout": _fraction}
 
 
-def validate_options(request: dict, defaults: dict | None = None, spatial_dims: int = 2) -> dict[str, Any]:
+# MONAI Label's own trainers' names for two of the options
+ALIASES = {"max_epochs": "epochs", "train_batch_size": "batch_size"}
+# request keys that MONAI Label itself adds or that its clients send for every app; not options of this task
+SERVER_KEYS = frozenset({"model", "client_id", "gpus", "multi_gpu", "local_rank"})
+
+
+def validate_options(
+    request: dict, defaults: dict | None = None, spatial_dims: int = 2, strict: bool = False
+) -> dict[str, Any]:
     """The training options of ``request`` (over ``defaults``), each checked; a bad one raises ValueError naming it.
 
-    Other request keys (MONAI Label adds ``model``, ``gpus``, ``client_id``, ...) are ignored.
+    MONAI Label's names ``max_epochs`` and ``train_batch_size`` stand for ``epochs`` and ``batch_size``.
+    ``strict`` (a client's request, checked before it is queued): a key that is neither an option nor one of
+    MONAI Label's own (``SERVER_KEYS``) is refused instead of being ignored; in the training process the
+    request also carries what the server adds, so other keys are ignored there.
     """
+    request = dict(request)
+    for alias, key in ALIASES.items():
+        if request.get(alias) is None:
+            continue
+        if request.get(key) is not None and request[key] != request[alias]:
+            raise ValueError(
+                f"train request: {alias!r} ({request[alias]!r:.20}) and {key!r} ({request[key]!r:.20}) "
+                f"disagree; {alias!r} is MONAI Label's name for {key!r}, give one of them"
+            )
+        request[key] = request.pop(alias)
+    options_known = {**BUNDLE_OPTIONS, **APP_OPTIONS}
+    if strict:
+        unknown = sorted(k for k in request if k not in options_known and k not in SERVER_KEYS)
+        if unknown:
+            raise ValueError(
+                f"train request: unknown option {unknown[0]!r}; the options are {sorted([*options_known, *ALIASES])}"
+            )
     options = dict(defaults or {})
-    for key, parse in {**BUNDLE_OPTIONS, **APP_OPTIONS}.items():
+    for key, parse in options_known.items():
         if key not in request or request[key] is None:
             continue
         try:
