@@ -7,9 +7,10 @@
     python scripts/ablation.py report --out runs/hamedan --docs docs [--long runs/hamedan_long]
     python scripts/ablation.py run --plan converged --datalist runs/hamedan/protocol.json --out runs/hamedan_3000 \
         --iterations 3000 --augmentation runs/hamedan/aug_estimated.yaml
-    python scripts/ablation.py report_converged --out runs/hamedan_3000 --docs docs
-    python scripts/ablation.py run --plan comparison --datalist runs/hamedan/protocol.json --out runs/hamedan_mixing \
-        --iterations 3000 --augmentation runs/hamedan/aug_estimated.yaml
+    python scripts/ablation.py report_plan --plan converged --out runs/hamedan_3000 --docs docs
+    python scripts/ablation.py run --plan comparison --datalist runs/hamedan/protocol.json \
+        --out runs/hamedan_comparison --iterations 1500 --augmentation runs/hamedan/aug_estimated.yaml
+    python scripts/ablation.py report_plan --plan comparison --out runs/hamedan_comparison --docs docs
 
 ``run`` trains and evaluates every planned run (:func:`plan`) in turn with the bundle's own commands, the
 same budget for all, and writes ``OUT/<run>/result.json`` (settings, validation and test metrics, training
@@ -20,10 +21,11 @@ labelled images outside the test split (:func:`selection_datalist`), the ranking
 model. ``template_rules`` compares the template rules of the evaluation on one run, without test images.
 ``report`` reads the results and writes the tables (``docs/results.md`` between its
 ``<!-- ablation:begin/end -->`` markers) and the MRE bar plot. ``--plan converged`` runs the ablation at a
-length that converges (:func:`plan_converged`); ``report_converged`` keeps every finished run of it in
-``docs/results_ablation_converged.json`` (run folders may not survive a session) and writes its table between
-the ``<!-- converged:begin/end -->`` markers. ``--plan comparison`` runs the paper's comparison with view-mixing
-methods on the same network (:func:`plan_comparison`).
+length that converges (:func:`plan_converged`), ``--plan comparison`` the paper's comparison with view-mixing
+methods on the same network (:func:`plan_comparison`); ``report_plan`` keeps every finished run of either in
+``docs/results_ablation_converged.json`` / ``docs/results_comparison.json`` (run folders may not survive a
+session) and writes its table between the plan's ``<!-- converged:begin/end -->`` /
+``<!-- comparison:begin/end -->`` markers.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ COMPARISON_ROWS = {  # row: the training's `mixing` (bundle/mixing.py)
     "zhu": "zhu",
 }
 ROW_TITLES.update(
-    unmix="Un-mix (Shen et al. 2022): image mixup of views",
+    unmix="Un-mix (Shen et al. 2022): image mixtures of views",
     mochi="MoCHi (Kalantidis et al. 2020): hard negative mixing",
     zhu="Zhu et al. 2021: positive extrapolation, negative interpolation",
 )
@@ -681,10 +683,27 @@ def report(out: str, docs: str = "docs", long: str | None = None) -> None:
     print(table_text)
 
 
-def converged_table(results: list[dict]) -> str:
-    """The ablation at a converging length as markdown: one line per row (mean ± SD over its seeds) with the
-    MRE gain over the baseline and over entropy sampling alone (means over the same seeds)."""
-    by_row = {row: sorted((r for r in results if r["row"] == row), key=lambda r: r["seed"]) for row in CONVERGED_ROWS}
+# the paper's comparison with view-mixing methods (ISBI 2015 test set): row -> (MRE mm, SDR 2 mm %); the paper's
+# own method scored 2.34 mm / 51.3 % in the same table
+PAPER_COMPARISON = {"baseline": (2.91, 39.9), "unmix": (2.54, 44.8), "mochi": (2.56, 50.4), "zhu": (4.19, 24.4)}
+PAPER_METHOD = (2.34, 51.3)
+COMPARISON_TITLES = {"baseline": "baseline (uniform sampling, high-group estimated intensities everywhere)"}
+GAIN_TITLES = {"baseline": "baseline", "entropy": "+ entropy sampling"}
+# plan -> its rows, the record of its finished runs under docs/, the name of its results.md markers, and the rows
+# whose MRE the gains are measured against
+REPORTS = {
+    "converged": (CONVERGED_ROWS, "results_ablation_converged.json", "converged", ("baseline", "entropy")),
+    "comparison": (COMPARISON_ROWS, "results_comparison.json", "comparison", ("baseline",)),
+}
+
+
+def rows_table(results: list[dict], plan: str) -> str:
+    """The finished runs of a ``converged`` or ``comparison`` plan as markdown: one line per row (mean ± SD over
+    its seeds), the MRE gain over each reference row (means over the seeds both have) and, for the comparison,
+    the paper's numbers beside."""
+    rows, _, _, references = REPORTS[plan]
+    titles = {**ROW_TITLES, **(COMPARISON_TITLES if plan == "comparison" else {})}
+    by_row = {row: sorted((r for r in results if r["row"] == row), key=lambda r: r["seed"]) for row in rows}
 
     def gain(row: str, reference: str) -> str:
         seeds = {r["seed"] for r in by_row[row]} & {r["seed"] for r in by_row[reference]}
@@ -694,39 +713,49 @@ def converged_table(results: list[dict]) -> str:
         gain_pct = 100 * (mean[reference] - mean[row]) / mean[reference]
         return f"{gain_pct:+.1f} % ({len(seeds)} seed{'s' * (len(seeds) > 1)})"
 
+    paper = plan == "comparison"
     lines = [
-        [ROW_TITLES[row], " / ".join(str(r["seed"]) for r in runs)]
+        [titles[row], " / ".join(str(r["seed"]) for r in runs)]
         + _metrics_row(runs)
-        + [gain(row, "baseline"), gain(row, "entropy")]
+        + [gain(row, reference) for reference in references]
+        + (["{:.2f} / {:.1f}".format(*PAPER_COMPARISON[row])] if paper else [])
         for row, runs in by_row.items()
         if runs
     ]
+    head = ["row", "seeds"] + METRIC_HEADER + [f"MRE gain over {GAIN_TITLES[r]}" for r in references]
+    if paper:
+        head.append("the paper (ISBI 2015): MRE mm / SDR 2 mm %")
     budget, rules = sorted({r["iterations"] for r in results}), sorted({r["template_rule"] for r in results})
-    head = ["row", "seeds"] + METRIC_HEADER + ["MRE gain over baseline", "MRE gain over + entropy sampling"]
-    return (
+    text = (
         f"Budget per run: {', '.join(map(str, budget))} iterations of batch 8; test template chosen by the rule "
         f"{' / '.join(rules)!r}.\n\n{_table(head, lines)}"
     )
+    if paper:
+        text += "\n\nThe paper's own method scored {:.2f} mm / {:.1f} % in the same table.".format(*PAPER_METHOD)
+    return text
 
 
-def report_converged(out: str, docs: str = "docs") -> None:
-    """Add the finished runs of ``out`` (``--plan converged``) to ``DOCS/results_ablation_converged.json`` (runs
-    recorded earlier stay; a run found in both is taken from ``out``) and write their table into
-    ``DOCS/results.md`` between the ``<!-- converged:begin/end -->`` markers."""
-    record = Path(docs) / "results_ablation_converged.json"
+def report_plan(out: str, plan: str = "converged", docs: str = "docs") -> None:
+    """Add the finished runs of ``out`` (``--plan converged`` or ``comparison``) to the plan's record under
+    ``DOCS`` (runs recorded earlier stay; a run found in both is taken from ``out``) and write their table into
+    ``DOCS/results.md`` between the plan's ``<!-- PLAN:begin/end -->`` markers."""
+    if plan not in REPORTS:
+        raise ValueError(f"plan must be one of {sorted(REPORTS)}, got {plan!r}")
+    rows, record_name, marker, _ = REPORTS[plan]
+    record = Path(docs) / record_name
     runs = {r["name"]: r for r in (json.loads(record.read_text()) if record.is_file() else [])}
     runs.update({r["name"]: r for r in load_results(out)})
     if not runs:
         raise FileNotFoundError(f"{out}: no */result.json yet and nothing recorded in {record}")
-    unknown = sorted(name for name, r in runs.items() if r["row"] not in CONVERGED_ROWS)
+    unknown = sorted(name for name, r in runs.items() if r["row"] not in rows)
     if unknown:
-        raise ValueError(f"{out}: {unknown} are not runs of the converged plan (rows {list(CONVERGED_ROWS)})")
+        raise ValueError(f"{out}: {unknown} are not runs of the {plan} plan (rows {list(rows)})")
     page = Path(docs) / "results.md"
-    begin, end = "<!-- converged:begin -->", "<!-- converged:end -->"
+    begin, end = f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->"
     text = page.read_text()
     if begin not in text or end not in text:
         raise ValueError(f"{page}: the markers {begin} and {end} are missing")
-    table_text = converged_table(list(runs.values()))
+    table_text = rows_table(list(runs.values()), plan)
     head, rest = text.split(begin, 1)
     write_json_atomic(record, [runs[name] for name in sorted(runs)])
     write_text_atomic(page, f"{head}{begin}\n{table_text}\n{end}{rest.split(end, 1)[1]}")
@@ -740,6 +769,6 @@ if __name__ == "__main__":
             "select": select,
             "template_rules": template_rules,
             "report": report,
-            "report_converged": report_converged,
+            "report_plan": report_plan,
         }
     )

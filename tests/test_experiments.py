@@ -149,10 +149,10 @@ def test_converged_report_keeps_earlier_runs_and_gives_both_gains(tmp_path):
     (docs / "results.md").write_text("a\n<!-- converged:begin -->\nold\n<!-- converged:end -->\nb\n")
     for name, mre in (("baseline_s0", 3.0), ("entropy_s0", 2.5)):  # a first session
         fake_result(tmp_path / "first", specs[name], mre, tmp_path / "aug.yaml")
-    ablation.report_converged(str(tmp_path / "first"), str(docs))
+    ablation.report_plan(str(tmp_path / "first"), "converged", str(docs))
     for name, mre in (("full_estimated_s0", 2.0), ("baseline_s1", 4.0), ("entropy_s0", 2.4)):  # the next one, a rerun
         fake_result(tmp_path / "next", specs[name], mre, tmp_path / "aug.yaml")
-    ablation.report_converged(str(tmp_path / "next"), str(docs))
+    ablation.report_plan(str(tmp_path / "next"), "converged", str(docs))
     recorded = {
         r["name"]: r["test"]["mre_mm"] for r in json.loads((docs / "results_ablation_converged.json").read_text())
     }
@@ -171,7 +171,31 @@ def test_converged_report_keeps_earlier_runs_and_gives_both_gains(tmp_path):
     assert not any(line.startswith("| + both, the authors'") for line in page.splitlines())  # not run yet
     fake_result(tmp_path / "sweep", ablation.plan([0])[3], 2.0, tmp_path / "aug.yaml")
     with pytest.raises(ValueError, match="not runs of the converged plan"):
-        ablation.report_converged(str(tmp_path / "sweep"), str(docs))
+        ablation.report_plan(str(tmp_path / "sweep"), "converged", str(docs))
+
+
+def test_comparison_report_puts_the_papers_numbers_beside_each_row(tmp_path):
+    specs = {s["name"]: s for s in ablation.plan_comparison([0, 1])}
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "results.md").write_text("<!-- converged:begin -->\nkept\n<!-- converged:end -->\n")
+    for name, mre in (("baseline_s0", 3.0), ("mochi_s0", 2.7)):
+        fake_result(tmp_path / "runs", specs[name], mre, tmp_path / "aug.yaml")
+    with pytest.raises(ValueError, match="comparison:begin"):
+        ablation.report_plan(str(tmp_path / "runs"), "comparison", str(docs))
+    (docs / "results.md").write_text("x\n<!-- comparison:begin -->\n<!-- comparison:end -->\n")
+    ablation.report_plan(str(tmp_path / "runs"), "comparison", str(docs))
+    page = (docs / "results.md").read_text()
+    mochi = next(line for line in page.splitlines() if line.startswith("| MoCHi"))
+    assert mochi.endswith("| +10.0 % (1 seed) | 2.56 / 50.4 |")  # (3.0 - 2.7) / 3.0, the paper's row beside
+    assert "| baseline (uniform sampling, high-group estimated intensities everywhere) | 0 |" in page
+    assert "The paper's own method scored 2.34 mm / 51.3 %" in page
+    assert [r["name"] for r in json.loads((docs / "results_comparison.json").read_text())] == [
+        "baseline_s0",
+        "mochi_s0",
+    ]
+    with pytest.raises(ValueError, match="not runs of the converged plan"):
+        ablation.report_plan(str(tmp_path / "runs"), "converged", str(docs))
 
 
 def test_selection_datalist_scores_on_labelled_items_outside_test(tmp_path, monkeypatch):
@@ -304,10 +328,10 @@ def test_run_one_passes_the_mixing_and_the_high_group_augmentation(tmp_path, mon
     )
     calls = {}
 
-    def fake_bundle(command, configs, overrides, log):
-        calls[command] = overrides
+    def fake_bundle(command, configs, overrides, log, append=False):
+        calls[command] = dict(overrides, append=append)
         if command == "evaluating":
-            Path(overrides["output_dir"]).mkdir(parents=True)
+            Path(overrides["output_dir"]).mkdir(parents=True, exist_ok=True)
             (Path(overrides["output_dir"]) / "metrics.json").write_text(json.dumps({"mre_mm": 2.0}))
         return 1.0, 1.0, "val_mre_mm: 2.5"
 
@@ -319,3 +343,9 @@ def test_run_one_passes_the_mixing_and_the_high_group_augmentation(tmp_path, mon
     assert train["augmentation#brightness_ranges"] == [[0.5, 1.5]] * 3
     assert train["augmentation#contrast_ranges"] == [[0.6, 1.6]] * 3
     assert result["mixing"] == "mochi" and result["validation_mre_mm"] == 2.5
+    assert "resume" not in train and not train["append"] and result["resumed"] is False
+    # a run that a stopped session interrupted after an epoch: resumed from its last.pt, its log kept
+    (tmp_path / "out" / spec["name"] / "models").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "out" / spec["name"] / "models" / "last.pt").write_bytes(b"x")
+    result = ablation.run_one(spec, "d.json", tmp_path / "out", 20, 10, str(aug))
+    assert calls["training"]["resume"] is True and calls["training"]["append"] and result["resumed"] is True
