@@ -150,8 +150,8 @@ class LandmarkApp(MONAILabelApp):
                     detail=f"landmarks infer: {image!r} is a path; "
                     f"only image ids of the datastore are accepted (or upload the file)",
                 )
-            uri = datastore.get_image_uri(image)
-            if not uri or not os.path.isfile(uri):
+            uri = datastore.get_image_uri(image)  # a file, or a DICOM series folder from a DICOMweb datastore
+            if not uri or not os.path.exists(uri):
                 raise HTTPException(status_code=404, detail=f"landmarks infer: no image {image!r} in the datastore")
             request.update(image=uri, image_id=image, image_name=image)
         try:
