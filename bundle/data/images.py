@@ -11,6 +11,7 @@ its predictions are meaningless).
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 from typing import Any, Hashable, Mapping
@@ -40,12 +41,15 @@ def image_name(image: Any, default: str = "image") -> str:
     return str(name) if name else default
 
 
-def _what_is_wrong(files: Any) -> str:
+def _what_is_wrong(file: Any) -> str:
     """What can be told about an unreadable file without its reader: missing, empty, or a DICOM file."""
-    path = Path(str(files))
+    if not isinstance(file, (str, os.PathLike)):
+        return ""  # a list of files (a series), or not a path at all
+    path = Path(file)
     if not path.is_file():
         return "" if path.is_dir() else " (no such file)"
-    head = path.open("rb").read(132)
+    with path.open("rb") as f:
+        head = f.read(132)
     if not head:
         return " (empty file, 0 bytes)"
     if head[128:132] == b"DICM":
@@ -53,8 +57,11 @@ def _what_is_wrong(files: Any) -> str:
     return ""
 
 
-def _read_error(files: Any, error: Exception) -> ImageError:
-    return ImageError(f"cannot read image {files}{_what_is_wrong(files)}: {type(error).__name__}: {error}")
+def _read_error(files: list, error: Exception) -> ImageError:
+    """The error for ``files`` (what the reader was given: one entry per key) that ``error`` stopped; a single
+    file is also diagnosed (:func:`_what_is_wrong`)."""
+    hint = _what_is_wrong(files[0]) if len(files) == 1 else ""
+    return ImageError(f"cannot read image {', '.join(map(str, files))}{hint}: {type(error).__name__}: {error}")
 
 
 class LoadImaged(_LoadImaged):
@@ -66,11 +73,7 @@ class LoadImaged(_LoadImaged):
         except ImageError:
             raise
         except Exception as e:
-            files = (
-                ", ".join(str(data[k]) for k in self.key_iterator(dict(data)))
-                if isinstance(data, Mapping)
-                else str(data)
-            )
+            files = [data[k] for k in self.key_iterator(dict(data))] if isinstance(data, Mapping) else [data]
             raise _read_error(files, e) from e
 
 
@@ -80,7 +83,7 @@ def load_image(path: str, **kwargs: Any):
     try:
         return _LoadImage(image_only=True, **kwargs)(path)
     except Exception as e:
-        raise _read_error(path, e) from e
+        raise _read_error([path], e) from e
 
 
 def check_image(
