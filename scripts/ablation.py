@@ -37,6 +37,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -683,27 +684,42 @@ def report(out: str, docs: str = "docs", long: str | None = None) -> None:
     print(table_text)
 
 
-# the paper's comparison with view-mixing methods (ISBI 2015 test set): row -> (MRE mm, SDR 2 mm %); the paper's
-# own method scored 2.34 mm / 51.3 % in the same table
-PAPER_COMPARISON = {"baseline": (2.91, 39.9), "unmix": (2.54, 44.8), "mochi": (2.56, 50.4), "zhu": (4.19, 24.4)}
-PAPER_METHOD = (2.34, 51.3)
-COMPARISON_TITLES = {"baseline": "baseline (uniform sampling, high-group estimated intensities everywhere)"}
-GAIN_TITLES = {"baseline": "baseline", "entropy": "+ entropy sampling"}
-# plan -> its rows, the record of its finished runs under docs/, the name of its results.md markers, and the rows
-# whose MRE the gains are measured against
+class PlanReport(NamedTuple):
+    """How ``report_plan`` shows a plan: its rows, the record of its finished runs under docs/ (its table goes
+    between the plan's ``<!-- PLAN:begin/end -->`` markers of results.md), the rows whose MRE the gains are
+    measured against, row titles that differ from ``ROW_TITLES``, the paper's (MRE mm, SDR 2 mm %) per row to
+    show beside (None: no such column) and a sentence after the table."""
+
+    rows: dict
+    record: str
+    references: tuple[str, ...]
+    titles: dict
+    paper: dict | None = None
+    footer: str = ""
+
+
 REPORTS = {
-    "converged": (CONVERGED_ROWS, "results_ablation_converged.json", "converged", ("baseline", "entropy")),
-    "comparison": (COMPARISON_ROWS, "results_comparison.json", "comparison", ("baseline",)),
+    "converged": PlanReport(CONVERGED_ROWS, "results_ablation_converged.json", ("baseline", "entropy"), {}),
+    "comparison": PlanReport(
+        COMPARISON_ROWS,
+        "results_comparison.json",
+        ("baseline",),
+        {"baseline": "baseline (uniform sampling, high-group estimated intensities everywhere)"},
+        # the paper's comparison with view-mixing methods (ISBI 2015 test set)
+        paper={"baseline": (2.91, 39.9), "unmix": (2.54, 44.8), "mochi": (2.56, 50.4), "zhu": (4.19, 24.4)},
+        footer="The paper's own method scored 2.34 mm / 51.3 % in the same table.",
+    ),
 }
+GAIN_TITLES = {"baseline": "baseline", "entropy": "+ entropy sampling"}
 
 
 def rows_table(results: list[dict], plan: str) -> str:
     """The finished runs of a ``converged`` or ``comparison`` plan as markdown: one line per row (mean ± SD over
     its seeds), the MRE gain over each reference row (means over the seeds both have) and, for the comparison,
     the paper's numbers beside."""
-    rows, _, _, references = REPORTS[plan]
-    titles = {**ROW_TITLES, **(COMPARISON_TITLES if plan == "comparison" else {})}
-    by_row = {row: sorted((r for r in results if r["row"] == row), key=lambda r: r["seed"]) for row in rows}
+    spec = REPORTS[plan]
+    titles = {**ROW_TITLES, **spec.titles}
+    by_row = {row: sorted((r for r in results if r["row"] == row), key=lambda r: r["seed"]) for row in spec.rows}
 
     def gain(row: str, reference: str) -> str:
         seeds = {r["seed"] for r in by_row[row]} & {r["seed"] for r in by_row[reference]}
@@ -713,26 +729,23 @@ def rows_table(results: list[dict], plan: str) -> str:
         gain_pct = 100 * (mean[reference] - mean[row]) / mean[reference]
         return f"{gain_pct:+.1f} % ({len(seeds)} seed{'s' * (len(seeds) > 1)})"
 
-    paper = plan == "comparison"
     lines = [
         [titles[row], " / ".join(str(r["seed"]) for r in runs)]
         + _metrics_row(runs)
-        + [gain(row, reference) for reference in references]
-        + (["{:.2f} / {:.1f}".format(*PAPER_COMPARISON[row])] if paper else [])
+        + [gain(row, reference) for reference in spec.references]
+        + (["{:.2f} / {:.1f}".format(*spec.paper[row])] if spec.paper else [])
         for row, runs in by_row.items()
         if runs
     ]
-    head = ["row", "seeds"] + METRIC_HEADER + [f"MRE gain over {GAIN_TITLES[r]}" for r in references]
-    if paper:
+    head = ["row", "seeds"] + METRIC_HEADER + [f"MRE gain over {GAIN_TITLES[r]}" for r in spec.references]
+    if spec.paper:
         head.append("the paper (ISBI 2015): MRE mm / SDR 2 mm %")
     budget, rules = sorted({r["iterations"] for r in results}), sorted({r["template_rule"] for r in results})
     text = (
         f"Budget per run: {', '.join(map(str, budget))} iterations of batch 8; test template chosen by the rule "
         f"{' / '.join(rules)!r}.\n\n{_table(head, lines)}"
     )
-    if paper:
-        text += "\n\nThe paper's own method scored {:.2f} mm / {:.1f} % in the same table.".format(*PAPER_METHOD)
-    return text
+    return f"{text}\n\n{spec.footer}" if spec.footer else text
 
 
 def report_plan(out: str, plan: str = "converged", docs: str = "docs") -> None:
@@ -741,8 +754,8 @@ def report_plan(out: str, plan: str = "converged", docs: str = "docs") -> None:
     ``DOCS/results.md`` between the plan's ``<!-- PLAN:begin/end -->`` markers."""
     if plan not in REPORTS:
         raise ValueError(f"plan must be one of {sorted(REPORTS)}, got {plan!r}")
-    rows, record_name, marker, _ = REPORTS[plan]
-    record = Path(docs) / record_name
+    rows = REPORTS[plan].rows
+    record = Path(docs) / REPORTS[plan].record
     runs = {r["name"]: r for r in (json.loads(record.read_text()) if record.is_file() else [])}
     runs.update({r["name"]: r for r in load_results(out)})
     if not runs:
@@ -751,7 +764,7 @@ def report_plan(out: str, plan: str = "converged", docs: str = "docs") -> None:
     if unknown:
         raise ValueError(f"{out}: {unknown} are not runs of the {plan} plan (rows {list(rows)})")
     page = Path(docs) / "results.md"
-    begin, end = f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->"
+    begin, end = f"<!-- {plan}:begin -->", f"<!-- {plan}:end -->"
     text = page.read_text()
     if begin not in text or end not in text:
         raise ValueError(f"{page}: the markers {begin} and {end} are missing")
