@@ -4,6 +4,8 @@ new outputs."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -412,3 +414,51 @@ def test_prepare_data_refuses_a_truncated_png(tmp_path, capsys):
         and f"cannot read image {root / 'images' / '2.png'}" in err
     )
     assert "image file is truncated" in err and not out.exists()
+
+
+# ---------------------------------------------------------------- the command line: the cause is the last line
+
+
+def test_hook_repeats_the_cause_of_a_wrapped_config_error_only():
+    from bundle.command_errors import report_cause_last
+
+    seen, printed = [], []
+
+    def previous(*args):
+        seen.append(args)
+
+    def report(error):
+        buffer = io.StringIO()
+        with contextlib.redirect_stderr(buffer):
+            report_cause_last(type(error), error, None, previous=previous)
+        printed.append(buffer.getvalue())
+
+    def wrapped(message):
+        try:
+            try:
+                raise FileNotFoundError("x.json: no such file")
+            except FileNotFoundError as inner:
+                raise ValueError("reading the datalist") from inner
+        except ValueError as middle:
+            try:
+                raise RuntimeError(message) from middle
+            except RuntimeError as outer:
+                return outer
+
+    report(wrapped("Failed to evaluate ConfigExpression: $f(1)"))
+    report(wrapped("Failed to instantiate component 'x' with keywords: a"))
+    report(wrapped("something else failed"))
+    report(RuntimeError("Failed to evaluate ConfigExpression: $f(1)"))  # nothing underneath
+    assert len(seen) == 4  # the usual report always comes first
+    assert printed[:2] == ["\nThe cause (above): FileNotFoundError: x.json: no such file\n"] * 2
+    assert printed[2:] == ["", ""]
+
+
+def test_bundle_command_ends_on_the_message_naming_the_file(data2d, tmp_path):
+    datalist = variant(data2d, tmp_path, test=[])
+    command = [sys.executable, "-m", "monai.bundle", "run", "evaluating", "--config_file", str(EVALUATE)]
+    command += ["--bundle_root", str(ROOT), "--datalist", str(datalist), "--output_dir", str(tmp_path / "eval")]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"The cause (above): DatalistError: {datalist}: the 'test' list is empty"), last

@@ -1,0 +1,48 @@
+"""The cause of a failed bundle command as the last line of its traceback.
+
+MONAI's config parser wraps an error raised while it evaluates an expression or instantiates a component of a
+config in ``RuntimeError("Failed to evaluate ...")`` / ``RuntimeError("Failed to instantiate ...")``. A
+``python -m monai.bundle run`` command that refuses bad input therefore ends on that generic line, and the
+message that names the file, key or value at fault is printed dozens of lines above it. Importing this module
+(the configs' ``imports`` do, before any item is evaluated) installs a ``sys.excepthook`` that prints the
+traceback as before and then repeats the innermost cause of such a wrapped error. Other uncaught errors, and
+errors caught by the caller (tests, the MONAI Label server), are untouched.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from types import TracebackType
+
+MONAI_WRAPPERS = ("Failed to evaluate ", "Failed to instantiate ")
+
+
+def innermost_cause(error: BaseException) -> BaseException | None:
+    """The error at the root of MONAI's config-evaluation wrappers around ``error``, or None if it is not one."""
+    if not (isinstance(error, RuntimeError) and str(error).startswith(MONAI_WRAPPERS)):
+        return None
+    cause = error
+    while cause.__cause__ is not None:
+        cause = cause.__cause__
+    return None if cause is error else cause
+
+
+def report_cause_last(
+    exc_type: type[BaseException], error: BaseException, tb: TracebackType | None, previous=sys.__excepthook__
+) -> None:
+    """``sys.excepthook``: the usual report, then ``the cause: <type>: <message>`` for a wrapped config error."""
+    previous(exc_type, error, tb)
+    cause = innermost_cause(error)
+    if cause is not None:
+        print(f"\nThe cause (above): {type(cause).__name__}: {cause}", file=sys.stderr)
+
+
+def install() -> None:
+    """Put :func:`report_cause_last` in front of the current ``sys.excepthook`` (once)."""
+    if getattr(sys.excepthook, "func", None) is report_cause_last:
+        return
+    sys.excepthook = functools.partial(report_cause_last, previous=sys.excepthook)
+
+
+install()
