@@ -63,15 +63,18 @@ ROW_TITLES = {
     "adaptive": "+ adaptive augmentation",
     "full": "+ both (full method)",
 }
-CONVERGED_ROWS = {  # row: (entropy_sampling, adaptive_augmentation, factor ranges: None = the run's --augmentation)
-    "baseline": (False, False, None),
-    "entropy": (True, False, None),
-    "full_estimated": (True, True, None),
-    "full_authors": (True, True, "configs/authors_ranges.yaml"),
+# row: (entropy_sampling, adaptive_augmentation, factor ranges: None = the run's --augmentation, group_mode)
+CONVERGED_ROWS = {
+    "baseline": (False, False, None, None),
+    "entropy": (True, False, None, None),
+    "full_estimated": (True, True, None, "query"),
+    "full_authors": (True, True, "configs/authors_ranges.yaml", "query"),
+    "full_pixel": (True, True, None, "pixel"),
 }
 ROW_TITLES.update(
     full_estimated="+ both, factor ranges of the paper's MI estimator (estimated here)",
     full_authors="+ both, the authors' published factor ranges",
+    full_pixel="+ both, estimated ranges, groups blended per pixel",
 )
 COMPARISON_ROWS = {  # row: the training's `mixing` (bundle/mixing.py)
     "baseline": "none",
@@ -133,10 +136,12 @@ def plan(seeds) -> list[dict]:
 
 
 def plan_converged(seeds) -> list[dict]:
-    """The four rows of the ablation at a length that converges, for each seed: baseline, + entropy sampling, and
+    """The rows of the ablation at a length that converges, for each seed: baseline, + entropy sampling, and
     the full method with the factor ranges of the paper's estimator (``run --augmentation``) and with the
-    authors' published ranges. Both full rows take one information group per crop, the query pixel's
-    (``group_mode: query``, as the authors' code), so that they differ only in the ranges."""
+    authors' published ranges. Those two full rows take one information group per crop, the query pixel's
+    (``group_mode: query``, as the authors' code), so that they differ only in the ranges; a third full row
+    blends the groups' estimated factors per pixel (``group_mode: pixel``), so that it differs from the first
+    only in the form of the augmentation."""
     return [
         run_spec(
             row,
@@ -146,10 +151,10 @@ def plan_converged(seeds) -> list[dict]:
             adaptive,
             gamma=DEFAULT_GAMMA if entropy else 0.0,
             augmentation_file=ranges,
-            group_mode="query" if adaptive else None,
+            group_mode=group_mode,
         )
         for seed in seeds
-        for row, (entropy, adaptive, ranges) in CONVERGED_ROWS.items()
+        for row, (entropy, adaptive, ranges, group_mode) in CONVERGED_ROWS.items()
     ]
 
 

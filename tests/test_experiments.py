@@ -130,13 +130,16 @@ def test_report_adds_the_longer_runs_beside_their_short_runs(tmp_path):
 
 def test_converged_plan_differs_only_in_what_each_row_names():
     runs = {r["name"]: r for r in ablation.plan_converged([0, 1])}
-    assert len(runs) == 8 and {r["seed"] for r in runs.values()} == {0, 1}
+    assert len(runs) == 10 and {r["seed"] for r in runs.values()} == {0, 1}
     estimated, authors = runs["full_estimated_s1"], runs["full_authors_s1"]
     assert authors["augmentation_file"] == "configs/authors_ranges.yaml" and estimated["augmentation_file"] is None
     assert {k: v for k, v in estimated.items() if k not in ("name", "row", "augmentation_file")} == {
         k: v for k, v in authors.items() if k not in ("name", "row", "augmentation_file")
     }
     assert estimated["group_mode"] == "query" and runs["entropy_s0"]["group_mode"] is None
+    pixel = runs["full_pixel_s1"]
+    assert {k for k in estimated if estimated[k] != pixel[k]} == {"name", "row", "group_mode"}
+    assert pixel["group_mode"] == "pixel"
     assert (runs["baseline_s0"]["entropy_sampling"], runs["baseline_s0"]["adaptive_augmentation"]) == (False, False)
     with pytest.raises(ValueError, match="plan must be one of"):
         ablation.run("d.json", str(Path("unused")), plan="long")
