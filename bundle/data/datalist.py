@@ -152,6 +152,17 @@ def _check_template(item: Any, where: str, spatial_dims: int, n_landmarks: int, 
     return item
 
 
+def unsplit_datalist(name: str, spatial_dims: int, landmark_names: list[str], items: list[dict]) -> dict:
+    """A datalist with every item in ``training`` and empty ``validation`` / ``test`` (a folder's images as read,
+    before ``prepare_data`` splits them)."""
+    return {
+        "name": name,
+        "spatial_dims": spatial_dims,
+        "landmark_names": landmark_names,
+        **{s: (items if s == "training" else []) for s in SECTIONS},
+    }
+
+
 def save_datalist(datalist: dict, path: str | os.PathLike) -> Path:
     """Write ``datalist`` atomically, image paths made relative to the file's folder where possible."""
     path = Path(path)

@@ -40,7 +40,7 @@ from monai.config import KeysCollection
 from monai.data import MetaTensor
 from monai.transforms import MapTransform
 
-from bundle.data.datalist import SECTIONS, DatalistError
+from bundle.data.datalist import DatalistError, unsplit_datalist
 
 _TAG = re.compile(r"^[0-9a-fA-F]{4}\|[0-9a-fA-F]{4}$")
 
@@ -394,12 +394,7 @@ def dicom_xray_datalist(
             f"given (first: {no_spacing[0]}): errors can only be measured in pixels",
             stacklevel=2,
         )
-    return {
-        "name": name or root.name,
-        "spatial_dims": 2,
-        "landmark_names": names,
-        **{s: (items if s == "training" else []) for s in SECTIONS},
-    }
+    return unsplit_datalist(name or root.name, 2, names, items)
 
 
 def series_ids(folder: Path) -> list[str]:
@@ -462,9 +457,4 @@ def dicom_series_datalist(
                 f"{folders[stem]}: no markups file {stem}.fcsv or {stem}.mrk.json: kept without landmarks", stacklevel=2
             )
         items.append(item)
-    return {
-        "name": name or root.name,
-        "spatial_dims": 3,
-        "landmark_names": names,
-        **{s: (items if s == "training" else []) for s in SECTIONS},
-    }
+    return unsplit_datalist(name or root.name, 3, names, items)

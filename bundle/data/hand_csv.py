@@ -16,7 +16,7 @@ from typing import Sequence
 import numpy as np
 
 from bundle.data.annotations import HEADER_IMAGE_SUFFIXES, IMAGE_SUFFIXES, find_images, natural_key
-from bundle.data.datalist import SECTIONS, DatalistError
+from bundle.data.datalist import DatalistError, unsplit_datalist
 
 
 def read_landmark_csv(path: str | Path) -> dict[str, np.ndarray]:
@@ -132,9 +132,4 @@ def hand_datalist(
             f"(first: {no_spacing[0]}): they have no 'spacing', errors can only be measured in pixels",
             stacklevel=2,
         )
-    return {
-        "name": name or root.name,
-        "spatial_dims": 2,
-        "landmark_names": names,
-        **{s: (items if s == "training" else []) for s in SECTIONS},
-    }
+    return unsplit_datalist(name or root.name, 2, names, items)

@@ -17,7 +17,7 @@ from typing import Sequence
 import numpy as np
 
 from bundle.data.annotations import find_images, natural_key
-from bundle.data.datalist import SECTIONS, DatalistError
+from bundle.data.datalist import DatalistError, unsplit_datalist
 from bundle.data.markups import MARKUPS_SUFFIXES, ControlPoint, markups_stem, read_markups
 
 VOLUME_SUFFIXES = (".nii.gz", ".nii")
@@ -125,9 +125,4 @@ def nifti_datalist(
                     stacklevel=2,
                 )
         items.append(item)
-    return {
-        "name": name or images_dir.name,
-        "spatial_dims": 3,
-        "landmark_names": names,
-        **{s: (items if s == "training" else []) for s in SECTIONS},
-    }
+    return unsplit_datalist(name or images_dir.name, 3, names, items)
