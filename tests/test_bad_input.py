@@ -175,6 +175,14 @@ def test_volume_in_the_2d_configuration_is_refused(data2d, tmp_path):
     nib.save(nib.Nifti1Image(np.random.default_rng(0).normal(size=(32, 32, 32)).astype(np.float32), np.eye(4)), volume)
     text = raises(preprocessing(TRAIN, data2d["datalist"], **SMALL), {"image": str(volume)})
     assert f"{volume}: a 3D image (spatial shape [32, 32, 32]), but this configuration expects 2D images" in text
+    assert "one slice" not in text
+    one_slice = tmp_path / "xray.nii.gz"
+    nib.save(
+        nib.Nifti1Image(np.random.default_rng(0).normal(size=(40, 32, 1)).astype(np.float32), np.eye(4)), one_slice
+    )
+    text = raises(preprocessing(TRAIN, data2d["datalist"], **SMALL), {"image": str(one_slice)})
+    assert f"{one_slice}: a 3D image (spatial shape [40, 32, 1])" in text
+    assert "it is one slice: a 2D image stored as a volume" in text
 
 
 def volume_datalist(tmp_path: Path, image: Path, landmarks=None) -> Path:

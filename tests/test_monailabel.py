@@ -556,3 +556,31 @@ def test_detector_retrains_from_the_served_one_on_the_same_held_out_images(serve
     assert sorted(stats["train"]["trained_on"]) == sorted(before["trained_on"] + ["test_001"])
     assert stats["published"] is False and stats["predictor"] == "detector"
     assert json.loads((model / "detector.json").read_text()) == before
+
+
+def test_dicomweb_series_gives_the_png_landmarks(tmp_path):
+    """A DICOMweb studies URL (MONAI Label's datastore, its transport replaced by local copies: no DICOMweb
+    server here, see tests/monailabel_dicomweb.py): the app reads the series folder the datastore downloads
+    (MONAI Label's default NIfTI conversion, on in the helper, would make the X-ray a one-slice volume that the
+    2D configuration refuses) and gives the landmarks of the same image as a PNG."""
+    from bundle.data.embedded import open_datalist
+    from bundle.data.synthetic import generate_synthetic_2d
+    from tests.test_dicom import dicom_copy
+
+    datalist_path = generate_synthetic_2d(tmp_path / "data", n_training=2, n_validation=1, n_test=1)
+    png = Path(open_datalist(datalist_path)["test"][0]["image"])
+    series = tmp_path / "series"
+    series.mkdir()
+    dicom_copy(png, series / "000001.dcm", [0.125, 0.125])  # MONOCHROME1, 12 bits, a VOI window
+    uid = "1.2.826.0.1.3680043.8.498.1"
+    command = [str(PYTHON), str(ROOT / "tests" / "monailabel_dicomweb.py"), str(tmp_path / "work")]
+    command += [str(datalist_path), str(series), uid, str(png)]
+    (tmp_path / "work").mkdir()
+    done = subprocess.run(
+        command, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1")
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert set(result["dicomweb"]) == set(result["local"]) and result["local"]
+    for name, point in result["local"].items():
+        assert result["dicomweb"][name] == pytest.approx(point, abs=0.01), name

@@ -10,6 +10,11 @@
   the served ones only when they score better on the saved labels (see landmark_tasks/train.py). Once a
   detector is published, the infer task serves it (one forward pass, no template).
 - Strategies ``first`` / ``last`` (sorted ids, unlabelled only) beside MONAI Label's ``random``.
+- ``--studies`` a DICOMweb URL: MONAI Label downloads each series into its cache folder and the app reads the
+  folder's X-ray as DICOM (header spacing, VOI window, MONOCHROME1); MONAI Label's conversion to NIfTI is
+  turned off. Its templates are the bundle's: MONAI Label's DICOMweb datastore stores final labels only as
+  DICOM SEG, which holds no landmarks, so saving point lists (k-shot from saved labels) needs a local studies
+  folder.
 
 Image ids are confined to the datastore: a path, ``..`` or an unknown id is answered 4xx, as is an unreadable
 image or label (the message names it). Start-up does no heavy work: network, templates and the bundle's
@@ -88,6 +93,13 @@ class LandmarkApp(MONAILabelApp):
         from landmark_tasks.datastore import LandmarkDatastore
 
         if self.studies.startswith(("http://", "https://")):
+            if settings.MONAI_LABEL_DICOMWEB_CONVERT_TO_NIFTI:
+                # MONAI Label's NIfTI conversion makes an X-ray a one-slice volume without its VOI window and
+                # MONOCHROME1 inversion; the bundle reads the downloaded series folder itself
+                logger.info(
+                    "DICOMweb: the app reads each series as DICOM (MONAI_LABEL_DICOMWEB_CONVERT_TO_NIFTI set to false)"
+                )
+                settings.MONAI_LABEL_DICOMWEB_CONVERT_TO_NIFTI = False
             return super().init_datastore()
         return LandmarkDatastore(
             self.studies,

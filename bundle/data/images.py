@@ -103,6 +103,11 @@ def check_image(
             "and configs/evaluate_3d.yaml to evaluate)",
             (2, 3): "; 2D images need the 2D configuration (configs/train.yaml without configs/train_3d.yaml)",
         }.get((len(shape), spatial_dims), "")
+        if (len(shape), spatial_dims) == (3, 2) and shape[2] == 1:
+            hint = (
+                "; it is one slice: a 2D image stored as a volume (an X-ray converted to NIfTI, say) is not read as "
+                "2D, give the 2D file itself (DICOM, PNG, ...)"
+            )
         raise ImageError(
             f"{name}: a {len(shape)}D image (spatial shape {list(shape)}), but this configuration expects "
             f"{spatial_dims}D images (spatial_dims: {spatial_dims}){hint}"

@@ -176,7 +176,7 @@ class LandmarkInferTask(InferTask):
     def __call__(self, request: dict) -> tuple[str, dict]:
         image = request.get("image")
         name = request.get("image_name") or (Path(image).name if image else image)
-        if not image or not Path(image).is_file():
+        if not image or not Path(image).exists():  # a file, or a DICOM series folder from a DICOMweb datastore
             raise FileNotFoundError(f"landmarks infer: image not found: {name!r}")
         predictor = self._predictor(request)
         data = self.context.prepare({"image": str(image)}, name)
