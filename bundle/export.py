@@ -200,11 +200,13 @@ def resolve_template(
     ``template`` items, else one chosen among its labelled training items by ``rule``, computed now with
     ``network`` after loading ``checkpoint`` into it), else read from the feature file ``template_path``
     (``network`` is then not used, so that building the export network needs no weights)."""
+    from bundle.templates import check_rule, resolve_templates
+
+    check_rule(rule)
     if not template_datalist:
         return load_template(template_path, checkpoint)
     from bundle.checkpoints import load_weights
     from bundle.data.embedded import open_datalist
-    from bundle.templates import resolve_templates
 
     datalist = open_datalist(template_datalist)
     if checkpoint is not None:

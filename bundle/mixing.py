@@ -24,6 +24,9 @@ import torch.nn.functional as F
 
 __all__ = [
     "FEATURE_MIXING",
+    "MIXING_METHODS",
+    "feature_mixing",
+    "image_mixing",
     "FeatureTransformation",
     "HardNegativeMixing",
     "beta_sample",
@@ -188,6 +191,25 @@ class FeatureTransformation:
 
 
 FEATURE_MIXING: dict[str, Callable[..., object]] = {"mochi": HardNegativeMixing, "zhu": FeatureTransformation}
+MIXING_METHODS = ("none", "unmix", *FEATURE_MIXING)  # the values of the training key ``mixing``
+
+
+def _checked(mixing: str) -> str:
+    if mixing not in MIXING_METHODS:
+        raise ValueError(f"mixing must be one of {list(MIXING_METHODS)}, got {mixing!r}")
+    return mixing
+
+
+def image_mixing(mixing: str) -> str:
+    """The training step's part of the training key ``mixing``: ``"unmix"`` or ``"none"`` (an unknown value is
+    refused, naming the key)."""
+    return "unmix" if _checked(mixing) == "unmix" else "none"
+
+
+def feature_mixing(mixing: str) -> str:
+    """The loss's part of the training key ``mixing``: ``"mochi"``, ``"zhu"`` or ``"none"`` (an unknown value is
+    refused, naming the key)."""
+    return mixing if _checked(mixing) in FEATURE_MIXING else "none"
 
 
 class UnmixDraw(NamedTuple):

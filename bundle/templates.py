@@ -76,6 +76,14 @@ def with_templates(inferer, items: list[dict], preprocessing, device: torch.devi
 TEMPLATE_RULES = ("landmarks", "features")
 
 
+def check_rule(rule: str) -> str:
+    """``rule`` when it is one of :data:`TEMPLATE_RULES`, else ValueError naming it (checked also where a named
+    template leaves the rule unused: a typo is not silently ignored)."""
+    if rule not in TEMPLATE_RULES:
+        raise ValueError(f"template rule must be one of {TEMPLATE_RULES}, got {rule!r}")
+    return rule
+
+
 def resolve_template(
     datalist: dict,
     network: torch.nn.Module,
@@ -93,8 +101,7 @@ def resolve_template(
     (:func:`bundle.template_selection.select_template`, Quan et al. CVPR 2022), the choice of which image
     to annotate. At most ``max_images`` training images (the labelled ones first) take part, to bound the cost.
     """
-    if rule not in TEMPLATE_RULES:
-        raise ValueError(f"template rule must be one of {TEMPLATE_RULES}, got {rule!r}")
+    check_rule(rule)
     labelled = labelled_training_items(datalist)
     if datalist.get("template") is not None:
         return dict(datalist["template"])
@@ -160,6 +167,7 @@ def resolve_templates(
         raise ValueError(
             f"pseudo_candidates and pseudo_templates must be >= 0, got {pseudo_candidates}, {pseudo_templates}"
         )
+    check_rule(rule)
     templates = template_items(datalist)
     if not templates:
         templates = [resolve_template(datalist, network, preprocessing, device, max_images, rule)]

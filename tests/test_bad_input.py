@@ -236,6 +236,23 @@ def test_landmark_far_outside_its_image_is_refused_in_test_items_and_templates(d
 # ---------------------------------------------------------------- configuration values
 
 
+@pytest.mark.parametrize("mixing", ["foo", "MoCHi", "mix"])
+def test_unknown_mixing_is_refused_naming_the_key(mixing):
+    for part in ("loss", "train#trainer#iteration_update"):  # neither trains the baseline in its place
+        text = raises(bundle_parser(TRAIN, ROOT, mixing=mixing).get_parsed_content, part)
+        assert f"mixing must be one of ['none', 'unmix', 'mochi', 'zhu'], got {mixing!r}" in text, part
+    for mixing, (loss, step) in {"zhu": ("zhu", "none"), "unmix": ("none", "unmix"), "none": ("none", "none")}.items():
+        parser = bundle_parser(TRAIN, ROOT, mixing=mixing)
+        assert parser.get_parsed_content("loss").mixing == loss
+        assert parser.get_parsed_content("train#trainer#iteration_update").mixing == step
+
+
+def test_unknown_template_rule_is_refused_with_built_in_templates():
+    parser = bundle_parser(["configs/inference.yaml"], ROOT, template_rule="nearest")
+    text = raises(parser.get_parsed_content, "template")
+    assert "template rule must be one of ('landmarks', 'features'), got 'nearest'" in text
+
+
 def test_zero_image_size_is_refused_naming_the_key(data2d):
     text = raises(preprocessing, TRAIN, data2d["datalist"], image_size=[0, 0])
     assert (

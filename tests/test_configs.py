@@ -78,6 +78,16 @@ def test_evaluation_picks_a_labelled_training_template_by_either_rule(tiny_datal
     with pytest.raises(RuntimeError) as failure:  # MONAI wraps the error of a config expression
         parser.get_parsed_content("evaluate#template")
     assert "template rule must be one of ('landmarks', 'features'), got 'nearest'" in str(failure.value.__cause__)
+    # refused also where the datalist names its template and the rule would go unused
+    parser = bundle_parser(
+        ["configs/train.yaml", "configs/evaluate.yaml"],
+        datalist=str(tiny_datalist),
+        output_dir=str(tmp_path / "out"),
+        template_rule="nearest",
+    )
+    with pytest.raises(RuntimeError) as failure:
+        parser.get_parsed_content("evaluate#template")
+    assert "template rule must be one of ('landmarks', 'features'), got 'nearest'" in str(failure.value.__cause__)
 
 
 def test_shipped_model_config_builds_and_loads_the_shipped_weights(tiny_datalist, tmp_path):
