@@ -560,7 +560,7 @@ def test_detector_retrains_from_the_served_one_on_the_same_held_out_images(serve
 
 def test_dicomweb_series_gives_the_png_landmarks(tmp_path):
     """A DICOMweb studies URL (MONAI Label's datastore, its transport replaced by local copies: no DICOMweb
-    server here, see tests/monailabel_dicomweb.py): the app reads the series folder the datastore downloads
+    server here, see tests/monailabel_inprocess.py): the app reads the series folder the datastore downloads
     (MONAI Label's default NIfTI conversion, on in the helper, would make the X-ray a one-slice volume that the
     2D configuration refuses) and gives the landmarks of the same image as a PNG."""
     from bundle.data.embedded import open_datalist
@@ -573,7 +573,7 @@ def test_dicomweb_series_gives_the_png_landmarks(tmp_path):
     series.mkdir()
     dicom_copy(png, series / "000001.dcm", [0.125, 0.125])  # MONOCHROME1, 12 bits, a VOI window
     uid = "1.2.826.0.1.3680043.8.498.1"
-    command = [str(PYTHON), str(ROOT / "tests" / "monailabel_dicomweb.py"), str(tmp_path / "work")]
+    command = [str(PYTHON), str(ROOT / "tests" / "monailabel_inprocess.py"), "dicomweb", str(tmp_path / "work")]
     command += [str(datalist_path), str(series), uid, str(png)]
     (tmp_path / "work").mkdir()
     done = subprocess.run(
@@ -584,3 +584,84 @@ def test_dicomweb_series_gives_the_png_landmarks(tmp_path):
     assert set(result["dicomweb"]) == set(result["local"]) and result["local"]
     for name, point in result["local"].items():
         assert result["dicomweb"][name] == pytest.approx(point, abs=0.01), name
+
+
+def _cli_evaluate_3d(datalist: dict, ckpt: Path, out: Path) -> dict[str, list[float]]:
+    """The bundle's 3D evaluation (one test image) from the command line: {landmark: [x, y, z] world mm}."""
+    out.mkdir(parents=True)
+    (out / "datalist.json").write_text(json.dumps(datalist))
+    configs = ["configs/train.yaml", "configs/train_3d.yaml", "configs/evaluate.yaml", "configs/evaluate_3d.yaml"]
+    command = [sys.executable, "-m", "monai.bundle", "run", "evaluating", "--config_file", json.dumps(configs)]
+    command += ["--datalist", str(out / "datalist.json"), "--ckpt_path", str(ckpt), "--output_dir", str(out / "eval")]
+    done = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1")
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(out / "eval" / "predictions.csv") as f:
+        return {r["landmark"]: [float(r[a]) for a in "xyz"] for r in csv.DictReader(f)}
+
+
+def test_ct_volumes_are_served_with_the_3d_configs(tmp_path):
+    """A 3D datalist: the app takes the bundle's 3D configs. Its suggestions equal the bundle's 3D evaluation
+    with the datalist's template, then with a saved label as the template (k-shot from the datastore); the
+    train task fine-tunes on the volumes and trains a 3D detector that the infer task then serves (in-process,
+    tests/monailabel_inprocess.py)."""
+    import torch
+
+    from bundle.data.embedded import open_datalist
+    from bundle.data.markups import ControlPoint, write_mrk_json
+    from bundle.data.synthetic import generate_synthetic_3d
+    from bundle.networks.contrastive import ContrastiveLandmarkNet
+
+    datalist_path = generate_synthetic_3d(tmp_path / "data", n_training=2, n_validation=1, n_test=2)
+    content = open_datalist(datalist_path)
+    torch.manual_seed(0)
+    ckpt = tmp_path / "net3d.pt"
+    torch.save(ContrastiveLandmarkNet(spatial_dims=3).state_dict(), ckpt)
+    studies = tmp_path / "studies"
+    studies.mkdir()
+    target, template = content["test"]
+    for item in (target, template):
+        shutil.copy(item["image"], studies)
+    names = content["landmark_names"]
+    label = write_mrk_json(
+        tmp_path / "template.mrk.json", [ControlPoint(n, tuple(p)) for n, p in zip(names, template["landmarks"])]
+    )
+    template_id = Path(template["image"]).name.split(".")[0]
+    target_label = write_mrk_json(
+        tmp_path / "target.mrk.json", [ControlPoint(n, tuple(p)) for n, p in zip(names, target["landmarks"])]
+    )
+    command = [str(PYTHON), str(ROOT / "tests" / "monailabel_inprocess.py"), "ct", str(tmp_path / "work")]
+    command += [str(datalist_path), str(ckpt), str(studies), template_id, str(label), str(target_label)]
+    (tmp_path / "work").mkdir()
+    done = subprocess.run(
+        command, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1")
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert result["image"] == Path(target["image"]).name.split(".")[0]
+
+    references = {
+        "bundle": _cli_evaluate_3d(dict(content, test=[target]), ckpt, tmp_path / "cli_bundle"),
+        "saved_label": _cli_evaluate_3d(dict(content, test=[target], template=template), ckpt, tmp_path / "cli_label"),
+    }
+    assert result["saved_label"]["templates"] == [{"image": template_id, "source": "datastore"}]
+    assert result["bundle"]["templates"][0]["source"] == "bundle"
+    for case, reference in references.items():
+        served = result[case]["landmarks"]
+        for name in names:
+            assert served[name] == pytest.approx(reference[name], abs=1e-3), (case, name)
+        # the point list is in world RAS mm, as the landmarks
+        points = {p["label"]: p["position"] for p in result[case]["markups"]["markups"][0]["controlPoints"]}
+        assert result[case]["markups"]["markups"][0]["coordinateSystem"] == "RAS"
+        for name in names:
+            assert points[name] == pytest.approx(served[name], abs=1e-6), (case, name)
+    stats = result["train"]
+    assert stats["train"]["images"] == 2 and stats["train"]["labelled"] == 1, stats
+    assert np.isfinite(stats["eval"]["metrics"]["mre_trained"]), stats
+    stats = result["detector_train"]
+    assert stats["network"] == "detector" and stats["published"] is True, stats
+    assert np.isfinite(stats["eval"]["metrics"]["mre_trained"]), stats
+    detector = result["detector"]
+    assert detector["predictor"] == "detector" and detector["templates"] == []
+    assert all(np.isfinite(detector["landmarks"][name]).all() for name in names)

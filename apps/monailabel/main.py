@@ -21,7 +21,9 @@ image or label (the message names it). Start-up does no heavy work: network, tem
 template search wait for the first request.
 
 Conf keys: ``bundle_root`` (default: the repository holding this app), ``datalist`` (default: the bundle's
-embedded synthetic datalist, generated when missing), ``ckpt_path`` (the shipped weights), ``epochs``,
+embedded synthetic datalist, generated when missing; its ``spatial_dims`` selects the 2D or 3D configs),
+``ckpt_path`` (default: the shipped 2D weights; 3D: ``models/ct3d/model.pt``, where ``configs/train_3d.yaml``
+trains), ``epochs``,
 ``predictor`` (``auto``: the detector once one is published, else template matching; ``detector``; ``templates``).
 """
 
@@ -58,7 +60,7 @@ class LandmarkApp(MONAILabelApp):
         self.context = BundleContext(
             self.bundle_root,
             conf.get("datalist", str(self.bundle_root / "data" / "synthetic_2d" / "datalist.json")),
-            Path(conf.get("ckpt_path", self.bundle_root / "models" / "model.pt")),
+            conf.get("ckpt_path"),
             self.model_dir,
         )
         self.train_defaults = {"epochs": int(conf.get("epochs", 10))}

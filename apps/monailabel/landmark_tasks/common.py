@@ -26,9 +26,14 @@ from bundle.data.markups import ControlPoint, read_markups
 from bundle.io_utils import write_json_atomic
 
 logger = logging.getLogger(__name__)
-CONFIGS = ("configs/train.yaml", "configs/evaluate.yaml")  # the datalist's template(s); inference.yaml is standalone
-# the stage-2 heatmap detector fine-tuned on human labels (the bundle's `finetune.yaml`)
-DETECTOR_CONFIGS = ("configs/train.yaml", "configs/train_stage2.yaml", "configs/finetune.yaml")
+# the bundle's configs by the datalist's spatial_dims: training; evaluation (the datalist's template(s);
+# inference.yaml is standalone); the stage-2 heatmap detector fine-tuned on human labels (`finetune.yaml`)
+TRAIN_CONFIGS = {2: ("configs/train.yaml",), 3: ("configs/train.yaml", "configs/train_3d.yaml")}
+CONFIGS = {
+    2: (*TRAIN_CONFIGS[2], "configs/evaluate.yaml"),
+    3: (*TRAIN_CONFIGS[3], "configs/evaluate.yaml", "configs/evaluate_3d.yaml"),
+}
+DETECTOR_CONFIGS = {d: (*TRAIN_CONFIGS[d], "configs/train_stage2.yaml", "configs/finetune.yaml") for d in (2, 3)}
 PREDICTORS = ("auto", "detector", "templates")
 IMAGE_EXTENSIONS = (
     "*.png",
@@ -62,25 +67,45 @@ def file_key(path: str | Path) -> tuple[str, int, int]:
     return (str(path), st.st_mtime_ns, st.st_size)
 
 
+def datalist_dims(path: Path) -> int:
+    """The ``spatial_dims`` of the datalist at ``path`` (2 when the file does not exist yet: the embedded
+    synthetic 2D set, generated on start)."""
+    from bundle.data.datalist import DatalistError, read_json
+
+    if not path.is_file():
+        return 2
+    content = read_json(path, "datalist")
+    dims = content.get("spatial_dims") if isinstance(content, dict) else None
+    if dims not in (2, 3):
+        raise DatalistError(f"{path}: 'spatial_dims' must be 2 or 3, got {dims!r}")
+    return int(dims)
+
+
 class BundleContext:
     """The bundle as the app uses it: configs, device, preprocessing, network and templates (all lazy)."""
 
-    def __init__(self, bundle_root: Path, datalist: str, shipped_ckpt: Path, model_dir: Path) -> None:
+    def __init__(self, bundle_root: Path, datalist: str, shipped_ckpt: Path | None, model_dir: Path) -> None:
+        """``shipped_ckpt``: the weights served until a training publishes others; None: the evaluation config's
+        ``ckpt_path`` (2D: the shipped ``models/model.pt``; 3D: ``models/ct3d/model.pt``, where
+        ``configs/train_3d.yaml`` trains)."""
         self.bundle_root = Path(bundle_root)
         self.datalist = Path(datalist).resolve()
-        self.shipped_ckpt = Path(shipped_ckpt).resolve()
         self.model_dir = Path(model_dir)
         self.served_path = self.model_dir / "model.pt"
         self.detector_path = self.model_dir / "detector.pt"
         self.detector_info_path = self.model_dir / "detector.json"
         self.templates_cache = self.model_dir / "bundle_templates.json"
         self._lock = threading.RLock()
-        self.parser = bundle_parser(
-            CONFIGS, self.bundle_root, datalist=str(self.datalist), ckpt_path=str(self.shipped_ckpt)
-        )
+        self.spatial_dims = datalist_dims(self.datalist)
+        self.train_configs = TRAIN_CONFIGS[self.spatial_dims]
+        self.detector_configs = DETECTOR_CONFIGS[self.spatial_dims]
+        overrides = {"datalist": str(self.datalist)}
+        if shipped_ckpt is not None:
+            overrides["ckpt_path"] = str(shipped_ckpt)
+        self.parser = bundle_parser(CONFIGS[self.spatial_dims], self.bundle_root, **overrides)
+        self.shipped_ckpt = Path(self.parser.get_parsed_content("ckpt_path")).resolve()
         self.parser.get_parsed_content("ensure_data")  # as the commands: the embedded data set when missing
         self.names: list[str] = list(self.parser.get_parsed_content("landmark_names"))
-        self.spatial_dims = int(self.parser.get_parsed_content("spatial_dims"))
         self.template_combine = str(self.parser.get_parsed_content("template_combine"))
         self._preprocessing = None
         self._device = None
@@ -129,7 +154,7 @@ class BundleContext:
             return {}
 
     def detector_parser(self, image_size: Sequence[int] | None = None):
-        """The bundle's fine-tuning configs (``DETECTOR_CONFIGS``)
+        """The bundle's fine-tuning configs (``DETECTOR_CONFIGS`` of the datalist's dimensionality)
         at the detector's ``image_size`` (None: the config's)."""
         key = tuple(image_size) if image_size else None
         with self._lock:
@@ -137,7 +162,7 @@ class BundleContext:
                 overrides: dict[str, Any] = {"datalist": str(self.datalist), "init_checkpoint": None}
                 if image_size:
                     overrides["image_size"] = [int(v) for v in image_size]
-                self._detector_parsers[key] = bundle_parser(DETECTOR_CONFIGS, self.bundle_root, **overrides)
+                self._detector_parsers[key] = bundle_parser(self.detector_configs, self.bundle_root, **overrides)
             return self._detector_parsers[key]
 
     def new_detector(self, checkpoint: str | Path, image_size: Sequence[int] | None = None):

@@ -61,7 +61,7 @@ from monailabel.interfaces.tasks.train import TrainTask
 
 from bundle.io_utils import atomic_path, write_json_atomic
 
-from .common import DETECTOR_CONFIGS, BundleContext
+from .common import BundleContext
 
 logger = logging.getLogger(__name__)
 
@@ -387,7 +387,13 @@ class BundleTrainTask(TrainTask):
         served = self.context.served_checkpoint()
         epochs = int(options.get("epochs", 10))
         command = training_command(
-            "configs/train.yaml", datalist_path, candidate_dir, work, epochs, ["--init_weights", str(served)], options
+            json.dumps(list(self.context.train_configs)),
+            datalist_path,
+            candidate_dir,
+            work,
+            epochs,
+            ["--init_weights", str(served)],
+            options,
         )
         logger.info(f"fine-tuning {served} on {len(items)} images ({len(labelled)} labelled): {' '.join(command)}")
         candidate = candidate_dir / "model_final.pt"
@@ -446,7 +452,7 @@ class BundleTrainTask(TrainTask):
         else:
             init_args = ["--init_checkpoint", str(stage1)]
         command = training_command(
-            json.dumps(list(DETECTOR_CONFIGS)), datalist_path, candidate_dir, work, epochs, init_args, options
+            json.dumps(list(context.detector_configs)), datalist_path, candidate_dir, work, epochs, init_args, options
         )
         init = {
             "init_weights": str(served_detector) if served_detector else None,

@@ -1,0 +1,102 @@
+"""The app in-process, run in the MONAI Label environment by tests/test_monailabel.py (MONAI Label's own code
+paths that a server over a local 2D studies folder does not reach). Each scenario prints ``RESULT <json>``.
+
+``dicomweb WORK DATALIST SERIES_FOLDER SERIES_UID PNG``: the app on a DICOMweb studies URL. There is no DICOMweb
+server here, so MONAI Label's transport is replaced: the client's QIDO search answers with one series (and no SEG
+series) and the series download copies a local folder of DICOM files into MONAI Label's cache, where its
+``DICOMWebDatastore`` hands the app what it would hand it after a real download. The rest (the app's datastore
+set-up, MONAI Label's datastore and ``infer``, the app's reading of the image) is the real code. Prints
+``{"dicomweb": landmarks, "local": landmarks}``: the series inferred through DICOMweb, and its PNG through a
+local studies folder.
+
+``ct WORK DATALIST CKPT STUDIES TEMPLATE_ID TEMPLATE_LABEL TARGET_LABEL`` (a 3D datalist: the app takes the 3D
+configs): infers the first study (the target) with the bundle's templates, saves ``TEMPLATE_LABEL`` (a Slicer point
+list) as the final label of ``TEMPLATE_ID`` and infers again (k-shot from the saved label), fine-tunes one tiny
+epoch through the train task, then saves ``TARGET_LABEL`` as the target's label, trains the stage-2 detector
+(published whatever its score) and infers with it. Prints ``{"bundle", "saved_label", "detector": suggestions,
+"train", "detector_train": stats}``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def new_app(work: Path, studies: str, datalist: str, **conf: str):
+    """A fresh copy of the app (its model folder is written) on ``studies``, with the bundle's templates from
+    ``datalist`` and the other ``conf`` keys."""
+    app_dir = work / f"app-{len(list(work.glob('app-*')))}"
+    shutil.copytree(ROOT / "apps" / "monailabel", app_dir, ignore=shutil.ignore_patterns("model", "__pycache__"))
+    (app_dir / "bin").mkdir()
+    (app_dir / "bin" / "itkimage2segimage").touch()  # MONAI Label downloads dcmqi unless it is there
+    if str(app_dir) not in sys.path:
+        sys.path.insert(0, str(app_dir))
+    from main import LandmarkApp
+
+    return LandmarkApp(str(app_dir), studies, {"bundle_root": str(ROOT), "datalist": datalist, **conf})
+
+
+def dicomweb(work: str, datalist: str, series_folder: str, series_uid: str, png: str) -> dict:
+    work = Path(work)
+    os.environ["MONAI_LABEL_DICOMWEB_CACHE_PATH"] = str(work / "cache")
+    import monailabel.datastore.dicom as dicomweb
+    from monailabel.config import settings
+
+    settings.MONAI_LABEL_DICOMWEB_CACHE_PATH = str(work / "cache")
+    settings.MONAI_LABEL_DICOMWEB_CONVERT_TO_NIFTI = True  # MONAI Label's default, which the app turns off
+    series = {"0020000E": {"vr": "UI", "Value": [series_uid]}, "0020000D": {"vr": "UI", "Value": ["1.2.3.4"]}}
+
+    def search_for_series(self, *args, search_filters=None, **kwargs):
+        return [] if (search_filters or {}).get("Modality") == "SEG" else [series]
+
+    def download_series(study_id, series_id, save_dir, client, frame_fetch=False):
+        assert series_id == series_uid, series_id
+        os.makedirs(save_dir, exist_ok=True)
+        for f in Path(series_folder).iterdir():
+            shutil.copy(f, save_dir)
+
+    dicomweb.DICOMwebClientX.search_for_series = search_for_series
+    dicomweb.dicom_web_download_series = download_series
+
+    out = {}
+    app = new_app(work, "http://127.0.0.1:9/dicom-web", datalist)
+    out["dicomweb"] = app.infer({"model": "landmarks", "image": series_uid})["params"]["landmarks"]
+    studies = work / "studies"
+    studies.mkdir()
+    shutil.copy(png, studies / "xray.png")
+    app = new_app(work, str(studies), datalist)
+    out["local"] = app.infer({"model": "landmarks", "image": "xray"})["params"]["landmarks"]
+    return out
+
+
+def ct(
+    work: str, datalist: str, ckpt: str, studies: str, template_id: str, template_label: str, target_label: str
+) -> dict:
+    work = Path(work)
+    app = new_app(work, studies, datalist, ckpt_path=ckpt)
+    target = sorted(app.datastore().list_images())[0]
+
+    def infer() -> dict:
+        params = app.infer({"model": "landmarks", "image": target})["params"]
+        return {k: params[k] for k in ("landmarks", "templates", "markups", "predictor")}
+
+    out = {"image": target, "bundle": infer()}
+    app.datastore().save_label(template_id, template_label, "final", {})
+    out["saved_label"] = infer()
+    tiny = {"epochs": 1, "epoch_length": 1, "batch_size": 1, "image_size": [48, 48, 48]}
+    out["train"] = app.train({"model": "landmarks", **tiny, "crop_size": [32, 32, 32], "num_queries": 4})
+    app.datastore().save_label(target, target_label, "final", {})  # two labels: one to train on, one held out
+    out["detector_train"] = app.train({"model": "landmarks", **tiny, "network": "detector", "min_improvement": -1e9})
+    out["detector"] = infer()
+    return out
+
+
+if __name__ == "__main__":
+    scenario, *args = sys.argv[1:]
+    print("RESULT " + json.dumps({"dicomweb": dicomweb, "ct": ct}[scenario](*args), default=str))
