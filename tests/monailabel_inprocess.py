@@ -14,7 +14,7 @@ configs): infers the first study (the target) with the bundle's templates, saves
 list) as the final label of ``TEMPLATE_ID`` and infers again (k-shot from the saved label), fine-tunes one tiny
 epoch through the train task, then saves ``TARGET_LABEL`` as the target's label, trains the stage-2 detector
 (published whatever its score) and infers with it. Prints ``{"bundle", "saved_label", "detector": suggestions,
-"train", "detector_train": stats}``.
+"train", "detector_train": stats, "missing_weights": the start-up error of an app given no weights}``.
 """
 
 from __future__ import annotations
@@ -79,6 +79,11 @@ def ct(
     work: str, datalist: str, ckpt: str, studies: str, template_id: str, template_label: str, target_label: str
 ) -> dict:
     work = Path(work)
+    out = {}
+    try:
+        new_app(work, studies, datalist, ckpt_path=str(work / "missing.pt"))
+    except FileNotFoundError as e:
+        out["missing_weights"] = str(e)
     app = new_app(work, studies, datalist, ckpt_path=ckpt)
     target = sorted(app.datastore().list_images())[0]
 
@@ -86,7 +91,7 @@ def ct(
         params = app.infer({"model": "landmarks", "image": target})["params"]
         return {k: params[k] for k in ("landmarks", "templates", "markups", "predictor")}
 
-    out = {"image": target, "bundle": infer()}
+    out.update(image=target, bundle=infer())
     app.datastore().save_label(template_id, template_label, "final", {})
     out["saved_label"] = infer()
     tiny = {"epochs": 1, "epoch_length": 1, "batch_size": 1, "image_size": [48, 48, 48]}

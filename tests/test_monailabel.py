@@ -640,6 +640,8 @@ def test_ct_volumes_are_served_with_the_3d_configs(tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
     result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
     assert result["image"] == Path(target["image"]).name.split(".")[0]
+    missing = tmp_path / "work" / "missing.pt"
+    assert result["missing_weights"].startswith(f"no network weights at {missing}: give --conf ckpt_path (3D: ")
 
     references = {
         "bundle": _cli_evaluate_3d(dict(content, test=[target]), ckpt, tmp_path / "cli_bundle"),

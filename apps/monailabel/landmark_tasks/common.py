@@ -104,6 +104,11 @@ class BundleContext:
             overrides["ckpt_path"] = str(shipped_ckpt)
         self.parser = bundle_parser(CONFIGS[self.spatial_dims], self.bundle_root, **overrides)
         self.shipped_ckpt = Path(self.parser.get_parsed_content("ckpt_path")).resolve()
+        if not self.served_checkpoint().is_file():
+            raise FileNotFoundError(
+                f"no network weights at {self.shipped_ckpt}: give --conf ckpt_path"
+                + (" (3D: configs/train_3d.yaml trains into models/ct3d/)" if self.spatial_dims == 3 else "")
+            )
         self.parser.get_parsed_content("ensure_data")  # as the commands: the embedded data set when missing
         self.names: list[str] = list(self.parser.get_parsed_content("landmark_names"))
         self.template_combine = str(self.parser.get_parsed_content("template_combine"))
