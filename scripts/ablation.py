@@ -347,36 +347,66 @@ def selection_datalist(datalist: dict, template_image: str) -> dict:
     return dict(datalist, **sections, template=template[0], test=sections["validation"] + others)
 
 
-def select(datalist: str, out: str) -> None:
-    """Evaluate every finished run of ``out`` on its :func:`selection_datalist` (the template its test evaluation
-    chose) and add the result to its ``result.json`` as ``selection`` (metrics) and ``selection_mre_mm``."""
+def common_datalist(datalist: dict, k: int) -> dict:
+    """``datalist`` with its first ``k`` labelled training items as ``templates`` (k-shot, combined per landmark
+    by the evaluation's ``template_combine``) and its ``test`` items: every run is scored with the same
+    templates, so that rows are compared without each run's own choice of template."""
+
+    def absolute(items: list[dict]) -> list[dict]:
+        return [dict(it, image=str(Path(it["image"]).resolve())) for it in items]
+
+    labelled = labelled_training_items(datalist)
+    if len(labelled) < k:
+        raise ValueError(f"{k} common templates asked for, the datalist has {len(labelled)} labelled training items")
+    sections = {section: absolute(datalist.get(section, [])) for section in ("training", "validation", "test")}
+    rest = {key: value for key, value in datalist.items() if key != "template"}
+    return dict(rest, **sections, templates=absolute(labelled[:k]))
+
+
+def _evaluate_runs(datalist: str, out: str, key: str, make_datalist, describe: str) -> None:
+    """Evaluate every finished run of ``out`` on ``make_datalist(datalist, run's metrics.json)`` and add the result
+    to its ``result.json`` as ``KEY`` (metrics) and ``KEY_mre_mm``; runs that have it already are skipped."""
     full = load_datalist(datalist)
     for path in sorted(Path(out).glob("*/result.json")):
         result = json.loads(path.read_text())
-        if "selection_mre_mm" in result:
-            print(f"{result['name']}: selected already")
+        if f"{key}_mre_mm" in result:
+            print(f"{result['name']}: {key} done already")
             continue
         run_dir = path.parent
-        template = json.loads((run_dir / "eval" / "metrics.json").read_text())["template"]
-        write_json_atomic(run_dir / "selection_datalist.json", selection_datalist(full, template))
+        chosen = json.loads((run_dir / "eval" / "metrics.json").read_text())
+        write_json_atomic(run_dir / f"{key}_datalist.json", make_datalist(full, chosen))
         _bundle(
             "evaluating",
             ["configs/train.yaml", "configs/evaluate.yaml"],
             dict(
-                datalist=run_dir / "selection_datalist.json",
-                output_dir=run_dir / "selection",
+                datalist=run_dir / f"{key}_datalist.json",
+                output_dir=run_dir / key,
                 ckpt_path=run_dir / "models" / "model.pt",
                 overlays=False,
             ),
-            run_dir / "selection.log",
+            run_dir / f"{key}.log",
         )
-        metrics = json.loads((run_dir / "selection" / "metrics.json").read_text())
-        write_json_atomic(path, dict(result, selection=metrics, selection_mre_mm=metrics["mre_mm"]))
+        metrics = json.loads((run_dir / key / "metrics.json").read_text())
+        write_json_atomic(path, dict(result, **{key: metrics, f"{key}_mre_mm": metrics["mre_mm"]}))
         print(
-            f"{result['name']}: selection MRE {metrics['mre_mm']:.2f} mm on {metrics['n_images']} images, "
+            f"{result['name']}: {describe} MRE {metrics['mre_mm']:.2f} mm on {metrics['n_images']} images, "
             f"test {result['test']['mre_mm']:.2f} mm",
             flush=True,
         )
+
+
+def select(datalist: str, out: str) -> None:
+    """Evaluate every finished run of ``out`` on its :func:`selection_datalist` (the template its test evaluation
+    chose) and add the result to its ``result.json`` as ``selection`` (metrics) and ``selection_mre_mm``."""
+    _evaluate_runs(
+        datalist, out, "selection", lambda full, chosen: selection_datalist(full, chosen["template"]), "selection"
+    )
+
+
+def common(datalist: str, out: str, k: int = 5) -> None:
+    """Evaluate every finished run of ``out`` on the test items with the same ``k`` templates
+    (:func:`common_datalist`) and add the result to its ``result.json`` as ``common`` and ``common_mre_mm``."""
+    _evaluate_runs(datalist, out, "common", lambda full, chosen: common_datalist(full, int(k)), f"{k} common templates")
 
 
 def template_rules(datalist: str, run_dir: str, pool_size: int = 32) -> dict:
@@ -734,15 +764,21 @@ def rows_table(results: list[dict], plan: str) -> str:
         gain_pct = 100 * (mean[reference] - mean[row]) / mean[reference]
         return f"{gain_pct:+.1f} % ({len(seeds)} seed{'s' * (len(seeds) > 1)})"
 
+    def common(runs: list[dict]) -> str:
+        values = [r["common_mre_mm"] for r in runs if "common_mre_mm" in r]
+        return _mean_sd(values) if len(values) == len(runs) else "-"
+
     lines = [
         [titles[row], " / ".join(str(r["seed"]) for r in runs)]
         + _metrics_row(runs)
+        + [common(runs)]
         + [gain(row, reference) for reference in spec.references]
         + (["{:.2f} / {:.1f}".format(*spec.paper[row])] if spec.paper else [])
         for row, runs in by_row.items()
         if runs
     ]
-    head = ["row", "seeds"] + METRIC_HEADER + [f"MRE gain over {GAIN_TITLES[r]}" for r in spec.references]
+    head = ["row", "seeds", *METRIC_HEADER, "MRE mm, the same templates for every run (ablation.py common)"]
+    head += [f"MRE gain over {GAIN_TITLES[r]}" for r in spec.references]
     if spec.paper:
         head.append("the paper (ISBI 2015): MRE mm / SDR 2 mm %")
     budget, rules = sorted({r["iterations"] for r in results}), sorted({r["template_rule"] for r in results})
@@ -785,6 +821,7 @@ if __name__ == "__main__":
         {
             "run": run,
             "select": select,
+            "common": common,
             "template_rules": template_rules,
             "report": report,
             "report_plan": report_plan,

@@ -352,3 +352,43 @@ def test_run_one_passes_the_mixing_and_the_high_group_augmentation(tmp_path, mon
     (tmp_path / "out" / spec["name"] / "models" / "last.pt").write_bytes(b"x")
     result = ablation.run_one(spec, "d.json", tmp_path / "out", 20, 10, str(aug))
     assert calls["training"]["resume"] is True and calls["training"]["append"] and result["resumed"] is True
+
+
+def test_common_templates_are_the_first_labelled_training_items_for_every_run(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    item = lambda name, labelled: dict(image=f"img/{name}.png", **({"landmarks": [[1.0, 2.0]]} if labelled else {}))  # noqa: E731
+    datalist = {
+        "name": "d",
+        "spatial_dims": 2,
+        "landmark_names": ["a"],
+        "training": [item("u0", False), item("t0", True), item("t1", True), item("t2", True)],
+        "validation": [item("v0", True)],
+        "test": [item("x0", True), item("x1", True)],
+        "template": item("t2", True),
+    }
+    common = ablation.common_datalist(datalist, 2)
+    assert [Path(it["image"]).name for it in common["templates"]] == ["t0.png", "t1.png"]
+    assert "template" not in common  # the named template would be one more
+    assert [Path(it["image"]).name for it in common["test"]] == ["x0.png", "x1.png"]
+    assert all(Path(it["image"]).is_absolute() for it in common["templates"] + common["test"])
+    with pytest.raises(ValueError, match="4 common templates asked for, the datalist has 3 labelled"):
+        ablation.common_datalist(datalist, 4)
+
+
+def test_converged_report_gives_the_common_template_mre_where_every_seed_has_it(tmp_path):
+    specs = {s["name"]: s for s in ablation.plan_converged([0, 1])}
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "results.md").write_text("<!-- converged:begin -->\n<!-- converged:end -->\n")
+    for name, mre in (("baseline_s0", 3.0), ("baseline_s1", 3.2), ("entropy_s0", 2.5)):
+        fake_result(tmp_path / "runs", specs[name], mre, tmp_path / "aug.yaml")
+    for name, common in (("baseline_s0", 2.0), ("baseline_s1", 2.2)):
+        path = tmp_path / "runs" / name / "result.json"
+        path.write_text(json.dumps(dict(json.loads(path.read_text()), common_mre_mm=common)))
+    ablation.report_plan(str(tmp_path / "runs"), "converged", str(docs))
+    lines = (docs / "results.md").read_text().splitlines()
+    header = next(line for line in lines if line.startswith("| row |"))
+    assert "| MRE mm, the same templates for every run (ablation.py common) |" in header
+    baseline = next(line for line in lines if line.startswith("| baseline"))
+    entropy = next(line for line in lines if line.startswith("| + entropy"))
+    assert "| 2.10 ± 0.14 |" in baseline and "| - |" in entropy
