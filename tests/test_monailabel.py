@@ -558,6 +558,23 @@ def test_detector_retrains_from_the_served_one_on_the_same_held_out_images(serve
     assert json.loads((model / "detector.json").read_text()) == before
 
 
+def _in_process(tmp_path: Path, scenario: str, *args) -> dict:
+    """Run a scenario of tests/monailabel_inprocess.py in the MONAI Label environment (working folder
+    ``tmp_path/work``); its printed result."""
+    (tmp_path / "work").mkdir()
+    command = [str(PYTHON), str(ROOT / "tests" / "monailabel_inprocess.py"), scenario, str(tmp_path / "work")]
+    done = subprocess.run(
+        command + [str(a) for a in args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
+
+
 def test_dicomweb_series_gives_the_png_landmarks(tmp_path):
     """A DICOMweb studies URL (MONAI Label's datastore, its transport replaced by local copies: no DICOMweb
     server here, see tests/monailabel_inprocess.py): the app reads the series folder the datastore downloads
@@ -573,14 +590,7 @@ def test_dicomweb_series_gives_the_png_landmarks(tmp_path):
     series.mkdir()
     dicom_copy(png, series / "000001.dcm", [0.125, 0.125])  # MONOCHROME1, 12 bits, a VOI window
     uid = "1.2.826.0.1.3680043.8.498.1"
-    command = [str(PYTHON), str(ROOT / "tests" / "monailabel_inprocess.py"), "dicomweb", str(tmp_path / "work")]
-    command += [str(datalist_path), str(series), uid, str(png)]
-    (tmp_path / "work").mkdir()
-    done = subprocess.run(
-        command, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1")
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    result = _in_process(tmp_path, "dicomweb", datalist_path, series, uid, png)
     assert set(result["dicomweb"]) == set(result["local"]) and result["local"]
     for name, point in result["local"].items():
         assert result["dicomweb"][name] == pytest.approx(point, abs=0.01), name
@@ -631,14 +641,7 @@ def test_ct_volumes_are_served_with_the_3d_configs(tmp_path):
     target_label = write_mrk_json(
         tmp_path / "target.mrk.json", [ControlPoint(n, tuple(p)) for n, p in zip(names, target["landmarks"])]
     )
-    command = [str(PYTHON), str(ROOT / "tests" / "monailabel_inprocess.py"), "ct", str(tmp_path / "work")]
-    command += [str(datalist_path), str(ckpt), str(studies), template_id, str(label), str(target_label)]
-    (tmp_path / "work").mkdir()
-    done = subprocess.run(
-        command, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1")
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    result = _in_process(tmp_path, "ct", datalist_path, ckpt, studies, template_id, label, target_label)
     assert result["image"] == Path(target["image"]).name.split(".")[0]
     missing = tmp_path / "work" / "missing.pt"
     assert result["missing_weights"].startswith(f"no network weights at {missing}: give --conf ckpt_path (3D: ")
