@@ -355,6 +355,8 @@ def common_datalist(datalist: dict, k: int) -> dict:
     def absolute(items: list[dict]) -> list[dict]:
         return [dict(it, image=str(Path(it["image"]).resolve())) for it in items]
 
+    if not (isinstance(k, int) and k >= 1):
+        raise ValueError(f"k (the number of common templates) must be a positive integer, got {k!r}")
     labelled = labelled_training_items(datalist)
     if len(labelled) < k:
         raise ValueError(f"{k} common templates asked for, the datalist has {len(labelled)} labelled training items")
@@ -406,7 +408,7 @@ def select(datalist: str, out: str) -> None:
 def common(datalist: str, out: str, k: int = 5) -> None:
     """Evaluate every finished run of ``out`` on the test items with the same ``k`` templates
     (:func:`common_datalist`) and add the result to its ``result.json`` as ``common`` and ``common_mre_mm``."""
-    _evaluate_runs(datalist, out, "common", lambda full, chosen: common_datalist(full, int(k)), f"{k} common templates")
+    _evaluate_runs(datalist, out, "common", lambda full, chosen: common_datalist(full, k), f"{k} common templates")
 
 
 def template_rules(datalist: str, run_dir: str, pool_size: int = 32) -> dict:

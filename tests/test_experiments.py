@@ -373,6 +373,9 @@ def test_common_templates_are_the_first_labelled_training_items_for_every_run(tm
     assert all(Path(it["image"]).is_absolute() for it in common["templates"] + common["test"])
     with pytest.raises(ValueError, match="4 common templates asked for, the datalist has 3 labelled"):
         ablation.common_datalist(datalist, 4)
+    for k in (0, "2"):  # no template would let each run choose its own again
+        with pytest.raises(ValueError, match="must be a positive integer"):
+            ablation.common_datalist(datalist, k)
 
 
 def test_converged_report_gives_the_common_template_mre_where_every_seed_has_it(tmp_path):
