@@ -31,7 +31,8 @@ def innermost_cause(error: BaseException) -> BaseException | None:
 def report_cause_last(
     exc_type: type[BaseException], error: BaseException, tb: TracebackType | None, previous=sys.__excepthook__
 ) -> None:
-    """``sys.excepthook``: the usual report, then ``the cause: <type>: <message>`` for a wrapped config error."""
+    """``sys.excepthook``: the usual report, then ``The cause (above): <type>: <message>`` for a wrapped config
+    error."""
     previous(exc_type, error, tb)
     cause = innermost_cause(error)
     if cause is not None:

@@ -44,7 +44,6 @@ def new_app(work: Path, studies: str, datalist: str, **conf: str):
 
 def dicomweb(work: str, datalist: str, series_folder: str, series_uid: str, png: str) -> dict:
     work = Path(work)
-    os.environ["MONAI_LABEL_DICOMWEB_CACHE_PATH"] = str(work / "cache")
     import monailabel.datastore.dicom as dicomweb
     from monailabel.config import settings
 
