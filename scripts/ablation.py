@@ -493,12 +493,13 @@ def _mean_sd(values: list[float]) -> str:
     return f"{np.mean(values):.2f} ± {np.std(values, ddof=1):.2f}" if len(values) > 1 else f"{values[0]:.2f}"
 
 
-def _metrics_row(runs: list[dict]) -> list[str]:
-    """MRE mm (mean ± SD over runs) and per run, MRE px, SDR at the four thresholds (mean over runs)."""
+def _metrics_row(runs: list[dict], score: str = "selection_mre_mm") -> list[str]:
+    """MRE mm (mean ± SD over runs) and per run, MRE px, SDR at the four thresholds, median error, gross errors
+    and the extra ``score`` of every run (means over runs; ``-`` where a run lacks it)."""
     mm = [r["test"]["mre_mm"] for r in runs]
     cells = [_mean_sd(mm), " / ".join(f"{v:.2f}" for v in mm), f"{np.mean([r['test']['mre_px'] for r in runs]):.1f}"]
     cells += [f"{np.mean([r['test']['sdr'][t] for r in runs]):.1f}" for t in ("2.0", "2.5", "3.0", "4.0")]
-    for key, digits in (("median_mm", 2), ("gross_pct", 1), ("selection_mre_mm", 2)):
+    for key, digits in (("median_mm", 2), ("gross_pct", 1), (score, 2)):
         values = [r[key] for r in runs if key in r]
         cells.append(f"{np.mean(values):.{digits}f}" if len(values) == len(runs) else "-")
     return cells
@@ -766,20 +767,15 @@ def rows_table(results: list[dict], plan: str) -> str:
         gain_pct = 100 * (mean[reference] - mean[row]) / mean[reference]
         return f"{gain_pct:+.1f} % ({len(seeds)} seed{'s' * (len(seeds) > 1)})"
 
-    def common(runs: list[dict]) -> str:
-        values = [r["common_mre_mm"] for r in runs if "common_mre_mm" in r]
-        return _mean_sd(values) if len(values) == len(runs) else "-"
-
     lines = [
         [titles[row], " / ".join(str(r["seed"]) for r in runs)]
-        + _metrics_row(runs)
-        + [common(runs)]
+        + _metrics_row(runs, score="common_mre_mm")
         + [gain(row, reference) for reference in spec.references]
         + (["{:.2f} / {:.1f}".format(*spec.paper[row])] if spec.paper else [])
         for row, runs in by_row.items()
         if runs
     ]
-    head = ["row", "seeds", *METRIC_HEADER, "MRE mm, the same templates for every run (ablation.py common)"]
+    head = ["row", "seeds", *METRIC_HEADER[:-1], "MRE mm, the same templates for every run (ablation.py common)"]
     head += [f"MRE gain over {GAIN_TITLES[r]}" for r in spec.references]
     if spec.paper:
         head.append("the paper (ISBI 2015): MRE mm / SDR 2 mm %")
