@@ -18,13 +18,18 @@ from types import TracebackType
 MONAI_WRAPPERS = ("Failed to evaluate ", "Failed to instantiate ")
 
 
+def root_cause(error: BaseException) -> BaseException:
+    """The last error of ``error``'s ``__cause__`` chain (``error`` itself when it has no cause)."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    return error
+
+
 def innermost_cause(error: BaseException) -> BaseException | None:
     """The error at the root of MONAI's config-evaluation wrappers around ``error``, or None if it is not one."""
     if not (isinstance(error, RuntimeError) and str(error).startswith(MONAI_WRAPPERS)):
         return None
-    cause = error
-    while cause.__cause__ is not None:
-        cause = cause.__cause__
+    cause = root_cause(error)
     return None if cause is error else cause
 
 

@@ -325,6 +325,11 @@ def run(
         )
 
 
+def _absolute_images(items: list[dict]) -> list[dict]:
+    """``items`` with absolute image paths (a derived datalist is written elsewhere than the original)."""
+    return [dict(it, image=str(Path(it["image"]).resolve())) for it in items]
+
+
 def selection_datalist(datalist: dict, template_image: str) -> dict:
     """``datalist`` (as :func:`bundle.data.datalist.load_datalist` returns it) with ``template_image``'s training
     item as its template and, as ``test``, its validation items and its other labelled training items.
@@ -334,16 +339,13 @@ def selection_datalist(datalist: dict, template_image: str) -> dict:
     they are as unseen as the test images, and there are six times more of them than validation items.
     """
 
-    def absolute(items: list[dict]) -> list[dict]:  # the new datalist is written elsewhere than the original
-        return [dict(it, image=str(Path(it["image"]).resolve())) for it in items]
-
     target = str(Path(template_image).resolve())
-    labelled = absolute(labelled_training_items(datalist))
+    labelled = _absolute_images(labelled_training_items(datalist))
     template = [it for it in labelled if it["image"] == target]
     if not template:
         raise ValueError(f"the template {template_image} is not a labelled training item of the datalist")
     others = [it for it in labelled if it is not template[0]]
-    sections = {section: absolute(datalist.get(section, [])) for section in ("training", "validation")}
+    sections = {section: _absolute_images(datalist.get(section, [])) for section in ("training", "validation")}
     return dict(datalist, **sections, template=template[0], test=sections["validation"] + others)
 
 
@@ -351,18 +353,14 @@ def common_datalist(datalist: dict, k: int) -> dict:
     """``datalist`` with its first ``k`` labelled training items as ``templates`` (k-shot, combined per landmark
     by the evaluation's ``template_combine``) and its ``test`` items: every run is scored with the same
     templates, so that rows are compared without each run's own choice of template."""
-
-    def absolute(items: list[dict]) -> list[dict]:
-        return [dict(it, image=str(Path(it["image"]).resolve())) for it in items]
-
     if not (isinstance(k, int) and k >= 1):
         raise ValueError(f"k (the number of common templates) must be a positive integer, got {k!r}")
     labelled = labelled_training_items(datalist)
     if len(labelled) < k:
         raise ValueError(f"{k} common templates asked for, the datalist has {len(labelled)} labelled training items")
-    sections = {section: absolute(datalist.get(section, [])) for section in ("training", "validation", "test")}
+    sections = {section: _absolute_images(datalist.get(section, [])) for section in ("training", "validation", "test")}
     rest = {key: value for key, value in datalist.items() if key != "template"}
-    return dict(rest, **sections, templates=absolute(labelled[:k]))
+    return dict(rest, **sections, templates=_absolute_images(labelled[:k]))
 
 
 def _evaluate_runs(datalist: str, out: str, key: str, make_datalist, describe: str) -> None:

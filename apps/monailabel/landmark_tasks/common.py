@@ -20,6 +20,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from bundle.command_errors import root_cause
 from bundle.configs import bundle_parser
 from bundle.data.dicom import dicom_tags
 from bundle.data.markups import ControlPoint, read_markups
@@ -196,9 +197,7 @@ class BundleContext:
         try:
             return (preprocessing or self.preprocessing)(dict(item))
         except Exception as e:  # MONAI wraps reader errors in RuntimeError chains: report the innermost cause
-            cause = e
-            while cause.__cause__ is not None:
-                cause = cause.__cause__
+            cause = root_cause(e)
             raise ImageError(
                 f"cannot read image {name or Path(item['image']).name!r}: {type(cause).__name__}: {cause}"
             ) from e
