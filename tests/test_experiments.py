@@ -201,17 +201,28 @@ def test_comparison_report_puts_the_papers_numbers_beside_each_row(tmp_path):
         ablation.report_plan(str(tmp_path / "runs"), "converged", str(docs))
 
 
+def item(name: str, labelled: bool) -> dict:
+    """A datalist item ``img/NAME.png``, with one landmark when ``labelled``."""
+    return dict(image=f"img/{name}.png", **({"landmarks": [[1.0, 2.0]]} if labelled else {}))
+
+
+def small_datalist(training: list[dict], test: list[dict], **extra) -> dict:
+    """A one-landmark 2D datalist of ``training`` and ``test`` items, one labelled validation item ``v0``."""
+    return dict(
+        name="d",
+        spatial_dims=2,
+        landmark_names=["a"],
+        training=training,
+        validation=[item("v0", True)],
+        test=test,
+        **extra,
+    )
+
+
 def test_selection_datalist_scores_on_labelled_items_outside_test(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    item = lambda name, labelled: dict(image=f"img/{name}.png", **({"landmarks": [[1.0, 2.0]]} if labelled else {}))  # noqa: E731
-    datalist = {
-        "name": "d",
-        "spatial_dims": 2,
-        "landmark_names": ["a"],
-        "training": [item("t0", True), item("u0", False), item("t1", True), item("t2", True)],
-        "validation": [item("v0", True)],
-        "test": [item("x0", True)],
-    }
+    training = [item("t0", True), item("u0", False), item("t1", True), item("t2", True)]
+    datalist = small_datalist(training, [item("x0", True)])
     chosen = ablation.selection_datalist(datalist, "img/../img/t1.png")
     assert chosen["template"]["image"] == str(tmp_path / "img" / "t1.png")
     assert [Path(it["image"]).name for it in chosen["test"]] == ["v0.png", "t0.png", "t2.png"]  # never x0, never t1
@@ -356,16 +367,8 @@ def test_run_one_passes_the_mixing_and_the_high_group_augmentation(tmp_path, mon
 
 def test_common_templates_are_the_first_labelled_training_items_for_every_run(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    item = lambda name, labelled: dict(image=f"img/{name}.png", **({"landmarks": [[1.0, 2.0]]} if labelled else {}))  # noqa: E731
-    datalist = {
-        "name": "d",
-        "spatial_dims": 2,
-        "landmark_names": ["a"],
-        "training": [item("u0", False), item("t0", True), item("t1", True), item("t2", True)],
-        "validation": [item("v0", True)],
-        "test": [item("x0", True), item("x1", True)],
-        "template": item("t2", True),
-    }
+    training = [item("u0", False), item("t0", True), item("t1", True), item("t2", True)]
+    datalist = small_datalist(training, [item("x0", True), item("x1", True)], template=item("t2", True))
     common = ablation.common_datalist(datalist, 2)
     assert [Path(it["image"]).name for it in common["templates"]] == ["t0.png", "t1.png"]
     assert "template" not in common  # the named template would be one more
