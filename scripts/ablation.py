@@ -785,9 +785,29 @@ def rows_table(results: list[dict], plan: str) -> str:
     return f"{text}\n\n{spec.footer}" if spec.footer else text
 
 
+def portable(record):
+    """``record`` with each ``template`` / ``templates`` image path cut to its file name: the docs' records name the
+    data set's images, not where a machine keeps them."""
+    if isinstance(record, list):
+        return [portable(value) for value in record]
+    if not isinstance(record, dict):
+        return record
+    return {
+        key: (
+            Path(value).name
+            if key == "template" and isinstance(value, str)
+            else [Path(v).name for v in value]
+            if key == "templates"
+            else portable(value)
+        )
+        for key, value in record.items()
+    }
+
+
 def report_plan(out: str, plan: str = "converged", docs: str = "docs") -> None:
     """Add the finished runs of ``out`` (``--plan converged`` or ``comparison``) to the plan's record under
-    ``DOCS`` (runs recorded earlier stay; a run found in both is taken from ``out``) and write their table into
+    ``DOCS`` (runs recorded earlier stay; a run found in both is taken from ``out``; template images by file name,
+    :func:`portable`) and write their table into
     ``DOCS/results.md`` between the plan's ``<!-- PLAN:begin/end -->`` markers."""
     if plan not in REPORTS:
         raise ValueError(f"plan must be one of {sorted(REPORTS)}, got {plan!r}")
@@ -807,7 +827,7 @@ def report_plan(out: str, plan: str = "converged", docs: str = "docs") -> None:
         raise ValueError(f"{page}: the markers {begin} and {end} are missing")
     table_text = rows_table(list(runs.values()), plan)
     head, rest = text.split(begin, 1)
-    write_json_atomic(record, [runs[name] for name in sorted(runs)])
+    write_json_atomic(record, [portable(runs[name]) for name in sorted(runs)])
     write_text_atomic(page, f"{head}{begin}\n{table_text}\n{end}{rest.split(end, 1)[1]}")
     print(table_text)
 

@@ -184,6 +184,11 @@ def test_comparison_report_puts_the_papers_numbers_beside_each_row(tmp_path):
     (docs / "results.md").write_text("<!-- converged:begin -->\nkept\n<!-- converged:end -->\n")
     for name, mre in (("baseline_s0", 3.0), ("mochi_s0", 2.7)):
         fake_result(tmp_path / "runs", specs[name], mre, tmp_path / "aug.yaml")
+    result_file = tmp_path / "runs" / "mochi_s0" / "result.json"
+    result = json.loads(result_file.read_text())
+    result["test"]["template"] = "../data/ceph/images/033.png"
+    result["common"] = {"mre_mm": 2.1, "template": "/abs/ceph/001.png", "templates": ["/abs/ceph/001.png", "b/2.png"]}
+    result_file.write_text(json.dumps(result))
     with pytest.raises(ValueError, match="comparison:begin"):
         ablation.report_plan(str(tmp_path / "runs"), "comparison", str(docs))
     (docs / "results.md").write_text("x\n<!-- comparison:begin -->\n<!-- comparison:end -->\n")
@@ -193,10 +198,11 @@ def test_comparison_report_puts_the_papers_numbers_beside_each_row(tmp_path):
     assert mochi.endswith("| +10.0 % (1 seed) | 2.56 / 50.4 |")  # (3.0 - 2.7) / 3.0, the paper's row beside
     assert "| baseline (uniform sampling, high-group estimated intensities everywhere) | 0 |" in page
     assert "The paper's own method scored 2.34 mm / 51.3 %" in page
-    assert [r["name"] for r in json.loads((docs / "results_comparison.json").read_text())] == [
-        "baseline_s0",
-        "mochi_s0",
-    ]
+    recorded = json.loads((docs / "results_comparison.json").read_text())
+    assert [r["name"] for r in recorded] == ["baseline_s0", "mochi_s0"]
+    # the record names template images by file name, not by where this machine keeps them
+    assert recorded[1]["test"]["template"] == "033.png" and recorded[1]["test"]["mre_mm"] == 2.7
+    assert recorded[1]["common"] == {"mre_mm": 2.1, "template": "001.png", "templates": ["001.png", "2.png"]}
     with pytest.raises(ValueError, match="not runs of the converged plan"):
         ablation.report_plan(str(tmp_path / "runs"), "converged", str(docs))
 
