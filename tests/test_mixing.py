@@ -243,18 +243,19 @@ def test_training_step_unmix_feeds_the_mixed_crop_and_is_reproducible(global_pro
 
         torch.manual_seed(7)
         step = ContrastiveIterationUpdate(mixing="unmix", unmix_global_prob=global_prob)
-        losses.append(float(step(engine, dict(batch))["loss"]))
+        losses.append(float(step(engine, dict(batch))["loss"].detach()))
         # the plain crops, then the mixed ones; the loss is the plain loss plus the mixed crops' weighted loss
         torch.testing.assert_close(seen[-2], batch["crop"])
         torch.testing.assert_close(seen[-1], expected)
-        args = (before(batch["image"]), batch["query"], batch["crop_query"], (32, 32), (16, 16))
-        mixed = seen[-1]
-        plain = MultiScaleInfoNCELoss(0.1, 3)(args[0], before_crops(batch["crop"]), *args[1:])
-        own = MultiScaleInfoNCELoss(0.1, 3)(args[0], before_crops(mixed), *args[1:])
-        flipped = [f.flip(0) for f in args[0]]
-        partner = MultiScaleInfoNCELoss(0.1, 3)(
-            flipped, before_crops(mixed), batch["query"].flip(0), batch["crop_query"].flip(0), *args[3:]
-        )
+        with torch.no_grad():
+            args = (before(batch["image"]), batch["query"], batch["crop_query"], (32, 32), (16, 16))
+            mixed = seen[-1]
+            plain = MultiScaleInfoNCELoss(0.1, 3)(args[0], before_crops(batch["crop"]), *args[1:])
+            own = MultiScaleInfoNCELoss(0.1, 3)(args[0], before_crops(mixed), *args[1:])
+            flipped = [f.flip(0) for f in args[0]]
+            partner = MultiScaleInfoNCELoss(0.1, 3)(
+                flipped, before_crops(mixed), batch["query"].flip(0), batch["crop_query"].flip(0), *args[3:]
+            )
         assert losses[-1] == pytest.approx(float(plain + lam * own + (1 - lam) * partner), rel=1e-5)
     assert losses[0] == losses[1]
 
