@@ -98,15 +98,20 @@ class HardNegativeMixing:
         """``(N, s, s')`` for a key set of ``num_negatives`` negatives."""
         return tuple(math.ceil(f * num_negatives) for f in (self.hardest, self.synthetic, self.query_synthetic))
 
+    def hard_set(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The columns ``(B, Q, N)`` of each query's ``N`` hardest negatives (highest cosine first); left-out
+        cells rank below every real negative, the positive below them all."""
+        n = self.counts(logits.shape[-1] - 1)[0]
+        rank = logits.detach().nan_to_num(neginf=torch.finfo(logits.dtype).min)
+        return rank.scatter(-1, target[..., None], float("-inf")).topk(n, dim=-1).indices
+
     def synthesize(
         self, query: torch.Tensor, keys: torch.Tensor, logits: torch.Tensor, target: torch.Tensor
     ) -> Synthetic:
         """The ``s + s'`` synthetic negatives of every query: ``h`` and ``h'``."""
         b, q, k = logits.shape
         n, s, s_query = self.counts(k - 1)
-        # rank the negatives by cosine, left-out cells below every real one and the positive below them all
-        rank = logits.detach().nan_to_num(neginf=torch.finfo(logits.dtype).min)
-        hard = rank.scatter(-1, target[..., None], float("-inf")).topk(n, dim=-1).indices
+        hard = self.hard_set(logits, target)
         device = logits.device
         columns = torch.gather(hard, -1, torch.randint(n, (b, q, 2 * s + s_query), device=device))
         usable = torch.isfinite(torch.gather(logits, -1, columns))

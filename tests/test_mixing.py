@@ -1,20 +1,30 @@
 """The paper's comparison methods (bundle.mixing): MoCHi, Zhu et al.'s feature transformation and Un-mix, each
-against a hand computation of its defining property, wired through the loss and the training step."""
+against a hand computation of its defining property, wired through the loss and the training step; and the
+hard-negative diagnostic of the comparison (scripts/hard_negatives.py)."""
 
 from __future__ import annotations
 
 import copy
+import json
 import math
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from bundle.loss import MultiScaleInfoNCELoss
-from bundle.mixing import FeatureTransformation, HardNegativeMixing, unmix_crops, unmix_draw, unmix_loss
-from bundle.networks.contrastive import ContrastiveLandmarkNet
-from bundle.training_step import ContrastiveIterationUpdate
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+from hard_negatives import cell_distances, hard_negative_statistics, scale_statistics  # noqa: E402
+
+from bundle.configs import bundle_parser  # noqa: E402
+from bundle.data.synthetic import generate_synthetic_2d  # noqa: E402
+from bundle.loss import MultiScaleInfoNCELoss  # noqa: E402
+from bundle.mixing import FeatureTransformation, HardNegativeMixing, unmix_crops, unmix_draw, unmix_loss  # noqa: E402
+from bundle.networks.contrastive import ContrastiveLandmarkNet  # noqa: E402
+from bundle.training_step import ContrastiveIterationUpdate  # noqa: E402
 
 
 def key_set(b: int = 2, q: int = 3, k: int = 10, c: int = 8, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -281,8 +291,6 @@ def test_bad_settings_name_their_key(make, key):
 
 @pytest.mark.parametrize("mixing", ["none", "unmix", "mochi", "zhu"])
 def test_the_training_config_turns_each_method_on(mixing):
-    from bundle.configs import bundle_parser
-
     parser = bundle_parser(
         ["configs/train.yaml"], mixing=mixing, unmix_alpha=0.5, unmix_global_prob=0.25, zhu_neg_alpha=1.2
     )
@@ -292,3 +300,42 @@ def test_the_training_config_turns_each_method_on(mixing):
     assert step.unmix_global_prob == 0.25
     if mixing == "zhu":
         assert loss.mixer.neg_alpha == 1.2
+
+
+def test_hard_negative_statistics_against_a_hand_built_key_set():
+    # a 5 x 5 window (K = 25, positive at column 12): MoCHi's hard set is ceil(24 / 16) = 2 negatives
+    query = F.normalize(torch.ones(1, 1, 4), dim=-1)
+    keys = F.normalize(torch.rand(1, 1, 25, 4, generator=torch.Generator().manual_seed(0)), dim=-1)
+    logits = torch.full((1, 1, 25), 0.1)
+    logits[0, 0, 12] = 0.8  # the positive
+    logits[0, 0, [7, 13]] = torch.tensor([0.7, 0.9])  # the two hardest touch it; 13 ranks above the positive
+    logits[0, 0, 0] = float("-inf")  # a cell outside the map
+    target = torch.tensor([[12]])
+    distance = cell_distances(logits, target, 5, (8, 8))
+    assert distance[0, 0].reshape(5, 5).tolist() == [[max(abs(r - 2), abs(c - 2)) for c in range(5)] for r in range(5)]
+    stats = scale_statistics((query, keys, logits, target), torch.tensor([[True]]), 5, (8, 8), HardNegativeMixing())
+    assert stats["hard_set_size"] == 2 and stats["hard_adjacent_pct"] == 100.0
+    assert stats["adjacent_pct"] == pytest.approx(100 * 8 / 23, abs=0.01)  # 8 of the 23 real negatives
+    assert stats["real_above_positive_pct"] == pytest.approx(100 / 23, abs=0.01)
+    assert stats["positive_cosine"] == pytest.approx(0.8) and stats["hard_cosine"] == pytest.approx(0.8)
+    # global columns: the cells of a 3 x 4 map, positive at (1, 2)
+    glob = cell_distances(torch.zeros(1, 1, 12), torch.tensor([[6]]), None, (3, 4))
+    assert glob[0, 0].reshape(3, 4).tolist() == [[max(abs(r - 1), abs(c - 2)) for c in range(4)] for r in range(3)]
+
+
+def test_hard_negative_statistics_run_on_a_checkpoint(tmp_path):
+    datalist = generate_synthetic_2d(tmp_path / "data", n_training=4, n_validation=1, n_test=1, seed=1)
+    torch.manual_seed(0)
+    ckpt = tmp_path / "model.pt"
+    torch.save(bundle_parser("configs/train.yaml").get_parsed_content("network_def").state_dict(), ckpt)
+    with pytest.raises(FileNotFoundError, match="missing.pt"):
+        hard_negative_statistics(str(tmp_path / "missing.pt"), datalist=str(datalist))
+    out = tmp_path / "hard.json"
+    scales = hard_negative_statistics(str(ckpt), datalist=str(datalist), batches=3, batch_size=2, output=str(out))
+    assert [s["window"] for s in scales] == [None, 9, 9, 9]  # coarse to fine, the loss's windows
+    assert [s["map_size"] for s in scales] == [[12, 12], [24, 24], [48, 48], [96, 96]]
+    for s in scales:
+        assert s["queries"] == 3 * 2 * 16 and s["hard_set_size"] == (9 if s["window"] is None else 5)
+        assert 0 <= s["hard_adjacent_pct"] <= 100 and 0 <= s["synthetic_above_positive_pct"] <= 100
+        assert all(-1 <= s[k] <= 1 for k in ("positive_cosine", "hard_cosine", "synthetic_cosine"))
+    assert json.loads(out.read_text())["scales"] == scales
