@@ -158,14 +158,20 @@ def _global_logits(
     return logits, _flat_index(cell, image_map.shape[2:]), per_query
 
 
+def window_offsets(window: int, dims: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """The cell offsets ``(window**dims, dims)`` of a local key window, row-major from ``-window // 2`` to
+    ``window // 2`` per axis: column ``j`` of the window's logits is the cell ``positive + offsets[j]``."""
+    half = window // 2
+    return torch.tensor(list(itertools.product(range(-half, half + 1), repeat=dims)), device=device)
+
+
 def _window_logits(
     image_map: torch.Tensor, query: torch.Tensor, cell: torch.Tensor, window: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Cosines with the ``window**D`` cells centred on each positive (outside cells at -inf), the centre's index
     and the key vectors ``(B, Q, K, C)``."""
     spatial = image_map.shape[2:]
-    half = window // 2
-    offsets = torch.tensor(list(itertools.product(range(-half, half + 1), repeat=len(spatial))), device=cell.device)
+    offsets = window_offsets(window, len(spatial), cell.device)
     cells = cell[:, :, None, :] + offsets  # (B, Q, K, D)
     limit = torch.as_tensor(spatial, device=cell.device)
     inside = ((cells >= 0) & (cells < limit)).all(-1)

@@ -19,7 +19,6 @@ checkpoint, each scale of the loss reports (over the queries inside both views):
 
 from __future__ import annotations
 
-import itertools
 import json
 import sys
 from pathlib import Path
@@ -33,6 +32,7 @@ import torch  # noqa: E402
 
 from bundle.configs import bundle_parser  # noqa: E402
 from bundle.io_utils import write_json_atomic  # noqa: E402
+from bundle.loss import window_offsets  # noqa: E402
 from bundle.mixing import HardNegativeMixing  # noqa: E402
 
 
@@ -50,12 +50,10 @@ class KeySetRecorder:
 
 def cell_distances(logits: torch.Tensor, target: torch.Tensor, window: int | None, spatial) -> torch.Tensor:
     """Chebyshev distance in cells ``(B, Q, K)`` of every key column from the positive's cell: the loss's
-    window columns are the row-major offsets ``-window // 2 .. window // 2`` per axis, its global columns the
-    row-major cells of the map."""
+    window columns are the cells of :func:`bundle.loss.window_offsets`, its global columns the row-major cells
+    of the map."""
     if window is not None:
-        half = window // 2
-        offsets = torch.tensor(list(itertools.product(range(-half, half + 1), repeat=len(spatial))))
-        return offsets.abs().amax(-1).expand(logits.shape)
+        return window_offsets(window, len(spatial)).abs().amax(-1).expand(logits.shape)
     cells = torch.stack(torch.unravel_index(torch.arange(logits.shape[-1]), tuple(spatial)), -1)  # (K, D)
     positive = cells[target]  # (B, Q, D)
     return (cells[None, None] - positive[:, :, None]).abs().amax(-1)
