@@ -226,9 +226,11 @@ def run_one(
     epoch_length: int,
     augmentation: str,
     template_rule: str = "landmarks",
+    settings: dict | None = None,
 ) -> dict:
     """Train one planned run, evaluate it on the datalist's test items (template chosen by ``template_rule``),
-    write and return its result."""
+    write and return its result. ``settings``: bundle keys given to both commands of every run (the network and
+    grid of a paper-scale run, ``amp``, ``num_workers``), recorded in the result."""
     run_dir = out / spec["name"]
     run_dir.mkdir(parents=True, exist_ok=True)
     aug = spec.get("augmentation_file") or augmentation.format(alpha=spec["alpha_hat"])
@@ -250,6 +252,7 @@ def run_one(
         epoch_length=epoch_length,
         val_interval=epochs,
         progress_bar=False,
+        **(settings or {}),
     )
     if spec.get("group_mode"):
         overrides["augmentation#group_mode"] = spec["group_mode"]
@@ -273,6 +276,7 @@ def run_one(
             output_dir=run_dir / "eval",
             ckpt_path=run_dir / "models" / "model.pt",
             template_rule=template_rule,
+            **(settings or {}),
         ),
         run_dir / "eval.log",
     )
@@ -282,6 +286,7 @@ def run_one(
         iterations=epochs * epoch_length,
         augmentation_file=aug,
         template_rule=template_rule,
+        settings=settings or {},
         validation_mre_mm=val[-1] if val else None,
         test=metrics,
         train_seconds=round(train_s, 1),  # of the last (resumed) part only when ``resumed``
@@ -304,9 +309,10 @@ def run(
     only=None,
     template_rule: str = "landmarks",
     plan: str = "sweep",
+    settings: dict | None = None,
 ) -> None:
     """Run every run of the plan (``sweep``, ``converged`` or ``comparison``; or those named in ``only``) that has no
-    ``result.json`` yet."""
+    ``result.json`` yet; ``settings`` are bundle keys given to every run's commands (:func:`run_one`)."""
     if plan not in PLANS:
         raise ValueError(f"plan must be one of {sorted(PLANS)}, got {plan!r}")
     out_dir = Path(out)
@@ -316,7 +322,7 @@ def run(
         if (out_dir / spec["name"] / "result.json").is_file():
             print(f"{spec['name']}: done already")
             continue
-        res = run_one(spec, datalist, out_dir, iterations, epoch_length, augmentation, template_rule)
+        res = run_one(spec, datalist, out_dir, iterations, epoch_length, augmentation, template_rule, settings)
         t = res["test"]
         print(
             f"{spec['name']}: test MRE {t['mre_mm']:.2f} mm ({t['mre_px']:.1f} px), SDR 2 mm {t['sdr']['2.0']:.1f} %, "
