@@ -128,6 +128,11 @@ class ContrastiveIterationUpdate:
                 loss = loss + unmix_loss(
                     engine.loss_function, image_features, mixed_features, query, crop_query, *sizes, unmix.lam
                 )
+            if not torch.isfinite(loss):  # the step's one host sync: never step (or save) on a non-finite loss
+                raise FloatingPointError(
+                    f"non-finite training loss ({loss.item()}) at iteration {engine.state.iteration}"
+                    f"{' under amp (try --amp false)' if engine.amp else ''}; lower learning_rate or check the data"
+                )
             engine.state.output = {Keys.IMAGE: image, Keys.LOSS: loss}
             engine.fire_event(IterationEvents.LOSS_COMPLETED)
             return loss
