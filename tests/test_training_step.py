@@ -85,3 +85,19 @@ def test_fixed_threads_and_bad_settings():
     for bad in ("many", 0, 1.5):
         with pytest.raises(ValueError, match="num_threads"):
             ContrastiveIterationUpdate(num_threads=bad)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_loss_stops_the_step_before_the_weights_change(bad):
+    net = ContrastiveLandmarkNet(channels=(4, 8, 8), strides=(4, 2), embed_dim=8)
+    before = {name: p.detach().clone() for name, p in net.named_parameters()}
+
+    def loss_function(*args):
+        return MultiScaleInfoNCELoss(0.1, 3)(*args) * bad
+
+    engine = _engine(net, loss_function)
+    engine.state.iteration = 14
+    with pytest.raises(FloatingPointError, match="non-finite training loss .* at iteration 14"):
+        ContrastiveIterationUpdate()(engine, _batch(0))
+    for name, p in net.named_parameters():  # no optimiser step (BatchNorm's running statistics may move)
+        torch.testing.assert_close(p.detach(), before[name], rtol=0, atol=0)
