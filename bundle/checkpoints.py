@@ -1,13 +1,14 @@
 """Checkpoint files: reading them safely (errors that name the file), loading weights, writing atomically.
 
-Every checkpoint is read with ``torch.load(weights_only=True)`` and written through a hidden temporary that
-is renamed into place (:func:`save_atomically`); :func:`resume_path` is the file ``--resume`` continues from.
+Every checkpoint is read with ``torch.load(weights_only=True)`` and written, with CPU tensors, through a
+hidden temporary that is renamed into place (:func:`save_atomically`); :func:`resume_path` is the file
+``--resume`` continues from.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 
@@ -77,12 +78,25 @@ def load_weights(network: torch.nn.Module, path: str | Path, device: torch.devic
     return network.to(device)
 
 
+def to_cpu(obj: Any) -> Any:
+    """``obj`` with every tensor inside its dicts, lists and tuples moved to the CPU (other values kept)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if isinstance(obj, Mapping):
+        return type(obj)((k, to_cpu(v)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj
+
+
 def save_atomically(checkpoint: Mapping, path: str | Path, save=torch.save) -> None:
-    """``save(checkpoint, tmp)`` to a unique hidden temporary beside ``path`` (``.<name>.<pid>.<random>.tmp``,
-    never ``*.pt``), then ``os.replace`` onto ``path`` (:func:`bundle.io_utils.atomic_path`): a killed write
-    leaves the previous checkpoint whole, and its leftover temporary is removed by the next save."""
+    """``save(to_cpu(checkpoint), tmp)`` to a unique hidden temporary beside ``path``
+    (``.<name>.<pid>.<random>.tmp``, never ``*.pt``), then ``os.replace`` onto ``path``
+    (:func:`bundle.io_utils.atomic_path`): a killed write leaves the previous checkpoint whole, and its leftover
+    temporary is removed by the next save. Tensors are saved on the CPU, so that a checkpoint written on a GPU
+    loads (``torch.load``, MONAI's ``ckpt_export``) on a machine without one."""
     with atomic_path(path, keep_suffix=False) as tmp:
-        save(checkpoint, tmp)
+        save(to_cpu(checkpoint), tmp)
 
 
 def resume_path(ckpt_dir: str | Path, resume: bool | str, filename: str = "last.pt") -> str | None:

@@ -3,11 +3,14 @@ does."""
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any, Sequence
 
+import torch
 from monai.bundle import ConfigParser
+from monai.utils import set_determinism
 
 BUNDLE_ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,3 +61,19 @@ def as_flag(value: Any, key: str) -> bool:
     if text in ("false", "0", "no"):
         return False
     raise ValueError(f"{key}: expected true or false, got {value!r}")
+
+
+def seed_everything(seed: int, cudnn_benchmark: bool = False) -> int:
+    """Seed Python, NumPy and torch with ``monai.utils.set_determinism(seed)`` (the data loader seeds the random
+    transforms from torch's generator), then set cuDNN's autotuner to ``cudnn_benchmark``: ``set_determinism``
+    turns it off, and on a GPU it is the faster setting (results then vary in the last bits between runs).
+    Under torchrun the configs pass ``seed + rank``, so that each process draws its own augmentations."""
+    benchmark = as_flag(cudnn_benchmark, "cudnn_benchmark")
+    set_determinism(seed=seed)
+    torch.backends.cudnn.benchmark = benchmark
+    if benchmark:
+        torch.backends.cudnn.deterministic = False
+    logging.getLogger(__name__).info(
+        f"random seed {seed}; cuDNN autotuner {'on' if benchmark else 'off'} (cudnn_benchmark)"
+    )
+    return seed

@@ -15,7 +15,9 @@ import torch
 COMBINE_RULES = ("geometric_median", "median", "mean")
 
 
-def geometric_median(points: torch.Tensor, iterations: int = 1000, tolerance: float = 1e-10) -> torch.Tensor:
+def geometric_median(
+    points: torch.Tensor, iterations: int = 1000, tolerance: float = 1e-10, check_every: int = 16
+) -> torch.Tensor:
     """Geometric median over the first axis: ``(K, ..., D)`` -> ``(..., D)`` (float64), NaN points ignored.
 
     Weiszfeld's iteration with Vardi and Zhang's step (Proc. Natl. Acad. Sci. 2000), from the coordinate-wise
@@ -23,7 +25,9 @@ def geometric_median(points: torch.Tensor, iterations: int = 1000, tolerance: fl
     proportion to their number, so a median that lies on a point (ties of grid-quantised peaks) is reached
     exactly instead of approached ever more slowly. Scale-free: "at the estimate" and the stopping step are
     ``tolerance`` times the points' spread around the start, so the result scales with the points (the same
-    landmarks in pixels and in mm). Where every point is NaN the result is NaN. TorchScript-compatible: the
+    landmarks in pixels and in mm). Convergence is read on the host every ``check_every`` steps (a GPU waits for
+    each read; steps past convergence move the estimate by less than the stopping step). Where every point is
+    NaN the result is NaN. TorchScript-compatible: the
     exported points network (:mod:`bundle.networks.landmark_points`) scripts this function.
     """
     p = points.to(torch.float64)
@@ -33,7 +37,7 @@ def geometric_median(points: torch.Tensor, iterations: int = 1000, tolerance: fl
     start = torch.linalg.vector_norm(filled - estimate, dim=-1, keepdim=True)
     spread = torch.where(valid, start, torch.zeros_like(start)).amax(0)  # (..., 1)
     floor = torch.where(spread > 0, tolerance * spread, torch.ones_like(spread))
-    for _ in range(iterations):
+    for step in range(iterations):
         difference = filled - estimate
         distance = torch.linalg.vector_norm(difference, dim=-1, keepdim=True)
         at_estimate = valid & (distance <= floor)
@@ -45,7 +49,7 @@ def geometric_median(points: torch.Tensor, iterations: int = 1000, tolerance: fl
         updated = (1.0 - stay) * mean + stay * estimate
         moved = torch.linalg.vector_norm(updated - estimate, dim=-1, keepdim=True)
         estimate = updated
-        if not bool((moved > floor).any()):
+        if (step + 1) % check_every == 0 and not bool((moved > floor).any()):
             break
     return estimate
 

@@ -14,6 +14,7 @@ feature-space comparison methods to every scale's key set (:mod:`bundle.mixing`)
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Sequence
 
@@ -114,15 +115,14 @@ class MultiScaleInfoNCELoss(_Loss):
         valid = ~(torch.isnan(image_points).any(-1) | torch.isnan(crop_points).any(-1))
         image_points = torch.where(valid[..., None], image_points, torch.zeros_like(image_points))
         crop_points = torch.where(valid[..., None], crop_points, torch.zeros_like(crop_points))
-        _check_inside("image_points", image_points[valid], image_size)
-        _check_inside("crop_points", crop_points[valid], crop_size)
+        _check_inside(valid, ("image_points", image_points, image_size), ("crop_points", crop_points, crop_size))
 
         terms = []
+        n_valid = valid.sum().clamp(min=1)
         for image_map, crop_map, window in zip(image_features, crop_features, self.windows_for(num_scales)):
             query = F.normalize(sample_features(crop_map, crop_points, crop_size), dim=-1)
             cell = points_to_feature_index(image_points.to(image_map.dtype), image_size, image_map.shape[2:])
-            cell = cell.round().long()
-            cell = torch.minimum(cell.clamp(min=0), torch.as_tensor(image_map.shape[2:], device=cell.device) - 1)
+            cell = _clamp_cells(cell.round().long(), image_map.shape[2:])
             if window is None:
                 logits, target, keys = _global_logits(image_map, query, cell)
             else:
@@ -130,21 +130,30 @@ class MultiScaleInfoNCELoss(_Loss):
             if self.mixer is not None:
                 logits, target = self.mixer(query, keys, logits, target)
             ce = F.cross_entropy((logits / self.temperature).flatten(0, 1), target.flatten(), reduction="none")
-            ce = ce.reshape(valid.shape)
-            terms.append(ce[valid].sum() / valid.sum().clamp(min=1))
+            terms.append(torch.where(valid, ce.reshape(valid.shape), 0.0).sum() / n_valid)
         total = sum(w * t for w, t in zip(weights, terms))
         return (total, terms) if return_terms else total
 
 
-def _check_inside(name: str, points: torch.Tensor, size: Sequence[int]) -> None:
-    """Input-grid points must lie on the grid: each component in [-0.5, size - 0.5]."""
-    if points.numel() == 0:
-        return
-    upper = torch.as_tensor(list(size), dtype=points.dtype, device=points.device) - 0.5
-    outside = (points < -0.5) | (points > upper)
-    if outside.any():
-        bad = points[outside.any(-1)][0].tolist()
-        raise ValueError(f"{name} contains {bad}, outside the input grid of size {tuple(size)}")
+def _outside(points: torch.Tensor, size: Sequence[int]) -> torch.Tensor:
+    """``(B, Q)``: whether each point leaves its input grid (a component outside ``[-0.5, size - 0.5]``)."""
+    return torch.stack([(points[..., a] < -0.5) | (points[..., a] > n - 0.5) for a, n in enumerate(size)], -1).any(-1)
+
+
+def _check_inside(valid: torch.Tensor, *named: tuple[str, torch.Tensor, Sequence[int]]) -> None:
+    """Every valid query point must lie on its input grid; one host sync for all of them (the loss's only one)."""
+    outside = [valid & _outside(points, size) for _, points, size in named]
+    if bool(torch.stack(outside).any()):
+        for (name, points, size), out in zip(named, outside):
+            if out.any():
+                raise ValueError(
+                    f"{name} contains {points[out][0].tolist()}, outside the input grid of size {tuple(size)}"
+                )
+
+
+def _clamp_cells(cell: torch.Tensor, spatial: Sequence[int]) -> torch.Tensor:
+    """Integer cells ``(..., D)`` clamped into a grid of size ``spatial``, per axis (no tensor built from the size)."""
+    return torch.stack([cell[..., a].clamp(0, int(n) - 1) for a, n in enumerate(spatial)], -1)
 
 
 def _global_logits(
@@ -161,6 +170,12 @@ def _global_logits(
 def window_offsets(window: int, dims: int, device: torch.device | str | None = None) -> torch.Tensor:
     """The cell offsets ``(window**dims, dims)`` of a local key window, row-major from ``-window // 2`` to
     ``window // 2`` per axis: column ``j`` of the window's logits is the cell ``positive + offsets[j]``."""
+    return _window_offsets(window, dims, str(torch.device(device or "cpu")))
+
+
+@functools.lru_cache(maxsize=32)
+def _window_offsets(window: int, dims: int, device: str) -> torch.Tensor:
+    """:func:`window_offsets`, built once per window, dimensionality and device (a host-to-device copy)."""
     half = window // 2
     return torch.tensor(list(itertools.product(range(-half, half + 1), repeat=dims)), device=device)
 
@@ -173,9 +188,8 @@ def _window_logits(
     spatial = image_map.shape[2:]
     offsets = window_offsets(window, len(spatial), cell.device)
     cells = cell[:, :, None, :] + offsets  # (B, Q, K, D)
-    limit = torch.as_tensor(spatial, device=cell.device)
-    inside = ((cells >= 0) & (cells < limit)).all(-1)
-    flat = _flat_index(torch.minimum(cells.clamp(min=0), limit - 1), spatial)  # (B, Q, K)
+    inside = torch.stack([(cells[..., a] >= 0) & (cells[..., a] < n) for a, n in enumerate(spatial)], -1).all(-1)
+    flat = _flat_index(_clamp_cells(cells, spatial), spatial)  # (B, Q, K)
     keys = image_map.flatten(2).transpose(1, 2)  # (B, N, C)
     b, q, k = flat.shape
     gathered = torch.gather(keys, 1, flat.reshape(b, q * k, 1).expand(-1, -1, keys.shape[-1])).reshape(b, q, k, -1)

@@ -17,8 +17,8 @@ def points_to_feature_index(
     points: torch.Tensor, input_size: Sequence[int], feature_size: Sequence[int]
 ) -> torch.Tensor:
     """Continuous positions of input-grid ``points`` (..., D) in a feature grid of ``feature_size``."""
-    scale = torch.as_tensor([f / i for f, i in zip(feature_size, input_size)], dtype=points.dtype, device=points.device)
-    return (points + 0.5) * scale - 0.5
+    axes = [(points[..., a] + 0.5) * (f / i) - 0.5 for a, (f, i) in enumerate(zip(feature_size, input_size))]
+    return torch.stack(axes, -1)  # per axis, no tensor built from the sizes (a host-to-device copy on a GPU)
 
 
 def sample_features(features: torch.Tensor, points: torch.Tensor, input_size: Sequence[int]) -> torch.Tensor:
@@ -37,8 +37,9 @@ def sample_features(features: torch.Tensor, points: torch.Tensor, input_size: Se
         raise ValueError(
             f"points have {points.shape[-1]} components and input_size {len(input_size)}, features {spatial_dims}"
         )
-    size = torch.as_tensor(list(input_size), dtype=features.dtype, device=features.device)
-    normalised = 2.0 * (points.to(features.dtype) + 0.5) / size - 1.0  # align_corners=False convention
+    points = points.to(features.dtype)
+    # align_corners=False convention, per axis (no tensor built from the sizes)
+    normalised = torch.stack([2.0 * (points[..., a] + 0.5) / float(n) - 1.0 for a, n in enumerate(input_size)], -1)
     grid = normalised.flip(-1)  # grid_sample wants (x=last axis, y, z) order
     grid = grid.reshape(grid.shape[0], grid.shape[1], *([1] * (spatial_dims - 1)), spatial_dims)
     sampled = F.grid_sample(features, grid, mode="bilinear", padding_mode="border", align_corners=False)
