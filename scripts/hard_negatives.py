@@ -53,8 +53,9 @@ def cell_distances(logits: torch.Tensor, target: torch.Tensor, window: int | Non
     window columns are the cells of :func:`bundle.loss.window_offsets`, its global columns the row-major cells
     of the map."""
     if window is not None:
-        return window_offsets(window, len(spatial)).abs().amax(-1).expand(logits.shape)
-    cells = torch.stack(torch.unravel_index(torch.arange(logits.shape[-1]), tuple(spatial)), -1)  # (K, D)
+        return window_offsets(window, len(spatial), logits.device).abs().amax(-1).expand(logits.shape)
+    columns = torch.arange(logits.shape[-1], device=logits.device)
+    cells = torch.stack(torch.unravel_index(columns, tuple(spatial)), -1)  # (K, D), on the logits' device
     positive = cells[target]  # (B, Q, D)
     return (cells[None, None] - positive[:, :, None]).abs().amax(-1)
 

@@ -339,3 +339,12 @@ def test_hard_negative_statistics_run_on_a_checkpoint(tmp_path):
         assert 0 <= s["hard_adjacent_pct"] <= 100 and 0 <= s["synthetic_above_positive_pct"] <= 100
         assert all(-1 <= s[k] <= 1 for k in ("positive_cosine", "hard_cosine", "synthetic_cosine"))
     assert json.loads(out.read_text())["scales"] == scales
+
+
+def test_cell_distances_stay_on_the_logits_device():
+    for window in (5, None):
+        logits = torch.zeros(1, 1, 25 if window else 12, device="meta")
+        distance = cell_distances(
+            logits, torch.zeros(1, 1, dtype=torch.long, device="meta"), window, (5, 5) if window else (3, 4)
+        )
+        assert distance.device.type == "meta" and distance.shape == logits.shape
