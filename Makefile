@@ -35,7 +35,7 @@ demo: demo-train demo-evaluate
 
 demo-train: install
 	$(PY) -m monai.bundle run training --config_file configs/train.yaml \
-		--output_dir $(DEMO_DIR) --ckpt_dir $(DEMO_DIR)/models
+		--output_dir $(DEMO_DIR)
 
 demo-evaluate: install
 	$(PY) -m monai.bundle run evaluating --config_file "['configs/train.yaml','configs/evaluate.yaml']" \
@@ -43,10 +43,10 @@ demo-evaluate: install
 
 demo-3d: install
 	$(PY) -m monai.bundle run training --config_file "['configs/train.yaml','configs/train_3d.yaml']" \
-		--output_dir $(DEMO_DIR)_3d --ckpt_dir $(DEMO_DIR)_3d/models --epoch_length 15
+		--output_dir $(DEMO_DIR)_3d --epoch_length 15
 	$(PY) -m monai.bundle run evaluating \
 		--config_file "['configs/train.yaml','configs/train_3d.yaml','configs/evaluate.yaml','configs/evaluate_3d.yaml']" \
-		--output_dir $(DEMO_DIR)_3d/eval --ckpt_path $(DEMO_DIR)_3d/models/model.pt
+		--output_dir $(DEMO_DIR)_3d/eval --ckpt_path $(DEMO_DIR)_3d/models/ct3d/model.pt
 
 # the lint gate: ruff's checks and formatting (pyproject.toml [tool.ruff]); `ruff format .` fixes the latter
 lint: install

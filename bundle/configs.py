@@ -49,18 +49,27 @@ def check_image_size(image_size: Any, spatial_dims: int, divisor: int = 16) -> l
     return [int(v) for v in values]
 
 
-def as_flag(value: Any, key: str) -> bool:
-    """A yes/no config value given in YAML (``true``) or on the command line (``--key true``, which reaches the
-    config as the string ``'true'``): ``True``/``False``, ``'true'``/``'false'`` (any case), 1/0; anything else
-    raises ``ValueError`` naming ``key``."""
+FLAG_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
+def as_flag(value: Any, key: str, path: bool = False) -> bool | str:
+    """A yes/no config value as a bool, given in YAML (``true``) or on the command line (``--key false``, which
+    reaches the config as the string ``'false'``): a bool, the integers 1/0, or true/false, yes/no, 1/0 in any case.
+
+    Every config reads its yes/no keys through this (``$bundle.configs.as_flag(@key, 'key')``). Anything else
+    raises ``ValueError`` naming ``key`` and the value; with ``path`` (``resume``: yes/no or a checkpoint) any
+    other string is returned as given."""
     if isinstance(value, bool):
         return value
-    text = str(value).strip().lower()
-    if text in ("true", "1", "yes"):
-        return True
-    if text in ("false", "0", "no"):
-        return False
-    raise ValueError(f"{key}: expected true or false, got {value!r}")
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        flag = FLAG_WORDS.get(value.strip().lower())
+        if flag is not None:
+            return flag
+        if path and value.strip():
+            return value
+    raise ValueError(f"{key}: expected true or false (yes/no, 1/0, any case), got {value!r}")
 
 
 def seed_everything(seed: int, cudnn_benchmark: bool = False) -> int:

@@ -2,8 +2,9 @@
 
 :class:`AtomicCheckpointSaver` writes the best and the final model files, each through
 :func:`bundle.checkpoints.save_atomically`; :class:`LastCheckpointSaver` writes ``last.pt``, which
-:class:`ResumeCheckpointLoader` restores; :class:`TemplateHandler` gives one-shot detection its templates when an
-evaluation starts; :class:`LandmarkReportHandler` writes an evaluation's report files (:mod:`bundle.reporting`);
+:class:`ResumeCheckpointLoader` restores; :class:`CheckpointDirReport` prints where they are;
+:class:`TemplateHandler` gives one-shot detection its templates when an evaluation starts;
+:class:`LandmarkReportHandler` writes an evaluation's report files (:mod:`bundle.reporting`);
 :class:`DeferredSummaryWriter` opens TensorBoard logs at their first value. Only public MONAI and Ignite API is used.
 """
 
@@ -174,6 +175,25 @@ class LastCheckpointSaver:
                 obj = obj.module
             state[name] = obj.state_dict()
         save_atomically(state, self.path)
+
+
+class CheckpointDirReport:
+    """Prints where the training writes its checkpoints when it starts, and the files there when it completes
+    (attached last, after the savers; rank 0, whose handlers save)."""
+
+    def __init__(self, ckpt_dir: str | Path) -> None:
+        self.ckpt_dir = Path(ckpt_dir).expanduser().resolve()
+
+    def attach(self, engine: Engine) -> None:
+        engine.add_event_handler(Events.STARTED, self.started)
+        engine.add_event_handler(Events.COMPLETED, self.completed)
+
+    def started(self, engine: Engine) -> None:
+        print(f"training writes its checkpoints to {self.ckpt_dir}", flush=True)
+
+    def completed(self, engine: Engine) -> None:
+        files = ", ".join(sorted(p.name for p in self.ckpt_dir.glob("*.pt")))
+        print(f"training finished: checkpoints in {self.ckpt_dir}: {files}", flush=True)
 
 
 class ResumeCheckpointLoader(CheckpointLoader):

@@ -24,9 +24,9 @@ TRAIN_KEYS = ("image", "crop", "query", "crop_query")
 class ContrastiveIterationUpdate:
     """One optimisation step on a batch of view pairs (keys ``image``, ``crop``, ``query``, ``crop_query``).
 
-    Uses the trainer's network (``forward`` = image encoder, ``encode_crops`` = crop encoder), loss
-    function, optimizer, ``amp`` flag and grad scaler; fires MONAI's iteration events so that handlers
-    that listen to them keep working.
+    Uses the trainer's network (``forward`` = image encoder, ``encode_crops`` = crop encoder), each run through
+    the trainer's ``inferer`` (the config's ``train#inferer``), loss function, optimizer, ``amp`` flag and grad
+    scaler; fires MONAI's iteration events so that handlers that listen to them keep working.
 
     CPU speed (both leave the results unchanged up to floating-point rounding; neither acts on a GPU):
 
@@ -118,13 +118,13 @@ class ContrastiveIterationUpdate:
         engine.optimizer.zero_grad(set_to_none=engine.optim_set_to_none)
 
         def forward() -> torch.Tensor:
-            image_features = network(image)
-            crop_features = network.encode_crops(crop)
+            image_features = engine.inferer(image, network)
+            crop_features = engine.inferer(crop, network.encode_crops)
             engine.fire_event(IterationEvents.FORWARD_COMPLETED)
             sizes = (tuple(image.shape[2:]), tuple(crop.shape[2:]))
             loss = engine.loss_function(image_features, crop_features, query, crop_query, *sizes)
             if unmix is not None:  # Un-mix: the mixed crops' loss beside the plain one
-                mixed_features = network.encode_crops(unmix_crops(crop, unmix.lam, unmix.box))
+                mixed_features = engine.inferer(unmix_crops(crop, unmix.lam, unmix.box), network.encode_crops)
                 loss = loss + unmix_loss(
                     engine.loss_function, image_features, mixed_features, query, crop_query, *sizes, unmix.lam
                 )

@@ -3,6 +3,7 @@
     python scripts/build_template.py --datalist runs/hamedan/protocol.json --output models/template_features.pt \
         --templates "['019']" --first_labelled 5 [--ckpt_path models/model.pt]
 
+Without ``--output`` the file goes to ``output/template_features.pt``: the shipped one is only replaced when named.
 The shipped ``models/template_features.pt`` is built this way from the Hamedan protocol datalist, made by
 
     python scripts/prepare_data.py labelme HAMEDAN_DIR runs/hamedan/protocol.json --names isbi \
@@ -68,7 +69,7 @@ def select_items(datalist: dict, templates: list[str] | None = None, first_label
 
 def build(
     datalist: str,
-    output: str = "models/template_features.pt",
+    output: str = "output/template_features.pt",
     templates: list[str] | str | None = None,
     first_labelled: int = 0,
     ckpt_path: str | None = None,

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from monai.inferers import SimpleInferer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
@@ -234,6 +235,7 @@ def test_training_step_unmix_feeds_the_mixed_crop_and_is_reproducible(global_pro
             optimizer=torch.optim.Adam(net.parameters(), lr=1e-3),
             loss_function=MultiScaleInfoNCELoss(0.1, 3),
             optim_set_to_none=True,
+            inferer=SimpleInferer(),
             amp=False,
             scaler=None,
             fire_event=lambda event: None,

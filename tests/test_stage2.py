@@ -161,7 +161,7 @@ def test_random_init_as_the_command_line_gives_it(random_init, expected):
     if expected is ValueError:
         with pytest.raises(RuntimeError) as info:  # MONAI's config wraps the error; the cause names the key
             parser.get_parsed_content("network_def#init_checkpoint")
-        assert "random_init: expected true or false, got 'maybe'" in str(info.value.__cause__)
+        assert "random_init: expected true or false (yes/no, 1/0, any case), got 'maybe'" in str(info.value.__cause__)
         return
     init = parser.get_parsed_content("network_def#init_checkpoint")
     assert init == (None if expected is None else parser.get_parsed_content("stage1_ckpt"))

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from monai.inferers import SimpleInferer
 
 from bundle.loss import MultiScaleInfoNCELoss
 from bundle.networks.contrastive import ContrastiveLandmarkNet
@@ -21,6 +22,7 @@ def _engine(network: torch.nn.Module, loss_function) -> SimpleNamespace:
         optimizer=torch.optim.Adam(network.parameters(), lr=1e-3),
         loss_function=loss_function,
         optim_set_to_none=True,
+        inferer=SimpleInferer(),
         amp=False,
         scaler=None,
         fire_event=lambda event: None,

@@ -22,8 +22,8 @@ template search wait for the first request.
 
 Conf keys: ``bundle_root`` (default: the repository holding this app), ``datalist`` (default: the bundle's
 embedded synthetic datalist, generated when missing; its ``spatial_dims`` selects the 2D or 3D configs),
-``ckpt_path`` (default: the shipped 2D weights; 3D: ``models/ct3d/model.pt``, where ``configs/train_3d.yaml``
-trains), ``epochs``,
+``ckpt_path`` (default: the shipped 2D weights; 3D: ``output/models/ct3d/model.pt``, where the default 3D
+training writes), ``epochs``,
 ``predictor`` (``auto``: the detector once one is published, else template matching; ``detector``; ``templates``).
 """
 

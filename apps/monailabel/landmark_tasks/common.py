@@ -87,8 +87,8 @@ class BundleContext:
 
     def __init__(self, bundle_root: Path, datalist: str, shipped_ckpt: Path | None, model_dir: Path) -> None:
         """``shipped_ckpt``: the weights served until a training publishes others; None: the evaluation config's
-        ``ckpt_path`` (2D: the shipped ``models/model.pt``; 3D: ``models/ct3d/model.pt``, where
-        ``configs/train_3d.yaml`` trains)."""
+        ``ckpt_path`` (2D: the shipped ``models/model.pt``; 3D: ``output/models/ct3d/model.pt``, where the default
+        3D training writes)."""
         self.bundle_root = Path(bundle_root)
         self.datalist = Path(datalist).resolve()
         self.model_dir = Path(model_dir)
@@ -108,7 +108,7 @@ class BundleContext:
         if not self.served_checkpoint().is_file():
             raise FileNotFoundError(
                 f"no network weights at {self.shipped_ckpt}: give --conf ckpt_path"
-                + (" (3D: configs/train_3d.yaml trains into models/ct3d/)" if self.spatial_dims == 3 else "")
+                + (" (3D: the default 3D training writes output/models/ct3d/)" if self.spatial_dims == 3 else "")
             )
         self.parser.get_parsed_content("ensure_data")  # as the commands: the embedded data set when missing
         self.names: list[str] = list(self.parser.get_parsed_content("landmark_names"))
