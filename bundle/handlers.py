@@ -30,7 +30,6 @@ from bundle.metrics import DEFAULT_THRESHOLDS, radial_errors, summarize_errors
 from bundle.oneshot import apply_homogeneous
 from bundle.reporting import (
     overlay_png,
-    report_outputs,
     save_sdr_curve,
     unique_name,
     write_markups_per_image,
@@ -265,8 +264,9 @@ class LandmarkReportHandler:
     predictions as a 3D Slicer point list in RAS), and logs MRE and SDR. When no image has
     a reference landmark (inference on new images), only predictions.csv and the overlays are written.
     Everything is written at ``COMPLETED`` (the overlays drawn as their images come, kept in memory) into a
-    staging folder beside ``output_dir``, which replaces the previous report files
-    (:func:`bundle.reporting.report_outputs`) only when complete: after a failure ``output_dir`` is as it was.
+    staging folder beside ``output_dir``, which replaces the previous run's report files only when complete
+    (:class:`bundle.io_utils.StagedOutputs`): after a failure ``output_dir`` is as it was, and files that no
+    run wrote are never touched.
     """
 
     def __init__(
@@ -297,7 +297,7 @@ class LandmarkReportHandler:
         self.records: list[dict] = []
         self._stems: set[str] = set()
         self._overlays: dict[str, bytes] = {}  # overlay file name -> PNG, written with the report
-        self._staging = StagedOutputs(self.output_dir, owned=report_outputs)
+        self._staging = StagedOutputs(self.output_dir)
 
     def attach(self, engine: Engine) -> None:
         engine.add_event_handler(Events.EPOCH_STARTED, self.reset)

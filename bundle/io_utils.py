@@ -17,7 +17,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterator
 
 
 def _current_umask() -> int:
@@ -122,17 +122,18 @@ class StagedOutputs:
     """A set of output files of ``output_dir`` built in a hidden sibling folder and moved in only when complete.
 
     ``folder`` is ``<parent>/.<output_dir name>.<pid>.<random>.staging``: write every output there, then
-    :meth:`commit` replaces the previous outputs of ``output_dir`` (``owned(output_dir)`` lists them, e.g. the
-    report files of an earlier run) by the new ones, or :meth:`discard` removes the folder after a failure,
-    leaving ``output_dir`` as it was. Other files of ``output_dir`` (such as training logs) are not touched.
-    A staging folder that a killed process left behind is removed by the next staging of the same folder.
+    :meth:`commit` moves them into ``output_dir``, or :meth:`discard` removes the folder after a failure,
+    leaving ``output_dir`` as it was. A run replaces only files that runs write: the new ones, and those the
+    previous run listed in its manifest (``output_dir/.outputs.json``), so that old and new outputs never mix;
+    every other file of ``output_dir`` (a user's figures, training logs) is left alone. A staging folder that a
+    killed process left behind is removed by the next staging of the same folder.
     """
 
     MARKER = ".staging"
+    MANIFEST = ".outputs.json"
 
-    def __init__(self, output_dir: str | os.PathLike, owned=None) -> None:
+    def __init__(self, output_dir: str | os.PathLike) -> None:
         self.output_dir = Path(output_dir)
-        self.owned = owned
         self._folder: Path | None = None
 
     @property
@@ -159,29 +160,43 @@ class StagedOutputs:
             _ACTIVE_STAGING.discard(self._folder)
             self._folder = None
 
-    def commit(self) -> list[Path]:
-        """Move the staged outputs into ``output_dir`` in place of its previous ones; return the new paths.
+    def previous_outputs(self) -> list[str]:
+        """The files (relative paths) the previous run wrote into ``output_dir``, from its manifest."""
+        manifest = self.output_dir / self.MANIFEST
+        try:
+            listed = json.loads(manifest.read_text())["files"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return []
+        inside = [f for f in listed if isinstance(f, str) and ".." not in Path(f).parts and not Path(f).is_absolute()]
+        return inside
 
-        The previous outputs are first moved aside (into a hidden sibling folder, removed at the end), so that
-        ``output_dir`` never holds old and new outputs together.
+    def commit(self) -> list[Path]:
+        """Move the staged outputs into ``output_dir``, in place of the previous run's; return the new paths.
+
+        The files being replaced are first moved aside (into a hidden sibling folder, removed at the end), so
+        that ``output_dir`` never holds old and new outputs together; then the manifest lists the new files.
         """
         staged = self.folder
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        old: Iterable[Path] = self.owned(self.output_dir) if self.owned is not None else []
-        old = [p for p in old if p.exists() or p.is_symlink()]
+        new = sorted(str(p.relative_to(staged)) for p in staged.rglob("*") if p.is_file())
+        replaced = [self.output_dir / f for f in sorted(set(self.previous_outputs()) | set(new))]
         trash = Path(
             tempfile.mkdtemp(prefix=_temp_prefix(self.output_dir.name), suffix=self.MARKER, dir=self.output_dir.parent)
         )
         try:
-            for i, p in enumerate(old):
-                os.replace(p, trash / f"{i}_{p.name}")
+            for i, p in enumerate(replaced):
+                if p.is_file() or p.is_symlink():
+                    os.replace(p, trash / f"{i}_{p.name}")
+            for folder in sorted({p.parent for p in replaced}, key=lambda d: len(d.parts), reverse=True):
+                if folder != self.output_dir and folder.is_dir() and not any(folder.iterdir()):
+                    folder.rmdir()  # emptied by the replacement: the previous run made it
             moved = []
-            for p in sorted(staged.iterdir()):
-                target = self.output_dir / p.name
-                if target.is_dir() and not target.is_symlink():
-                    shutil.rmtree(target)
-                os.replace(p, target)
+            for f in new:
+                target = self.output_dir / f
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(staged / f, target)
                 moved.append(target)
+            write_json_atomic(self.output_dir / self.MANIFEST, {"files": new})
         finally:
             shutil.rmtree(trash, ignore_errors=True)
             self.discard()

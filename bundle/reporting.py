@@ -26,14 +26,6 @@ from bundle.metrics import DEFAULT_THRESHOLDS, success_detection_rate
 
 SUMMARY_KEYS = ("n_images", "n_landmarks", "mre_mm", "mre_std_mm", "mre_px", "sdr", "per_landmark_mre_mm")
 AXES = ("x", "y", "z")
-REPORT_FILES = ("metrics.json", "predictions.csv", "sdr_curve.png", "overlays")
-
-
-def report_outputs(output_dir: str | os.PathLike) -> list[Path]:
-    """The files of a report in ``output_dir`` (:data:`REPORT_FILES` and the 3D ``*.mrk.json``): what a new
-    report replaces as a whole."""
-    output_dir = Path(output_dir)
-    return [output_dir / n for n in REPORT_FILES] + sorted(output_dir.glob("*.mrk.json"))
 
 
 def write_metrics_json(

@@ -390,6 +390,23 @@ def test_failed_evaluation_keeps_the_previous_outputs_unmixed(data2d, tmp_path):
     assert staging_leftovers(out) == []
 
 
+def test_an_evaluation_replaces_only_the_files_runs_write(data2d, tmp_path):
+    """A user's files in the output folder (a 3D Slicer markup, a figure among the overlays) outlive every run."""
+    out = tmp_path / "eval"
+    (out / "overlays").mkdir(parents=True)
+    (out / "case1.mrk.json").write_text("{}")
+    (out / "overlays" / "my_figure.png").write_bytes(b"mine")
+    evaluate(data2d["datalist"], out, data2d["ckpt"])
+    content = json.loads(variant(data2d, tmp_path).read_text())
+    content["test"] = content["test"][1:2]
+    evaluate(write_json(tmp_path / "second.json", content), out, data2d["ckpt"])
+    after = snapshot(out)
+    assert after["case1.mrk.json"] == b"{}" and after["overlays/my_figure.png"] == b"mine"
+    runs = sorted(k for k in after if k.startswith("overlays/") and k != "overlays/my_figure.png")
+    assert runs == ["overlays/test_001.png"] and json.loads(after["metrics.json"])["n_images"] == 1
+    assert staging_leftovers(out) == []
+
+
 def test_template_without_landmarks_fails_before_inference_leaving_outputs(data2d, tmp_path):
     out = tmp_path / "inference"
     out.mkdir()
