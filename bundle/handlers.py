@@ -220,7 +220,40 @@ class ResumeCheckpointLoader(CheckpointLoader):
                 f"resume checkpoint {self.load_path} lacks {missing} (it holds {shown}): "
                 "resume from the last.pt that training writes, not from a weights file such as model.pt"
             )
+        changed = _changed_settings(checkpoint, self.load_dict, engine)
+        if changed:
+            raise ValueError(
+                f"cannot resume from {self.load_path} with other settings: "
+                + "; ".join(f"{key} is {new!r}, the resumed run's {old!r}" for key, new, old in changed)
+                + ". A resumed run keeps its settings: resume with the same values, or start a new run in another "
+                "ckpt_dir"
+            )
         super().__call__(engine)
+
+
+# what a resumed run cannot change, as the config names it: optimiser and LR-scheduler settings, epoch length
+_SETTING_NAMES = {"initial_lr": "learning_rate", "T_max": "epochs"}
+_SCHEDULE_STATE = {"last_epoch", "_step_count", "_last_lr", "_get_lr_called_within_step", "base_lrs", "_is_initial"}
+
+
+def _changed_settings(checkpoint: Mapping, load_dict: Mapping[str, Any], engine: Engine) -> list[tuple[str, Any, Any]]:
+    """(key, configured, resumed) for each setting of the run being resumed that the config now gives otherwise."""
+    changed = []
+    optimizer, scheduler = load_dict.get("optimizer"), load_dict.get("lr_scheduler")
+    if optimizer is not None and "optimizer" in checkpoint:
+        for new, old in zip(optimizer.state_dict()["param_groups"], checkpoint["optimizer"].get("param_groups", [])):
+            for key in sorted(set(new) & set(old) - {"params", "lr"}):
+                if new[key] != old[key]:
+                    changed.append((_SETTING_NAMES.get(key, f"optimizer {key}"), new[key], old[key]))
+    if scheduler is not None and "lr_scheduler" in checkpoint:
+        new_state, old_state = scheduler.state_dict(), checkpoint["lr_scheduler"]
+        for key in sorted(set(new_state) & set(old_state) - _SCHEDULE_STATE):
+            if new_state[key] != old_state[key]:
+                changed.append((_SETTING_NAMES.get(key, f"lr_scheduler {key}"), new_state[key], old_state[key]))
+    saved_length = checkpoint.get("trainer", {}).get("epoch_length")
+    if saved_length is not None and engine.state.epoch_length not in (None, saved_length):
+        changed.append(("epoch_length", engine.state.epoch_length, saved_length))
+    return list(dict.fromkeys(changed))
 
 
 def resume_handlers(resume: str | None, load_dict: dict[str, Any], device: torch.device | str = "cpu") -> list:

@@ -96,3 +96,27 @@ def test_resume_path_choices(tmp_path):
     assert resume_path(tmp_path, "true") == str(tmp_path / "last.pt")
     with pytest.raises(FileNotFoundError, match="nope.pt"):
         resume_path(tmp_path, str(tmp_path / "nope.pt"))
+
+
+@pytest.mark.slow
+def test_resuming_with_other_settings_is_refused_naming_each(tmp_path):
+    datalist = generate_synthetic_2d(tmp_path / "data", n_training=3, n_validation=1, n_test=1, size=(64, 72), seed=2)
+    models, out = tmp_path / "models", tmp_path / "out"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    first = subprocess.run(
+        [*_command(datalist, models, out), "--epochs", "2"], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert first.returncode == 0, first.stderr[-3000:]
+    saved = (models / "last.pt").read_bytes()
+    changed = ["--resume", "true", "--learning_rate", "0.01", "--epochs", "4", "--epoch_length", "3"]
+    second = subprocess.run(
+        _command(datalist, models, out, *changed), cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert second.returncode != 0
+    for message in (
+        "learning_rate is 0.01, the resumed run's 0.001",
+        "epochs is 4, the resumed run's 2",
+        "epoch_length is 3, the resumed run's 2",
+    ):
+        assert message in second.stdout + second.stderr, (second.stdout + second.stderr)[-3000:]
+    assert (models / "last.pt").read_bytes() == saved  # nothing trained, nothing written
