@@ -48,8 +48,8 @@ def read_checkpoint(path: str | Path, device: torch.device | str = "cpu", what: 
 def read_state_dict(path: str | Path, device: torch.device | str = "cpu", what: str = "checkpoint") -> dict:
     """The state dict (names -> tensors) of a checkpoint file: the file's dict, or the dict under its ``model``.
 
-    A missing, empty, truncated or foreign file (:func:`read_checkpoint`), or one that holds no state dict,
-    raises an error that names the file.
+    A missing, empty, truncated or foreign file (:func:`read_checkpoint`), one that holds no state dict, or one
+    with NaN or infinite weights raises an error that names the file.
     """
     state = read_checkpoint(path, device, what)
     if isinstance(state.get("model"), Mapping):
@@ -59,6 +59,13 @@ def read_state_dict(path: str | Path, device: torch.device | str = "cpu", what: 
         raise CheckpointError(
             f"{what} {path} is not a state dict (names -> tensors): entries {[repr(k) for k in foreign[:5]]} "
             f"of its {len(state)} are not named tensors"
+        )
+    broken = [k for k, v in state.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if broken:
+        raise CheckpointError(
+            f"{what} {path} holds non-finite weights (NaN or inf) in {broken[:3]}"
+            f"{f' and {len(broken) - 3} more' if len(broken) > 3 else ''}: a training that diverged "
+            "(train again with a lower learning_rate)"
         )
     return state
 

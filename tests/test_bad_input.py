@@ -274,7 +274,7 @@ def test_images_given_as_one_string_is_one_image(data2d, tmp_path):
 # ---------------------------------------------------------------- checkpoints
 
 
-@pytest.mark.parametrize("case", ["empty", "truncated", "list", "int_keys", "text"])
+@pytest.mark.parametrize("case", ["empty", "truncated", "list", "int_keys", "text", "nan"])
 def test_unusable_checkpoints_are_refused_naming_the_file(data2d, tmp_path, case):
     path = tmp_path / f"{case}.pt"
     if case == "empty":
@@ -290,6 +290,13 @@ def test_unusable_checkpoints_are_refused_naming_the_file(data2d, tmp_path, case
     elif case == "int_keys":
         torch.save({101: torch.zeros(2), "a": 3}, path)
         expected = f"checkpoint {path} is not a state dict (names -> tensors): entries ['101', \"'a'\"]"
+    elif case == "nan":  # what a diverged training saved
+        state = torch.load(data2d["ckpt"], weights_only=True)
+        state = state.get("model", state)
+        name = next(k for k, v in state.items() if v.is_floating_point())
+        state[name] = torch.full_like(state[name], float("nan"))
+        torch.save(state, path)
+        expected = f"checkpoint {path} holds non-finite weights (NaN or inf) in ['{name}']"
     else:
         path.write_text("not a checkpoint")
         expected = f"checkpoint {path} (16 bytes) is not a readable PyTorch checkpoint"
