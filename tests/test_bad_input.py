@@ -144,6 +144,29 @@ def test_duplicate_landmark_names_are_refused_naming_the_duplicate(data2d, tmp_p
         load_datalist(datalist)
 
 
+@pytest.mark.parametrize(
+    "field, value, expected",
+    [
+        ("landmarks", [True, False], "test[0].landmarks[0]: expected null or 2 finite numbers, got [True, False]"),
+        ("spacing", [True, True], "test[0].spacing: expected 2 numbers of mm per pixel between 0.0001 and 10000"),
+        ("spacing", [1e-300, 1e-300], "test[0].spacing: expected 2 numbers of mm per pixel"),
+        ("image", "", "test[0].image: expected a file path, got ''"),
+    ],
+)
+def test_values_of_the_wrong_kind_are_refused_naming_item_and_key(data2d, tmp_path, field, value, expected):
+    """JSON true is not the number 1, a spacing of 1e-300 mm is a typing error, an empty path is no image."""
+    content = json.loads(data2d["datalist"].read_text())
+    item = dict(content["test"][0])
+    if field == "landmarks":
+        item["landmarks"] = [value] + item["landmarks"][1:]
+    else:
+        item[field] = value
+    datalist = variant(data2d, tmp_path, test=[item] + content["test"][1:])
+    with pytest.raises(DatalistError) as failure:
+        load_datalist(datalist, check_files=False)  # the derived datalist sits elsewhere than the images
+    assert expected in str(failure.value)
+
+
 # ---------------------------------------------------------------- images: content, size, dimensionality
 
 

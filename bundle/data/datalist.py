@@ -40,9 +40,20 @@ def read_json(path: str | os.PathLike, what: str = "JSON file") -> Any:
         raise DatalistError(f"{path}: not a readable {what} ({e})") from e
 
 
+# pixel spacings (mm) outside this range are typing errors, not images
+SPACING_RANGE_MM = (1e-4, 1e4)
+
+
+def _is_number(value: Any) -> bool:
+    """A finite int or float; not a bool (JSON ``true`` would read as 1)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _check_item(item: Any, where: str, spatial_dims: int, n_landmarks: int, base: Path, check_files: bool) -> dict:
     if not isinstance(item, dict) or "image" not in item:
         raise DatalistError(f"{where}: an item must be an object with an 'image' key, got {item!r:.80}")
+    if not isinstance(item["image"], str) or not item["image"].strip():
+        raise DatalistError(f"{where}.image: expected a file path, got {item['image']!r}")
     out = dict(item)
     image = Path(os.path.expanduser(str(item["image"])))
     image = image if image.is_absolute() else (base / image)
@@ -59,11 +70,7 @@ def _check_item(item: Any, where: str, spatial_dims: int, n_landmarks: int, base
         for j, p in enumerate(lms):
             if p is None:
                 continue
-            if (
-                not isinstance(p, (list, tuple))
-                or len(p) != spatial_dims
-                or not all(isinstance(v, (int, float)) and math.isfinite(v) for v in p)
-            ):
+            if not isinstance(p, (list, tuple)) or len(p) != spatial_dims or not all(_is_number(v) for v in p):
                 raise DatalistError(
                     f"{where}.landmarks[{j}]: expected null or {spatial_dims} finite numbers, got {p!r}"
                 )
@@ -73,9 +80,12 @@ def _check_item(item: Any, where: str, spatial_dims: int, n_landmarks: int, base
         if (
             not isinstance(sp, (list, tuple))
             or len(sp) != spatial_dims
-            or not all(isinstance(v, (int, float)) and math.isfinite(v) and v > 0 for v in sp)
+            or not all(_is_number(v) and SPACING_RANGE_MM[0] <= v <= SPACING_RANGE_MM[1] for v in sp)
         ):
-            raise DatalistError(f"{where}.spacing: expected {spatial_dims} positive numbers (mm per pixel), got {sp!r}")
+            raise DatalistError(
+                f"{where}.spacing: expected {spatial_dims} numbers of mm per pixel between {SPACING_RANGE_MM[0]:g} and "
+                f"{SPACING_RANGE_MM[1]:g}, got {sp!r}"
+            )
         out["spacing"] = [float(v) for v in sp]
     return out
 
