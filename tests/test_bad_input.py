@@ -170,6 +170,30 @@ def test_values_of_the_wrong_kind_are_refused_naming_item_and_key(data2d, tmp_pa
 # ---------------------------------------------------------------- images: content, size, dimensionality
 
 
+@pytest.mark.parametrize("mode", ["P", "LA", "RGBA"])
+def test_png_modes_are_read_as_the_grey_image_a_viewer_shows(tmp_path, mode):
+    """A palette PNG holds indices into its palette (here scrambled): it is read as the palette's grey levels,
+    not the indices; an alpha channel is not averaged into the grey."""
+    from PIL import Image
+
+    from bundle.data.images import LoadImaged, load_image
+
+    grey = (np.arange(64 * 80).reshape(64, 80) % 251).astype(np.uint8)
+    Image.fromarray(grey).save(tmp_path / "grey.png")
+    if mode == "P":
+        order = np.random.default_rng(0).permutation(256)  # palette entry i shows grey level order[i]
+        picture = Image.fromarray(np.argsort(order)[grey].astype(np.uint8), mode="P")
+        picture.putpalette([v for level in order for v in (level, level, level)])
+    else:
+        picture = Image.fromarray(grey).convert(mode)
+    picture.save(tmp_path / "picture.png")
+    assert Image.open(tmp_path / "picture.png").mode == mode
+    expected = LoadImaged("image")({"image": str(tmp_path / "grey.png")})["image"]
+    read = LoadImaged("image")({"image": str(tmp_path / "picture.png")})["image"]
+    assert read.shape == expected.shape and torch.equal(torch.as_tensor(read), torch.as_tensor(expected))
+    assert torch.equal(torch.as_tensor(load_image(str(tmp_path / "picture.png"))), torch.as_tensor(expected))
+
+
 def test_constant_image_warns_naming_it(data2d, tmp_path):
     png = tmp_path / "black.png"
     Image.fromarray(np.zeros((72, 64), np.uint8)).save(png)

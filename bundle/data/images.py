@@ -19,6 +19,7 @@ from typing import Any, Hashable, Mapping
 import numpy as np
 import torch
 from monai.config import KeysCollection
+from monai.data import PILReader
 from monai.transforms import EnsureChannelFirst, MapTransform, ScaleIntensity
 from monai.transforms import LoadImage as _LoadImage
 from monai.transforms import LoadImaged as _LoadImaged
@@ -64,8 +65,28 @@ def _read_error(files: list, error: Exception) -> ImageError:
     return ImageError(f"cannot read image {', '.join(map(str, files))}{hint}: {type(error).__name__}: {error}")
 
 
+# PIL modes whose stored values are not the grey levels a viewer shows (palette indices, alpha, other colour
+# spaces): converted to 8-bit grey ("L") on reading; grey, 16-bit, float and RGB images are read as stored
+_PIL_MODES_KEPT = {"L", "I", "I;16", "I;16B", "I;16L", "F", "RGB"}
+
+
+def pil_as_displayed(image):
+    """A PIL image as the grey (or RGB) picture a viewer shows: a palette image's colours instead of its indices,
+    no alpha channel. The converter of the PNG / JPEG / BMP reader of :class:`LoadImaged` and :func:`load_image`."""
+    return image if image.mode in _PIL_MODES_KEPT else image.convert("L")
+
+
+def _readers(kwargs: dict) -> dict:
+    """``kwargs`` with, unless a reader is given, MONAI's PIL reader using :func:`pil_as_displayed` first."""
+    return kwargs if kwargs.get("reader") is not None else {**kwargs, "reader": PILReader(converter=pil_as_displayed)}
+
+
 class LoadImaged(_LoadImaged):
-    """MONAI's ``LoadImaged``; a file it cannot read raises :class:`ImageError` naming the file."""
+    """MONAI's ``LoadImaged``; a file it cannot read raises :class:`ImageError` naming the file. PNG, JPEG and BMP
+    files are read as a viewer shows them (:func:`pil_as_displayed`)."""
+
+    def __init__(self, keys: KeysCollection, reader=None, *args: Any, **kwargs: Any) -> None:
+        super().__init__(keys, *args, **_readers({**kwargs, "reader": reader}))
 
     def __call__(self, data, reader=None):
         try:
@@ -81,7 +102,7 @@ def load_image(path: str, **kwargs: Any):
     """``monai.transforms.LoadImage(image_only=True, **kwargs)(path)``; an unreadable file raises
     :class:`ImageError`."""
     try:
-        return _LoadImage(image_only=True, **kwargs)(path)
+        return _LoadImage(image_only=True, **_readers(kwargs))(path)
     except Exception as e:
         raise _read_error([path], e) from e
 
