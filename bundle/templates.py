@@ -9,6 +9,7 @@ prepared by the evaluation pipeline, to a :class:`bundle.oneshot.OneShotInferer`
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -143,6 +144,25 @@ def pseudo_template_pool(datalist: dict, templates: list[dict]) -> list[dict]:
     ]
 
 
+def without_test_images(templates: list[dict], datalist: dict) -> list[dict]:
+    """``templates`` less those whose image is also a ``test`` item (a score measured on its own template),
+    each left out with a warning naming it; none left raises ``ValueError`` naming them."""
+    tested = {os.path.realpath(it["image"]) for it in datalist.get("test") or []}
+    kept = [t for t in templates if os.path.realpath(t["image"]) not in tested]
+    left_out = [t["image"] for t in templates if os.path.realpath(t["image"]) in tested]
+    if left_out and not kept:
+        raise ValueError(
+            f"every template is also a test image ({left_out}): the test would score each image against itself; "
+            "take the template(s) out of the 'test' list"
+        )
+    for image in left_out:
+        logging.getLogger(__name__).warning(
+            "template %s is also a test image: left out of the templates (a test image is never its own template)",
+            image,
+        )
+    return kept
+
+
 def resolve_templates(
     datalist: dict,
     network: torch.nn.Module,
@@ -171,6 +191,7 @@ def resolve_templates(
     templates = template_items(datalist)
     if not templates:
         templates = [resolve_template(datalist, network, preprocessing, device, max_images, rule)]
+    templates = without_test_images(templates, datalist)
     if pseudo_templates == 0:
         return templates
     pool = pseudo_template_pool(datalist, templates)[:pseudo_candidates]

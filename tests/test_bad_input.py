@@ -167,6 +167,21 @@ def test_values_of_the_wrong_kind_are_refused_naming_item_and_key(data2d, tmp_pa
     assert expected in str(failure.value)
 
 
+def test_a_test_image_is_never_its_own_template(data2d, tmp_path):
+    """A template that is also a test image is left out (the score would be measured on itself); when no template
+    is left the evaluation stops naming it, before any output is written."""
+    content = json.loads(variant(data2d, tmp_path).read_text())
+    test_image = content["test"][0]
+    datalist = variant(data2d, tmp_path, templates=[test_image, content["template"]])
+    evaluate(datalist, tmp_path / "eval", data2d["ckpt"])
+    metrics = json.loads((tmp_path / "eval" / "metrics.json").read_text())
+    assert metrics["template"] == content["template"]["image"] and "templates" not in metrics
+    datalist = variant(data2d, tmp_path, template=test_image, templates=[])
+    text = raises(evaluate, datalist, tmp_path / "eval2", data2d["ckpt"])
+    assert f"every template is also a test image (['{test_image['image']}'])" in text
+    assert not (tmp_path / "eval2").exists()
+
+
 # ---------------------------------------------------------------- images: content, size, dimensionality
 
 
