@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 from pathlib import Path
@@ -326,6 +327,122 @@ def test_junk_upload_is_refused_naming_it_and_leaves_no_file(server, tmp_path):
         server["client"].upload_image(str(junk), "scan_17")
     assert "scan_17" not in json.dumps(server["client"].datastore())
     assert new_files() == []
+
+
+def _tree(path: Path) -> dict[str, bytes]:
+    """Every file under ``path`` (links not followed) with its content; a link as its target."""
+    out = {}
+    for root, dirs, files in os.walk(path):
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
+            f = Path(root) / name
+            out[str(f.relative_to(path))] = os.readlink(f).encode() if f.is_symlink() else f.read_bytes()
+    return out
+
+
+def _form(url: str, method: str, **fields: str):
+    body = urllib.parse.urlencode(fields).encode()
+    return _request(url, body, {"Content-Type": "application/x-www-form-urlencoded"}, method=method)
+
+
+# (method, route and query, upload field): VICTIM is a file outside the studies folder, given without its suffix
+NAMES_NOT_PATHS = [
+    ("PUT", "/datastore/image?image=VICTIM", "file"),  # overwrote VICTIM.png
+    ("DELETE", "/datastore/image?id=VICTIM", None),  # deleted it once the PUT had registered it
+    ("PUT", "/datastore/image?image=../evil_img", "file"),  # wrote beside the studies folder
+    ("PUT", "/datastore/image?image=..", "file"),
+    ("PUT", "/datastore/image?image=sub\\evil", "file"),
+    ("PUT", "/datastore/image?image=.hidden", "file"),
+    ("PUT", "/datastore/image?image=datastore_v2", "json"),  # an image must be an image format
+    ("DELETE", "/datastore/image?id=", None),
+    ("PUT", "/datastore/label?image=test_001&tag=../../../secret/evil_tag", "label"),  # wrote a label outside
+    ("PUT", "/datastore/label?image=VICTIM&tag=final", "label"),
+    ("PUT", "/datastore/label?image=test_001&tag=.", "label"),
+    ("DELETE", "/datastore/label?id=test_000&tag=../..", None),
+    ("DELETE", "/datastore/label?id=VICTIM&tag=final", None),
+    ("GET", "/datastore/image?image=VICTIM", None),
+    ("HEAD", "/datastore/image?image=VICTIM", None),
+    ("GET", "/datastore/label?label=test_000&tag=../../x", None),
+    ("GET", "/datastore/image/info?image=VICTIM", None),
+    ("GET", "/datastore/label/info?label=test_000&tag=../x", None),
+    ("PUT", "/datastore/image/info?image=VICTIM", "info"),
+    ("PUT", "/datastore/label/info?label=test_000&tag=../x", "info"),
+    ("POST", "/infer/landmarks?image=VICTIM&output=json", None),
+]
+
+
+@pytest.mark.parametrize("method, route, field", NAMES_NOT_PATHS)
+def test_datastore_takes_names_not_paths(server, tmp_path, method, route, field):
+    """Ids, tags and upload names are names in the studies folder: anything else is refused 4xx naming it, and
+    nothing is written or deleted, inside the studies folder or out of it."""
+    victim = tmp_path / "victim.png"
+    shutil.copy(server["studies"] / "test_000.png", victim)
+    label = _mrk_json(tmp_path / "good.mrk.json", server["names"], server["truth"]["test_001"])
+    query = route.replace("VICTIM", str(tmp_path / "victim"))
+    path, _, params = query.partition("?")
+    url = f"{server['base']}{path}?" + urllib.parse.urlencode(urllib.parse.parse_qsl(params, keep_blank_values=True))
+    before = {
+        "outside": _tree(tmp_path),
+        "studies": _tree(server["studies"]),
+        "work": sorted(os.listdir(server["work"])),
+    }
+    if field == "info":
+        reply, status = _form(url, method, info="{}")
+    elif field:
+        upload = {"file": victim, "label": label, "json": label}[field]
+        name = {"file": "x.png", "label": "x.mrk.json", "json": "x.json"}[field]
+        reply, status = _request(url, *_multipart("label" if field == "label" else "file", upload, name), method=method)
+    else:
+        reply, status = _request(url, b"" if method in ("POST", "PUT") else None, method=method)
+    assert 400 <= status < 500, (status, reply)
+    value = dict(urllib.parse.parse_qsl(params, keep_blank_values=True))
+    offending = [
+        v for k, v in value.items() if k in ("image", "id", "tag") and v not in ("test_000", "test_001", "final")
+    ]
+    if method != "HEAD" and offending:  # a HEAD reply has no body
+        assert repr(offending[0]) in reply["detail"], reply
+    assert _tree(tmp_path) == before["outside"]
+    assert _tree(server["studies"]) == before["studies"]
+    assert sorted(os.listdir(server["work"])) == before["work"]
+    assert not (server["studies"] / "labels" / "../../../secret").resolve().exists()
+
+
+def test_files_linked_outside_the_studies_folder_are_refused(server, tmp_path):
+    """A link in the studies folder that points outside it is neither written through, nor deleted through, nor
+    served; the image behind it is not an image of the datastore."""
+    studies, base = server["studies"], server["base"]
+    (tmp_path / "outside").mkdir()
+    victim = tmp_path / "outside" / "victim.png"
+    shutil.copy(studies / "test_000.png", victim)
+    victim_label = _mrk_json(tmp_path / "outside" / "victim.mrk.json", server["names"], server["truth"]["test_002"])
+    outside = _tree(tmp_path / "outside")
+    label = _mrk_json(tmp_path / "x.mrk.json", server["names"], server["truth"]["test_002"])
+    # an image added through the server, then its file replaced by a link pointing out
+    reply, status = _request(f"{base}/datastore/image?image=linked", *_multipart("file", victim, "x.png"), method="PUT")
+    assert status == 200, reply
+    (studies / "linked.png").unlink()
+    (studies / "linked.png").symlink_to(victim)
+    (studies / "labels" / "final" / "test_002.mrk.json").symlink_to(victim_label)
+    try:
+        reply, status = _request(f"{base}/datastore/image?id=linked", method="DELETE")
+        assert status == 403 and "'linked'" in reply["detail"] and "outside" in reply["detail"], reply
+        reply, status = _request(
+            f"{base}/datastore/image?image=linked", *_multipart("file", victim, "x.png"), method="PUT"
+        )
+        assert status == 403, reply
+        reply, status = _request(
+            f"{base}/datastore/label?image=test_002&tag=final", *_multipart("label", label), method="PUT"
+        )
+        assert status == 403 and "'test_002'" in reply["detail"], reply
+        assert _request(f"{base}/datastore/image?image=linked")[1] == 404  # not served
+        assert _infer_id(server, "linked")[1] == 404
+        assert _tree(tmp_path / "outside") == outside
+    finally:
+        (studies / "labels" / "final" / "test_002.mrk.json").unlink()
+        (studies / "linked.png").unlink()
+        shutil.copy(studies / "test_000.png", studies / "linked.png")
+    reply, status = _request(f"{base}/datastore/image?id=linked", method="DELETE")  # a plain file again: removed
+    assert status == 200, reply
+    assert sorted(server["client"].datastore()["objects"]) == ["test_000", "test_001", "test_002", "test_003"]
 
 
 def _train_request(server, params: dict):

@@ -16,9 +16,10 @@
   DICOM SEG, which holds no landmarks, so saving point lists (k-shot from saved labels) needs a local studies
   folder.
 
-Image ids are confined to the datastore: a path, ``..`` or an unknown id is answered 4xx, as is an unreadable
-image or label (the message names it). Start-up does no heavy work: network, templates and the bundle's
-template search wait for the first request.
+Ids, tags and upload names are names inside the studies folder, for every route (one place: the confined datastore
+of landmark_tasks/datastore.py): a path, ``..``, an empty name or a link pointing out is answered 4xx and nothing
+is written or deleted; an unknown id, an unreadable image or label is answered 4xx naming it. Start-up does no
+heavy work: network, templates and the bundle's template search wait for the first request.
 
 Conf keys: ``bundle_root`` (default: the repository holding this app), ``datalist`` (default: the bundle's
 embedded synthetic datalist, generated when missing; its ``spatial_dims`` selects the 2D or 3D configs),
@@ -92,7 +93,8 @@ class LandmarkApp(MONAILabelApp):
 
     # ---- MONAI Label hooks ---------------------------------------------------------------------------
     def init_datastore(self):
-        from landmark_tasks.datastore import LandmarkDatastore
+        """The studies folder's datastore, or MONAI Label's DICOMweb one, confined (landmark_tasks/datastore.py)."""
+        from landmark_tasks.datastore import LandmarkDatastore, confine, confined
 
         if self.studies.startswith(("http://", "https://")):
             if settings.MONAI_LABEL_DICOMWEB_CONVERT_TO_NIFTI:
@@ -102,8 +104,8 @@ class LandmarkApp(MONAILabelApp):
                     "DICOMweb: the app reads each series as DICOM (MONAI_LABEL_DICOMWEB_CONVERT_TO_NIFTI set to false)"
                 )
                 settings.MONAI_LABEL_DICOMWEB_CONVERT_TO_NIFTI = False
-            return super().init_datastore()
-        return LandmarkDatastore(
+            return confine(super().init_datastore())
+        return confined(LandmarkDatastore)(
             self.studies,
             check_image=lambda path, name: self.context.prepare({"image": path}, name),
             check_label=lambda label, image, image_id: self.context.label_landmarks(
@@ -140,7 +142,8 @@ class LandmarkApp(MONAILabelApp):
         return super().next_sample(request)
 
     def infer(self, request, datastore=None):
-        """Confine ``image`` to the datastore (or an upload of this request) and answer errors 4xx with their cause."""
+        """``image``: an id of the (confined) datastore or an upload of this request; errors answered 4xx with their
+        cause."""
         from fastapi import HTTPException
         from landmark_tasks.common import ImageError
         from landmark_tasks.guards import upload_name
@@ -158,13 +161,8 @@ class LandmarkApp(MONAILabelApp):
                     status_code=400,
                     detail="landmarks infer: give an image id of the datastore (?image=ID) or upload a file",
                 )
-            if os.path.isabs(image) or ".." in Path(image).parts or "\\" in image or "/" in image:
-                raise HTTPException(
-                    status_code=400,
-                    detail=f"landmarks infer: {image!r} is a path; "
-                    f"only image ids of the datastore are accepted (or upload the file)",
-                )
-            uri = datastore.get_image_uri(image)  # a file, or a DICOM series folder from a DICOMweb datastore
+            # a file, or a DICOM series folder from a DICOMweb datastore; a path is refused 400 there
+            uri = datastore.get_image_uri(image)
             if not uri or not os.path.exists(uri):
                 raise HTTPException(status_code=404, detail=f"landmarks infer: no image {image!r} in the datastore")
             request.update(image=uri, image_id=image, image_name=image)
