@@ -445,6 +445,27 @@ def test_files_linked_outside_the_studies_folder_are_refused(server, tmp_path):
     assert sorted(server["client"].datastore()["objects"]) == ["test_000", "test_001", "test_002", "test_003"]
 
 
+def test_infer_request_faults_are_answered_4xx(server):
+    """Malformed ``params``, an image given only in ``params``, no image, a session or a whole-slide request:
+    answered 4xx with the cause (MONAI Label answered 500 to most)."""
+    base = server["base"]
+    cases = [
+        (f"{base}/infer/landmarks?image=test_001&output=json", {"params": "{not json"}, "params is not JSON"),
+        (f"{base}/infer/landmarks?image=test_001&output=json", {"params": "[1, 2]"}, "JSON object"),
+        (f"{base}/infer/landmarks?output=json", {"params": '{"image": "test_001"}'}, "'image'"),
+        (f"{base}/infer/landmarks?output=json", {}, "?image=ID"),
+        (f"{base}/infer/landmarks?image=test_001&session_id=abc&output=json", {}, "session"),
+    ]
+    for url, fields, why in cases:
+        reply, status = _form(url, "POST", **fields)
+        assert status == 400 and why in reply["detail"], (url, fields, reply)
+    assert (
+        _request(f"{base}/session/", *_multipart("files", server["studies"] / "test_000.png"), method="PUT")[1] == 406
+    )
+    reply, status = _request(f"{base}/infer/wsi/landmarks?image=test_001", b"{}", {"Content-Type": "application/json"})
+    assert status == 404 and "whole-slide" in reply["detail"], reply
+
+
 def _train_request(server, params: dict):
     return _request(
         f"{server['base']}/train/landmarks", json.dumps(params).encode(), {"Content-Type": "application/json"}

@@ -18,8 +18,9 @@
 
 Ids, tags and upload names are names inside the studies folder, for every route (one place: the confined datastore
 of landmark_tasks/datastore.py): a path, ``..``, an empty name or a link pointing out is answered 4xx and nothing
-is written or deleted; an unknown id, an unreadable image or label is answered 4xx naming it. Start-up does no
-heavy work: network, templates and the bundle's template search wait for the first request.
+is written or deleted; an unknown id, an unreadable image or label is answered 4xx naming it. MONAI Label's
+sessions are off (they unpack uploaded archives as they come). Start-up does no heavy work: network, templates
+and the bundle's template search wait for the first request.
 
 Conf keys: ``bundle_root`` (default: the repository holding this app), ``datalist`` (default: the bundle's
 embedded synthetic datalist, generated when missing; its ``spatial_dims`` selects the 2D or 3D configs),
@@ -66,6 +67,11 @@ class LandmarkApp(MONAILabelApp):
         )
         self.train_defaults = {"epochs": int(conf.get("epochs", 10))}
         self.predictor = conf.get("predictor", "auto")
+        if settings.MONAI_LABEL_SESSIONS:
+            # MONAI Label's sessions unpack uploaded archives as they come (members may name paths outside);
+            # the app takes an image id or an upload per request instead
+            logger.info("sessions are off in this app (MONAI_LABEL_SESSIONS set to false): upload the file to infer")
+            settings.MONAI_LABEL_SESSIONS = False
         super().__init__(
             app_dir=app_dir,
             studies=studies,
@@ -140,6 +146,12 @@ class LandmarkApp(MONAILabelApp):
                 status_code=404, detail=f"no strategy {strategy!r}; the strategies are {sorted(self._strategies)}"
             )
         return super().next_sample(request)
+
+    def infer_wsi(self, request, datastore=None):
+        """No whole-slide inference here (404; MONAI Label's would open any slide path it is given)."""
+        from landmark_tasks.datastore import refuse
+
+        refuse(404, "this app has no whole-slide (WSI) inference: use POST /infer/landmarks", request.get("image"))
 
     def infer(self, request, datastore=None):
         """``image``: an id of the (confined) datastore or an upload of this request; errors answered 4xx with their
