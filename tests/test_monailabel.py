@@ -445,6 +445,54 @@ def test_files_linked_outside_the_studies_folder_are_refused(server, tmp_path):
     assert sorted(server["client"].datastore()["objects"]) == ["test_000", "test_001", "test_002", "test_003"]
 
 
+def _bad_label(path: Path, names: list[str], points: list, position) -> Path:
+    """A Slicer point list: ``points`` (pixels, LPS), its first landmark at ``position`` as written."""
+    control = [{"label": n, "position": [-p[0], -p[1], 0.0]} for n, p in zip(names, points)]
+    control[0]["position"] = position
+    markup = {"type": "Fiducial", "coordinateSystem": "RAS", "controlPoints": control}
+    path.write_text(json.dumps({"markups": [markup]}))
+    return path
+
+
+@pytest.mark.parametrize(
+    "position, why",
+    [
+        ([-50000.0, 70000.0, 0.0], "lies outside the image"),  # pixel (50000, -70000)
+        ([float("nan"), 1.0, 0.0], "finite"),
+        ([True, 1.0, 0.0], "finite"),
+        ([1.0, 2.0], "3 finite numbers"),
+        ("here", "3 finite numbers"),
+    ],
+)
+def test_a_label_off_the_image_is_refused_naming_the_landmark(server, tmp_path, position, why):
+    name = server["names"][0]
+    bad = _bad_label(tmp_path / "bad.mrk.json", server["names"], server["truth"]["test_001"], position)
+    reply, status = _request(
+        f"{server['base']}/datastore/label?image=test_001&tag=final", *_multipart("label", bad), method="PUT"
+    )
+    assert status == 422, reply
+    assert repr(name) in reply["detail"] and "'test_001'" in reply["detail"] and why in reply["detail"], reply
+    assert str(tmp_path) not in reply["detail"] and str(server["tmp"]) not in reply["detail"]
+    assert server["client"].datastore()["objects"]["test_001"]["labels"] == {}  # nothing stored
+
+
+def test_a_bad_stored_label_is_skipped_naming_it(server, tmp_path):
+    """A label already in the datastore that lies off its image (saved by an earlier server) is skipped with a
+    warning naming it: inference goes on without it."""
+    good = _mrk_json(tmp_path / "good.mrk.json", server["names"], server["truth"]["test_002"])
+    server["client"].save_label("test_002", str(good), tag="final")
+    stored = server["studies"] / "labels" / "final" / "test_002.mrk.json"
+    _bad_label(stored, server["names"], server["truth"]["test_002"], [-50000.0, 70000.0, 0.0])
+    try:
+        reply, status = _infer_id(server, "test_001")
+        assert status == 200, reply
+        assert reply["template_source"] == "bundle"  # the only saved label is skipped
+        assert "saved label skipped: label of image 'test_002'" in server["log"].read_text()
+    finally:
+        reply, status = _request(f"{server['base']}/datastore/label?id=test_002&tag=final", method="DELETE")
+        assert status == 200, reply
+
+
 def test_infer_request_faults_are_answered_4xx(server):
     """Malformed ``params``, an image given only in ``params``, no image, a session or a whole-slide request:
     answered 4xx with the cause (MONAI Label answered 500 to most)."""

@@ -204,7 +204,8 @@ class BundleContext:
 
     # ---- frames: pixels <-> LPS mm ---------------------------------------------------------------------
     def frame(self, image: str | Path, data: dict | None = None) -> dict:
-        """``{"spacing", "affine"}`` of a 2D image: pixel -> LPS mm (``affine`` 3x3 or None = pixel * spacing)."""
+        """``{"spacing", "affine", "grid_to_physical", "grid_shape"}`` of an image: 2D pixel -> LPS mm (``affine`` 3x3
+        or None = pixel * spacing), and the network grid of the evaluation pipeline over the image (its bounds)."""
         key = file_key(image)
         with self._lock:
             if key in self._frames:
@@ -218,7 +219,12 @@ class BundleContext:
         if meta and dicom_tags(meta) and original is not None and np.asarray(original).shape == (3, 3):
             ras = np.asarray(original, dtype=np.float64)
             affine = np.diag([-1.0, -1.0, 1.0]) @ ras  # ITK/MONAI's RAS -> LPS
-        frame = {"spacing": spacing, "affine": affine}
+        frame = {
+            "spacing": spacing,
+            "affine": affine,
+            "grid_to_physical": np.asarray(torch.as_tensor(data["grid_to_physical"]).cpu(), dtype=np.float64),
+            "grid_shape": np.asarray(data["image"].shape[1:], dtype=np.float64),
+        }
         with self._lock:
             self._frames[key] = frame
         return frame
@@ -251,15 +257,31 @@ class BundleContext:
         try:
             points = read_markups(label_path)
         except Exception as e:
-            raise LabelError(f"label of {where}: not a 3D Slicer markups file (.mrk.json / .fcsv): {e}") from e
+            detail = str(e).replace(str(label_path), "the file")  # a server path (an upload's temporary file)
+            raise LabelError(
+                f"label of {where}: not a usable 3D Slicer markups file (.mrk.json / .fcsv): {detail}"
+            ) from e
         return self.points_to_landmarks(points, image_path, where)
 
+    def outside(self, point: Sequence[float], frame: dict) -> str | None:
+        """None when ``point`` (2D: pixels; 3D: world mm) lies on the image (its grid, half a cell of margin),
+        else the image's extent in the point's units, for a message."""
+        d = self.spatial_dims
+        scale = frame["spacing"] if d == 2 else np.ones(d)
+        to_grid = np.linalg.inv(frame["grid_to_physical"])
+        index = (to_grid @ np.r_[np.asarray(point, dtype=np.float64) * scale, 1.0])[:d]
+        if np.all(index >= -0.5 - 1e-6) and np.all(index <= frame["grid_shape"] - 0.5 + 1e-6):
+            return None
+        corners = np.array(np.meshgrid(*[[-0.5, n - 0.5] for n in frame["grid_shape"]], indexing="ij")).reshape(d, -1)
+        extent = (frame["grid_to_physical"] @ np.r_[corners, np.ones((1, corners.shape[1]))])[:d] / scale[:, None]
+        axes = ", ".join(f"{a} {lo:g} to {hi:g}" for a, lo, hi in zip("xyz", extent.min(1), extent.max(1)))
+        return f"{axes} {'pixels' if d == 2 else 'mm'}"
+
     def points_to_landmarks(self, points: Sequence[ControlPoint], image_path: str | Path, where: str) -> list:
-        if self.spatial_dims != 2:
-            by_name = {p.label: p.position for p in points}
-            return [None if by_name.get(n) is None else list(by_name[n]) for n in self.names]
+        """Landmarks (2D: pixel ``[x, y]``; 3D: world ``[x, y, z]``; None where missing) of ``points`` on the image,
+        each checked to lie on it (LabelError naming the landmark and ``where``)."""
         by_name = {p.label: p.position for p in points}
-        if not any(n in by_name for n in self.names):
+        if self.spatial_dims == 2 and not any(n in by_name for n in self.names):
             if len(points) != len(self.names):
                 raise LabelError(
                     f"label of {where}: its {len(points)} points name none of the {len(self.names)} landmarks "
@@ -273,8 +295,17 @@ class BundleContext:
             if ras is None:
                 out.append(None)
                 continue
-            lps = np.array([[-ras[0], -ras[1], ras[2]]])
-            out.append([float(v) for v in self.lps_to_pixels(lps, frame)[0]])
+            if self.spatial_dims == 2:
+                point = [float(v) for v in self.lps_to_pixels(np.array([[-ras[0], -ras[1], ras[2]]]), frame)[0]]
+            else:
+                point = [float(v) for v in ras]
+            extent = self.outside(point, frame)
+            if extent:
+                raise LabelError(
+                    f"label of {where}: landmark {name!r} at ({', '.join(f'{v:g}' for v in point)}) lies outside "
+                    f"the image ({extent})"
+                )
+            out.append(point)
         if all(p is None for p in out):
             raise LabelError(f"label of {where}: no landmark is placed")
         return out
