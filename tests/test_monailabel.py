@@ -514,6 +514,20 @@ def test_infer_request_faults_are_answered_4xx(server):
     assert status == 404 and "whole-slide" in reply["detail"], reply
 
 
+def test_infer_replies_carry_names_not_server_paths(server):
+    """The reply names its templates and checkpoint; no server path (repository, studies, temp dir)."""
+    _, from_upload = server["client"].infer("landmarks", "", {}, file=str(server["studies"] / "test_003.png"))
+    from_id, status = _infer_id(server, "test_001")
+    assert status == 200, from_id
+    for reply in (from_upload, from_id):
+        text = json.dumps(reply)
+        assert str(ROOT) not in text and str(server["work"]) not in text and '"/' not in text, text[:2000]
+        assert reply["checkpoint"] == "model.pt" and reply["checkpoint_source"] == "shipped"
+        assert reply["template"] == [t["image"] for t in reply["templates"]] and all(
+            "/" not in t for t in reply["template"]
+        )
+
+
 def _train_request(server, params: dict):
     return _request(
         f"{server['base']}/train/landmarks", json.dumps(params).encode(), {"Content-Type": "application/json"}
@@ -611,7 +625,7 @@ def test_training_reads_the_labels_and_keeps_the_served_model_when_not_better(se
     assert "leave-one-out" in stats["eval"]["scored_on"] and stats["epoch"] == 1 and "total_time" in stats
     assert (model / "candidate" / "model_final.pt").is_file() and not (model / "model.pt").exists()
     reply, _ = _infer_id(server, "test_001")
-    assert reply["checkpoint"] == str(ROOT / "models" / "model.pt")
+    assert reply["checkpoint"] == "model.pt" and reply["checkpoint_source"] == "shipped"
 
 
 def test_training_publishes_a_better_model(server):
@@ -627,7 +641,7 @@ def test_training_publishes_a_better_model(server):
     assert stats["published"] is True and stats["checkpoint"] == str(model / "model.pt")
     assert stats["best_metric"] == stats["eval"]["metrics"]["mre_trained"]
     reply, _ = _infer_id(server, "test_001")
-    assert reply["checkpoint"] == str(model / "model.pt")
+    assert reply["checkpoint"] == "model.pt" and reply["checkpoint_source"] == "published"
 
 
 def test_dicom_upload_gives_the_png_landmarks_in_its_own_frame(server, tmp_path):
@@ -711,7 +725,8 @@ def test_published_detector_is_served(server):
     assert status == 200, reply
     assert (
         reply["predictor"] == "detector"
-        and reply["checkpoint"] == str(model / "detector.pt")
+        and reply["checkpoint"] == "detector.pt"
+        and reply["checkpoint_source"] == "published"
         and reply["templates"] == []
     )
     width, height = Image.open(server["studies"] / "test_001.png").size

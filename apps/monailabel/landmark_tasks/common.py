@@ -139,6 +139,10 @@ class BundleContext:
         else the shipped ones."""
         return self.served_path if self.served_path.is_file() else self.shipped_ckpt
 
+    def is_published(self, checkpoint: str | Path) -> bool:
+        """Whether ``checkpoint`` is one that the train task published (in the app's model folder)."""
+        return Path(checkpoint).resolve().parent == self.model_dir.resolve()
+
     def new_network(self, checkpoint: str | Path | None = None) -> torch.nn.Module:
         """A fresh network of the configured architecture with ``checkpoint`` (default: the served one) loaded."""
         from bundle.checkpoints import load_weights

@@ -15,7 +15,8 @@ served detector.
 The result is returned in the forms viewers read: a 3D Slicer markups file (``.mrk.json``, also under
 ``markups`` in the result JSON, in the image's own LPS frame so that Slicer shows it over the image), the
 points as ``landmarks`` (image pixels in 2D / world mm in 3D) and OHIF-style ``centroids``
-(``{name: [index, i, j, k]}``).
+(``{name: [index, i, j, k]}``). The reply names things, never a server path: ``templates`` by datastore id (the
+bundle's by file name), ``checkpoint`` by file name with ``checkpoint_source`` (``shipped`` | ``published``).
 """
 
 from __future__ import annotations
@@ -189,14 +190,14 @@ class LandmarkInferTask(InferTask):
                 batch = torch.as_tensor(grid["image"]).unsqueeze(0).to(self.context.device)
                 g2p = torch.as_tensor(grid["grid_to_physical"]).unsqueeze(0).to(self.context.device)
                 points_mm = inferer(batch, network, g2p)[0].cpu().numpy()
-                templates, checkpoint = [], str(detector_path)
+                templates, checkpoint = [], detector_path
             else:
                 self._load_network()
                 self._update_inferer(self._select_templates(request.get("image_id")))
                 batch = torch.as_tensor(data["image"]).unsqueeze(0).to(self.context.device)
                 g2p = torch.as_tensor(data["grid_to_physical"]).unsqueeze(0).to(self.context.device)
                 points_mm = self.inferer(batch, self.network, g2p)[0].cpu().numpy()
-                templates, checkpoint = list(self.templates), str(self.context.served_checkpoint())
+                templates, checkpoint = list(self.templates), self.context.served_checkpoint()
         spacing = np.asarray(torch.as_tensor(data["spacing"]).cpu(), dtype=np.float64).reshape(-1)
         result = landmark_result(self.names, points_mm, spacing)
         frame = self.context.frame(image, data) if self.spatial_dims == 2 else None
@@ -213,10 +214,13 @@ class LandmarkInferTask(InferTask):
         except BaseException:
             Path(path).unlink(missing_ok=True)
             raise
-        result["templates"] = [{"image": t.get("id", t["image"]), "source": t["source"]} for t in templates]
-        result["template"] = [t["image"] for t in templates]
+        # names, not server paths: datastore ids, the bundle templates' file names, the checkpoint's file name
+        names = [t.get("id") or Path(t["image"]).name for t in templates]
+        result["templates"] = [{"image": n, "source": t["source"]} for n, t in zip(names, templates)]
+        result["template"] = names
         result["template_source"] = templates[0]["source"] if templates else None
         result["template_combine"] = self.context.template_combine
-        result["checkpoint"] = checkpoint
+        result["checkpoint"] = checkpoint.name
+        result["checkpoint_source"] = "published" if self.context.is_published(checkpoint) else "shipped"
         result["predictor"] = predictor
         return path, result
