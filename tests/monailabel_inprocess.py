@@ -96,7 +96,7 @@ def ct(
     tiny = {"epochs": 1, "epoch_length": 1, "batch_size": 1, "image_size": [48, 48, 48]}
     out["train"] = app.train({"model": "landmarks", **tiny, "crop_size": [32, 32, 32], "num_queries": 4})
     app.datastore().save_label(target, target_label, "final", {})  # two labels: one to train on, one held out
-    out["detector_train"] = app.train({"model": "landmarks", **tiny, "network": "detector", "min_improvement": -1e9})
+    out["detector_train"] = app.train({"model": "landmarks", **tiny, "network": "detector", "publish": "always"})
     out["detector"] = infer()
     return out
 

@@ -2,11 +2,14 @@
 
 One server (module fixture) over 4 synthetic images serves every test, in file order: suggestions on an upload
 (equal to the bundle's command line), image ids confined to the datastore, a junk upload refused without a
-leftover temporary file, the ``first`` / ``last`` strategies, saved labels becoming the k-shot templates,
-bad training values refused naming the key, fine-tuning that keeps the served model when the new one is not
-better (and publishes it when it is), ``train_stats`` in ``/info/``, a DICOM X-ray giving the PNG's
-landmarks, and the stage-2 detector trained on the saved labels (refused with too few labels, kept out when
-not better, served by the infer task once published). Calls go through MONAI Label's own client
+leftover temporary file, every datastore route taking names, not paths (nothing written or deleted outside the
+studies folder, links pointing out refused), labels off their image refused naming the landmark and a bad stored
+one skipped, infer request faults answered 4xx, replies naming no server path, the ``first`` / ``last``
+strategies, saved labels becoming the k-shot templates, bad training values (a negative margin among them)
+refused naming the key, fine-tuning that keeps the served model when the new one is not better (and publishes it
+when asked, keeping the previous one dated), ``train_stats`` in ``/info/``, a DICOM X-ray giving the PNG's
+landmarks, and the stage-2 detector trained on the saved labels (refused with too few labels, kept out when not
+better, served by the infer task once published). Calls go through MONAI Label's own client
 (``monailabel.client.MONAILabelClient``) and raw HTTP where the client has no call or hides the status.
 
 Needs the app's environment (``make monailabel`` -> ``.venv-monailabel``, or ``MONAILABEL_PYTHON``);
@@ -18,6 +21,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -592,6 +596,15 @@ def test_saved_labels_become_the_templates(server):
         ({"max_epochs": -1}, "epochs"),
         ({"max_epochs": 2, "epochs": 3}, "max_epochs"),
         ({"max_epoch": 2}, "max_epoch"),
+        ({"min_improvement": -1000}, "min_improvement"),
+        ({"min_improvement": float("nan")}, "min_improvement"),
+        ({"epochs": float("inf")}, "epochs"),
+        ({"learning_rate": float("-inf")}, "learning_rate"),
+        ({"image_size": [64, float("inf")]}, "image_size"),
+        ({"seed": True}, "seed"),
+        ({"seed": -1}, "seed"),
+        ({"network": "detector", "holdout": float("nan")}, "holdout"),
+        ({"publish": "sometimes"}, "publish"),
     ],
 )
 def test_bad_training_values_are_refused_naming_the_key(server, params, key):
@@ -602,6 +615,14 @@ def test_bad_training_values_are_refused_naming_the_key(server, params, key):
         server["client"].train_start("landmarks", params)
     reply, status = _request(f"{server['base']}/train/?check_if_running=true")
     assert status == 404  # nothing was queued
+
+
+def test_a_negative_margin_is_refused_naming_its_value(server):
+    """``min_improvement`` -1000 published a worse model over the served one: refused, naming the key and value."""
+    reply, status = _train_request(server, {**TINY_TRAIN, "min_improvement": -1000})
+    assert status == 422, reply
+    assert "'min_improvement' must be a non-negative number" in reply["detail"] and "got -1000" in reply["detail"]
+    assert _request(f"{server['base']}/train/?check_if_running=true")[1] == 404  # nothing was queued
 
 
 def test_training_reads_the_labels_and_keeps_the_served_model_when_not_better(server):
@@ -628,20 +649,34 @@ def test_training_reads_the_labels_and_keeps_the_served_model_when_not_better(se
     assert reply["checkpoint"] == "model.pt" and reply["checkpoint_source"] == "shipped"
 
 
-def test_training_publishes_a_better_model(server):
-    client, model = server["client"], server["app"] / "model"
-    # in MONAI Label's own names: max_epochs and train_batch_size for epochs and batch_size
-    request = {k: v for k, v in TINY_TRAIN.items() if k not in ("epochs", "batch_size")}
-    request.update(max_epochs=1, train_batch_size=1, min_improvement=-1e9)  # any new model counts as better
-    client.train_start("landmarks", request)
+def _publish_always(server, request: dict) -> dict:
+    server["client"].train_start("landmarks", {**request, "publish": "always"})  # whatever the new model scores
     status = _wait_training(server)
     assert status["status"] == "DONE", f"{status}\n{server['log'].read_text()[-4000:]}"
-    stats = client.info()["train_stats"]["landmarks"]
+    return server["client"].info()["train_stats"]["landmarks"]
+
+
+def test_training_publishes_and_keeps_the_previous_model(server):
+    model = server["app"] / "model"
+    # in MONAI Label's own names: max_epochs and train_batch_size for epochs and batch_size
+    request = {k: v for k, v in TINY_TRAIN.items() if k not in ("epochs", "batch_size")}
+    stats = _publish_always(server, dict(request, max_epochs=1, train_batch_size=1))
     assert stats["epoch"] == 1  # not the default 10
     assert stats["published"] is True and stats["checkpoint"] == str(model / "model.pt")
+    assert stats["decision"].startswith("published (publish 'always')")
     assert stats["best_metric"] == stats["eval"]["metrics"]["mre_trained"]
+    assert stats["kept_previous"] == {}  # the shipped weights were served: nothing replaced
     reply, _ = _infer_id(server, "test_001")
     assert reply["checkpoint"] == "model.pt" and reply["checkpoint_source"] == "published"
+    # a second publication keeps the first one beside it, dated, and copying it back restores it
+    first = (model / "model.pt").read_bytes()
+    stats = _publish_always(server, TINY_TRAIN)
+    (kept,) = stats["kept_previous"].values()
+    assert stats["kept_previous"] == {"model.pt": kept} and re.fullmatch(r"model\.\d{8}-\d{6}(-\d+)?\.pt", kept)
+    assert (model / kept).read_bytes() == first != (model / "model.pt").read_bytes()
+    shutil.copyfile(model / kept, model / "model.pt")
+    reply, status = _infer_id(server, "test_001")
+    assert status == 200 and reply["checkpoint_source"] == "published", reply
 
 
 def test_dicom_upload_gives_the_png_landmarks_in_its_own_frame(server, tmp_path):
@@ -716,7 +751,7 @@ def test_published_detector_is_served(server):
     from PIL import Image
 
     model = server["app"] / "model"
-    stats = _detector_stats(server, {"min_improvement": -1e9})  # any detector counts as better
+    stats = _detector_stats(server, {"publish": "always"})  # whatever the detector scores
     assert stats["published"] is True and stats["decision"].startswith("published")
     assert stats["predictor"] == "detector" and stats["checkpoint"] == str(model / "detector.pt")
     info = json.loads((model / "detector.json").read_text())
