@@ -1,15 +1,15 @@
 """MONAI Label: a real server on 127.0.0.1 runs the annotation loop of the app (apps/monailabel).
 
-One server (module fixture) over 4 synthetic images serves every test, in file order: suggestions on an upload
-(equal to the bundle's command line), image ids confined to the datastore, a junk upload refused without a
-leftover temporary file, every datastore route taking names, not paths (nothing written or deleted outside the
-studies folder, links pointing out refused), labels off their image refused naming the landmark and a bad stored
-one skipped, infer request faults answered 4xx, replies naming no server path, the ``first`` / ``last``
-strategies, saved labels becoming the k-shot templates, bad training values (a negative margin among them)
-refused naming the key, fine-tuning that keeps the served model when the new one is not better (and publishes it
-when asked, keeping the previous one dated), ``train_stats`` in ``/info/``, a DICOM X-ray giving the PNG's
-landmarks, and the stage-2 detector trained on the saved labels (refused with too few labels, kept out when not
-better, served by the infer task once published). Calls go through MONAI Label's own client
+One server (module fixture, ``--conf device cpu``) over 4 synthetic images serves every test, in file order:
+suggestions on an upload (equal to the bundle's command line), image ids confined to the datastore, a junk upload
+refused without a leftover temporary file, every datastore route taking names, not paths (nothing written or
+deleted outside the studies folder, links pointing out refused), labels off their image refused naming the
+landmark and a bad stored one skipped, infer request faults answered 4xx, replies naming no server path, the
+``first`` / ``last`` strategies, saved labels becoming the k-shot templates, bad training values (a negative
+margin among them) refused naming the key, fine-tuning that keeps the served model when the new one is not
+better (and publishes it when asked, keeping the previous one dated), ``train_stats`` in ``/info/``, a DICOM
+X-ray giving the PNG's landmarks, and the stage-2 detector trained on the saved labels (refused with too few
+labels, kept out when not better, served by the infer task once published). Calls go through MONAI Label's own client
 (``monailabel.client.MONAILabelClient``) and raw HTTP where the client has no call or hides the status.
 
 Needs the app's environment (``make monailabel`` -> ``.venv-monailabel``, or ``MONAILABEL_PYTHON``);
@@ -193,6 +193,9 @@ def server(tmp_path_factory):
         "--conf",
         "datalist",
         str(datalist_path),
+        "--conf",
+        "device",
+        "cpu",
     ]
     log = open(tmp_path / "server.log", "w")
     env = dict(os.environ, OMP_NUM_THREADS="1", MONAI_LABEL_DATASTORE_AUTO_RELOAD="false", TMPDIR=str(server_tmp))
@@ -530,6 +533,7 @@ def test_infer_replies_carry_names_not_server_paths(server):
         assert reply["template"] == [t["image"] for t in reply["templates"]] and all(
             "/" not in t for t in reply["template"]
         )
+        assert reply["device"] == "cpu"  # the app's conf device
 
 
 def _train_request(server, params: dict):
@@ -645,6 +649,7 @@ def test_training_reads_the_labels_and_keeps_the_served_model_when_not_better(se
     assert stats["eval"]["key_metric_name"] == "mre" and stats["eval"]["metrics"]["mre_trained"] > 0
     assert "leave-one-out" in stats["eval"]["scored_on"] and stats["epoch"] == 1 and "total_time" in stats
     assert (model / "candidate" / "model_final.pt").is_file() and not (model / "model.pt").exists()
+    assert stats["device"] == "cpu"  # the app's conf device, also given to the bundle's training
     reply, _ = _infer_id(server, "test_001")
     assert reply["checkpoint"] == "model.pt" and reply["checkpoint_source"] == "shipped"
 
@@ -830,6 +835,29 @@ def test_dicomweb_series_gives_the_png_landmarks(tmp_path):
     assert set(result["dicomweb"]) == set(result["local"]) and result["local"]
     for name, point in result["local"].items():
         assert result["dicomweb"][name] == pytest.approx(point, abs=0.01), name
+
+
+def test_one_network_on_the_configured_device(tmp_path):
+    """``--conf device``: a device this machine lacks is refused at start naming it; on ``cpu`` the infer task
+    and the trainer record it, and one stage-1 network serves inference, the template choice and the scoring
+    of a training in the server's process (in-process, tests/monailabel_inprocess.py)."""
+    from bundle.data.embedded import open_datalist
+    from bundle.data.synthetic import generate_synthetic_2d
+
+    datalist_path = generate_synthetic_2d(tmp_path / "data", n_training=2, n_validation=1, n_test=2)
+    content = open_datalist(datalist_path)
+    studies = tmp_path / "studies"
+    studies.mkdir()
+    for item in content["test"]:
+        shutil.copy(item["image"], studies)
+    template = content["test"][1]
+    label = _mrk_json(tmp_path / "template.mrk.json", content["landmark_names"], template["landmarks"])
+    result = _in_process(tmp_path, "device", datalist_path, studies, Path(template["image"]).stem, label)
+    assert sorted(result["refused"]) == ["cuda:7", "cuda:x", "tpu"]
+    for device, message in result["refused"].items():
+        assert message.startswith(f"conf device {device!r}: "), message
+    assert result["infer_device"] == result["train_device"] == "cpu"
+    assert result["networks_after_infer"] == result["networks_after_train"] == 1
 
 
 def _cli_evaluate_3d(datalist: dict, ckpt: Path, out: Path) -> dict[str, list[float]]:

@@ -26,7 +26,9 @@ Conf keys: ``bundle_root`` (default: the repository holding this app), ``datalis
 embedded synthetic datalist, generated when missing; its ``spatial_dims`` selects the 2D or 3D configs),
 ``ckpt_path`` (default: the shipped 2D weights; 3D: ``models/ct3d/model.pt``, where ``configs/train_3d.yaml``
 trains), ``epochs``,
-``predictor`` (``auto``: the detector once one is published, else template matching; ``detector``; ``templates``).
+``predictor`` (``auto``: the detector once one is published, else template matching; ``detector``; ``templates``),
+``device`` (``cpu``, ``cuda``, ``cuda:N``; default ``cuda`` when available, else ``cpu``; one this machine lacks
+stops the start naming it): where the server infers and scores and the bundle trains, one stage-1 network on it.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class LandmarkApp(MONAILabelApp):
             conf.get("datalist", str(self.bundle_root / "data" / "synthetic_2d" / "datalist.json")),
             conf.get("ckpt_path"),
             self.model_dir,
+            conf.get("device"),
         )
         self.train_defaults = {"epochs": int(conf.get("epochs", 10))}
         self.predictor = conf.get("predictor", "auto")

@@ -43,8 +43,11 @@ candidate replaces the served weights whatever it scores; the decision says so).
 (``model.pt``, ``detector.pt`` with ``detector.json``) first keeps it beside itself as
 ``<name>.<YYYYmmdd-HHMMSS>.<ext>`` (``kept_previous`` in the stats): copying it back restores it.
 
+The bundle's training runs on the app's device (``--conf device``); scoring uses the app's one stage-1 network of
+that device, and a CUDA device's cache is emptied after each training.
+
 ``model/train_stats.json`` (MONAI Label's convention; ``/info/`` shows it under ``train_stats``) records the
-network trained, both scores, the decision and the predictor served.
+network trained, both scores, the decision, the predictor served and the device.
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ from monailabel.interfaces.tasks.train import TrainTask
 
 from bundle.io_utils import atomic_path, write_json_atomic
 
-from .common import BundleContext
+from .common import BundleContext, device_expression
 
 logger = logging.getLogger(__name__)
 
@@ -274,9 +277,8 @@ def _mean(errors: list[float]) -> float:
 
 def score_checkpoint(context: BundleContext, checkpoint: str | Path, cases: list[tuple[dict, list[dict]]]) -> float:
     """Mean radial error (mm, or pixels without spacing) of ``checkpoint`` over ``cases`` (item, its templates)."""
-    network = context.new_network(checkpoint)
     errors: list[float] = []
-    with torch.no_grad():
+    with torch.no_grad(), context.network(checkpoint) as network:
         for item, templates in cases:
             errors += _radial_errors(context, item, network, context.new_inferer(templates))
     return _mean(errors)
@@ -351,13 +353,21 @@ def keep_previous(*paths: Path) -> dict[str, str]:
 
 
 def training_command(
-    config_file: str, datalist: Path, ckpt_dir: Path, work: Path, epochs: int, init_args: list[str], options: dict
+    config_file: str,
+    datalist: Path,
+    ckpt_dir: Path,
+    work: Path,
+    epochs: int,
+    init_args: list[str],
+    options: dict,
+    device: torch.device,
 ) -> list[str]:
     """The bundle's training command for a train request: ``config_file`` on ``datalist``, checkpoints to
-    ``ckpt_dir``, logs to ``work/output``, no validation during the ``epochs``, the initialisation ``init_args``
-    and the request's ``options`` as JSON values."""
+    ``ckpt_dir``, logs to ``work/output``, no validation during the ``epochs``, the initialisation ``init_args``,
+    the app's ``device`` and the request's ``options`` as JSON values."""
     command = [sys.executable, "-m", "monai.bundle", "run", "training", "--config_file", config_file]
     command += ["--datalist", str(datalist), "--ckpt_dir", str(ckpt_dir), "--output_dir", str(work / "output")]
+    command += ["--device", device_expression(device)]
     command += ["--val_interval", str(epochs + 1), "--progress_bar", "False", *init_args]
     for key, value in options.items():
         command += [f"--{key}", json.dumps(value)]
@@ -412,10 +422,14 @@ class BundleTrainTask(TrainTask):
         network = options.pop("network", "contrastive")
         holdout = options.pop("holdout", DETECTOR_HOLDOUT)
         items = self.context.datastore_items(datastore)
-        if network == "detector":
-            stats = self._train_detector(items, options, rule, holdout)
-        else:
-            stats = self._train_contrastive(items, options, rule)
+        try:
+            if network == "detector":
+                stats = self._train_detector(items, options, rule, holdout)
+            else:
+                stats = self._train_contrastive(items, options, rule)
+        finally:
+            if self.context.device.type == "cuda":  # what scoring cached on the GPU (a server's run_sync training)
+                torch.cuda.empty_cache()
         epochs = int(options.get("epochs", 10))
         predictor, checkpoint = self.served_predictor()
         stats = {
@@ -426,6 +440,7 @@ class BundleTrainTask(TrainTask):
             **stats,
             "predictor": predictor,
             "checkpoint": checkpoint if network == "detector" else str(self.context.served_checkpoint()),
+            "device": str(self.context.device),
         }
         stats["eval"]["best_metric_epoch"] = epochs
         write_json_atomic(self.stats_path, stats)
@@ -449,6 +464,7 @@ class BundleTrainTask(TrainTask):
             epochs,
             ["--init_weights", str(served)],
             options,
+            self.context.device,
         )
         logger.info(f"fine-tuning {served} on {len(items)} images ({len(labelled)} labelled): {' '.join(command)}")
         candidate = candidate_dir / "model_final.pt"
@@ -504,7 +520,14 @@ class BundleTrainTask(TrainTask):
         else:
             init_args = ["--init_checkpoint", str(stage1)]
         command = training_command(
-            json.dumps(list(context.detector_configs)), datalist_path, candidate_dir, work, epochs, init_args, options
+            json.dumps(list(context.detector_configs)),
+            datalist_path,
+            candidate_dir,
+            work,
+            epochs,
+            init_args,
+            options,
+            context.device,
         )
         init = {
             "init_weights": str(served_detector) if served_detector else None,
