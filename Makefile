@@ -8,6 +8,8 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 DEMO_DIR ?= output/demo
 MONAILABEL_VENV ?= .venv-monailabel
+# the server tests (tests/test_monailabel.py) run the app with this interpreter
+MONAILABEL_PYTHON ?= $(abspath $(MONAILABEL_VENV))/bin/python
 PYTEST_ARGS ?= -q
 
 .PHONY: install monailabel package demo demo-train demo-evaluate demo-3d lint test test-fast benchmark clean
@@ -54,7 +56,7 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 
 test: install monailabel lint
-	$(PY) -m pytest $(PYTEST_ARGS) tests
+	MONAILABEL_PYTHON=$(MONAILABEL_PYTHON) $(PY) -m pytest $(PYTEST_ARGS) tests
 
 # the suite without the end-to-end trainings and servers (pytest marker "slow")
 test-fast: install lint

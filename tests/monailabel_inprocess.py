@@ -15,6 +15,12 @@ list) as the final label of ``TEMPLATE_ID`` and infers again (k-shot from the sa
 epoch through the train task, then saves ``TARGET_LABEL`` as the target's label, trains the stage-2 detector
 (published whatever its score) and infers with it. Prints ``{"bundle", "saved_label", "detector": suggestions,
 "train", "detector_train": stats, "missing_weights": the start-up error of an app given no weights}``.
+
+``device WORK DATALIST STUDIES TEMPLATE_ID TEMPLATE_LABEL``: apps given devices this machine lacks (their start-up
+errors), then an app on ``--conf device cpu``: infers the first study with the bundle's templates, saves
+``TEMPLATE_LABEL`` as the final label of ``TEMPLATE_ID``, infers again and fine-tunes one tiny epoch (scored in
+this process). Prints the devices that the infer task and the trainer recorded and how many stage-1 networks
+are alive after inference and after training.
 """
 
 from __future__ import annotations
@@ -96,11 +102,39 @@ def ct(
     tiny = {"epochs": 1, "epoch_length": 1, "batch_size": 1, "image_size": [48, 48, 48]}
     out["train"] = app.train({"model": "landmarks", **tiny, "crop_size": [32, 32, 32], "num_queries": 4})
     app.datastore().save_label(target, target_label, "final", {})  # two labels: one to train on, one held out
-    out["detector_train"] = app.train({"model": "landmarks", **tiny, "network": "detector", "min_improvement": -1e9})
+    out["detector_train"] = app.train({"model": "landmarks", **tiny, "network": "detector", "publish": "always"})
     out["detector"] = infer()
+    return out
+
+
+def device(work: str, datalist: str, studies: str, template_id: str, template_label: str) -> dict:
+    import gc
+
+    work = Path(work)
+    out: dict = {"refused": {}}
+    for bad in ("cuda:7", "tpu", "cuda:x"):
+        try:
+            new_app(work, studies, datalist, device=bad)
+        except ValueError as e:
+            out["refused"][bad] = str(e)
+    app = new_app(work, studies, datalist, device="cpu")
+    from bundle.networks.contrastive import ContrastiveLandmarkNet
+
+    def networks() -> int:
+        gc.collect()
+        return sum(isinstance(o, ContrastiveLandmarkNet) for o in gc.get_objects())
+
+    target = sorted(app.datastore().list_images())[0]
+    out["infer_device"] = app.infer({"model": "landmarks", "image": target})["params"]["device"]
+    out["networks_after_infer"] = networks()  # the bundle's template choice and the inference
+    app.datastore().save_label(template_id, template_label, "final", {})
+    app.infer({"model": "landmarks", "image": target})
+    tiny = {"epochs": 1, "epoch_length": 1, "batch_size": 1, "image_size": [64, 64], "crop_size": [32, 32]}
+    out["train_device"] = app.train({"model": "landmarks", **tiny, "num_queries": 4})["device"]
+    out["networks_after_train"] = networks()  # the old and new weights scored here too
     return out
 
 
 if __name__ == "__main__":
     scenario, *args = sys.argv[1:]
-    print("RESULT " + json.dumps({"dicomweb": dicomweb, "ct": ct}[scenario](*args), default=str))
+    print("RESULT " + json.dumps({"dicomweb": dicomweb, "ct": ct, "device": device}[scenario](*args), default=str))

@@ -149,7 +149,7 @@ def test_bad_input_names_the_file(tmp_path):
             }
         )
     )
-    with pytest.raises(DatalistError, match=r"s.mrk.json: markups\[0\].controlPoints\[1\].position"):
+    with pytest.raises(DatalistError, match=r"s.mrk.json: markups\[0\].controlPoints\[1\] \('b'\).position"):
         read_markups(short)
     system = tmp_path / "w.mrk.json"
     system.write_text(json.dumps({"markups": [{"type": "Fiducial", "coordinateSystem": "XYZ"}]}))

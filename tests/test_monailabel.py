@@ -1,12 +1,15 @@
 """MONAI Label: a real server on 127.0.0.1 runs the annotation loop of the app (apps/monailabel).
 
-One server (module fixture) over 4 synthetic images serves every test, in file order: suggestions on an upload
-(equal to the bundle's command line), image ids confined to the datastore, a junk upload refused without a
-leftover temporary file, the ``first`` / ``last`` strategies, saved labels becoming the k-shot templates,
-bad training values refused naming the key, fine-tuning that keeps the served model when the new one is not
-better (and publishes it when it is), ``train_stats`` in ``/info/``, a DICOM X-ray giving the PNG's
-landmarks, and the stage-2 detector trained on the saved labels (refused with too few labels, kept out when
-not better, served by the infer task once published). Calls go through MONAI Label's own client
+One server (module fixture, ``--conf device cpu``) over 4 synthetic images serves every test, in file order:
+suggestions on an upload (equal to the bundle's command line), image ids confined to the datastore, a junk upload
+refused without a leftover temporary file, every datastore route taking names, not paths (nothing written or
+deleted outside the studies folder, links pointing out refused), labels off their image refused naming the
+landmark and a bad stored one skipped, infer request faults answered 4xx, replies naming no server path, the
+``first`` / ``last`` strategies, saved labels becoming the k-shot templates, bad training values (a negative
+margin among them) refused naming the key, fine-tuning that keeps the served model when the new one is not
+better (and publishes it when asked, keeping the previous one dated), ``train_stats`` in ``/info/``, a DICOM
+X-ray giving the PNG's landmarks, and the stage-2 detector trained on the saved labels (refused with too few
+labels, kept out when not better, served by the infer task once published). Calls go through MONAI Label's own client
 (``monailabel.client.MONAILabelClient``) and raw HTTP where the client has no call or hides the status.
 
 Needs the app's environment (``make monailabel`` -> ``.venv-monailabel``, or ``MONAILABEL_PYTHON``);
@@ -18,6 +21,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -25,6 +29,7 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 from pathlib import Path
@@ -188,6 +193,9 @@ def server(tmp_path_factory):
         "--conf",
         "datalist",
         str(datalist_path),
+        "--conf",
+        "device",
+        "cpu",
     ]
     log = open(tmp_path / "server.log", "w")
     env = dict(os.environ, OMP_NUM_THREADS="1", MONAI_LABEL_DATASTORE_AUTO_RELOAD="false", TMPDIR=str(server_tmp))
@@ -328,6 +336,206 @@ def test_junk_upload_is_refused_naming_it_and_leaves_no_file(server, tmp_path):
     assert new_files() == []
 
 
+def _tree(path: Path) -> dict[str, bytes]:
+    """Every file under ``path`` (links not followed) with its content; a link as its target."""
+    out = {}
+    for root, dirs, files in os.walk(path):
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(root, d))]:
+            f = Path(root) / name
+            out[str(f.relative_to(path))] = os.readlink(f).encode() if f.is_symlink() else f.read_bytes()
+    return out
+
+
+def _form(url: str, method: str, **fields: str):
+    body = urllib.parse.urlencode(fields).encode()
+    return _request(url, body, {"Content-Type": "application/x-www-form-urlencoded"}, method=method)
+
+
+# (method, route and query, upload field): VICTIM is a file outside the studies folder, given without its suffix
+NAMES_NOT_PATHS = [
+    ("PUT", "/datastore/image?image=VICTIM", "file"),  # overwrote VICTIM.png
+    ("DELETE", "/datastore/image?id=VICTIM", None),  # deleted it once the PUT had registered it
+    ("PUT", "/datastore/image?image=../evil_img", "file"),  # wrote beside the studies folder
+    ("PUT", "/datastore/image?image=..", "file"),
+    ("PUT", "/datastore/image?image=sub\\evil", "file"),
+    ("PUT", "/datastore/image?image=.hidden", "file"),
+    ("PUT", "/datastore/image?image=datastore_v2", "json"),  # an image must be an image format
+    ("DELETE", "/datastore/image?id=", None),
+    ("PUT", "/datastore/label?image=test_001&tag=../../../secret/evil_tag", "label"),  # wrote a label outside
+    ("PUT", "/datastore/label?image=VICTIM&tag=final", "label"),
+    ("PUT", "/datastore/label?image=test_001&tag=.", "label"),
+    ("DELETE", "/datastore/label?id=test_000&tag=../..", None),
+    ("DELETE", "/datastore/label?id=VICTIM&tag=final", None),
+    ("GET", "/datastore/image?image=VICTIM", None),
+    ("HEAD", "/datastore/image?image=VICTIM", None),
+    ("GET", "/datastore/label?label=test_000&tag=../../x", None),
+    ("GET", "/datastore/image/info?image=VICTIM", None),
+    ("GET", "/datastore/label/info?label=test_000&tag=../x", None),
+    ("PUT", "/datastore/image/info?image=VICTIM", "info"),
+    ("PUT", "/datastore/label/info?label=test_000&tag=../x", "info"),
+    ("POST", "/infer/landmarks?image=VICTIM&output=json", None),
+]
+
+
+@pytest.mark.parametrize("method, route, field", NAMES_NOT_PATHS)
+def test_datastore_takes_names_not_paths(server, tmp_path, method, route, field):
+    """Ids, tags and upload names are names in the studies folder: anything else is refused 4xx naming it, and
+    nothing is written or deleted, inside the studies folder or out of it."""
+    victim = tmp_path / "victim.png"
+    shutil.copy(server["studies"] / "test_000.png", victim)
+    label = _mrk_json(tmp_path / "good.mrk.json", server["names"], server["truth"]["test_001"])
+    query = route.replace("VICTIM", str(tmp_path / "victim"))
+    path, _, params = query.partition("?")
+    url = f"{server['base']}{path}?" + urllib.parse.urlencode(urllib.parse.parse_qsl(params, keep_blank_values=True))
+    before = {
+        "outside": _tree(tmp_path),
+        "studies": _tree(server["studies"]),
+        "work": sorted(os.listdir(server["work"])),
+    }
+    if field == "info":
+        reply, status = _form(url, method, info="{}")
+    elif field:
+        upload = {"file": victim, "label": label, "json": label}[field]
+        name = {"file": "x.png", "label": "x.mrk.json", "json": "x.json"}[field]
+        reply, status = _request(url, *_multipart("label" if field == "label" else "file", upload, name), method=method)
+    else:
+        reply, status = _request(url, b"" if method in ("POST", "PUT") else None, method=method)
+    assert 400 <= status < 500, (status, reply)
+    value = dict(urllib.parse.parse_qsl(params, keep_blank_values=True))
+    offending = [
+        v for k, v in value.items() if k in ("image", "id", "tag") and v not in ("test_000", "test_001", "final")
+    ]
+    if method != "HEAD" and offending:  # a HEAD reply has no body
+        assert repr(offending[0]) in reply["detail"], reply
+    assert _tree(tmp_path) == before["outside"]
+    assert _tree(server["studies"]) == before["studies"]
+    assert sorted(os.listdir(server["work"])) == before["work"]
+    assert not (server["studies"] / "labels" / "../../../secret").resolve().exists()
+
+
+def test_files_linked_outside_the_studies_folder_are_refused(server, tmp_path):
+    """A link in the studies folder that points outside it is neither written through, nor deleted through, nor
+    served; the image behind it is not an image of the datastore."""
+    studies, base = server["studies"], server["base"]
+    (tmp_path / "outside").mkdir()
+    victim = tmp_path / "outside" / "victim.png"
+    shutil.copy(studies / "test_000.png", victim)
+    victim_label = _mrk_json(tmp_path / "outside" / "victim.mrk.json", server["names"], server["truth"]["test_002"])
+    outside = _tree(tmp_path / "outside")
+    label = _mrk_json(tmp_path / "x.mrk.json", server["names"], server["truth"]["test_002"])
+    # an image added through the server, then its file replaced by a link pointing out
+    reply, status = _request(f"{base}/datastore/image?image=linked", *_multipart("file", victim, "x.png"), method="PUT")
+    assert status == 200, reply
+    (studies / "linked.png").unlink()
+    (studies / "linked.png").symlink_to(victim)
+    (studies / "labels" / "final" / "test_002.mrk.json").symlink_to(victim_label)
+    try:
+        reply, status = _request(f"{base}/datastore/image?id=linked", method="DELETE")
+        assert status == 403 and "'linked'" in reply["detail"] and "outside" in reply["detail"], reply
+        reply, status = _request(
+            f"{base}/datastore/image?image=linked", *_multipart("file", victim, "x.png"), method="PUT"
+        )
+        assert status == 403, reply
+        reply, status = _request(
+            f"{base}/datastore/label?image=test_002&tag=final", *_multipart("label", label), method="PUT"
+        )
+        assert status == 403 and "'test_002'" in reply["detail"], reply
+        assert _request(f"{base}/datastore/image?image=linked")[1] == 404  # not served
+        assert _infer_id(server, "linked")[1] == 404
+        assert _tree(tmp_path / "outside") == outside
+    finally:
+        (studies / "labels" / "final" / "test_002.mrk.json").unlink()
+        (studies / "linked.png").unlink()
+        shutil.copy(studies / "test_000.png", studies / "linked.png")
+    reply, status = _request(f"{base}/datastore/image?id=linked", method="DELETE")  # a plain file again: removed
+    assert status == 200, reply
+    assert sorted(server["client"].datastore()["objects"]) == ["test_000", "test_001", "test_002", "test_003"]
+
+
+def _bad_label(path: Path, names: list[str], points: list, position) -> Path:
+    """A Slicer point list: ``points`` (pixels, LPS), its first landmark at ``position`` as written."""
+    control = [{"label": n, "position": [-p[0], -p[1], 0.0]} for n, p in zip(names, points)]
+    control[0]["position"] = position
+    markup = {"type": "Fiducial", "coordinateSystem": "RAS", "controlPoints": control}
+    path.write_text(json.dumps({"markups": [markup]}))
+    return path
+
+
+@pytest.mark.parametrize(
+    "position, why",
+    [
+        ([-50000.0, 70000.0, 0.0], "lies outside the image"),  # pixel (50000, -70000)
+        ([float("nan"), 1.0, 0.0], "finite"),
+        ([True, 1.0, 0.0], "finite"),
+        ([1.0, 2.0], "3 finite numbers"),
+        ("here", "3 finite numbers"),
+    ],
+)
+def test_a_label_off_the_image_is_refused_naming_the_landmark(server, tmp_path, position, why):
+    name = server["names"][0]
+    bad = _bad_label(tmp_path / "bad.mrk.json", server["names"], server["truth"]["test_001"], position)
+    reply, status = _request(
+        f"{server['base']}/datastore/label?image=test_001&tag=final", *_multipart("label", bad), method="PUT"
+    )
+    assert status == 422, reply
+    assert repr(name) in reply["detail"] and "'test_001'" in reply["detail"] and why in reply["detail"], reply
+    assert str(tmp_path) not in reply["detail"] and str(server["tmp"]) not in reply["detail"]
+    assert server["client"].datastore()["objects"]["test_001"]["labels"] == {}  # nothing stored
+
+
+def test_a_bad_stored_label_is_skipped_naming_it(server, tmp_path):
+    """A label already in the datastore that lies off its image (saved by an earlier server) is skipped with a
+    warning naming it: inference goes on without it."""
+    good = _mrk_json(tmp_path / "good.mrk.json", server["names"], server["truth"]["test_002"])
+    server["client"].save_label("test_002", str(good), tag="final")
+    stored = server["studies"] / "labels" / "final" / "test_002.mrk.json"
+    _bad_label(stored, server["names"], server["truth"]["test_002"], [-50000.0, 70000.0, 0.0])
+    try:
+        reply, status = _infer_id(server, "test_001")
+        assert status == 200, reply
+        assert reply["template_source"] == "bundle"  # the only saved label is skipped
+        assert "saved label skipped: label of image 'test_002'" in server["log"].read_text()
+    finally:
+        reply, status = _request(f"{server['base']}/datastore/label?id=test_002&tag=final", method="DELETE")
+        assert status == 200, reply
+
+
+def test_infer_request_faults_are_answered_4xx(server):
+    """Malformed ``params``, an image given only in ``params``, no image, a session or a whole-slide request:
+    answered 4xx with the cause (MONAI Label answered 500 to most)."""
+    base = server["base"]
+    cases = [
+        (f"{base}/infer/landmarks?image=test_001&output=json", {"params": "{not json"}, "params is not JSON"),
+        (f"{base}/infer/landmarks?image=test_001&output=json", {"params": "[1, 2]"}, "JSON object"),
+        (f"{base}/infer/landmarks?output=json", {"params": '{"image": "test_001"}'}, "'image'"),
+        (f"{base}/infer/landmarks?output=json", {}, "?image=ID"),
+        (f"{base}/infer/landmarks?image=test_001&session_id=abc&output=json", {}, "session"),
+    ]
+    for url, fields, why in cases:
+        reply, status = _form(url, "POST", **fields)
+        assert status == 400 and why in reply["detail"], (url, fields, reply)
+    assert (
+        _request(f"{base}/session/", *_multipart("files", server["studies"] / "test_000.png"), method="PUT")[1] == 406
+    )
+    reply, status = _request(f"{base}/infer/wsi/landmarks?image=test_001", b"{}", {"Content-Type": "application/json"})
+    assert status == 404 and "whole-slide" in reply["detail"], reply
+
+
+def test_infer_replies_carry_names_not_server_paths(server):
+    """The reply names its templates and checkpoint; no server path (repository, studies, temp dir)."""
+    _, from_upload = server["client"].infer("landmarks", "", {}, file=str(server["studies"] / "test_003.png"))
+    from_id, status = _infer_id(server, "test_001")
+    assert status == 200, from_id
+    for reply in (from_upload, from_id):
+        text = json.dumps(reply)
+        assert str(ROOT) not in text and str(server["work"]) not in text and '"/' not in text, text[:2000]
+        assert reply["checkpoint"] == "model.pt" and reply["checkpoint_source"] == "shipped"
+        assert reply["template"] == [t["image"] for t in reply["templates"]] and all(
+            "/" not in t for t in reply["template"]
+        )
+        assert reply["device"] == "cpu"  # the app's conf device
+
+
 def _train_request(server, params: dict):
     return _request(
         f"{server['base']}/train/landmarks", json.dumps(params).encode(), {"Content-Type": "application/json"}
@@ -392,6 +600,15 @@ def test_saved_labels_become_the_templates(server):
         ({"max_epochs": -1}, "epochs"),
         ({"max_epochs": 2, "epochs": 3}, "max_epochs"),
         ({"max_epoch": 2}, "max_epoch"),
+        ({"min_improvement": -1000}, "min_improvement"),
+        ({"min_improvement": float("nan")}, "min_improvement"),
+        ({"epochs": float("inf")}, "epochs"),
+        ({"learning_rate": float("-inf")}, "learning_rate"),
+        ({"image_size": [64, float("inf")]}, "image_size"),
+        ({"seed": True}, "seed"),
+        ({"seed": -1}, "seed"),
+        ({"network": "detector", "holdout": float("nan")}, "holdout"),
+        ({"publish": "sometimes"}, "publish"),
     ],
 )
 def test_bad_training_values_are_refused_naming_the_key(server, params, key):
@@ -402,6 +619,14 @@ def test_bad_training_values_are_refused_naming_the_key(server, params, key):
         server["client"].train_start("landmarks", params)
     reply, status = _request(f"{server['base']}/train/?check_if_running=true")
     assert status == 404  # nothing was queued
+
+
+def test_a_negative_margin_is_refused_naming_its_value(server):
+    """``min_improvement`` -1000 published a worse model over the served one: refused, naming the key and value."""
+    reply, status = _train_request(server, {**TINY_TRAIN, "min_improvement": -1000})
+    assert status == 422, reply
+    assert "'min_improvement' must be a non-negative number" in reply["detail"] and "got -1000" in reply["detail"]
+    assert _request(f"{server['base']}/train/?check_if_running=true")[1] == 404  # nothing was queued
 
 
 def test_training_reads_the_labels_and_keeps_the_served_model_when_not_better(server):
@@ -424,24 +649,39 @@ def test_training_reads_the_labels_and_keeps_the_served_model_when_not_better(se
     assert stats["eval"]["key_metric_name"] == "mre" and stats["eval"]["metrics"]["mre_trained"] > 0
     assert "leave-one-out" in stats["eval"]["scored_on"] and stats["epoch"] == 1 and "total_time" in stats
     assert (model / "candidate" / "model_final.pt").is_file() and not (model / "model.pt").exists()
+    assert stats["device"] == "cpu"  # the app's conf device, also given to the bundle's training
     reply, _ = _infer_id(server, "test_001")
-    assert reply["checkpoint"] == str(ROOT / "models" / "model.pt")
+    assert reply["checkpoint"] == "model.pt" and reply["checkpoint_source"] == "shipped"
 
 
-def test_training_publishes_a_better_model(server):
-    client, model = server["client"], server["app"] / "model"
-    # in MONAI Label's own names: max_epochs and train_batch_size for epochs and batch_size
-    request = {k: v for k, v in TINY_TRAIN.items() if k not in ("epochs", "batch_size")}
-    request.update(max_epochs=1, train_batch_size=1, min_improvement=-1e9)  # any new model counts as better
-    client.train_start("landmarks", request)
+def _publish_always(server, request: dict) -> dict:
+    server["client"].train_start("landmarks", {**request, "publish": "always"})  # whatever the new model scores
     status = _wait_training(server)
     assert status["status"] == "DONE", f"{status}\n{server['log'].read_text()[-4000:]}"
-    stats = client.info()["train_stats"]["landmarks"]
+    return server["client"].info()["train_stats"]["landmarks"]
+
+
+def test_training_publishes_and_keeps_the_previous_model(server):
+    model = server["app"] / "model"
+    # in MONAI Label's own names: max_epochs and train_batch_size for epochs and batch_size
+    request = {k: v for k, v in TINY_TRAIN.items() if k not in ("epochs", "batch_size")}
+    stats = _publish_always(server, dict(request, max_epochs=1, train_batch_size=1))
     assert stats["epoch"] == 1  # not the default 10
     assert stats["published"] is True and stats["checkpoint"] == str(model / "model.pt")
+    assert stats["decision"].startswith("published (publish 'always')")
     assert stats["best_metric"] == stats["eval"]["metrics"]["mre_trained"]
+    assert stats["kept_previous"] == {}  # the shipped weights were served: nothing replaced
     reply, _ = _infer_id(server, "test_001")
-    assert reply["checkpoint"] == str(model / "model.pt")
+    assert reply["checkpoint"] == "model.pt" and reply["checkpoint_source"] == "published"
+    # a second publication keeps the first one beside it, dated, and copying it back restores it
+    first = (model / "model.pt").read_bytes()
+    stats = _publish_always(server, TINY_TRAIN)
+    (kept,) = stats["kept_previous"].values()
+    assert stats["kept_previous"] == {"model.pt": kept} and re.fullmatch(r"model\.\d{8}-\d{6}(-\d+)?\.pt", kept)
+    assert (model / kept).read_bytes() == first != (model / "model.pt").read_bytes()
+    shutil.copyfile(model / kept, model / "model.pt")
+    reply, status = _infer_id(server, "test_001")
+    assert status == 200 and reply["checkpoint_source"] == "published", reply
 
 
 def test_dicom_upload_gives_the_png_landmarks_in_its_own_frame(server, tmp_path):
@@ -516,7 +756,7 @@ def test_published_detector_is_served(server):
     from PIL import Image
 
     model = server["app"] / "model"
-    stats = _detector_stats(server, {"min_improvement": -1e9})  # any detector counts as better
+    stats = _detector_stats(server, {"publish": "always"})  # whatever the detector scores
     assert stats["published"] is True and stats["decision"].startswith("published")
     assert stats["predictor"] == "detector" and stats["checkpoint"] == str(model / "detector.pt")
     info = json.loads((model / "detector.json").read_text())
@@ -525,7 +765,8 @@ def test_published_detector_is_served(server):
     assert status == 200, reply
     assert (
         reply["predictor"] == "detector"
-        and reply["checkpoint"] == str(model / "detector.pt")
+        and reply["checkpoint"] == "detector.pt"
+        and reply["checkpoint_source"] == "published"
         and reply["templates"] == []
     )
     width, height = Image.open(server["studies"] / "test_001.png").size
@@ -594,6 +835,29 @@ def test_dicomweb_series_gives_the_png_landmarks(tmp_path):
     assert set(result["dicomweb"]) == set(result["local"]) and result["local"]
     for name, point in result["local"].items():
         assert result["dicomweb"][name] == pytest.approx(point, abs=0.01), name
+
+
+def test_one_network_on_the_configured_device(tmp_path):
+    """``--conf device``: a device this machine lacks is refused at start naming it; on ``cpu`` the infer task
+    and the trainer record it, and one stage-1 network serves inference, the template choice and the scoring
+    of a training in the server's process (in-process, tests/monailabel_inprocess.py)."""
+    from bundle.data.embedded import open_datalist
+    from bundle.data.synthetic import generate_synthetic_2d
+
+    datalist_path = generate_synthetic_2d(tmp_path / "data", n_training=2, n_validation=1, n_test=2)
+    content = open_datalist(datalist_path)
+    studies = tmp_path / "studies"
+    studies.mkdir()
+    for item in content["test"]:
+        shutil.copy(item["image"], studies)
+    template = content["test"][1]
+    label = _mrk_json(tmp_path / "template.mrk.json", content["landmark_names"], template["landmarks"])
+    result = _in_process(tmp_path, "device", datalist_path, studies, Path(template["image"]).stem, label)
+    assert sorted(result["refused"]) == ["cuda:7", "cuda:x", "tpu"]
+    for device, message in result["refused"].items():
+        assert message.startswith(f"conf device {device!r}: "), message
+    assert result["infer_device"] == result["train_device"] == "cpu"
+    assert result["networks_after_infer"] == result["networks_after_train"] == 1
 
 
 def _cli_evaluate_3d(datalist: dict, ckpt: Path, out: Path) -> dict[str, list[float]]:

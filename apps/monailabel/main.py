@@ -16,15 +16,19 @@
   DICOM SEG, which holds no landmarks, so saving point lists (k-shot from saved labels) needs a local studies
   folder.
 
-Image ids are confined to the datastore: a path, ``..`` or an unknown id is answered 4xx, as is an unreadable
-image or label (the message names it). Start-up does no heavy work: network, templates and the bundle's
-template search wait for the first request.
+Ids, tags and upload names are names inside the studies folder, for every route (one place: the confined datastore
+of landmark_tasks/datastore.py): a path, ``..``, an empty name or a link pointing out is answered 4xx and nothing
+is written or deleted; an unknown id, an unreadable image or label is answered 4xx naming it. MONAI Label's
+sessions are off (they unpack uploaded archives as they come). Start-up does no heavy work: network, templates
+and the bundle's template search wait for the first request.
 
 Conf keys: ``bundle_root`` (default: the repository holding this app), ``datalist`` (default: the bundle's
 embedded synthetic datalist, generated when missing; its ``spatial_dims`` selects the 2D or 3D configs),
 ``ckpt_path`` (default: the shipped 2D weights; 3D: ``output/models/ct3d/model.pt``, where the default 3D
 training writes), ``epochs``,
-``predictor`` (``auto``: the detector once one is published, else template matching; ``detector``; ``templates``).
+``predictor`` (``auto``: the detector once one is published, else template matching; ``detector``; ``templates``),
+``device`` (``cpu``, ``cuda``, ``cuda:N``; default ``cuda`` when available, else ``cpu``; one this machine lacks
+stops the start naming it): where the server infers and scores and the bundle trains, one stage-1 network on it.
 """
 
 from __future__ import annotations
@@ -62,9 +66,15 @@ class LandmarkApp(MONAILabelApp):
             conf.get("datalist", str(self.bundle_root / "data" / "synthetic_2d" / "datalist.json")),
             conf.get("ckpt_path"),
             self.model_dir,
+            conf.get("device"),
         )
         self.train_defaults = {"epochs": int(conf.get("epochs", 10))}
         self.predictor = conf.get("predictor", "auto")
+        if settings.MONAI_LABEL_SESSIONS:
+            # MONAI Label's sessions unpack uploaded archives as they come (members may name paths outside);
+            # the app takes an image id or an upload per request instead
+            logger.info("sessions are off in this app (MONAI_LABEL_SESSIONS set to false): upload the file to infer")
+            settings.MONAI_LABEL_SESSIONS = False
         super().__init__(
             app_dir=app_dir,
             studies=studies,
@@ -92,7 +102,8 @@ class LandmarkApp(MONAILabelApp):
 
     # ---- MONAI Label hooks ---------------------------------------------------------------------------
     def init_datastore(self):
-        from landmark_tasks.datastore import LandmarkDatastore
+        """The studies folder's datastore, or MONAI Label's DICOMweb one, confined (landmark_tasks/datastore.py)."""
+        from landmark_tasks.datastore import LandmarkDatastore, confine, confined
 
         if self.studies.startswith(("http://", "https://")):
             if settings.MONAI_LABEL_DICOMWEB_CONVERT_TO_NIFTI:
@@ -102,8 +113,8 @@ class LandmarkApp(MONAILabelApp):
                     "DICOMweb: the app reads each series as DICOM (MONAI_LABEL_DICOMWEB_CONVERT_TO_NIFTI set to false)"
                 )
                 settings.MONAI_LABEL_DICOMWEB_CONVERT_TO_NIFTI = False
-            return super().init_datastore()
-        return LandmarkDatastore(
+            return confine(super().init_datastore())
+        return confined(LandmarkDatastore)(
             self.studies,
             check_image=lambda path, name: self.context.prepare({"image": path}, name),
             check_label=lambda label, image, image_id: self.context.label_landmarks(
@@ -139,8 +150,15 @@ class LandmarkApp(MONAILabelApp):
             )
         return super().next_sample(request)
 
+    def infer_wsi(self, request, datastore=None):
+        """No whole-slide inference here (404; MONAI Label's would open any slide path it is given)."""
+        from landmark_tasks.datastore import refuse
+
+        refuse(404, "this app has no whole-slide (WSI) inference: use POST /infer/landmarks", request.get("image"))
+
     def infer(self, request, datastore=None):
-        """Confine ``image`` to the datastore (or an upload of this request) and answer errors 4xx with their cause."""
+        """``image``: an id of the (confined) datastore or an upload of this request; errors answered 4xx with their
+        cause."""
         from fastapi import HTTPException
         from landmark_tasks.common import ImageError
         from landmark_tasks.guards import upload_name
@@ -158,13 +176,8 @@ class LandmarkApp(MONAILabelApp):
                     status_code=400,
                     detail="landmarks infer: give an image id of the datastore (?image=ID) or upload a file",
                 )
-            if os.path.isabs(image) or ".." in Path(image).parts or "\\" in image or "/" in image:
-                raise HTTPException(
-                    status_code=400,
-                    detail=f"landmarks infer: {image!r} is a path; "
-                    f"only image ids of the datastore are accepted (or upload the file)",
-                )
-            uri = datastore.get_image_uri(image)  # a file, or a DICOM series folder from a DICOMweb datastore
+            # a file, or a DICOM series folder from a DICOMweb datastore; a path is refused 400 there
+            uri = datastore.get_image_uri(image)
             if not uri or not os.path.exists(uri):
                 raise HTTPException(status_code=404, detail=f"landmarks infer: no image {image!r} in the datastore")
             request.update(image=uri, image_id=image, image_name=image)

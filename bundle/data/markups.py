@@ -129,10 +129,10 @@ def read_mrk_json(path: str | Path) -> list[ControlPoint]:
         if not isinstance(control_points, list):
             raise DatalistError(f"{where}.controlPoints must be a list")
         for j, cp in enumerate(control_points):
-            cp_where = f"{where}.controlPoints[{j}]"
             if not isinstance(cp, dict):
-                raise DatalistError(f"{cp_where} must be an object")
+                raise DatalistError(f"{where}.controlPoints[{j}] must be an object")
             label = str(cp.get("label") or cp.get("id") or len(points) + 1)
+            cp_where = f"{where}.controlPoints[{j}] ({label!r})"
             if cp.get("positionStatus", "defined") != "defined":
                 points.append(ControlPoint(label, None))
                 continue

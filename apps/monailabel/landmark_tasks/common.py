@@ -14,8 +14,9 @@ import json
 import logging
 import os
 import threading
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -82,13 +83,43 @@ def datalist_dims(path: Path) -> int:
     return int(dims)
 
 
+def resolve_device(value: str | None) -> torch.device:
+    """The app's device (conf key ``device``): ``cpu``, ``cuda`` or ``cuda:N``; default ``cuda`` when available,
+    else ``cpu``. One that this machine lacks raises ValueError naming it."""
+    if value is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"conf device {value!r}: not a device ({e}); expected cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"conf device {value!r}: expected cpu, cuda or cuda:N")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"conf device {value!r}: this machine has no CUDA device (use cpu)")
+        if (device.index or 0) >= count:
+            raise ValueError(
+                f"conf device {value!r}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
+            )
+    return device
+
+
+def device_expression(device: torch.device) -> str:
+    """``device`` as a config expression of the bundle (its ``device`` key)."""
+    return f"$torch.device({str(device)!r})"
+
+
 class BundleContext:
     """The bundle as the app uses it: configs, device, preprocessing, network and templates (all lazy)."""
 
-    def __init__(self, bundle_root: Path, datalist: str, shipped_ckpt: Path | None, model_dir: Path) -> None:
+    def __init__(
+        self, bundle_root: Path, datalist: str, shipped_ckpt: Path | None, model_dir: Path, device: str | None = None
+    ) -> None:
         """``shipped_ckpt``: the weights served until a training publishes others; None: the evaluation config's
         ``ckpt_path`` (2D: the shipped ``models/model.pt``; 3D: ``output/models/ct3d/model.pt``, where the default
-        3D training writes)."""
+        3D training writes). ``device``: see :func:`resolve_device`."""
+        self.device = resolve_device(device)
         self.bundle_root = Path(bundle_root)
         self.datalist = Path(datalist).resolve()
         self.model_dir = Path(model_dir)
@@ -100,7 +131,7 @@ class BundleContext:
         self.spatial_dims = datalist_dims(self.datalist)
         self.train_configs = TRAIN_CONFIGS[self.spatial_dims]
         self.detector_configs = DETECTOR_CONFIGS[self.spatial_dims]
-        overrides = {"datalist": str(self.datalist)}
+        overrides = {"datalist": str(self.datalist), "device": device_expression(self.device)}
         if shipped_ckpt is not None:
             overrides["ckpt_path"] = str(shipped_ckpt)
         self.parser = bundle_parser(CONFIGS[self.spatial_dims], self.bundle_root, **overrides)
@@ -114,7 +145,8 @@ class BundleContext:
         self.names: list[str] = list(self.parser.get_parsed_content("landmark_names"))
         self.template_combine = str(self.parser.get_parsed_content("template_combine"))
         self._preprocessing = None
-        self._device = None
+        self._network = None  # the stage-1 network of the device, and the file whose weights it holds
+        self._network_key = None
         self._bundle_templates: list[dict] | None = None
         self._frames: dict[tuple, dict] = {}
         self._detector_parsers: dict[tuple, Any] = {}
@@ -127,24 +159,32 @@ class BundleContext:
                 self._preprocessing = self.parser.get_parsed_content("validate#preprocessing")
             return self._preprocessing
 
-    @property
-    def device(self) -> torch.device:
-        with self._lock:
-            if self._device is None:
-                self._device = self.parser.get_parsed_content("device")
-            return self._device
-
     def served_checkpoint(self) -> Path:
         """The weights the infer task serves: the app's ``model/model.pt`` once training published one,
         else the shipped ones."""
         return self.served_path if self.served_path.is_file() else self.shipped_ckpt
 
-    def new_network(self, checkpoint: str | Path | None = None) -> torch.nn.Module:
-        """A fresh network of the configured architecture with ``checkpoint`` (default: the served one) loaded."""
+    def is_published(self, checkpoint: str | Path) -> bool:
+        """Whether ``checkpoint`` is one that the train task published (in the app's model folder)."""
+        return Path(checkpoint).resolve().parent == self.model_dir.resolve()
+
+    @contextmanager
+    def network(self, checkpoint: str | Path | None = None) -> Iterator[torch.nn.Module]:
+        """The stage-1 network of the device holding ``checkpoint``'s weights (default: the served ones), for the
+        ``with`` block alone. One instance, built on first use, shared by inference, template choice and scoring."""
         from bundle.checkpoints import load_weights
 
-        network = self.parser.get_parsed_content("network_def", lazy=False)
-        return load_weights(network, checkpoint or self.served_checkpoint(), self.device).eval()
+        path = Path(checkpoint or self.served_checkpoint())
+        with self._lock:
+            if self._network is None:
+                self._network = self.parser.get_parsed_content("network_def", lazy=False)
+                logger.info(f"stage-1 network built on {self.device}")
+            key = file_key(path)
+            if key != self._network_key:
+                self._network_key = None
+                load_weights(self._network, path, self.device).eval()
+                self._network_key = key
+            yield self._network
 
     # ---- the stage-2 detector ------------------------------------------------------------------------
     def served_detector(self) -> Path | None:
@@ -165,7 +205,11 @@ class BundleContext:
         key = tuple(image_size) if image_size else None
         with self._lock:
             if key not in self._detector_parsers:
-                overrides: dict[str, Any] = {"datalist": str(self.datalist), "init_checkpoint": None}
+                overrides: dict[str, Any] = {
+                    "datalist": str(self.datalist),
+                    "init_checkpoint": None,
+                    "device": device_expression(self.device),
+                }
                 if image_size:
                     overrides["image_size"] = [int(v) for v in image_size]
                 self._detector_parsers[key] = bundle_parser(self.detector_configs, self.bundle_root, **overrides)
@@ -204,7 +248,8 @@ class BundleContext:
 
     # ---- frames: pixels <-> LPS mm ---------------------------------------------------------------------
     def frame(self, image: str | Path, data: dict | None = None) -> dict:
-        """``{"spacing", "affine"}`` of a 2D image: pixel -> LPS mm (``affine`` 3x3 or None = pixel * spacing)."""
+        """``{"spacing", "affine", "grid_to_physical", "grid_shape"}`` of an image: 2D pixel -> LPS mm (``affine`` 3x3
+        or None = pixel * spacing), and the network grid of the evaluation pipeline over the image (its bounds)."""
         key = file_key(image)
         with self._lock:
             if key in self._frames:
@@ -218,7 +263,12 @@ class BundleContext:
         if meta and dicom_tags(meta) and original is not None and np.asarray(original).shape == (3, 3):
             ras = np.asarray(original, dtype=np.float64)
             affine = np.diag([-1.0, -1.0, 1.0]) @ ras  # ITK/MONAI's RAS -> LPS
-        frame = {"spacing": spacing, "affine": affine}
+        frame = {
+            "spacing": spacing,
+            "affine": affine,
+            "grid_to_physical": np.asarray(torch.as_tensor(data["grid_to_physical"]).cpu(), dtype=np.float64),
+            "grid_shape": np.asarray(data["image"].shape[1:], dtype=np.float64),
+        }
         with self._lock:
             self._frames[key] = frame
         return frame
@@ -251,15 +301,31 @@ class BundleContext:
         try:
             points = read_markups(label_path)
         except Exception as e:
-            raise LabelError(f"label of {where}: not a 3D Slicer markups file (.mrk.json / .fcsv): {e}") from e
+            detail = str(e).replace(str(label_path), "the file")  # a server path (an upload's temporary file)
+            raise LabelError(
+                f"label of {where}: not a usable 3D Slicer markups file (.mrk.json / .fcsv): {detail}"
+            ) from e
         return self.points_to_landmarks(points, image_path, where)
 
+    def outside(self, point: Sequence[float], frame: dict) -> str | None:
+        """None when ``point`` (2D: pixels; 3D: world mm) lies on the image (its grid, half a cell of margin),
+        else the image's extent in the point's units, for a message."""
+        d = self.spatial_dims
+        scale = frame["spacing"] if d == 2 else np.ones(d)
+        to_grid = np.linalg.inv(frame["grid_to_physical"])
+        index = (to_grid @ np.r_[np.asarray(point, dtype=np.float64) * scale, 1.0])[:d]
+        if np.all(index >= -0.5 - 1e-6) and np.all(index <= frame["grid_shape"] - 0.5 + 1e-6):
+            return None
+        corners = np.array(np.meshgrid(*[[-0.5, n - 0.5] for n in frame["grid_shape"]], indexing="ij")).reshape(d, -1)
+        extent = (frame["grid_to_physical"] @ np.r_[corners, np.ones((1, corners.shape[1]))])[:d] / scale[:, None]
+        axes = ", ".join(f"{a} {lo:g} to {hi:g}" for a, lo, hi in zip("xyz", extent.min(1), extent.max(1)))
+        return f"{axes} {'pixels' if d == 2 else 'mm'}"
+
     def points_to_landmarks(self, points: Sequence[ControlPoint], image_path: str | Path, where: str) -> list:
-        if self.spatial_dims != 2:
-            by_name = {p.label: p.position for p in points}
-            return [None if by_name.get(n) is None else list(by_name[n]) for n in self.names]
+        """Landmarks (2D: pixel ``[x, y]``; 3D: world ``[x, y, z]``; None where missing) of ``points`` on the image,
+        each checked to lie on it (LabelError naming the landmark and ``where``)."""
         by_name = {p.label: p.position for p in points}
-        if not any(n in by_name for n in self.names):
+        if self.spatial_dims == 2 and not any(n in by_name for n in self.names):
             if len(points) != len(self.names):
                 raise LabelError(
                     f"label of {where}: its {len(points)} points name none of the {len(self.names)} landmarks "
@@ -273,8 +339,17 @@ class BundleContext:
             if ras is None:
                 out.append(None)
                 continue
-            lps = np.array([[-ras[0], -ras[1], ras[2]]])
-            out.append([float(v) for v in self.lps_to_pixels(lps, frame)[0]])
+            if self.spatial_dims == 2:
+                point = [float(v) for v in self.lps_to_pixels(np.array([[-ras[0], -ras[1], ras[2]]]), frame)[0]]
+            else:
+                point = [float(v) for v in ras]
+            extent = self.outside(point, frame)
+            if extent:
+                raise LabelError(
+                    f"label of {where}: landmark {name!r} at ({', '.join(f'{v:g}' for v in point)}) lies outside "
+                    f"the image ({extent})"
+                )
+            out.append(point)
         if all(p is None for p in out):
             raise LabelError(f"label of {where}: no landmark is placed")
         return out
@@ -326,11 +401,12 @@ class BundleContext:
                         return self._bundle_templates
                 except (OSError, ValueError):
                     pass
-            self.parser["ckpt_path"] = str(self.served_checkpoint())
-            templates = [
-                dict(t, image=str(Path(t["image"]).resolve()))
-                for t in self.parser.get_parsed_content("evaluate#templates")
-            ]
+            with self.network() as network:  # the template choice runs the served network: the shared one
+                self.parser["network"] = network
+                templates = [
+                    dict(t, image=str(Path(t["image"]).resolve()))
+                    for t in self.parser.get_parsed_content("evaluate#templates")
+                ]
             templates = json.loads(json.dumps(templates, default=float))  # plain JSON types
             write_json_atomic(self.templates_cache, {"key": key, "templates": templates})
             self._bundle_templates = templates

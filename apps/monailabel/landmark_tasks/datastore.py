@@ -1,19 +1,26 @@
-"""The app's local datastore: MONAI Label's ``LocalDatastore`` that knows X-ray images (DICOM included) and
-landmark labels (3D Slicer ``.mrk.json`` / ``.fcsv``), and refuses what the bundle cannot read.
+"""The app's datastores: every id, tag and file name is a name inside the datastore's folder; the local one also
+knows X-ray images (DICOM included) and landmark labels (3D Slicer ``.mrk.json`` / ``.fcsv``).
 
-- images: PNG, JPEG, BMP, TIFF, DICOM (``.dcm``), NIfTI, NRRD, MHA in the studies folder; labels (tag folders
-  under ``labels/``): ``.mrk.json``, ``.json``, ``.fcsv``. Each kind is only looked for in its own folder.
-- ``add_image`` / ``save_label`` check the file first (readable image; markups naming the landmarks): a bad one
-  is answered 4xx naming it, nothing enters the datastore, and the upload's temporary file is removed.
+- :class:`ConfinedDatastore` (placed before a MONAI Label ``LocalDatastore`` by :func:`confined`, the DICOMweb
+  datastore included, whose cache is a local datastore): the one place where ids, tags and upload names are
+  checked, for every route that reaches the datastore. A value that is not a plain name (empty, ``.`` / ``..``,
+  hidden, a path separator, a control character) is answered 400 naming it; a file that resolves outside the
+  folder (a symlink pointing out) is answered 403 and neither written nor deleted, never listed, never served.
+  A refused upload's temporary file is removed.
+- :class:`LandmarkDatastore`: images are PNG, JPEG, BMP, TIFF, DICOM (``.dcm``), NIfTI, NRRD, MHA in the studies
+  folder; labels (tag folders under ``labels/``): ``.mrk.json``, ``.json``, ``.fcsv``. ``add_image`` /
+  ``save_label`` check the file first (readable image; markups naming the landmarks, inside the image): a bad one
+  is answered 4xx naming it and nothing enters the datastore.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 from fastapi import HTTPException
 from monailabel.datastore.local import LocalDatastore
@@ -29,7 +36,197 @@ def is_upload_temp(path: str) -> bool:
     return p.parent.resolve() == Path(tempfile.gettempdir()).resolve() and p.name.startswith("tmp")
 
 
+def refuse(status: int, detail: str, upload: str | None = None) -> NoReturn:
+    """Answer ``status`` with ``detail``; ``upload``, when it is MONAI Label's temporary upload file, is removed
+    (MONAI Label removes it only after a successful reply)."""
+    if upload and is_upload_temp(upload):
+        Path(upload).unlink(missing_ok=True)
+    raise HTTPException(status_code=status, detail=detail)
+
+
+def name_problem(value: object) -> str | None:
+    """Why ``value`` is not a plain file name (None when it is one)."""
+    if not isinstance(value, str) or not value:
+        return "it is empty"
+    if value in (".", ".."):
+        return "it names a folder"
+    if "/" in value or "\\" in value:
+        return "it is a path"
+    if value.startswith("."):
+        return "it is a hidden name"
+    if any(ord(c) < 32 for c in value):
+        return "it holds a control character"
+    return None
+
+
+class ConfinedDatastore:
+    """Checks placed before a ``LocalDatastore`` (see the module docstring and :func:`confined`)."""
+
+    image_extensions: tuple[str, ...] | None = None  # patterns an added image's name must match (None: all)
+
+    # ---- the checks --------------------------------------------------------------------------------------
+    def check_name(self, value: object, what: str, upload: str | None = None) -> str:
+        """``value`` when it is a plain name, else 400 naming it."""
+        problem = name_problem(value)
+        if problem:
+            refuse(
+                400,
+                f"{what} {value!r} refused: {problem}; the datastore takes names (ids, tags, file names), not paths",
+                upload,
+            )
+        return value
+
+    def _root(self) -> str:
+        return os.path.realpath(self._datastore_path)
+
+    def _inside(self, path: str) -> bool:
+        root = self._root()
+        return os.path.commonpath([root, os.path.realpath(path)]) == root
+
+    def _check_inside(self, path: str, what: str, upload: str | None = None) -> None:
+        """403 naming ``what`` unless ``path`` resolves inside the datastore's folder."""
+        if not self._inside(path):
+            refuse(403, f"{what} resolves outside the datastore's folder (a link pointing out): refused", upload)
+
+    def _stored_file(self, folder: str, image_id: str, ext: str) -> str:
+        return os.path.join(folder, self._filename(image_id, ext))
+
+    # ---- writes and deletes --------------------------------------------------------------------------------
+    def add_image(self, image_id: str, image_filename: str, image_info: dict[str, Any]) -> str:
+        default_id, ext = self._to_id(os.path.basename(image_filename))
+        image_id = self.check_name(image_id or default_id, "image id", image_filename)
+        name = self.check_name(self._filename(image_id, ext), "image file name", image_filename)
+        patterns = self.image_extensions or self._extensions
+        if not any(fnmatch.fnmatch(name.lower(), p) for p in patterns):
+            refuse(
+                415,
+                f"image {image_id!r}: {ext or 'no extension'} is not an image format of the datastore "
+                f"({', '.join(p.lstrip('*') for p in patterns)})",
+                image_filename,
+            )
+        dest = self._stored_file(self._datastore.image_path(), image_id, ext)
+        self._check_inside(dest, f"image {image_id!r}", image_filename)
+        return super().add_image(image_id, image_filename, image_info)
+
+    def remove_image(self, image_id: str) -> None:
+        obj = self._datastore.objects.get(self.check_name(image_id, "image id"))
+        if obj is None:
+            refuse(404, f"no image {image_id!r} in the datastore")
+        self._check_inside(
+            self._stored_file(self._datastore.image_path(), image_id, obj.image.ext), f"image {image_id!r}"
+        )
+        for tag, label in obj.labels.items():
+            folder = self._datastore.label_path(tag)
+            self._check_inside(self._stored_file(folder, image_id, label.ext), f"label {tag!r} of image {image_id!r}")
+        return super().remove_image(image_id)
+
+    def save_label(self, image_id: str, label_filename: str, label_tag: str, label_info: dict, *args, **kwargs) -> str:
+        self.check_name(image_id, "image id", label_filename)
+        self.check_name(label_tag, "label tag", label_filename)
+        _, ext = self._to_id(os.path.basename(label_filename))
+        self.check_name(self._filename(image_id, ext), "label file name", label_filename)
+        dest = self._stored_file(self._datastore.label_path(label_tag), image_id, ext)
+        self._check_inside(dest, f"label {label_tag!r} of image {image_id!r}", label_filename)
+        return super().save_label(image_id, label_filename, label_tag, label_info, *args, **kwargs)
+
+    def remove_label(self, label_id: str, label_tag: str) -> None:
+        self.check_name(label_id, "label id")
+        self.check_name(label_tag, "label tag")
+        label = self._datastore.label(label_id, label_tag)
+        if label is None:
+            refuse(404, f"no label {label_tag!r} of image {label_id!r} in the datastore")
+        folder = self._datastore.label_path(label_tag)
+        self._check_inside(self._stored_file(folder, label_id, label.ext), f"label {label_tag!r} of image {label_id!r}")
+        return super().remove_label(label_id, label_tag)
+
+    def update_image_info(self, image_id: str, info: dict[str, Any]) -> None:
+        return super().update_image_info(self.check_name(image_id, "image id"), info)
+
+    def update_label_info(self, label_id: str, label_tag: str, info: dict[str, Any]) -> None:
+        self.check_name(label_tag, "label tag")
+        return super().update_label_info(self.check_name(label_id, "label id"), label_tag, info)
+
+    # ---- reads: a file outside the folder is not in the datastore -------------------------------------------
+    def get_image_uri(self, image_id: str) -> str:
+        uri = super().get_image_uri(self.check_name(image_id, "image id"))
+        if uri and not self._inside(uri):
+            logger.warning(f"image {image_id!r} resolves outside the datastore's folder: not served")
+            return ""
+        return uri
+
+    def get_label_uri(self, label_id: str, label_tag: str, *args, **kwargs) -> str:
+        self.check_name(label_tag, "label tag")
+        uri = super().get_label_uri(self.check_name(label_id, "label id"), label_tag, *args, **kwargs)
+        if uri and not self._inside(uri):
+            logger.warning(
+                f"label {label_tag!r} of image {label_id!r} resolves outside the datastore's folder: not served"
+            )
+            return ""
+        return uri
+
+    def get_image_info(self, image_id: str) -> dict[str, Any]:
+        return super().get_image_info(self.check_name(image_id, "image id"))
+
+    def get_label_info(self, label_id: str, label_tag: str) -> dict[str, Any]:
+        self.check_name(label_tag, "label tag")
+        return super().get_label_info(self.check_name(label_id, "label id"), label_tag)
+
+    def datalist(self, full_path: bool = True) -> list[dict[str, Any]]:
+        root = self._root()
+        return [d for d in super().datalist(full_path) if all(self._inside(os.path.join(root, p)) for p in d.values())]
+
+    # ---- what the folder and the datastore file hold ---------------------------------------------------------
+    def _list_files(self, path, patterns):
+        listed = {}
+        for key, f in super()._list_files(path, patterns).items():
+            problem = name_problem(f) or name_problem(self._to_id(f)[0])
+            if problem is None and not self._inside(os.path.join(path, f)):
+                problem = "it resolves outside the datastore's folder"
+            if problem:
+                logger.warning(f"{os.path.join(path, f)} not listed: {problem}")
+            else:
+                listed[key] = f
+        return listed
+
+    def _init_from_datastore_file(self, throw_exception=False):
+        loaded = self._config_ts
+        super()._init_from_datastore_file(throw_exception)
+        if self._config_ts == loaded:
+            return
+        # entries of an earlier server that took paths for ids: dropped (never served; gone at the next write)
+        for image_id in list(self._datastore.objects):
+            obj = self._datastore.objects[image_id]
+            bad = name_problem(image_id) or name_problem(self._filename(image_id, obj.image.ext))
+            if bad:
+                logger.warning(f"datastore entry {image_id!r} ignored: {bad}")
+                del self._datastore.objects[image_id]
+                continue
+            for tag in [t for t in obj.labels if name_problem(t)]:
+                logger.warning(f"label {tag!r} of image {image_id!r} ignored: {name_problem(tag)}")
+                del obj.labels[tag]
+
+
+_CONFINED: dict[type, type] = {}
+
+
+def confined(cls: type) -> type:
+    """``cls`` (a ``LocalDatastore``) with :class:`ConfinedDatastore`'s checks run before its own methods."""
+    if cls not in _CONFINED:
+        _CONFINED[cls] = type(f"Confined{cls.__name__}", (ConfinedDatastore, cls), {})
+    return _CONFINED[cls]
+
+
+def confine(datastore: LocalDatastore) -> LocalDatastore:
+    """The same ``datastore`` object, confined (for one that MONAI Label builds, e.g. the DICOMweb datastore)."""
+    datastore.__class__ = confined(type(datastore))
+    return datastore
+
+
 class LandmarkDatastore(LocalDatastore):
+    """MONAI Label's local datastore of X-ray images and landmark labels (the app uses it ``confined``)."""
+
+    image_extensions = IMAGE_EXTENSIONS
+
     def __init__(
         self,
         path: str,
@@ -52,28 +249,22 @@ class LandmarkDatastore(LocalDatastore):
             try:
                 self._check_image(image_filename, str(name))
             except ImageError as e:
-                if is_upload_temp(image_filename):
-                    Path(image_filename).unlink(missing_ok=True)
-                raise HTTPException(status_code=422, detail=str(e)) from None
+                refuse(422, str(e), image_filename)
         return super().add_image(image_id, image_filename, image_info)
 
     def save_label(self, image_id: str, label_filename: str, label_tag: str, label_info: dict[str, Any]) -> str:
-        def refuse(status: int, detail: str):
-            if is_upload_temp(label_filename):
-                Path(label_filename).unlink(missing_ok=True)
-            raise HTTPException(status_code=status, detail=detail)
-
         if image_id not in self._datastore.objects:
-            refuse(404, f"no image {image_id!r} in the datastore")
+            refuse(404, f"no image {image_id!r} in the datastore", label_filename)
         if not any(label_filename.lower().endswith(p[1:]) for p in LABEL_EXTENSIONS):
             refuse(
                 422,
                 f"label of image {image_id!r}: expected a 3D Slicer markups file (.mrk.json or .fcsv), "
                 f"got {os.path.basename(label_filename)!r}",
+                label_filename,
             )
         if self._check_label is not None:
             try:
                 self._check_label(label_filename, self.get_image_uri(image_id), image_id)
             except (LabelError, ImageError) as e:
-                refuse(422, str(e))
+                refuse(422, str(e), label_filename)
         return super().save_label(image_id, label_filename, label_tag, label_info)

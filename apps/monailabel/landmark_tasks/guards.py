@@ -1,5 +1,9 @@
 """Server-side guards of the app around two MONAI Label 0.8.5 endpoints (installed by the app in the server process).
 
+- ``POST /infer/{model}``: the request is checked before MONAI Label reads it (400 naming the fault): ``params``
+  must be a JSON object without ``image`` (the image is ``?image=ID`` or an upload, never a value of params);
+  an image id or a file must be given (MONAI Label answers 500); no label upload and no ``session_id`` (the
+  app's infer takes no label, and sessions are off in this app).
 - ``POST /infer/{model}`` with a ``file``: MONAI Label writes the upload to a temporary file and removes it only
   after a successful reply, so a failed request left it in the temp dir for good, and it passes the upload as a
   plain path, which the app could not tell from a path a client typed. Here the app writes the upload itself
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import json
 import logging
 import os
 import re
@@ -58,6 +63,28 @@ def _install(module: str, name: str, wrap: Callable[[Callable], Callable]) -> bo
     return True
 
 
+def check_infer_request(model: str, image: str, session_id: str, params: str, file, label) -> None:
+    """Refuse (400 naming the fault) an infer request that the app cannot serve, before MONAI Label reads it."""
+
+    def bad(detail: str):
+        raise HTTPException(status_code=400, detail=f"infer {model}: {detail}")
+
+    if session_id:
+        bad(f"sessions are off in this app (session_id {session_id!r:.60}); give ?image=ID or upload the file")
+    if label:
+        bad("this app's infer takes no label upload (save labels with PUT /datastore/label)")
+    try:
+        values = json.loads(params) if params else {}
+    except ValueError as e:
+        bad(f"params is not JSON ({e}): {params!r:.80}")
+    if not isinstance(values, dict):
+        bad(f"params must be a JSON object, got {params!r:.80}")
+    if "image" in values:
+        bad(f"params may not hold 'image' ({values['image']!r:.60}): give the image as ?image=ID or upload a file")
+    if not image and not file:
+        bad("give an image id of the datastore (?image=ID) or upload a file")
+
+
 def install_infer_guard() -> bool:
     """Wrap ``monailabel.endpoints.infer.run_inference`` (called by the route at request time)."""
 
@@ -65,6 +92,7 @@ def install_infer_guard() -> bool:
         def run_inference(
             background_tasks, model, image="", session_id="", params="{}", file=None, label=None, output=None
         ):
+            check_infer_request(model, image, session_id, params, file, label)
             if not file:
                 return original(background_tasks, model, image, session_id, params, file, label, output)
             fd, path = tempfile.mkstemp(prefix="landmarks-upload-", suffix=_suffix(file.filename))

@@ -15,7 +15,9 @@ served detector.
 The result is returned in the forms viewers read: a 3D Slicer markups file (``.mrk.json``, also under
 ``markups`` in the result JSON, in the image's own LPS frame so that Slicer shows it over the image), the
 points as ``landmarks`` (image pixels in 2D / world mm in 3D) and OHIF-style ``centroids``
-(``{name: [index, i, j, k]}``).
+(``{name: [index, i, j, k]}``). The reply names things, never a server path: ``templates`` by datastore id (the
+bundle's by file name), ``checkpoint`` by file name with ``checkpoint_source`` (``shipped`` | ``published``);
+``device`` is the app's.
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ import numpy as np
 import torch
 from monailabel.interfaces.tasks.infer_v2 import InferTask, InferType
 
-from bundle.checkpoints import load_weights
 from bundle.data.markups import ControlPoint, write_mrk_json
 
 from .common import PREDICTORS, BundleContext, file_key
@@ -97,9 +98,7 @@ class LandmarkInferTask(InferTask):
             config={"template_combine": context.template_combine, "predictor": predictor},
         )
         self._lock = threading.Lock()
-        # loaded on the first request (start-up stays fast)
-        self.network = None
-        self.ckpt_key = None
+        # loaded on the first request (start-up stays fast); the network is the context's (one per device)
         self.inferer = None
         self.template_key = None
         self.templates: list[dict] = []
@@ -108,19 +107,6 @@ class LandmarkInferTask(InferTask):
 
     def is_valid(self) -> bool:
         return self.context.served_checkpoint().is_file()
-
-    def _load_network(self) -> None:
-        """The served weights, reloaded whenever the train task published new ones."""
-        path = self.context.served_checkpoint()
-        key = file_key(path)
-        if key == self.ckpt_key:
-            return
-        if self.network is None:
-            self.network = self.context.new_network(path)
-        else:
-            load_weights(self.network, path, self.context.device)
-        self.ckpt_key = key
-        logger.info(f"serving weights {path}")
 
     def _load_detector(self, path: Path) -> None:
         """The served detector (``model/detector.pt`` at the grid recorded in ``model/detector.json``),
@@ -189,14 +175,15 @@ class LandmarkInferTask(InferTask):
                 batch = torch.as_tensor(grid["image"]).unsqueeze(0).to(self.context.device)
                 g2p = torch.as_tensor(grid["grid_to_physical"]).unsqueeze(0).to(self.context.device)
                 points_mm = inferer(batch, network, g2p)[0].cpu().numpy()
-                templates, checkpoint = [], str(detector_path)
+                templates, checkpoint = [], detector_path
             else:
-                self._load_network()
                 self._update_inferer(self._select_templates(request.get("image_id")))
                 batch = torch.as_tensor(data["image"]).unsqueeze(0).to(self.context.device)
                 g2p = torch.as_tensor(data["grid_to_physical"]).unsqueeze(0).to(self.context.device)
-                points_mm = self.inferer(batch, self.network, g2p)[0].cpu().numpy()
-                templates, checkpoint = list(self.templates), str(self.context.served_checkpoint())
+                checkpoint = self.context.served_checkpoint()
+                with self.context.network(checkpoint) as network:
+                    points_mm = self.inferer(batch, network, g2p)[0].cpu().numpy()
+                templates = list(self.templates)
         spacing = np.asarray(torch.as_tensor(data["spacing"]).cpu(), dtype=np.float64).reshape(-1)
         result = landmark_result(self.names, points_mm, spacing)
         frame = self.context.frame(image, data) if self.spatial_dims == 2 else None
@@ -213,10 +200,14 @@ class LandmarkInferTask(InferTask):
         except BaseException:
             Path(path).unlink(missing_ok=True)
             raise
-        result["templates"] = [{"image": t.get("id", t["image"]), "source": t["source"]} for t in templates]
-        result["template"] = [t["image"] for t in templates]
+        # names, not server paths: datastore ids, the bundle templates' file names, the checkpoint's file name
+        names = [t.get("id") or Path(t["image"]).name for t in templates]
+        result["templates"] = [{"image": n, "source": t["source"]} for n, t in zip(names, templates)]
+        result["template"] = names
         result["template_source"] = templates[0]["source"] if templates else None
         result["template_combine"] = self.context.template_combine
-        result["checkpoint"] = checkpoint
+        result["checkpoint"] = checkpoint.name
+        result["checkpoint_source"] = "published" if self.context.is_published(checkpoint) else "shipped"
         result["predictor"] = predictor
+        result["device"] = str(self.context.device)
         return path, result

@@ -36,8 +36,18 @@ Detector (the bundle's fine-tuning on human labels, ``configs/train.yaml`` + ``t
    ``model/detector.pt`` (with ``model/detector.json``: its grid, trained-on and held-out ids) only when
    ``mre_new < mre_served - min_improvement``; the infer task then serves the detector.
 
+Request values are checked before the task is queued (422 naming the key and the value): numbers must be finite
+JSON numbers of their kind (no booleans, strings, NaN or infinities), ``min_improvement`` non-negative (a negative
+margin would publish a worse model). ``publish``: ``if_better`` (default, the rule above) or ``always`` (the
+candidate replaces the served weights whatever it scores; the decision says so). Whatever replaces a served file
+(``model.pt``, ``detector.pt`` with ``detector.json``) first keeps it beside itself as
+``<name>.<YYYYmmdd-HHMMSS>.<ext>`` (``kept_previous`` in the stats): copying it back restores it.
+
+The bundle's training runs on the app's device (``--conf device``); scoring uses the app's one stage-1 network of
+that device, and a CUDA device's cache is emptied after each training.
+
 ``model/train_stats.json`` (MONAI Label's convention; ``/info/`` shows it under ``train_stats``) records the
-network trained, both scores, the decision and the predictor served.
+network trained, both scores, the decision, the predictor served and the device.
 """
 
 from __future__ import annotations
@@ -52,7 +62,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -61,33 +71,38 @@ from monailabel.interfaces.tasks.train import TrainTask
 
 from bundle.io_utils import atomic_path, write_json_atomic
 
-from .common import BundleContext
+from .common import BundleContext, device_expression
 
 logger = logging.getLogger(__name__)
 
 
+def _number(value: Any, kind: str, integer: bool = False, low: float = -math.inf, low_open: bool = False) -> float:
+    """``value`` when it is a finite JSON number (an integer when ``integer``) at least ``low`` (above it when
+    ``low_open``), else ValueError saying it must be ``kind``: booleans, strings, NaN and infinities are refused."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(kind)
+    if (integer and value != int(value)) or value < low or (low_open and value == low):
+        raise ValueError(kind)
+    return value
+
+
 def _positive_int(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 1:
-        raise ValueError("a positive integer")
-    return int(value)
+    return int(_number(value, "a positive integer", integer=True, low=1))
 
 
-def _int(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
-        raise ValueError("an integer")
-    return int(value)
+def _seed(value: Any) -> int:
+    seed = int(_number(value, "an integer from 0 to 2**32 - 1", integer=True, low=0))
+    if seed >= 2**32:
+        raise ValueError("an integer from 0 to 2**32 - 1")
+    return seed
 
 
 def _positive_float(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError("a positive number")
-    return float(value)
+    return float(_number(value, "a positive number", low=0, low_open=True))
 
 
-def _float(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError("a finite number")
-    return float(value)
+def _margin(value: Any) -> float:
+    return float(_number(value, "a non-negative number of mm (how much better the new model must score)", low=0))
 
 
 def _size(value: Any) -> list[int]:
@@ -100,20 +115,25 @@ def _size(value: Any) -> list[int]:
 
 
 NETWORKS = ("contrastive", "detector")
+PUBLISH = ("if_better", "always")
 DETECTOR_HOLDOUT = 0.25  # default fraction of the labelled images held out of the detector's training, to score on
 MIN_DETECTOR_LABELS = 2
 
 
-def _network(value: Any) -> str:
-    if value not in NETWORKS:
-        raise ValueError("'contrastive' (the stage-1 network) or 'detector' (the stage-2 heatmap detector)")
-    return value
+def _choice(choices: tuple[str, ...], meaning: str) -> Callable[[Any], str]:
+    def parse(value: Any) -> str:
+        if not isinstance(value, str) or value not in choices:
+            raise ValueError(f"{' or '.join(repr(c) for c in choices)} ({meaning})")
+        return value
+
+    return parse
 
 
 def _fraction(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+    fraction = float(_number(value, "a fraction between 0 and 1 (exclusive)", low=0, low_open=True))
+    if fraction >= 1:
         raise ValueError("a fraction between 0 and 1 (exclusive)")
-    return float(value)
+    return fraction
 
 
 # request key -> parser; the bundle keys go to `monai.bundle run training` as --key value
@@ -125,9 +145,14 @@ BUNDLE_OPTIONS = {
     "image_size": _size,
     "crop_size": _size,
     "num_queries": _positive_int,
-    "seed": _int,
+    "seed": _seed,
 }
-APP_OPTIONS = {"min_improvement": _float, "network": _network, "holdout": _fraction}
+APP_OPTIONS = {
+    "min_improvement": _margin,
+    "network": _choice(NETWORKS, "the stage-1 network or the stage-2 heatmap detector"),
+    "holdout": _fraction,
+    "publish": _choice(PUBLISH, "publish when better, or whatever its score"),
+}
 
 
 # MONAI Label's own trainers' names for two of the options
@@ -252,9 +277,8 @@ def _mean(errors: list[float]) -> float:
 
 def score_checkpoint(context: BundleContext, checkpoint: str | Path, cases: list[tuple[dict, list[dict]]]) -> float:
     """Mean radial error (mm, or pixels without spacing) of ``checkpoint`` over ``cases`` (item, its templates)."""
-    network = context.new_network(checkpoint)
     errors: list[float] = []
-    with torch.no_grad():
+    with torch.no_grad(), context.network(checkpoint) as network:
         for item, templates in cases:
             errors += _radial_errors(context, item, network, context.new_inferer(templates))
     return _mean(errors)
@@ -294,21 +318,56 @@ def scoring_cases(context: BundleContext, labelled: list[dict]) -> tuple[list[tu
     ], f"the bundle datalist's {len(validation)} validation images, from its templates"
 
 
-def _decision(published: bool, new: float, old: float, min_improvement: float, kept: str) -> str:
+def publication(
+    new: float | None, old: float | None, kept: str, min_improvement: float, publish: str
+) -> tuple[bool, str]:
+    """``(published, decision)`` of the publication rule on the scores of the new and the served predictor
+    (None: nothing to score on); ``kept`` names the served one."""
+    if publish == "always":
+        scores = "not scored" if new is None else f"MRE {new:.3f}, the served model's {old:.3f}"
+        return True, f"published (publish 'always'): {scores}"
+    if new is None:
+        return False, f"kept {kept}: no labelled image to compare the new weights on"
     margin = f" - {min_improvement:g}" if min_improvement else ""
-    if published:
-        return f"published: MRE {new:.3f} < {old:.3f} of the served model{margin}"
-    return f"kept {kept}: the new one's MRE {new:.3f} is not below {old:.3f}{margin}"
+    if new < old - min_improvement:
+        return True, f"published: MRE {new:.3f} < {old:.3f} of the served model{margin}"
+    return False, f"kept {kept}: the new one's MRE {new:.3f} is not below {old:.3f}{margin}"
+
+
+def keep_previous(*paths: Path) -> dict[str, str]:
+    """Before ``paths`` are replaced: a copy of each existing one beside it, ``<stem>.<YYYYmmdd-HHMMSS><suffix>``
+    (one time stamp for all, made unique), so that a published model stays restorable. {file name: copy's name}."""
+    existing = [p for p in paths if p.is_file()]
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    n = 0
+
+    def copy_of(p: Path) -> Path:
+        return p.with_name(f"{p.stem}.{stamp}{f'-{n}' if n else ''}{p.suffix}")
+
+    while any(copy_of(p).exists() for p in existing):
+        n += 1
+    for p in existing:
+        with atomic_path(copy_of(p)) as tmp:
+            shutil.copyfile(p, tmp)
+    return {p.name: copy_of(p).name for p in existing}
 
 
 def training_command(
-    config_file: str, datalist: Path, ckpt_dir: Path, work: Path, epochs: int, init_args: list[str], options: dict
+    config_file: str,
+    datalist: Path,
+    ckpt_dir: Path,
+    work: Path,
+    epochs: int,
+    init_args: list[str],
+    options: dict,
+    device: torch.device,
 ) -> list[str]:
     """The bundle's training command for a train request: ``config_file`` on ``datalist``, checkpoints to
-    ``ckpt_dir``, logs to ``work/output``, no validation during the ``epochs``, the initialisation ``init_args``
-    and the request's ``options`` as JSON values."""
+    ``ckpt_dir``, logs to ``work/output``, no validation during the ``epochs``, the initialisation ``init_args``,
+    the app's ``device`` and the request's ``options`` as JSON values."""
     command = [sys.executable, "-m", "monai.bundle", "run", "training", "--config_file", config_file]
     command += ["--datalist", str(datalist), "--ckpt_dir", str(ckpt_dir), "--output_dir", str(work / "output")]
+    command += ["--device", device_expression(device)]
     command += ["--val_interval", str(epochs + 1), "--progress_bar", "False", *init_args]
     for key, value in options.items():
         command += [f"--{key}", json.dumps(value)]
@@ -329,7 +388,13 @@ class BundleTrainTask(TrainTask):
         self.defaults = dict(defaults or {})
 
     def config(self) -> dict[str, Any]:
-        return {**self.defaults, "min_improvement": 0.0, "network": "contrastive", "holdout": DETECTOR_HOLDOUT}
+        return {
+            **self.defaults,
+            "min_improvement": 0.0,
+            "network": "contrastive",
+            "holdout": DETECTOR_HOLDOUT,
+            "publish": "if_better",
+        }
 
     def stats(self) -> dict[str, Any]:
         """The last training's statistics (``model/train_stats.json``, written by the training process)."""
@@ -353,14 +418,18 @@ class BundleTrainTask(TrainTask):
     def __call__(self, request: dict, datastore: Datastore) -> dict[str, Any]:
         start = time.time()
         options = validate_options(request, self.defaults, self.context.spatial_dims)
-        min_improvement = options.pop("min_improvement", 0.0)
+        rule = {"min_improvement": options.pop("min_improvement", 0.0), "publish": options.pop("publish", "if_better")}
         network = options.pop("network", "contrastive")
         holdout = options.pop("holdout", DETECTOR_HOLDOUT)
         items = self.context.datastore_items(datastore)
-        if network == "detector":
-            stats = self._train_detector(items, options, min_improvement, holdout)
-        else:
-            stats = self._train_contrastive(items, options, min_improvement)
+        try:
+            if network == "detector":
+                stats = self._train_detector(items, options, rule, holdout)
+            else:
+                stats = self._train_contrastive(items, options, rule)
+        finally:
+            if self.context.device.type == "cuda":  # what scoring cached on the GPU (a server's run_sync training)
+                torch.cuda.empty_cache()
         epochs = int(options.get("epochs", 10))
         predictor, checkpoint = self.served_predictor()
         stats = {
@@ -371,13 +440,14 @@ class BundleTrainTask(TrainTask):
             **stats,
             "predictor": predictor,
             "checkpoint": checkpoint if network == "detector" else str(self.context.served_checkpoint()),
+            "device": str(self.context.device),
         }
         stats["eval"]["best_metric_epoch"] = epochs
         write_json_atomic(self.stats_path, stats)
         return stats
 
     # ---- the stage-1 (contrastive) network -------------------------------------------------------------
-    def _train_contrastive(self, items: list[dict], options: dict, min_improvement: float) -> dict[str, Any]:
+    def _train_contrastive(self, items: list[dict], options: dict, rule: dict) -> dict[str, Any]:
         labelled = [it for it in items if it.get("landmarks")]
         templates = labelled or self.context.bundle_templates()
         work = self.model_dir / "train"
@@ -394,6 +464,7 @@ class BundleTrainTask(TrainTask):
             epochs,
             ["--init_weights", str(served)],
             options,
+            self.context.device,
         )
         logger.info(f"fine-tuning {served} on {len(items)} images ({len(labelled)} labelled): {' '.join(command)}")
         candidate = candidate_dir / "model_final.pt"
@@ -404,12 +475,10 @@ class BundleTrainTask(TrainTask):
         if cases:
             old = score_checkpoint(self.context, served, cases)
             new = score_checkpoint(self.context, candidate, cases)
-            published = new < old - min_improvement
-            decision = _decision(published, new, old, min_improvement, f"the served model {served}")
-        else:
-            published = False
-            decision = f"kept the served model {served}: no labelled image to compare the new weights on"
+        published, decision = publication(new, old, f"the served model {served}", **rule)
+        kept_previous = {}
         if published:
+            kept_previous = keep_previous(self.context.served_path)
             with atomic_path(self.context.served_path) as tmp:
                 shutil.copyfile(candidate, tmp)
         logger.info(f"scored on {scored_on}: {decision}")
@@ -425,14 +494,13 @@ class BundleTrainTask(TrainTask):
             },
             "published": published,
             "decision": decision,
+            "kept_previous": kept_previous,
             "candidate": str(candidate),
             "templates": [t.get("id", t["image"]) for t in templates],
         }
 
     # ---- the stage-2 heatmap detector ------------------------------------------------------------------
-    def _train_detector(
-        self, items: list[dict], options: dict, min_improvement: float, holdout: float
-    ) -> dict[str, Any]:
+    def _train_detector(self, items: list[dict], options: dict, rule: dict, holdout: float) -> dict[str, Any]:
         context = self.context
         labelled = {it["id"]: it for it in items if it.get("landmarks")}
         served_detector = context.served_detector()
@@ -452,7 +520,14 @@ class BundleTrainTask(TrainTask):
         else:
             init_args = ["--init_checkpoint", str(stage1)]
         command = training_command(
-            json.dumps(list(context.detector_configs)), datalist_path, candidate_dir, work, epochs, init_args, options
+            json.dumps(list(context.detector_configs)),
+            datalist_path,
+            candidate_dir,
+            work,
+            epochs,
+            init_args,
+            options,
+            context.device,
         )
         init = {
             "init_weights": str(served_detector) if served_detector else None,
@@ -482,9 +557,10 @@ class BundleTrainTask(TrainTask):
                 f"{len(held)} held-out labelled images: the new detector, and template matching from the other "
                 f"{len(labelled) - 1} labelled images (leave-one-out)"
             )
-        published = new < old - min_improvement
-        decision = _decision(published, new, old, min_improvement, kept)
+        published, decision = publication(new, old, kept, **rule)
+        kept_previous = {}
         if published:
+            kept_previous = keep_previous(context.detector_path, context.detector_info_path)
             write_json_atomic(
                 context.detector_info_path,
                 {
@@ -519,5 +595,6 @@ class BundleTrainTask(TrainTask):
             },
             "published": published,
             "decision": decision,
+            "kept_previous": kept_previous,
             "candidate": str(candidate),
         }
