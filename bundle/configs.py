@@ -3,8 +3,11 @@ does."""
 
 from __future__ import annotations
 
+import ast
+import difflib
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -86,3 +89,74 @@ def seed_everything(seed: int, cudnn_benchmark: bool = False) -> int:
         f"random seed {seed}; cuDNN autotuner {'on' if benchmark else 'off'} (cudnn_benchmark)"
     )
     return seed
+
+
+# the options of ``python -m monai.bundle run`` that are not config keys
+RUN_OPTIONS = {"run_id", "init_id", "final_id", "meta_file", "config_file", "logging_file", "tracking", "args_file"}
+
+
+def command_line_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(config files, override keys) of a ``python -m monai.bundle run ID --config_file F --key value ...`` command
+    line; two empty lists for any other."""
+    if len(argv) < 2 or Path(argv[0]).parts[-2:] != ("bundle", "__main__.py") or argv[1] != "run":
+        return [], []
+    options: dict[str, str | None] = {}
+    for i, token in enumerate(argv[2:], start=2):
+        if token.startswith("--") and len(token) > 2:
+            key, _, value = token[2:].partition("=")
+            following = argv[i + 1] if i + 1 < len(argv) else None
+            options[key.replace("-", "_")] = value or (
+                following if following and not following.startswith("--") else None
+            )
+    files = options.get("config_file") or ""
+    try:
+        parsed = ast.literal_eval(files)
+    except (ValueError, SyntaxError):
+        parsed = files
+    files = [parsed] if isinstance(parsed, str) else list(parsed)
+    return [f for f in files if f], [k for k in options if k not in RUN_OPTIONS]
+
+
+def check_command_line(argv: Sequence[str] | None = None) -> None:
+    """Refuse a ``monai.bundle run`` override of a key that none of its config files defines (a typo such as
+    ``--gamma`` for ``--sampling_gamma`` would otherwise be accepted and do nothing), naming the closest keys.
+    The first step of every command; a no-op outside ``python -m monai.bundle run``."""
+    files, keys = command_line_overrides(sys.argv if argv is None else argv)
+    if not files or not keys:
+        return
+    parser = ConfigParser()
+    parser.read_config(files)
+    config = parser.get()
+    known = _config_ids(config)
+    unknown = [k for k in keys if k not in known and not _argument_of_a_component(config, k)]
+    if unknown:
+        hints = "; ".join(
+            f"--{k}: {', '.join(difflib.get_close_matches(k, sorted(known), n=3, cutoff=0.5)) or 'no key is close'}"
+            for k in unknown
+        )
+        raise ValueError(f"unknown config key(s) {unknown} on the command line (closest: {hints}): see {files}")
+
+
+def _argument_of_a_component(config: dict, ident: str) -> bool:
+    """Whether ``ident`` (``a#b#arg``) adds an argument to a component (a dict with ``_target_``) of the config."""
+    parent, _, _ = ident.rpartition("#")
+    node: Any = config
+    for part in parent.split("#") if parent else []:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return False
+    return bool(parent) and isinstance(node, dict) and "_target_" in node
+
+
+def _config_ids(config: Any, prefix: str = "") -> set[str]:
+    """Every id of a parsed config: top-level keys and nested ``a#b`` ids (list items by index)."""
+    ids: set[str] = set()
+    items = config.items() if isinstance(config, dict) else enumerate(config) if isinstance(config, list) else ()
+    for key, value in items:
+        ident = f"{prefix}{key}"
+        ids.add(ident)
+        ids |= _config_ids(value, f"{ident}#")
+    return ids

@@ -22,7 +22,7 @@ from monai.transforms import Compose
 from PIL import Image
 
 from bundle.checkpoints import CheckpointError, load_weights, resume_path, save_atomically
-from bundle.configs import bundle_parser, check_image_size
+from bundle.configs import bundle_parser, check_command_line, check_image_size
 from bundle.data.datalist import DatalistError, load_datalist
 from bundle.data.synthetic import generate_synthetic_2d
 from bundle.export import image_items
@@ -307,6 +307,21 @@ def test_unknown_mixing_is_refused_naming_the_key(mixing):
         parser = bundle_parser(TRAIN, ROOT, mixing=mixing)
         assert parser.get_parsed_content("loss").mixing == loss
         assert parser.get_parsed_content("train#trainer#iteration_update").mixing == step
+
+
+def test_an_unknown_key_on_the_command_line_is_refused_naming_the_closest(data2d, tmp_path):
+    """``--gamma`` (for ``--sampling_gamma``) would be a new key nothing reads: refused before any work."""
+    command = [sys.executable, "-m", "monai.bundle", "run", "training", "--config_file", "configs/train.yaml"]
+    command += ["--datalist", str(data2d["datalist"]), "--output_dir", str(tmp_path / "out"), "--gamma", "0.5"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "unknown config key(s) ['gamma'] on the command line (closest: --gamma: sampling_gamma" in done.stderr
+    assert not (tmp_path / "out").exists()
+    # an argument added to a component of the config is a MONAI override, not a typo
+    main = str(Path(sys.executable).parent / "monai" / "bundle" / "__main__.py")  # how argv[0] reads under -m
+    check_command_line(
+        [main, "run", "training", "--config_file", "configs/train.yaml", "--train#dataloader#drop_last", "1"]
+    )
 
 
 def test_unknown_template_rule_is_refused_with_built_in_templates():
