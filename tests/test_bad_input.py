@@ -320,7 +320,7 @@ def test_an_unknown_key_on_the_command_line_is_refused_naming_the_closest(data2d
     # an argument added to a component of the config is a MONAI override, not a typo
     main = str(Path(sys.executable).parent / "monai" / "bundle" / "__main__.py")  # how argv[0] reads under -m
     check_command_line(
-        [main, "run", "training", "--config_file", "configs/train.yaml", "--train#dataloader#drop_last", "1"]
+        [main, "run", "training", "--config_file", str(ROOT / TRAIN[0]), "--train#dataloader#drop_last", "1"]
     )
 
 
