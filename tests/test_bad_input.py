@@ -324,6 +324,25 @@ def test_an_unknown_key_on_the_command_line_is_refused_naming_the_closest(data2d
     )
 
 
+@pytest.mark.parametrize(
+    "key, value, part, expected",
+    [
+        ("learning_rate", float("nan"), "optimizer", "learning_rate: expected a finite number >= 0, got nan"),
+        ("learning_rate", -0.1, "optimizer", "learning_rate: expected a finite number >= 0, got -0.1"),
+        ("learning_rate", True, "optimizer", "learning_rate: expected a finite number >= 0, got True"),
+        ("embed_dim", 0, "network_def", "embed_dim: expected an integer >= 1, got 0"),
+        (
+            "sampling_gamma",
+            float("nan"),
+            "train#sampling_weight",
+            "sampling_gamma: expected a finite number >= 0, got nan",
+        ),
+    ],
+)
+def test_numbers_out_of_range_are_refused_naming_the_key(key, value, part, expected):
+    assert expected in raises(bundle_parser(TRAIN, ROOT, **{key: value}).get_parsed_content, part)
+
+
 def test_unknown_template_rule_is_refused_with_built_in_templates():
     parser = bundle_parser(["configs/inference.yaml"], ROOT, template_rule="nearest")
     text = raises(parser.get_parsed_content, "template")
