@@ -117,6 +117,15 @@ def test_empty_test_list_is_refused_naming_the_datalist(data2d, tmp_path):
     assert not (tmp_path / "eval").exists()
 
 
+def test_a_test_list_without_landmarks_is_refused_naming_the_datalist(data2d, tmp_path):
+    content = json.loads(variant(data2d, tmp_path).read_text())
+    unlabelled = [dict(it, landmarks=[None] * len(content["landmark_names"])) for it in content["test"]]
+    datalist = variant(data2d, tmp_path, test=unlabelled)
+    text = raises(evaluate, datalist, tmp_path / "eval", data2d["ckpt"])
+    assert f"{datalist}: no 'test' item carries a landmark: nothing to score" in text
+    assert not (tmp_path / "eval").exists()
+
+
 def test_empty_training_list_is_refused_naming_the_datalist(data2d, tmp_path):
     datalist = variant(data2d, tmp_path, training=[])
     text = raises(

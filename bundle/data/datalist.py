@@ -137,8 +137,11 @@ def load_datalist(path: str | os.PathLike, check_files: bool = True) -> dict:
     return out
 
 
-def section_items(datalist: dict, section: str, path: str | os.PathLike = "the datalist") -> list[dict]:
-    """The datalist's ``section`` items; an empty or absent section raises ``DatalistError`` naming ``path``.
+def section_items(
+    datalist: dict, section: str, path: str | os.PathLike = "the datalist", labelled: bool = False
+) -> list[dict]:
+    """The datalist's ``section`` items; an empty or absent section raises ``DatalistError`` naming ``path``, and
+    so does, with ``labelled`` (what an evaluation scores), one in which no item carries a landmark.
 
     What a command runs on (``training`` for training, ``test`` for evaluation): without it the command
     would finish without a result and without an error.
@@ -150,6 +153,11 @@ def section_items(datalist: dict, section: str, path: str | os.PathLike = "the d
         raise DatalistError(
             f"{path}: the '{section}' list is empty: nothing to {'train on' if section == 'training' else 'run on'} "
             f"(the sections hold {', '.join(f'{s}: {len(datalist.get(s) or [])}' for s in SECTIONS)})"
+        )
+    if labelled and not any(p is not None for it in items for p in it.get("landmarks") or []):
+        raise DatalistError(
+            f"{path}: no '{section}' item carries a landmark: nothing to score (for landmarks on unlabelled images, "
+            "run the inferring command)"
         )
     return items
 
