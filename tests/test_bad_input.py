@@ -200,6 +200,23 @@ def test_volume_in_the_2d_configuration_is_refused(data2d, tmp_path):
     )
 
 
+def test_one_slice_off_the_xy_plane_keeps_its_in_plane_spacing():
+    """A one-slice volume whose slice is a sagittal plane (pixel axes along world y and z): 2D with the spacing of its
+    own pixel axes, an invertible 2D affine (its x, y part of the world is singular)."""
+    from monai.data import MetaTensor
+
+    from bundle.data.images import single_slice_as_2d
+
+    affine = np.array([[0, 0, 3.0, 1], [0.2, 0, 0, 2], [0, 0.3, 0, 3], [0, 0, 0, 1]])
+    volume = MetaTensor(torch.rand(1, 20, 24, 1), affine=torch.as_tensor(affine), meta={"original_affine": affine})
+    image = single_slice_as_2d(volume, 2)
+    assert tuple(image.shape) == (1, 20, 24)
+    np.testing.assert_allclose(image.meta["spacing"], [0.2, 0.3])
+    np.testing.assert_allclose(np.asarray(image.affine), np.diag([0.2, 0.3, 1.0]))
+    np.testing.assert_allclose(image.meta["original_affine"], np.diag([0.2, 0.3, 1.0]))
+    assert single_slice_as_2d(volume, 3) is volume
+
+
 def volume_datalist(tmp_path: Path, image: Path, landmarks=None) -> Path:
     item = {"image": str(image), "landmarks": landmarks or [[0.0, 0.0, 0.0], [10.0, 10.0, 10.0]]}
     return write_json(
