@@ -181,6 +181,7 @@ def write(
         warnings.simplefilter("always")
         datalist, extra = read()
         check_images(datalist)
+    caught = [w for w in caught if not issubclass(w.category, DeprecationWarning)]  # libraries' (SWIG), not the data's
     for w in caught:
         print(f"warning: {w.message}")
     datalist = set_template(datalist, template)

@@ -246,14 +246,46 @@ def test_volume_in_the_2d_configuration_is_refused(data2d, tmp_path):
     nib.save(nib.Nifti1Image(np.random.default_rng(0).normal(size=(32, 32, 32)).astype(np.float32), np.eye(4)), volume)
     text = raises(preprocessing(TRAIN, data2d["datalist"], **SMALL), {"image": str(volume)})
     assert f"{volume}: a 3D image (spatial shape [32, 32, 32]), but this configuration expects 2D images" in text
-    assert "one slice" not in text
+    two_slices = tmp_path / "two.nii.gz"
+    nib.save(
+        nib.Nifti1Image(np.random.default_rng(0).normal(size=(40, 32, 2)).astype(np.float32), np.eye(4)), two_slices
+    )
+    text = raises(preprocessing(TRAIN, data2d["datalist"], **SMALL), {"image": str(two_slices)})
+    assert f"{two_slices}: a 3D image (spatial shape [40, 32, 2]), but this configuration expects 2D images" in text
+    # one slice is a 2D image stored as a volume (an X-ray converted to NIfTI): read as 2D, x, y spacing kept
     one_slice = tmp_path / "xray.nii.gz"
     nib.save(
-        nib.Nifti1Image(np.random.default_rng(0).normal(size=(40, 32, 1)).astype(np.float32), np.eye(4)), one_slice
+        nib.Nifti1Image(
+            np.random.default_rng(0).normal(size=(40, 32, 1)).astype(np.float32), np.diag([0.2, 0.3, 5, 1])
+        ),
+        one_slice,
     )
-    text = raises(preprocessing(TRAIN, data2d["datalist"], **SMALL), {"image": str(one_slice)})
-    assert f"{one_slice}: a 3D image (spatial shape [40, 32, 1])" in text
-    assert "it is one slice: a 2D image stored as a volume" in text
+    parser = bundle_parser(TRAIN, ROOT, datalist=str(data2d["datalist"]), **SMALL)
+    image = Compose(parser.get_parsed_content("load_transforms"))({"image": str(one_slice)})["image"]
+    assert tuple(image.shape) == (1, 40, 32) and tuple(image.affine.shape) == (3, 3)
+    np.testing.assert_allclose(np.asarray(image.meta["spacing"], float), [0.2, 0.3])
+    assert tuple(preprocessing(TRAIN, data2d["datalist"], **SMALL)({"image": str(one_slice)})["image"].shape) == (
+        1,
+        64,
+        64,
+    )
+
+
+def test_one_slice_off_the_xy_plane_keeps_its_in_plane_spacing():
+    """A one-slice volume whose slice is a sagittal plane (pixel axes along world y and z): 2D with the spacing of its
+    own pixel axes, an invertible 2D affine (its x, y part of the world is singular)."""
+    from monai.data import MetaTensor
+
+    from bundle.data.images import single_slice_as_2d
+
+    affine = np.array([[0, 0, 3.0, 1], [0.2, 0, 0, 2], [0, 0.3, 0, 3], [0, 0, 0, 1]])
+    volume = MetaTensor(torch.rand(1, 20, 24, 1), affine=torch.as_tensor(affine), meta={"original_affine": affine})
+    image = single_slice_as_2d(volume, 2)
+    assert tuple(image.shape) == (1, 20, 24)
+    np.testing.assert_allclose(image.meta["spacing"], [0.2, 0.3])
+    np.testing.assert_allclose(np.asarray(image.affine), np.diag([0.2, 0.3, 1.0]))
+    np.testing.assert_allclose(image.meta["original_affine"], np.diag([0.2, 0.3, 1.0]))
+    assert single_slice_as_2d(volume, 3) is volume
 
 
 def volume_datalist(tmp_path: Path, image: Path, landmarks=None) -> Path:

@@ -9,12 +9,15 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 import zipfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
-from monai.bundle import ConfigWorkflow, ckpt_export, download, load, verify_metadata, verify_net_in_out
+from monai.bundle import ConfigWorkflow, ckpt_export, download, load, run, verify_metadata, verify_net_in_out
+from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -28,6 +31,7 @@ INFERENCE = str(ROOT / "configs" / "inference.yaml")
 META = ROOT / "configs" / "metadata.json"
 SCHEMA = ROOT / "docs" / "meta_schema_20240725.json"
 TEMPLATE = ROOT / "models" / "template_features.pt"
+HAMEDAN = ROOT.parent / "shared" / "data" / "hamedan_ceph"
 
 
 @pytest.fixture(scope="module")
@@ -132,21 +136,125 @@ def test_standalone_inference_config_has_the_zoo_keys_and_the_inference_properti
     assert workflow.check_properties() == []
 
 
+def _export(path: Path, **override) -> Path:
+    """``network_def`` exported as the zoo's CI does (MONAI's ``ckpt_export``: torch.jit.script, no trace)."""
+    ckpt_export(
+        net_id="network_def",
+        filepath=str(path),
+        ckpt_file=str(ROOT / "models/model.pt"),
+        meta_file=str(META),
+        config_file=INFERENCE,
+        bundle_root=str(ROOT),
+        **override,
+    )
+    return path
+
+
+# A plain-PyTorch user of the exported network: torch, NumPy and PIL only. The image read with PIL, resized to the
+# network grid with PIL, (1, 1, rows, columns) in [0, 1]; the landmarks (x = column, y = row) scaled back to the
+# file's pixels (pixel centres at integers). Prints them as JSON.
+PLAIN_TORCH_USER = """
+import json, sys
+import numpy as np, torch
+from PIL import Image
+
+ts, image, rows, columns = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+picture = Image.open(image).convert("L")
+width, height = picture.size
+grid = np.asarray(picture.resize((columns, rows), Image.Resampling.BOX), dtype=np.float32)  # (rows, columns)
+grid = (grid - grid.min()) / (grid.max() - grid.min())
+network = torch.jit.load(ts).eval()
+with torch.no_grad():
+    points = network(torch.from_numpy(grid)[None, None])[0].double().numpy()
+points = (points + 0.5) * [width / columns, height / rows] - 0.5
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("monai", "bundle"))
+assert not loaded, loaded
+print(json.dumps(points.tolist()))
+"""
+
+
+def _plain_torch_points(ts: Path, image: Path) -> np.ndarray:
+    """The landmarks (x, y) in ``image``'s pixels that :data:`PLAIN_TORCH_USER` gets from the exported network at
+    the grid ``network_data_format`` gives (a fresh process: nothing of MONAI or the bundle imported)."""
+    rows, columns = json.loads(META.read_text())["network_data_format"]["inputs"]["image"]["spatial_shape"]
+    command = [sys.executable, "-c", PLAIN_TORCH_USER, str(ts), str(image), str(rows), str(columns)]
+    done = subprocess.run(command, cwd="/", capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return np.asarray(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def _inferring(image: Path, out: Path, **override) -> np.ndarray:
+    """The bundle's ``inferring`` command on one image: its predictions.csv as ``(L, 2)`` [x, y] pixels."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run(
+            "inferring",
+            config_file=INFERENCE,
+            bundle_root=str(ROOT),
+            images=[str(image)],
+            output_dir=str(out),
+            overlays=False,
+            **override,
+        )
+    return np.asarray([[x, y] for _, x, y in _predictions(out / "predictions.csv")])
+
+
+def _grid_cell(image: Path) -> float:
+    """The larger side, in ``image``'s pixels, of one cell of the network grid."""
+    rows, columns = json.loads(META.read_text())["network_data_format"]["inputs"]["image"]["spatial_shape"]
+    width, height = Image.open(image).size
+    return max(width / columns, height / rows)
+
+
+def _close(distance: np.ndarray, cell: float) -> bool:
+    """Integer grid peaks from a PIL-resized image against ``inferring``'s refined ones: the median within half a
+    grid cell, 90 % within two (a landmark with two near-equal peaks may flip under the other resize)."""
+    return bool(np.median(distance) <= 0.5 * cell and np.mean(distance <= 2 * cell) >= 0.9)
+
+
+def test_exported_network_takes_a_plain_torch_image_synthetic(tmp_path, tiny_datalist):
+    """The exported network fed (1, 1, rows, columns) from PIL, without MONAI, finds what ``inferring`` finds (on a
+    non-square synthetic image, its datalist's template built in) and lands near the true landmarks."""
+    datalist = json.loads(Path(tiny_datalist).read_text())
+    ts = _export(tmp_path / "model.ts", datalist=str(tiny_datalist))
+    for item in datalist["test"]:
+        image = Path(tiny_datalist).parent / item["image"]
+        got = _plain_torch_points(ts, image)
+        expected = _inferring(image, tmp_path / Path(item["image"]).stem, datalist=str(tiny_datalist))
+        cell = _grid_cell(image)
+        distance = np.linalg.norm(got - expected, axis=1)
+        assert _close(distance, cell), distance
+        truth = np.linalg.norm(got - np.asarray(item["landmarks"]), axis=1)
+        assert np.nanmean(truth) < 15, truth  # pixels of a 256 x 288 image; transposed input: ~100
+
+
+@pytest.mark.skipif(not (HAMEDAN / "images" / "050.png").is_file(), reason="shared Hamedan data not available")
+def test_exported_network_takes_a_plain_torch_image_cephalogram(tmp_path):
+    """A real cephalogram: the exported network (shipped weights and built-in templates) fed as plain PyTorch holds
+    the image gives ``inferring``'s landmarks within a grid cell (8.7 px) or two, and the doctors' within tens of
+    pixels."""
+    image = HAMEDAN / "images" / "050.png"
+    got = _plain_torch_points(_export(tmp_path / "model.ts"), image)
+    expected = _inferring(image, tmp_path / "inferring")
+    cell = _grid_cell(image)
+    distance = np.linalg.norm(got - expected, axis=1)
+    assert _close(distance, cell), distance
+    doctors = []
+    for doctor in ("farhadifar", "mollabashi"):
+        shapes = json.loads((HAMEDAN / "annotations" / doctor / "050.json").read_text())["shapes"]
+        points = {s["label"].lower(): s["points"][0] for s in shapes}
+        doctors.append([points[f"l{j + 1}"] for j in range(19)])
+    truth = np.linalg.norm(got - np.mean(doctors, axis=0), axis=1)
+    assert np.mean(truth) < 40 and np.median(truth) < 25, truth  # pixels at 0.12 mm; transposed input: hundreds
+
+
 def test_network_def_verifies_scripts_and_matches_the_python_path(tmp_path, tiny_datalist):
     from bundle.export import TemplateFeatureInferer
 
     verify_net_in_out(
         net_id="network_def", meta_file=str(META), config_file=INFERENCE, device="cpu", bundle_root=str(ROOT)
     )
-    ts = tmp_path / "model.ts"
-    ckpt_export(  # what the zoo's CI does: torch.jit.script (no trace)
-        net_id="network_def",
-        filepath=str(ts),
-        ckpt_file=str(ROOT / "models/model.pt"),
-        meta_file=str(META),
-        config_file=INFERENCE,
-        bundle_root=str(ROOT),
-    )
+    ts = _export(tmp_path / "model.ts")
     exported = torch.jit.load(str(ts))
     parser = bundle_parser("configs/inference.yaml")
     preprocessing = parser.get_parsed_content("preprocessing")
@@ -158,7 +266,7 @@ def test_network_def_verifies_scripts_and_matches_the_python_path(tmp_path, tiny
     inferer = TemplateFeatureInferer(parser.get_parsed_content("template"), refine_radius=0)
     expected = inferer(image, parser.get_parsed_content("encoder").eval()).float()
     with torch.no_grad():
-        got = exported(image)
+        got = exported(image.transpose(2, 3))  # MONAI's [x, y] grid as torch holds an image: (rows, columns)
     assert got.shape == (1, 19, 2) and got.dtype == torch.float32
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
     extra = {"metadata.json": ""}

@@ -819,8 +819,8 @@ def _in_process(tmp_path: Path, scenario: str, *args) -> dict:
 def test_dicomweb_series_gives_the_png_landmarks(tmp_path):
     """A DICOMweb studies URL (MONAI Label's datastore, its transport replaced by local copies: no DICOMweb
     server here, see tests/monailabel_inprocess.py): the app reads the series folder the datastore downloads
-    (MONAI Label's default NIfTI conversion, on in the helper, would make the X-ray a one-slice volume that the
-    2D configuration refuses) and gives the landmarks of the same image as a PNG."""
+    (MONAI Label's default NIfTI conversion, on in the helper, would make the X-ray a one-slice volume without its
+    VOI window and MONOCHROME1 inversion) and gives the landmarks of the same image as a PNG."""
     from bundle.data.embedded import open_datalist
     from bundle.data.synthetic import generate_synthetic_2d
     from tests.test_dicom import dicom_copy

@@ -14,15 +14,20 @@ import nibabel as nib
 import numpy as np
 import pytest
 import SimpleITK as sitk
+from monai.bundle import run
+from monai.transforms import EnsureChannelFirst
 from PIL import Image
 
 from bundle.data.annotations import natural_key
-from bundle.data.datalist import DatalistError, load_datalist
+from bundle.data.datalist import DatalistError, load_datalist, save_datalist
 from bundle.data.hand_csv import hand_datalist, read_landmark_csv
+from bundle.data.images import check_image, load_image
 from bundle.data.isbi2015 import ISBI_2015_LANDMARK_NAMES, isbi2015_datalist, read_isbi_annotation
 from bundle.data.labelme import labelme_datalist, read_labelme_set
 from bundle.data.markups import ControlPoint, write_markups
 from bundle.data.nifti import nifti_datalist
+from bundle.data.synthetic import generate_synthetic_2d
+from tests.test_dicom import read_predictions, same_predictions
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data"
@@ -256,6 +261,72 @@ def test_hand_bad_input(hand_root, tmp_path):
         hand_datalist(tmp_path / "absent")
 
 
+def one_slice_mha(png: Path, path: Path, spacing: list[float]) -> Path:
+    """The PNG as a one-slice MetaImage volume (size columns x rows x 1) with ``spacing`` [x, y] in its header."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    image = sitk.GetImageFromArray(np.asarray(Image.open(png).convert("L"))[None])  # (slice, row, column)
+    image.SetSpacing((spacing[0], spacing[1], 2.5))
+    sitk.WriteImage(image, str(path))
+    return path
+
+
+def evaluate(datalist: Path, out: Path) -> tuple[dict, dict]:
+    """The README's evaluating command on ``datalist`` with the shipped weights: predictions.csv, metrics.json."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run(
+            "evaluating",
+            config_file=[str(REPO / "configs" / f) for f in ("train.yaml", "evaluate.yaml")],
+            bundle_root=str(REPO),
+            datalist=str(datalist),
+            output_dir=str(out),
+            progress_bar=False,
+            overlays=False,
+        )
+    return read_predictions(out / "predictions.csv"), json.loads((out / "metrics.json").read_text())
+
+
+def test_one_slice_mha_is_a_2d_image_with_its_header_spacing(tmp_path):
+    """Hand X-rays stored as one-slice MetaImage volumes: read as 2D with the header's x, y spacing, prepare_data
+    hand writes their datalist and the evaluation gives the landmarks of the same picture as PNG and its mm."""
+    png_list = generate_synthetic_2d(tmp_path / "png", n_training=1, n_validation=0, n_test=2, seed=5)
+    synthetic = load_datalist(png_list)
+    spacing = [0.3, 0.45]  # anisotropic: x and y must not swap
+    items = {Path(it["image"]).stem: it for it in synthetic["training"] + synthetic["test"] + [synthetic["template"]]}
+    hand = tmp_path / "hand"
+    for stem, item in items.items():
+        one_slice_mha(Path(item["image"]), hand / "images" / f"{stem}.mha", spacing)
+    rows = [",".join([stem] + [f"{v:.4f}" for p in item["landmarks"] for v in p]) for stem, item in items.items()]
+    (hand / "all.csv").write_text("\n".join(rows) + "\n")
+
+    png = load_image(str(synthetic["template"]["image"]))  # (columns, rows)
+    image = check_image(EnsureChannelFirst()(load_image(str(hand / "images" / "template.mha"))), 2)
+    assert tuple(image.shape) == (1, *png.shape) and image.affine.shape == (3, 3)
+    np.testing.assert_array_equal(image[0].numpy(), png.numpy())
+    np.testing.assert_allclose(image.meta["spacing"], spacing)
+
+    out = tmp_path / "hand.json"
+    prepare_data.main(["hand", str(hand), str(out), "--template", "template", "--test_fraction", "1.0"])
+    hand_list = load_datalist(out)
+    assert Path(hand_list["template"]["image"]).suffix == ".mha" and len(hand_list["test"]) == 3
+    assert all(it["spacing"] == pytest.approx(spacing) for it in hand_list["test"] + [hand_list["template"]])
+
+    def variant(name: str, item) -> Path:  # the hand datalist with each item changed by ``item``
+        changed = {**hand_list, "test": [item(it) for it in hand_list["test"]], "template": item(hand_list["template"])}
+        return save_datalist(changed, tmp_path / name / "datalist.json")
+
+    as_png = variant("png", lambda it: {**it, "image": str(items[Path(it["image"]).stem]["image"])})
+    no_spacing = variant("header", lambda it: {k: v for k, v in it.items() if k != "spacing"})
+    (mha, mha_metrics), (ref, ref_metrics) = evaluate(out, tmp_path / "mha"), evaluate(as_png, tmp_path / "ref")
+    header, _ = evaluate(no_spacing, tmp_path / "header")  # the mm from the header alone
+    assert len(ref) == 3 * 16 and same_predictions(ref, mha) < 0.01 and same_predictions(ref, header) < 0.01
+    errors = np.array([ref[k][2] for k in sorted(ref)])
+    assert np.isfinite(errors).all() and errors.max() > 0
+    np.testing.assert_allclose([mha[k][2] for k in sorted(ref)], errors, atol=1e-3)
+    np.testing.assert_allclose([header[k][2] for k in sorted(ref)], errors, atol=1e-3)
+    assert mha_metrics["mre_mm"] == pytest.approx(ref_metrics["mre_mm"], abs=1e-3)
+
+
 def write_nifti(path: Path, shape=(10, 12, 8), spacing=(2.0, 1.5, 3.0), origin=(-10.0, -9.0, -12.0)) -> np.ndarray:
     path.parent.mkdir(parents=True, exist_ok=True)
     affine = np.diag(list(spacing) + [1.0])
@@ -447,3 +518,26 @@ def test_hand_real_data_spacing_and_xy_convention():
         assert (xy[:, 1] >= width).any()  # read as (row, column) some points would fall off the image
         cols, rows = np.round(xy).astype(int).T
         assert array[rows, cols].mean() > array.mean() + 30  # landmarks sit on bone, brighter than the mean
+
+
+@pytest.mark.skipif(not HAND.is_dir(), reason="real hand data not available")
+def test_hand_real_data_prepare_and_evaluate(tmp_path):
+    """The README's hand example on the 9 real radiographs (one-slice MetaImage): a datalist, then an evaluation
+    whose mm errors are each image's pixel errors times its header spacing."""
+    out = tmp_path / "hand_xray" / "datalist.json"
+    prepare_data.main(["hand", str(HAND), str(out), "--test_fraction", "0.5"])
+    datalist = load_datalist(out)
+    assert len(datalist["training"]) == 5 and len(datalist["test"]) == 4
+    predictions, metrics = evaluate(out, tmp_path / "eval")
+    assert metrics["n_images"] == 4 and len(predictions) == 4 * 37
+    for item in datalist["test"]:
+        image = sitk.ReadImage(item["image"])
+        assert item["spacing"] == pytest.approx(image.GetSpacing()[:2])
+        stem = Path(item["image"]).stem
+        for name, truth in zip(datalist["landmark_names"], item["landmarks"]):
+            x, y, error_mm = predictions[(stem, name)]
+            pixels = np.asarray([x, y]) - truth
+            assert error_mm == pytest.approx(float(np.linalg.norm(pixels * item["spacing"])), abs=1e-3)
+    # the shipped (cephalogram) weights on hands: most landmarks within a few mm, not hundreds of pixels off
+    assert 0.108 <= metrics["mre_mm"] / metrics["mre_px"] <= 0.166
+    assert metrics["sdr"]["4.0"] > 50 and metrics["mre_mm"] < 20

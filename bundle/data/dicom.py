@@ -277,9 +277,7 @@ class XRayDicomd(MapTransform):
 
         meta = dict(image.meta)
         spacing = header_spacing(tags, where)
-        affine = np.asarray(image.affine, dtype=np.float64)
-        keep = [0, 1, affine.shape[0] - 1]
-        affine2d = affine[np.ix_(keep, keep)]
+        affine2d = plane_affine(image.affine)
         if spacing is not None:  # ITK's column lengths are not the header's: rescale the direction columns
             lengths = np.linalg.norm(affine2d[:2, :2], axis=0)
             affine2d[:2, :2] = affine2d[:2, :2] / np.where(lengths > 0, lengths, 1.0) * np.asarray(spacing)
@@ -300,6 +298,13 @@ class XRayDicomd(MapTransform):
 
 
 # ---- datalists from DICOM files and series ----
+
+
+def plane_affine(affine) -> np.ndarray:
+    """The ``(3, 3)`` x, y part of a homogeneous ``(4, 4)`` affine (the slice axis dropped)."""
+    affine = np.asarray(affine, dtype=np.float64)
+    keep = [0, 1, affine.shape[0] - 1]
+    return affine[np.ix_(keep, keep)]
 
 
 def read_header(path: str | Path) -> dict[str, str]:

@@ -3,10 +3,12 @@ images read for analysis outside the training pipeline (augmentation estimates, 
 
 ``LoadImaged`` is MONAI's, except that a file that cannot be read (truncated, not an image, no reader)
 raises :class:`ImageError` naming it. ``CheckImaged`` follows ``EnsureChannelFirstd`` in every
-``load_transforms`` and refuses, naming the file, an image of the wrong dimensionality (a volume given to
-the 2D configuration, a 2D picture given to the 3D one), one smaller than ``min_size`` along an axis and
-one holding NaN or infinite values; it warns, naming the file, about a constant image (nothing to match:
-its predictions are meaningless).
+``load_transforms``; in the 2D configuration it first makes a one-slice volume (a 2D X-ray stored as MetaImage,
+NRRD or NIfTI: ``(C, X, Y, 1)``) the 2D image ``(C, X, Y)`` with the header's x, y spacing
+(:func:`single_slice_as_2d`, the one place where that happens). It refuses, naming the file, an image of the
+wrong dimensionality (a volume of several slices given to the 2D configuration, a 2D picture given to the 3D
+one), one smaller than ``min_size`` along an axis and one holding NaN or infinite values; it warns, naming the
+file, about a constant image (nothing to match: its predictions are meaningless).
 """
 
 from __future__ import annotations
@@ -19,12 +21,12 @@ from typing import Any, Hashable, Mapping
 import numpy as np
 import torch
 from monai.config import KeysCollection
-from monai.data import PILReader
+from monai.data import MetaTensor, PILReader
 from monai.transforms import EnsureChannelFirst, MapTransform, ScaleIntensity
 from monai.transforms import LoadImage as _LoadImage
 from monai.transforms import LoadImaged as _LoadImaged
 
-from bundle.data.dicom import XRayDicomd
+from bundle.data.dicom import XRayDicomd, plane_affine
 
 # an image smaller than this along an axis is refused (2D: the coarsest output stride, 16; 3D: raw voxels before
 # resampling, where a single slice is no volume)
@@ -107,13 +109,45 @@ def load_image(path: str, **kwargs: Any):
         raise _read_error([path], e) from e
 
 
+def single_slice_as_2d(image, spatial_dims: int):
+    """A channel-first one-slice volume ``(C, X, Y, 1)`` as the 2D image ``(C, X, Y)`` when ``spatial_dims`` is 2:
+    affine and ``original_affine`` keep their x, y part, the meta ``spacing`` becomes the x, y voxel size of the
+    file's affine (the datalist's ``[x, y]`` = column, row; any reader). Any other image, and every image when
+    ``spatial_dims`` is 3, is returned as is."""
+    shape = tuple(int(s) for s in image.shape[1:])
+    if spatial_dims != 2 or len(shape) != 3 or shape[2] != 1:
+        return image
+    if not isinstance(image, MetaTensor):
+        return image[..., 0]
+    meta = dict(image.meta)
+    meta.pop("affine", None)
+    original = meta.get("original_affine")
+    spacing = np.linalg.norm(np.asarray(original if original is not None else image.affine, float)[:-1, :2], axis=0)
+    if original is not None:
+        meta["original_affine"] = _plane(original, spacing)
+    meta["spacing"] = spacing
+    meta["spatial_shape"] = np.asarray(shape[:2])
+    return MetaTensor(image.as_tensor()[..., 0], affine=torch.as_tensor(_plane(image.affine, spacing)), meta=meta)
+
+
+def _plane(affine, spacing: np.ndarray) -> np.ndarray:
+    """The in-plane ``(3, 3)`` affine of a one-slice volume's ``(4, 4)`` one; where the slice is not an x-y plane
+    of the world (its x, y part is singular), the pixel grid scaled by ``spacing`` instead."""
+    plane = plane_affine(affine)
+    if abs(np.linalg.det(plane[:2, :2])) > 1e-12:
+        return plane
+    return np.diag(np.append(spacing, 1.0))
+
+
 def check_image(
     image, spatial_dims: int, min_size: int | None = None, name: str | None = None, warn_constant: bool = True
-) -> None:
-    """Refuse (:class:`ImageError`) a channel-first ``image`` that is not ``spatial_dims``-D, smaller than
-    ``min_size`` (default :data:`MIN_IMAGE_SIZE`) along an axis, or not finite; warn about a constant one
-    (unless ``warn_constant`` is false)."""
+):
+    """``image`` (channel-first) made 2D if it is a one-slice volume in 2D (:func:`single_slice_as_2d`), then refused
+    (:class:`ImageError`) if it is not ``spatial_dims``-D, smaller than ``min_size`` (default
+    :data:`MIN_IMAGE_SIZE`) along an axis, or not finite; a constant one is warned about (unless ``warn_constant``
+    is false). Returns the (possibly 2D-made) image."""
     name = name or image_name(image)
+    image = single_slice_as_2d(image, spatial_dims)
     shape = tuple(int(s) for s in image.shape[1:])
     if len(shape) != spatial_dims:
         hint = {
@@ -124,11 +158,6 @@ def check_image(
             "and configs/evaluate_3d.yaml to evaluate)",
             (2, 3): "; 2D images need the 2D configuration (configs/train.yaml without configs/train_3d.yaml)",
         }.get((len(shape), spatial_dims), "")
-        if (len(shape), spatial_dims) == (3, 2) and shape[2] == 1:
-            hint = (
-                "; it is one slice: a 2D image stored as a volume (an X-ray converted to NIfTI, say) is not read as "
-                "2D, give the 2D file itself (DICOM, PNG, ...)"
-            )
         raise ImageError(
             f"{name}: a {len(shape)}D image (spatial shape {list(shape)}), but this configuration expects "
             f"{spatial_dims}D images (spatial_dims: {spatial_dims}){hint}"
@@ -149,7 +178,7 @@ def check_image(
                 "the image cannot be used (fix or re-export it)"
             )
     if not warn_constant:
-        return
+        return image
     lo, hi = values.min(), values.max()
     if bool(lo == hi):
         warnings.warn(
@@ -157,10 +186,12 @@ def check_image(
             "predicted on it (and errors measured on it) are meaningless",
             stacklevel=2,
         )
+    return image
 
 
 class CheckImaged(MapTransform):
-    """:func:`check_image` on each key of a loaded, channel-first item (place it right after ``EnsureChannelFirstd``).
+    """:func:`check_image` on each key of a loaded, channel-first item (place it right after ``EnsureChannelFirstd``):
+    a one-slice volume becomes 2D in the 2D configuration, an unusable image is refused.
 
     Args:
         keys: the image key(s).
@@ -180,7 +211,7 @@ class CheckImaged(MapTransform):
     def __call__(self, data: Mapping[Hashable, Any]) -> dict:
         d = dict(data)
         for key in self.key_iterator(d):
-            check_image(d[key], self.spatial_dims, self.min_size)
+            d[key] = check_image(d[key], self.spatial_dims, self.min_size)
         return d
 
 
@@ -188,12 +219,12 @@ def load_grey(path: str, spatial_dims: int) -> tuple[np.ndarray, np.ndarray]:
     """Image as a spatial float array in [0, 1] (channels averaged; 2D indexed ``[x, y]``) and its voxel-to-world
     affine.
 
-    A DICOM X-ray is made 2D (header spacing, VOI window, MONOCHROME2) as in the pipeline's ``load_transforms``.
+    A DICOM X-ray or a one-slice volume is made 2D as in the pipeline's ``load_transforms``.
     An unreadable file or an image of another dimensionality raises :class:`ImageError` naming the file."""
     img = load_image(path)
     if spatial_dims == 2:
         img = XRayDicomd(keys="image")({"image": img})["image"]
-    img = EnsureChannelFirst()(img)
+    img = single_slice_as_2d(EnsureChannelFirst()(img), spatial_dims)
     if img.ndim - 1 != spatial_dims:
         raise ImageError(f"{path}: expected a {spatial_dims}D image, LoadImage gave shape {tuple(img.shape)}")
     grey = ScaleIntensity(minv=0.0, maxv=1.0)(img.float().mean(0, keepdim=True))

@@ -3,6 +3,12 @@
 :class:`LandmarkPointsNet` is the ``network_def`` of ``configs/inference.yaml``: the contrastive network followed
 by one-shot matching against a template feature file (:mod:`bundle.export`), TorchScript-scriptable;
 :func:`bundle.kshot.geometric_median` combines its templates' peaks.
+
+Axis order at its boundary: a 2D image comes in as a plain PyTorch / PIL / NumPy user holds it,
+``(B, 1, rows, columns)``, and each landmark goes out as ``(x, y)`` = (column, row) on that grid, the
+datalist's convention. Inside, the bundle works on MONAI's ``[x, y]`` grid (its readers index a 2D image
+(column, row)), so :meth:`LandmarkPointsNet.forward` transposes the two image axes on the way in, and nowhere
+else. A 3D volume is ``(B, 1, X, Y, Z)`` as MONAI and nibabel index it, unchanged.
 """
 
 from __future__ import annotations
@@ -20,7 +26,8 @@ __all__ = ["LandmarkPointsNet"]
 
 
 class LandmarkPointsNet(torch.nn.Module):
-    """Export network: image ``(B, 1, *S)`` -> landmark positions ``(B, L, D)`` (float32) on the input grid.
+    """Export network: image ``(B, 1, rows, columns)`` (3D: ``(B, 1, X, Y, Z)``) -> landmark positions ``(B, L, D)``
+    (float32) on the input grid, 2D ``(x, y)`` = (column, row).
 
     The contrastive network with one-shot matching against built-in template features (a template feature
     dict or file, see :mod:`bundle.export`): per template and landmark, the product over scales of
@@ -56,6 +63,9 @@ class LandmarkPointsNet(torch.nn.Module):
         return self.network.load_state_dict(state_dict, strict=strict, assign=assign)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Landmark positions of image ``x`` (see the class doc for the axis order)."""
+        if x.dim() == 4:  # (B, 1, rows, columns) -> MONAI's (B, 1, columns, rows): peaks come out (column, row)
+            x = x.transpose(2, 3)
         features = self.network(x)
         grid = [int(s) for s in x.shape[2:]]
         mode = "bilinear" if len(grid) == 2 else "trilinear"
