@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 from monai.bundle import ConfigParser
 from monai.utils import set_determinism
@@ -33,7 +34,23 @@ def bundle_parser(
     return parser
 
 
-def check_image_size(image_size: Any, spatial_dims: int, divisor: int = 16) -> list[int]:
+def check_crop_size(crop_size: Any, image_size: Any, spatial_dims: int, batch_size: int, stride: int = 16) -> list[int]:
+    """``crop_size`` checked as :func:`check_image_size` does (naming ``crop_size``), no larger than ``image_size``,
+    and large enough that a batch's coarsest crop features hold more than one value per channel (BatchNorm of
+    the light encoder fails on one: ``crop_size`` 16 with ``batch_size`` 1, say)."""
+    crop = check_image_size(crop_size, spatial_dims, stride, key="crop_size")
+    image = check_image_size(image_size, spatial_dims, stride)
+    if any(c > i for c, i in zip(crop, image)):
+        raise ValueError(f"crop_size: {crop} is larger than image_size {image} along an axis")
+    if int(batch_size) * int(np.prod([c // stride for c in crop])) < 2:
+        raise ValueError(
+            f"crop_size: {crop} with batch_size {batch_size} gives one coarsest feature per channel (stride "
+            f"{stride}), too few to normalise: use a larger crop_size or batch_size"
+        )
+    return crop
+
+
+def check_image_size(image_size: Any, spatial_dims: int, divisor: int = 16, key: str = "image_size") -> list[int]:
     """``image_size`` as a list of ints, refused (``ValueError`` naming the key and the value) unless it holds
     ``spatial_dims`` positive integers, each divisible by ``divisor`` (both encoders downsample 4 times: 16).
 
@@ -48,7 +65,7 @@ def check_image_size(image_size: Any, spatial_dims: int, divisor: int = 16) -> l
     ):
         need = f", each divisible by {divisor} (the encoder's deepest stride)" if divisor > 1 else ""
         raise ValueError(
-            f"image_size: expected {spatial_dims} positive integers (the network grid){need}, got {image_size!r}"
+            f"{key}: expected {spatial_dims} positive integers (the network grid){need}, got {image_size!r}"
         )
     return [int(v) for v in values]
 

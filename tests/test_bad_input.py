@@ -384,6 +384,19 @@ def test_numbers_out_of_range_are_refused_naming_the_key(key, value, part, expec
     assert expected in raises(bundle_parser(TRAIN, ROOT, **{key: value}).get_parsed_content, part)
 
 
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (dict(crop_size=[16, 16], batch_size=1), "crop_size: [16, 16] with batch_size 1 gives one coarsest feature"),
+        (dict(crop_size=[20, 20]), "crop_size: expected 2 positive integers (the network grid), each divisible by 16"),
+        (dict(crop_size=[256, 256]), "crop_size: [256, 256] is larger than image_size [192, 192]"),
+    ],
+)
+def test_crop_sizes_the_network_cannot_train_on_are_refused_naming_the_key(overrides, expected):
+    """(crop_size 16 with batch_size 1 failed in BatchNorm, naming neither key.)"""
+    assert expected in raises(bundle_parser(TRAIN, ROOT, **overrides).get_parsed_content, "train#view_pair_transforms")
+
+
 def test_unknown_template_rule_is_refused_with_built_in_templates():
     parser = bundle_parser(["configs/inference.yaml"], ROOT, template_rule="nearest")
     text = raises(parser.get_parsed_content, "template")
