@@ -7,6 +7,7 @@ hidden temporary that is renamed into place (:func:`save_atomically`); :func:`re
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -102,8 +103,15 @@ def save_atomically(checkpoint: Mapping, path: str | Path, save=torch.save) -> N
     (:func:`bundle.io_utils.atomic_path`): a killed write leaves the previous checkpoint whole, and its leftover
     temporary is removed by the next save. Tensors are saved on the CPU, so that a checkpoint written on a GPU
     loads (``torch.load``, MONAI's ``ckpt_export``) on a machine without one."""
-    with atomic_path(path, keep_suffix=False) as tmp:
-        save(to_cpu(checkpoint), tmp)
+    try:
+        with atomic_path(path, keep_suffix=False) as tmp:
+            save(to_cpu(checkpoint), tmp)
+    except (OSError, RuntimeError) as e:  # a full disk reaches torch.save as "unexpected pos ..."
+        free = shutil.disk_usage(Path(path).parent).free if Path(path).parent.is_dir() else None
+        space = f"; {free / 2**20:.0f} MiB free there" if free is not None else ""
+        raise CheckpointError(
+            f"cannot write checkpoint {path} (the previous one, if any, is kept){space}: {type(e).__name__}: {e}"
+        ) from e
 
 
 def resume_path(ckpt_dir: str | Path, resume: bool | str, filename: str = "last.pt") -> str | None:

@@ -8,6 +8,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -512,6 +513,20 @@ def test_checkpoint_writes_go_through_unique_temporaries_and_ignore_killed_lefto
 
     with pytest.raises(KeyboardInterrupt):
         save_atomically({"x": torch.zeros(1)}, models / "last.pt", save=broken)
+    assert (models / "last.pt").read_bytes() == before
+    assert sorted(p.name for p in models.iterdir()) == ["last.pt", "tmpq1w2e3r4"]
+
+    # a full disk: torch.save's "unexpected pos" becomes an error naming the file, the previous one kept
+    def full(obj, path):
+        Path(path).write_bytes(b"part")
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 576 vs 490")
+
+    with pytest.raises(
+        CheckpointError,
+        match=rf"cannot write checkpoint {re.escape(str(models / 'last.pt'))} \(the "
+        r"previous one, if any, is kept\); \d+ MiB free there: RuntimeError: .*unexpected pos",
+    ):
+        save_atomically({"x": torch.zeros(1)}, models / "last.pt", save=full)
     assert (models / "last.pt").read_bytes() == before
     assert sorted(p.name for p in models.iterdir()) == ["last.pt", "tmpq1w2e3r4"]
 
