@@ -137,14 +137,23 @@ class StagedOutputs:
         self._folder: Path | None = None
 
     @property
+    def base(self) -> Path:
+        """Where the staging and set-aside folders go: beside ``output_dir``, or inside it when it is on another
+        file system than its parent (a mount point, a link to another disk), where a rename could not reach it."""
+        parent = self.output_dir.parent
+        parent.mkdir(parents=True, exist_ok=True)
+        if self.output_dir.is_dir() and os.stat(self.output_dir).st_dev != os.stat(parent).st_dev:
+            return self.output_dir
+        return parent
+
+    @property
     def folder(self) -> Path:
         """The staging folder, created on first use."""
         if self._folder is None:
-            parent = self.output_dir.parent
-            parent.mkdir(parents=True, exist_ok=True)
-            remove_stale_temporaries(self.output_dir, self.MARKER)
+            base = self.base
+            remove_stale_temporaries(base / self.output_dir.name, self.MARKER)
             self._folder = Path(
-                tempfile.mkdtemp(prefix=_temp_prefix(self.output_dir.name), suffix=self.MARKER, dir=parent)
+                tempfile.mkdtemp(prefix=_temp_prefix(self.output_dir.name), suffix=self.MARKER, dir=base)
             )
             _ACTIVE_STAGING.add(self._folder)
         return self._folder
@@ -180,9 +189,7 @@ class StagedOutputs:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         new = sorted(str(p.relative_to(staged)) for p in staged.rglob("*") if p.is_file())
         replaced = [self.output_dir / f for f in sorted(set(self.previous_outputs()) | set(new))]
-        trash = Path(
-            tempfile.mkdtemp(prefix=_temp_prefix(self.output_dir.name), suffix=self.MARKER, dir=self.output_dir.parent)
-        )
+        trash = Path(tempfile.mkdtemp(prefix=_temp_prefix(self.output_dir.name), suffix=self.MARKER, dir=staged.parent))
         try:
             for i, p in enumerate(replaced):
                 if p.is_file() or p.is_symlink():

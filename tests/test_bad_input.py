@@ -9,8 +9,10 @@ import io
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import nibabel as nib
@@ -577,6 +579,22 @@ def test_an_evaluation_replaces_only_the_files_runs_write(data2d, tmp_path):
     runs = sorted(k for k in after if k.startswith("overlays/") and k != "overlays/my_figure.png")
     assert runs == ["overlays/test_001.png"] and json.loads(after["metrics.json"])["n_images"] == 1
     assert staging_leftovers(out) == []
+
+
+def test_an_output_folder_on_another_file_system_gets_its_report(data2d, tmp_path):
+    """An output folder linked to (or mounted from) another disk: the report is staged on that disk, where the
+    final renames can reach it (they failed with a cross-device error after the whole evaluation)."""
+    other = Path(tempfile.mkdtemp(dir="/dev/shm")) if Path("/dev/shm").is_dir() else None
+    if other is None or os.stat(other).st_dev == os.stat(tmp_path).st_dev:
+        pytest.skip("no second file system here")
+    try:
+        (tmp_path / "eval").symlink_to(other, target_is_directory=True)
+        evaluate(data2d["datalist"], tmp_path / "eval", data2d["ckpt"])
+        assert {"metrics.json", "predictions.csv", "sdr_curve.png"} <= {p.name for p in other.iterdir()}
+        assert not [p.name for p in other.iterdir() if p.name.endswith(".staging")]
+        assert staging_leftovers(tmp_path / "eval") == []
+    finally:
+        shutil.rmtree(other, ignore_errors=True)
 
 
 def test_template_without_landmarks_fails_before_inference_leaving_outputs(data2d, tmp_path):
