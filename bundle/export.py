@@ -27,7 +27,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import warnings
 from pathlib import Path
 from typing import Any, Hashable, Mapping, Sequence
 
@@ -101,7 +100,8 @@ def bundle_path(path: str | os.PathLike) -> Path:
 
 
 def load_template(path: str | os.PathLike, checkpoint: str | os.PathLike | None = None) -> dict:
-    """Read a template feature file; warn when ``checkpoint`` is not the weights that computed its features."""
+    """Read a template feature file; refuse it (``ValueError`` naming both files) when ``checkpoint`` is not the
+    weights that computed its features: every match would be wrong."""
     path = bundle_path(path)
     if checkpoint is not None:
         checkpoint = bundle_path(checkpoint)
@@ -110,10 +110,10 @@ def load_template(path: str | os.PathLike, checkpoint: str | os.PathLike | None 
     template = check_template(torch.load(path, map_location="cpu", weights_only=True), str(path))
     expected = template.get("checkpoint_sha256")
     if checkpoint is not None and expected and Path(checkpoint).is_file() and file_sha256(checkpoint) != expected:
-        warnings.warn(
-            f"{path} holds template features computed with other weights than {checkpoint}: the matches will be wrong; "
-            "rebuild it with scripts/build_template.py for these weights",
-            stacklevel=2,
+        raise ValueError(
+            f"{path} holds template features computed with other weights than {checkpoint}: the matches would be "
+            "wrong; give the templates' images instead (--datalist) or rebuild the features for these weights with "
+            "scripts/build_template.py"
         )
     return template
 

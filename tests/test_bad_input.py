@@ -597,6 +597,23 @@ def test_an_output_folder_on_another_file_system_gets_its_report(data2d, tmp_pat
         shutil.rmtree(other, ignore_errors=True)
 
 
+def test_built_in_template_features_of_other_weights_are_refused(data2d, tmp_path):
+    """The shipped template features with another checkpoint: every match would be wrong (it only warned)."""
+    png = str(data2d["datalist"].parent / data2d["content"]["test"][0]["image"])
+    text = raises(
+        run,
+        "inferring",
+        config_file=str(ROOT / "configs/inference.yaml"),
+        bundle_root=str(ROOT),
+        images=[png],
+        output_dir=str(tmp_path / "out"),
+        ckpt_path=str(data2d["ckpt"]),
+    )
+    assert "template_features.pt holds template features computed with other weights than" in text
+    assert str(data2d["ckpt"]) in text and "--datalist" in text
+    assert not (tmp_path / "out").exists()
+
+
 def test_template_without_landmarks_fails_before_inference_leaving_outputs(data2d, tmp_path):
     out = tmp_path / "inference"
     out.mkdir()
