@@ -150,20 +150,30 @@ def annotator_summary(dataset: MultiAnnotatorSet) -> list[str]:
 
 def check_images(datalist: dict) -> None:
     """Read every image of ``datalist`` as the pipeline does; a file that is unreadable (truncated, not an
-    image), of another dimensionality than ``spatial_dims`` or not finite is refused, naming it, and nothing is
-    written (size and constant images are left to the pipeline's checks)."""
+    image), of another dimensionality than ``spatial_dims`` or not finite is refused, naming it, and so is a 2D
+    landmark outside its image; nothing is then written (size and constant images are left to the pipeline's
+    checks)."""
     items = [it for section in SECTIONS for it in datalist.get(section) or []]
     items += [datalist["template"]] if datalist.get("template") else []
     items += list(datalist.get("templates") or [])
-    problems = []
+    problems, shapes = [], {}
     for image in dict.fromkeys(str(it["image"]) for it in items):
         try:
-            check_image_file(image, datalist["spatial_dims"], min_size=1, warn_constant=False)
+            shapes[image] = check_image_file(image, datalist["spatial_dims"], min_size=1, warn_constant=False)
         except ImageError as e:
             problems.append(str(e))
+    if datalist["spatial_dims"] == 2:  # 2D landmarks are pixels of the file (3D ones are world mm)
+        names = datalist["landmark_names"]
+        for it in items:
+            size = shapes.get(str(it["image"]))
+            for name, point in zip(names, it.get("landmarks") or []) if size else []:
+                if point is not None and not all(-0.5 <= v <= n - 0.5 for v, n in zip(point, size)):
+                    problems.append(
+                        f"{it['image']}: landmark {name} at {point} lies outside the {size[0]} x {size[1]} image"
+                    )
     if problems:
         shown = "\n  ".join(problems[:10]) + (f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else "")
-        raise ValueError(f"{len(problems)} image(s) cannot be used; no datalist written:\n  {shown}")
+        raise ValueError(f"{len(problems)} image(s) or landmark(s) cannot be used; no datalist written:\n  {shown}")
 
 
 def write(

@@ -659,10 +659,30 @@ def test_prepare_data_refuses_a_truncated_png(tmp_path, capsys):
         prepare_data.main(["hand", str(root), str(out), "--spacing", "[0.1,0.1]"])
     err = capsys.readouterr().err
     assert (
-        "1 image(s) cannot be used; no datalist written" in err
+        "1 image(s) or landmark(s) cannot be used; no datalist written" in err
         and f"cannot read image {root / 'images' / '2.png'}" in err
     )
     assert "image file is truncated" in err and not out.exists()
+
+
+def test_prepare_data_refuses_a_landmark_outside_its_image(tmp_path, capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("prepare_data", ROOT / "scripts" / "prepare_data.py")
+    prepare_data = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prepare_data)
+    root = tmp_path / "hand"
+    (root / "images").mkdir(parents=True)
+    for i in (1, 2):
+        Image.fromarray(np.full((40, 30), 9 * i, dtype=np.uint8)).save(root / "images" / f"{i}.png")
+    (root / "all.csv").write_text("1,3,4\n2,29.5,39.5\n")  # image 2's landmark on its last pixel centre: inside
+    prepare_data.main(["hand", str(root), str(tmp_path / "ok.json"), "--spacing", "[0.1,0.1]"])
+    (root / "all.csv").write_text("1,3,4\n2,300,4\n")
+    with pytest.raises(SystemExit):
+        prepare_data.main(["hand", str(root), str(tmp_path / "bad.json"), "--spacing", "[0.1,0.1]"])
+    err = capsys.readouterr().err
+    assert f"{root / 'images' / '2.png'}: landmark" in err and "at [300.0, 4.0] lies outside the 30 x 40 image" in err
+    assert not (tmp_path / "bad.json").exists()
 
 
 # ---------------------------------------------------------------- the command line: the cause is the last line

@@ -231,10 +231,13 @@ def load_grey(path: str, spatial_dims: int) -> tuple[np.ndarray, np.ndarray]:
     return grey[0].numpy().astype(np.float64), np.asarray(img.affine, dtype=np.float64)
 
 
-def check_image_file(path: str, spatial_dims: int, min_size: int | None = None, warn_constant: bool = True) -> None:
+def check_image_file(
+    path: str, spatial_dims: int, min_size: int | None = None, warn_constant: bool = True
+) -> tuple[int, ...]:
     """Read ``path`` as the pipeline does and :func:`check_image` it (for datalist writers: a file that the
-    training would refuse is refused before it enters a datalist)."""
+    training would refuse is refused before it enters a datalist); return its spatial shape (x, y[, z])."""
     img = load_image(path)
     if spatial_dims == 2:
         img = XRayDicomd(keys="image")({"image": img})["image"]
-    check_image(EnsureChannelFirst()(img), spatial_dims, min_size, name=str(path), warn_constant=warn_constant)
+    img = check_image(EnsureChannelFirst()(img), spatial_dims, min_size, name=str(path), warn_constant=warn_constant)
+    return tuple(int(n) for n in img.shape[1:])
