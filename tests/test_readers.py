@@ -44,7 +44,7 @@ def has_warning(record, *parts: str) -> bool:
     return any(all(p in m for p in parts) for m in messages(record))
 
 
-def write_image(path: Path, size=(8, 6)) -> None:
+def write_image(path: Path, size=(80, 80)) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     Image.fromarray(np.zeros(size[::-1], dtype=np.uint8)).save(path)
 
