@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
 
 pytestmark = pytest.mark.slow  # a MONAI Label server per module, trainings through it
 ROOT = Path(__file__).resolve().parents[1]
@@ -934,3 +935,16 @@ def test_ct_volumes_are_served_with_the_3d_configs(tmp_path):
     detector = result["detector"]
     assert detector["predictor"] == "detector" and detector["templates"] == []
     assert all(np.isfinite(detector["landmarks"][name]).all() for name in names)
+
+
+def test_a_giant_picture_is_refused_before_it_is_decoded(server, tmp_path):
+    """A 12000 x 12000 blank PNG (140 kB on disk, 0.6 GB of floats decoded) is refused 422 naming it; the studies
+    folder is unchanged."""
+    giant = tmp_path / "giant.png"
+    Image.new("L", (12000, 12000)).save(giant)
+    before = _tree(server["studies"])
+    url = f"{server['base']}/datastore/image?image=giant"
+    reply, status = _request(url, *_multipart("file", giant, "giant.png"), method="PUT")
+    assert status == 422, (status, reply)
+    assert "12000 x 12000 pixels, more than the 50,000,000" in reply["detail"], reply
+    assert _tree(server["studies"]) == before

@@ -25,6 +25,7 @@ from monai.data import MetaTensor, PILReader
 from monai.transforms import EnsureChannelFirst, MapTransform, ScaleIntensity
 from monai.transforms import LoadImage as _LoadImage
 from monai.transforms import LoadImaged as _LoadImaged
+from PIL import Image as PILImage
 
 from bundle.data.dicom import XRayDicomd, plane_affine
 
@@ -83,6 +84,28 @@ def _readers(kwargs: dict) -> dict:
     return kwargs if kwargs.get("reader") is not None else {**kwargs, "reader": PILReader(converter=pil_as_displayed)}
 
 
+# a 2D picture (PNG, JPEG, BMP, TIFF) of more pixels than this is refused from its header, before it is decoded:
+# radiographs have at most some 20 million; a 12000 x 12000 blank PNG decodes to 0.6 GB of floats
+MAX_PICTURE_PIXELS = 50_000_000
+
+
+def check_picture_size(path: Any, max_pixels: int = MAX_PICTURE_PIXELS) -> None:
+    """Refuse (:class:`ImageError`) a picture file whose header gives more than ``max_pixels`` pixels; files that
+    PIL cannot open (DICOM, NIfTI, MetaImage) are left to their readers."""
+    if not isinstance(path, (str, os.PathLike)) or not Path(path).is_file():
+        return
+    try:
+        with PILImage.open(path) as picture:
+            width, height = picture.size
+    except Exception:
+        return
+    if width * height > max_pixels:
+        raise ImageError(
+            f"{path}: {width} x {height} pixels, more than the {max_pixels:,} an X-ray picture may have "
+            "(refused before decoding it)"
+        )
+
+
 class LoadImaged(_LoadImaged):
     """MONAI's ``LoadImaged``; a file it cannot read raises :class:`ImageError` naming the file. PNG, JPEG and BMP
     files are read as a viewer shows them (:func:`pil_as_displayed`)."""
@@ -91,6 +114,8 @@ class LoadImaged(_LoadImaged):
         super().__init__(keys, *args, **_readers({**kwargs, "reader": reader}))
 
     def __call__(self, data, reader=None):
+        for key in self.key_iterator(dict(data)) if isinstance(data, Mapping) else []:
+            check_picture_size(data[key])
         try:
             return super().__call__(data, reader)
         except ImageError:
@@ -103,6 +128,7 @@ class LoadImaged(_LoadImaged):
 def load_image(path: str, **kwargs: Any):
     """``monai.transforms.LoadImage(image_only=True, **kwargs)(path)``; an unreadable file raises
     :class:`ImageError`."""
+    check_picture_size(path)
     try:
         return _LoadImage(image_only=True, **_readers(kwargs))(path)
     except Exception as e:
