@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from monai.bundle import ConfigWorkflow, ckpt_export, download, load, verify_metadata, verify_net_in_out
+from monai.bundle import ConfigWorkflow, ckpt_export, download, verify_metadata, verify_net_in_out
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -283,14 +283,20 @@ def test_zip_downloads_through_monai_and_runs_inference_from_the_unpacked_copy(t
     assert outputs["zip"] == outputs["repo"]
     assert not (unpacked / "data").exists()  # nothing was generated or downloaded
 
-    # monai.bundle.load builds the networks from the JSON configs and loads the weights
-    sys.path.insert(0, str(unpacked))
-    try:
-        for workflow_type, target in (("inference", "LandmarkPointsNet"), ("train", "ContrastiveLandmarkNet")):
-            net = load(name=packaging.DEFAULT_NAME, bundle_dir=str(bundles), workflow_type=workflow_type, device="cpu")
-            assert type(net).__name__ == target
-    finally:
-        sys.path.remove(str(unpacked))
+    # monai.bundle.load, in a fresh Python in the downloaded bundle's folder with no path of ours, builds the
+    # networks from the JSON configs and loads the weights
+    code = (
+        "import sys; from monai.bundle import load\n"
+        "for t in ('inference', 'train'):\n"
+        "    net = load(sys.argv[1], bundle_dir=sys.argv[2], source='github', workflow_type=t, device='cpu')\n"
+        "    print(t, type(net).__name__)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    command = [sys.executable, "-c", code, packaging.DEFAULT_NAME, str(bundles)]
+    done = subprocess.run(command, cwd=unpacked, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    loaded = [line for line in done.stdout.splitlines() if line.startswith(("inference ", "train "))]
+    assert loaded == ["inference LandmarkPointsNet", "train ContrastiveLandmarkNet"]
 
 
 @pytest.mark.skipif(
