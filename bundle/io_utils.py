@@ -34,7 +34,7 @@ def _process_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except (PermissionError, OSError):
+    except OSError:  # PermissionError included: the process exists, owned by another user
         return True
     return True
 

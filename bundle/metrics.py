@@ -42,10 +42,7 @@ def success_detection_rate(errors_mm, threshold: float) -> float:
 
 
 def summarize_errors(
-    errors_mm,
-    errors_px,
-    thresholds: Sequence[float] = DEFAULT_THRESHOLDS,
-    landmark_names: Sequence[str] | None = None,
+    errors_mm, errors_px, thresholds: Sequence[float] = DEFAULT_THRESHOLDS, landmark_names: Sequence[str] | None = None
 ) -> dict[str, Any]:
     """Summary of per-instance errors ``(n_images, n_landmarks)`` (NaN = missing) in the metrics.json layout.
 

@@ -97,7 +97,7 @@ def select_template(
 
     cached = {c: encode(c) for c in candidates}
     queries = {c: feature_vectors(cached[c][0], points, grid_size) for c in candidates}
-    totals = {c: 0.0 for c in candidates}
+    totals = dict.fromkeys(candidates, 0.0)
     for j in range(n_images):
         others = [c for c in candidates if c != j]
         if not others:

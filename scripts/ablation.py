@@ -631,9 +631,11 @@ def length_table(short: list[dict], long: list[dict]) -> str:
                 str(r["seed"]),
                 str(r["iterations"]),
                 r["template_rule"],
-                f"{before['test']['mre_mm']:.2f} ({before['iterations']}, {before['template_rule']})"
-                if before
-                else "-",
+                (
+                    f"{before['test']['mre_mm']:.2f} ({before['iterations']}, {before['template_rule']})"
+                    if before
+                    else "-"
+                ),
                 f"{label_free['mre_mm']:.2f}" if label_free else "-",
             ]
             + cells[:1]
@@ -802,9 +804,7 @@ def portable(record):
         key: (
             Path(value).name
             if key == "template" and isinstance(value, str)
-            else [Path(v).name for v in value]
-            if key == "templates"
-            else portable(value)
+            else ([Path(v).name for v in value] if key == "templates" else portable(value))
         )
         for key, value in record.items()
     }

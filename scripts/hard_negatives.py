@@ -19,6 +19,7 @@ checkpoint, each scale of the loss reports (over the queries inside both views):
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -124,7 +125,7 @@ def hard_negative_statistics(
     recorder, valid, windows, spatial = KeySetRecorder(), [], None, None
     loss.mixer = recorder
     with torch.no_grad():
-        for _, batch in zip(range(batches), _endless(loader)):
+        for batch in itertools.islice(_endless(loader), batches):
             image, crop, points, crop_points = (batch[k].to(device) for k in ("image", "crop", "query", "crop_query"))
             image_features, crop_features = network(image), network.encode_crops(crop)
             loss(image_features, crop_features, points, crop_points, image.shape[2:], crop.shape[2:])

@@ -56,9 +56,7 @@ def _evaluate(datalist: dict, out: Path, ckpt_path: str, **overrides) -> dict:
         k: (
             [_absolute(it) for it in v]
             if k in ("training", "validation", "test", "templates")
-            else _absolute(v)
-            if k == "template"
-            else v
+            else (_absolute(v) if k == "template" else v)
         )
         for k, v in datalist.items()
     }

@@ -15,7 +15,9 @@ export (``ckpt_export``, scripting) of ``configs/inference``.
 
 Two checks the zoo leaves to the bundle follow on the staged copy: ``ConfigWorkflow(workflow_type=
 "inference").check_properties()`` (MONAI's inference properties) and ``monai.bundle.load`` of the
-inference and train networks (``configs/<workflow_type>.json``) with ``models/model.pt``.
+inference and train networks (``configs/<workflow_type>.json``) with ``models/model.pt``, in a fresh Python
+started in the bundle's folder (MONAI puts the bundle folder on ``sys.path`` only in ``run``; ``load`` finds
+the bundle's own ``bundle`` package through the working directory).
 Exit status 0 when everything passes.
 """
 
@@ -41,7 +43,6 @@ import sys, torch
 from monai.bundle import ConfigWorkflow, load
 models, name = sys.argv[1], sys.argv[2]
 root = f"{models}/{name}"
-sys.path.insert(0, root)  # the bundle's own code, as the zoo's verify_bundle.py does
 workflow = ConfigWorkflow(config_file=f"{root}/configs/inference.json", meta_file=f"{root}/configs/metadata.json",
                           logging_file=f"{root}/configs/logging.conf", workflow_type="inference", bundle_root=root)
 workflow.initialize()
@@ -95,7 +96,8 @@ def verify(zoo: str, mode: str = "full", workdir: str | None = None, name: str =
         return done.returncode
     print(f"PASSED: the zoo's verify_bundle.py -m {mode} on {bundle}", flush=True)
     if mode == "full":
-        done = subprocess.run([sys.executable, "-c", EXTRA_CHECKS, str(bundle.parent), name], cwd=work, env=env)
+        # from the bundle's folder: MONAI imports the bundle's code from there (``load`` adds no path itself)
+        done = subprocess.run([sys.executable, "-c", EXTRA_CHECKS, str(bundle.parent), name], cwd=bundle, env=env)
         if done.returncode != 0:
             print("FAILED: extra checks (ConfigWorkflow properties, monai.bundle.load)", flush=True)
             return done.returncode

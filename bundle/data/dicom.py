@@ -309,7 +309,7 @@ def plane_affine(affine) -> np.ndarray:
 
 def read_header(path: str | Path) -> dict[str, str]:
     """The DICOM elements of one file (SimpleITK / GDCM, pixels not read), as ``dicom_tags`` gives them."""
-    import SimpleITK as sitk
+    import SimpleITK as sitk  # noqa: N813
 
     reader = sitk.ImageFileReader()
     reader.SetFileName(str(path))
@@ -404,7 +404,7 @@ def dicom_xray_datalist(
 
 def series_ids(folder: Path) -> list[str]:
     """The Series Instance UIDs of the DICOM files in ``folder`` (GDCM)."""
-    import SimpleITK as sitk
+    import SimpleITK as sitk  # noqa: N813
 
     return list(sitk.ImageSeriesReader.GetGDCMSeriesIDs(str(folder)))
 

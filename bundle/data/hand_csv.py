@@ -63,7 +63,7 @@ def read_landmark_csv(path: str | Path) -> dict[str, np.ndarray]:
 
 def header_spacing_2d(path: str | Path) -> list[float]:
     """Pixel spacing (x, y) in mm from an image header (SimpleITK); a single-slice 3D file counts as 2D."""
-    import SimpleITK as sitk
+    import SimpleITK as sitk  # noqa: N813
 
     reader = sitk.ImageFileReader()
     reader.SetFileName(str(path))

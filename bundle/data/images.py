@@ -177,10 +177,7 @@ def check_image(
     shape = tuple(int(s) for s in image.shape[1:])
     if len(shape) != spatial_dims:
         hint = {
-            (
-                3,
-                2,
-            ): "; volumes need the 3D configuration (merge configs/train_3d.yaml, "
+            (3, 2): "; volumes need the 3D configuration (merge configs/train_3d.yaml, "
             "and configs/evaluate_3d.yaml to evaluate)",
             (2, 3): "; 2D images need the 2D configuration (configs/train.yaml without configs/train_3d.yaml)",
         }.get((len(shape), spatial_dims), "")

@@ -44,12 +44,13 @@ ISBI_2015_LANDMARK_NAMES = (
     "anterior_nasal_spine",
     "articulare",
 )
+ISBI_2015_N_LANDMARKS = len(ISBI_2015_LANDMARK_NAMES)
 ISBI_2015_SPACING_MM = 0.1
 ISBI_2015_ANNOTATORS = ("400_senior", "400_junior")
 ISBI_2015_FOLDERS = ("TrainingData", "Test1Data", "Test2Data")
 
 
-def read_isbi_annotation(path: str | Path, n_landmarks: int = len(ISBI_2015_LANDMARK_NAMES)) -> np.ndarray:
+def read_isbi_annotation(path: str | Path, n_landmarks: int = ISBI_2015_N_LANDMARKS) -> np.ndarray:
     """The first ``n_landmarks`` lines ``x,y`` of an ISBI 2015 annotation file as a ``(n, 2)`` array."""
     path = Path(path)
     try:

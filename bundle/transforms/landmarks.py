@@ -240,7 +240,7 @@ class LandmarkTargetsd(MapTransform):
         image, owner = d[key], type(self).__name__
         dims = _check_image(image, owner, f"'{key}'")  # errors name the key
         spacing = _check_spacing(d.get(self.spacing_key), dims, image, owner, f"'{self.spacing_key}'")
-        (d[self.landmarks_key], d[self.label_key], d[self.spacing_key], d["grid_to_physical"]) = self.targets(
+        d[self.landmarks_key], d[self.label_key], d[self.spacing_key], d["grid_to_physical"] = self.targets(
             image, d.get(self.landmarks_key), spacing
         )
         return d
