@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
-
 from bundle.data.datalist import save_datalist
 from bundle.data.markups import read_fcsv
 from bundle.io_utils import atomic_path

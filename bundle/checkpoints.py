@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import torch
-
 from bundle.io_utils import atomic_path
 
 

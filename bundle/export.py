@@ -32,12 +32,11 @@ from typing import Any, Hashable, Mapping, Sequence
 
 import numpy as np
 import torch
+from bundle.io_utils import atomic_path
 from monai.config import KeysCollection
 from monai.data import MetaTensor
 from monai.inferers import Inferer
 from monai.transforms import MapTransform
-
-from bundle.io_utils import atomic_path
 
 TEMPLATE_FORMAT = "infoguided-landmarks-template/1"
 BUNDLE_DIR = Path(__file__).resolve().parents[1]

@@ -18,12 +18,6 @@ from typing import Any, Callable, Mapping, Sequence
 import ignite.distributed as idist
 import numpy as np
 import torch
-from ignite.engine import Engine, Events
-from ignite.handlers.checkpoint import BaseSaveHandler, Checkpoint
-from monai.data import decollate_batch
-from monai.handlers import CheckpointLoader
-from monai.utils import convert_to_numpy, is_scalar
-
 from bundle.checkpoints import CheckpointError, read_checkpoint, save_atomically
 from bundle.io_utils import StagedOutputs
 from bundle.metrics import DEFAULT_THRESHOLDS, radial_errors, summarize_errors
@@ -39,6 +33,11 @@ from bundle.reporting import (
 )
 from bundle.templates import with_templates
 from bundle.transforms.landmarks import physical_to_datalist
+from ignite.engine import Engine, Events
+from ignite.handlers.checkpoint import BaseSaveHandler, Checkpoint
+from monai.data import decollate_batch
+from monai.handlers import CheckpointLoader
+from monai.utils import convert_to_numpy, is_scalar
 
 # --------------------------------------------------------------------------- checkpoints
 

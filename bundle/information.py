@@ -17,7 +17,6 @@ from typing import Sequence
 
 import numpy as np
 import torch
-
 from bundle.information_groups import GROUP_NAMES, check_thresholds, information_groups
 from bundle.transforms.intensity import adjust_brightness_contrast
 

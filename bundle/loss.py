@@ -20,10 +20,9 @@ from typing import Sequence
 
 import torch
 import torch.nn.functional as F
-from torch.nn.modules.loss import _Loss
-
 from bundle.mixing import FEATURE_MIXING
 from bundle.networks.features import points_to_feature_index, sample_features
+from torch.nn.modules.loss import _Loss
 
 __all__ = ["MultiScaleInfoNCELoss"]
 

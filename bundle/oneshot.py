@@ -18,11 +18,10 @@ from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
-from monai.data import MetaTensor
-from monai.inferers import Inferer
-
 from bundle.kshot import COMBINE_RULES, combine_landmarks
 from bundle.networks.features import sample_features
+from monai.data import MetaTensor
+from monai.inferers import Inferer
 
 COMBINE_MODES = ("product", "sum")
 

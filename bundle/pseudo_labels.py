@@ -18,7 +18,6 @@ from typing import Sequence
 
 import numpy as np
 import torch
-
 from bundle.kshot import combine_landmarks
 from bundle.oneshot import OneShotInferer, apply_homogeneous
 from bundle.transforms.landmarks import physical_to_datalist

@@ -15,14 +15,13 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-from monai.utils import convert_to_numpy
-
 from bundle.data.annotations import image_stem
 from bundle.data.markups import ControlPoint, write_mrk_json
 from bundle.io_utils import atomic_path, write_json_atomic, write_text_atomic
 from bundle.metrics import DEFAULT_THRESHOLDS, success_detection_rate
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from monai.utils import convert_to_numpy
 
 SUMMARY_KEYS = ("n_images", "n_landmarks", "mre_mm", "mre_std_mm", "mre_px", "sdr", "per_landmark_mre_mm")
 AXES = ("x", "y", "z")

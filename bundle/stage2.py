@@ -25,11 +25,10 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
-from monai.inferers import Inferer
-from torch.nn.modules.loss import _Loss
-
 from bundle.io_utils import write_json_atomic
 from bundle.oneshot import apply_homogeneous, refine_peaks
+from monai.inferers import Inferer
+from torch.nn.modules.loss import _Loss
 
 __all__ = [
     "HeatmapInferer",

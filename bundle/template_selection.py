@@ -19,7 +19,6 @@ import math
 from typing import Sequence
 
 import torch
-
 from bundle.oneshot import OneShotInferer, apply_homogeneous, feature_vectors
 
 

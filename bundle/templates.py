@@ -12,7 +12,6 @@ import logging
 import os
 
 import torch
-
 from bundle.oneshot import OneShotInferer, apply_homogeneous
 from bundle.pseudo_labels import pseudo_label, select_pseudo_templates
 from bundle.template_selection import select_template, select_template_by_landmarks

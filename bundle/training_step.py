@@ -12,11 +12,10 @@ import time
 from typing import Any
 
 import torch
+from bundle.mixing import unmix_crops, unmix_draw, unmix_loss
 from monai.engines import SupervisedTrainer
 from monai.engines.utils import IterationEvents
 from monai.utils.enums import CommonKeys as Keys
-
-from bundle.mixing import unmix_crops, unmix_draw, unmix_loss
 
 TRAIN_KEYS = ("image", "crop", "query", "crop_query")
 

@@ -45,7 +45,6 @@ if str(ROOT) not in sys.path:
 
 import fire  # noqa: E402
 import numpy as np  # noqa: E402
-
 from bundle.data.datalist import load_datalist  # noqa: E402
 from bundle.io_utils import write_json_atomic, write_text_atomic  # noqa: E402
 from bundle.reporting import read_predictions_csv  # noqa: E402
@@ -424,7 +423,6 @@ def template_rules(datalist: str, run_dir: str, pool_size: int = 32) -> dict:
     ``RUN_DIR/template_rules.json``.
     """
     import torch
-
     from bundle.configs import bundle_parser
     from bundle.template_selection import landmark_transfer_errors
     from bundle.templates import grid_landmarks, resolve_template

@@ -155,11 +155,10 @@ def main(
     all) training warps, labelled by matching, their AFIDs not read (``bundle.templates.resolve_templates``);
     ``pseudo_cycle_tolerance`` in network-grid voxels; ``template_combine`` as in ``configs/train.yaml``.
     """
-    from monai.bundle import run
-
     from bundle.afids import MRI_LOAD_TRANSFORMS, prepare_afids_datalist
     from bundle.data.datalist import load_datalist
     from bundle.io_utils import write_json_atomic
+    from monai.bundle import run
 
     work = Path(workdir).resolve()
     datalist_path = work / "data" / "datalist.json"

@@ -75,9 +75,8 @@ def ct_volume_3d(rng: np.random.Generator, shape: tuple[int, int, int] = (128, 2
 def entropy(repeats: int = 3, seed: int = 0) -> None:
     """IIE map: skimage.filters.rank.entropy against ``local_entropy`` (k = 10 in 2D, 5 in 3D), same run."""
     import torch
-    from skimage.filters.rank import entropy as skimage_entropy
-
     from bundle.transforms.entropy import local_entropy
+    from skimage.filters.rank import entropy as skimage_entropy
 
     rng = np.random.default_rng(seed)
     image, source = cephalogram_2d(rng)
@@ -128,10 +127,9 @@ def training(
     import tempfile
 
     import torch
-    from ignite.engine import Events
-
     from bundle.configs import bundle_parser
     from bundle.training_step import ContrastiveIterationUpdate
+    from ignite.engine import Events
 
     default_threads = torch.get_num_threads()
     with tempfile.TemporaryDirectory() as tmp:
@@ -266,7 +264,6 @@ def inference(repeats: int = 3, config: str | list[str] = "configs/train.yaml", 
     import tempfile
 
     import torch
-
     from bundle.configs import bundle_parser
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -31,7 +31,6 @@ if str(ROOT) not in sys.path:
 
 import fire  # noqa: E402
 import torch  # noqa: E402
-
 from bundle.configs import bundle_parser  # noqa: E402
 from bundle.data.annotations import image_stem  # noqa: E402
 from bundle.data.embedded import open_datalist  # noqa: E402

@@ -46,14 +46,13 @@ import fire  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import yaml  # noqa: E402
-from monai.transforms import Resize  # noqa: E402
-
 from bundle.data.datalist import landmarks_array, load_datalist  # noqa: E402
 from bundle.data.images import load_grey  # noqa: E402
 from bundle.information import estimate_group_intensities, estimate_group_ranges, offset_correspondences  # noqa: E402
 from bundle.information_groups import GROUP_NAMES, check_thresholds  # noqa: E402
 from bundle.io_utils import write_text_atomic  # noqa: E402
 from bundle.transforms.entropy import local_entropy  # noqa: E402
+from monai.transforms import Resize  # noqa: E402
 
 CORRESPONDENCE_SOURCES = ("landmarks", "encoder")
 MI_KINDS = ("distribution", "joint")

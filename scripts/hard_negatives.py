@@ -30,7 +30,6 @@ if str(ROOT) not in sys.path:
 
 import fire  # noqa: E402
 import torch  # noqa: E402
-
 from bundle.configs import bundle_parser  # noqa: E402
 from bundle.io_utils import write_json_atomic  # noqa: E402
 from bundle.loss import window_offsets  # noqa: E402

@@ -26,7 +26,6 @@ if str(ROOT) not in sys.path:
 
 import fire  # noqa: E402
 import numpy as np  # noqa: E402
-
 from bundle.data.datalist import load_datalist, save_datalist  # noqa: E402
 from bundle.io_utils import write_json_atomic  # noqa: E402
 from bundle.reporting import read_predictions_csv  # noqa: E402

@@ -25,7 +25,6 @@ if str(ROOT) not in sys.path:
 
 import fire  # noqa: E402
 import yaml  # noqa: E402
-
 from bundle.io_utils import atomic_path  # noqa: E402
 
 DEFAULT_NAME = "cephalometric_xray_landmark_detection"

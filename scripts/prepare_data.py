@@ -31,7 +31,6 @@ if str(ROOT) not in sys.path:
 
 import fire  # noqa: E402
 import numpy as np  # noqa: E402
-
 from bundle.data.annotations import MultiAnnotatorSet, image_stem, natural_key  # noqa: E402
 from bundle.data.datalist import SECTIONS, load_datalist, save_datalist  # noqa: E402
 from bundle.data.dicom import dicom_series_datalist, dicom_xray_datalist, find_dicom_files  # noqa: E402

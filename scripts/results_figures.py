@@ -19,17 +19,16 @@ if str(ROOT) not in sys.path:
 
 import fire  # noqa: E402
 import numpy as np  # noqa: E402
-from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
-from matplotlib.colors import ListedColormap  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
-from monai.transforms import Resize  # noqa: E402
-
 from bundle.data.datalist import landmarks_array, load_datalist  # noqa: E402
 from bundle.data.images import load_grey  # noqa: E402
 from bundle.information_groups import GROUP_NAMES, information_groups  # noqa: E402
 from bundle.io_utils import atomic_path  # noqa: E402
 from bundle.reporting import read_predictions_csv, save_overlay_png  # noqa: E402
 from bundle.transforms.entropy import local_entropy  # noqa: E402
+from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
+from matplotlib.colors import ListedColormap  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+from monai.transforms import Resize  # noqa: E402
 
 
 def _shrink(image_xy: np.ndarray, width: int, mode: str = "area") -> tuple[np.ndarray, float]:

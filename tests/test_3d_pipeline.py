@@ -12,17 +12,16 @@ import nibabel as nib
 import numpy as np
 import pytest
 import torch
-from monai.bundle import ConfigParser, run
-from monai.transforms import CenterSpatialCropd, Compose, LoadImaged, Orientationd, Resized, Spacingd, SpatialPadd
-from scipy.ndimage import map_coordinates
-from skimage.filters.rank import entropy as skimage_entropy
-
 from bundle.configs import bundle_parser
 from bundle.data.datalist import landmarks_array, load_datalist, save_datalist
 from bundle.data.markups import read_markups
 from bundle.data.synthetic import generate_synthetic_3d
 from bundle.oneshot import apply_homogeneous
 from bundle.transforms.landmarks import LandmarkTargetsd, world_axis_spacing
+from monai.bundle import ConfigParser, run
+from monai.transforms import CenterSpatialCropd, Compose, LoadImaged, Orientationd, Resized, Spacingd, SpatialPadd
+from scipy.ndimage import map_coordinates
+from skimage.filters.rank import entropy as skimage_entropy
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_3D = [str(ROOT / "configs" / f) for f in ("train.yaml", "train_3d.yaml")]
@@ -305,11 +304,10 @@ def test_3d_templates_combined_in_world_mm_and_cycle_errors_match_an_independent
     """3D k-shot: the geometric median of the templates' predictions taken in world mm (oblique, anisotropic
     grid-to-world map) equals a numerical minimiser of summed distances; forward-backward cycle errors equal a
     brute-force back-match; a template identical to the input finds its own landmarks with a closed cycle."""
-    from scipy.optimize import minimize
-
     from bundle.networks.contrastive import ContrastiveLandmarkNet
     from bundle.networks.features import sample_features
     from bundle.oneshot import OneShotInferer
+    from scipy.optimize import minimize
 
     torch.manual_seed(0)
     network = ContrastiveLandmarkNet(spatial_dims=3, channels=(8, 16, 32, 64, 64)).eval()

@@ -9,8 +9,6 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 import pytest
-from scipy.ndimage import map_coordinates
-
 from bundle.afids import (
     afids_files,
     carry_points,
@@ -24,6 +22,7 @@ from bundle.afids import (
     working_grid,
 )
 from bundle.data.datalist import load_datalist
+from scipy.ndimage import map_coordinates
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -124,7 +123,6 @@ def test_afids_check_pseudo_templates_are_written_and_scored_against_the_carried
     """afids_check --pseudo_templates: chosen by bundle.templates.resolve_templates (an untrained tiny network here),
     written as the datalist's templates with their kept pseudo-labels, scored against the carried AFIDs."""
     import torch
-
     from bundle.afids import MRI_LOAD_TRANSFORMS
     from bundle.configs import bundle_parser
 

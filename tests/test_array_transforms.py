@@ -6,8 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from monai.data import MetaTensor
-
 from bundle.transforms import (
     EntropyMap,
     EntropyMapd,
@@ -22,6 +20,7 @@ from bundle.transforms import (
     SamplingWeightd,
 )
 from bundle.transforms.heatmaps import GaussianHeatmap, GaussianHeatmapd
+from monai.data import MetaTensor
 
 
 def _image(seed: int = 0, spatial=(24, 20)) -> MetaTensor:

@@ -19,11 +19,6 @@ import nibabel as nib
 import numpy as np
 import pytest
 import torch
-from ignite.engine import Engine
-from monai.bundle import run
-from monai.transforms import Compose
-from PIL import Image
-
 from bundle.checkpoints import CheckpointError, load_weights, resume_path, save_atomically
 from bundle.configs import bundle_parser, check_command_line, check_image_size
 from bundle.data.datalist import DatalistError, load_datalist
@@ -32,6 +27,10 @@ from bundle.export import image_items
 from bundle.handlers import LastCheckpointSaver, ResumeCheckpointLoader
 from bundle.networks.contrastive import ContrastiveLandmarkNet
 from bundle.templates import prepare_template
+from ignite.engine import Engine
+from monai.bundle import run
+from monai.transforms import Compose
+from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ["configs/train.yaml"]
@@ -201,9 +200,8 @@ def test_a_test_image_is_never_its_own_template(data2d, tmp_path):
 def test_png_modes_are_read_as_the_grey_image_a_viewer_shows(tmp_path, mode):
     """A palette PNG holds indices into its palette (here scrambled): it is read as the palette's grey levels,
     not the indices; an alpha channel is not averaged into the grey."""
-    from PIL import Image
-
     from bundle.data.images import LoadImaged, load_image
+    from PIL import Image
 
     grey = (np.arange(64 * 80).reshape(64, 80) % 251).astype(np.uint8)
     Image.fromarray(grey).save(tmp_path / "grey.png")
@@ -277,9 +275,8 @@ def test_volume_in_the_2d_configuration_is_refused(data2d, tmp_path):
 def test_one_slice_off_the_xy_plane_keeps_its_in_plane_spacing():
     """A one-slice volume whose slice is a sagittal plane (pixel axes along world y and z): 2D with the spacing of its
     own pixel axes, an invertible 2D affine (its x, y part of the world is singular)."""
-    from monai.data import MetaTensor
-
     from bundle.data.images import single_slice_as_2d
+    from monai.data import MetaTensor
 
     affine = np.array([[0, 0, 3.0, 1], [0.2, 0, 0, 2], [0, 0.3, 0, 3], [0, 0, 0, 1]])
     volume = MetaTensor(torch.rand(1, 20, 24, 1), affine=torch.as_tensor(affine), meta={"original_affine": affine})

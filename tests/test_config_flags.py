@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from bundle.configs import as_flag, bundle_parser
 
 ROOT = Path(__file__).resolve().parents[1]

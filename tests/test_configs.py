@@ -5,13 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from ignite.handlers import ProgressBar
-from monai.bundle import ConfigParser
-from monai.engines import SupervisedEvaluator, SupervisedTrainer
-
 from bundle.checkpoints import load_weights
 from bundle.configs import bundle_parser
 from bundle.data.synthetic import generate_synthetic_2d
+from ignite.handlers import ProgressBar
+from monai.bundle import ConfigParser
+from monai.engines import SupervisedEvaluator, SupervisedTrainer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -158,9 +157,8 @@ def test_parsing_writes_nothing_and_runs_no_network(tmp_path, monkeypatch, caplo
     import logging
     import shutil
 
-    import torch
-
     import bundle.data.embedded
+    import torch
     from bundle.data.datalist import DatalistError
 
     root = tmp_path / "bundle"

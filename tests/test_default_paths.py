@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from bundle.configs import bundle_parser
 
 from training_args import tiny_training_args

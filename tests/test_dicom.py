@@ -20,10 +20,6 @@ import numpy as np
 import pytest
 import SimpleITK as sitk
 import torch
-from monai.bundle import run
-from monai.transforms import Compose, LoadImaged
-from PIL import Image
-
 from bundle.configs import bundle_parser
 from bundle.data.datalist import load_datalist, save_datalist
 from bundle.data.dicom import (
@@ -39,6 +35,9 @@ from bundle.data.images import ImageError, load_grey
 from bundle.data.markups import ControlPoint, write_markups
 from bundle.data.synthetic import generate_synthetic_2d
 from bundle.transforms.landmarks import LandmarkTargetsd
+from monai.bundle import run
+from monai.transforms import Compose, LoadImaged
+from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_2D = ["configs/train.yaml"]

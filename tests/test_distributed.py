@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from bundle.data.synthetic import generate_synthetic_2d
 from bundle.networks.contrastive import ContrastiveLandmarkNet
 

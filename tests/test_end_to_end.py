@@ -9,10 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from monai.bundle import run
-
 from bundle.data.datalist import landmarks_array, load_datalist
 from bundle.data.synthetic import generate_synthetic_2d
+from monai.bundle import run
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {

@@ -8,9 +8,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from monai.data import MetaTensor
-from skimage.filters.rank import entropy as skimage_entropy
-
 from bundle.transforms.entropy import (
     EntropyMapd,
     _bin_indices,
@@ -19,6 +16,8 @@ from bundle.transforms.entropy import (
     _xlog2x_table,
     local_entropy,
 )
+from monai.data import MetaTensor
+from skimage.filters.rank import entropy as skimage_entropy
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 TOL = 1e-5

@@ -13,8 +13,6 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from PIL import Image
-
 from bundle.information import (
     distribution_mutual_information,
     estimate_group_ranges,
@@ -25,6 +23,7 @@ from bundle.information import (
 )
 from bundle.information_groups import information_groups
 from bundle.transforms.entropy import local_entropy
+from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -16,7 +16,6 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import ablation  # noqa: E402
 import results_figures  # noqa: E402
-
 from bundle.information_groups import information_groups  # noqa: E402
 from bundle.transforms.entropy import local_entropy  # noqa: E402
 
@@ -239,7 +238,6 @@ def test_selection_datalist_scores_on_labelled_items_outside_test(tmp_path, monk
 
 def test_template_rules_score_both_choices_outside_the_pool(tmp_path):
     import torch
-
     from bundle.configs import bundle_parser
     from bundle.data.synthetic import generate_synthetic_2d
 

@@ -10,9 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from host_syncs import HostSyncCounter
-from monai.bundle import ckpt_export
-
 from bundle.checkpoints import read_checkpoint, read_state_dict, save_atomically
 from bundle.configs import bundle_parser, seed_everything
 from bundle.data.samplers import ReshufflingDistributedSampler
@@ -20,6 +17,9 @@ from bundle.kshot import geometric_median
 from bundle.loss import MultiScaleInfoNCELoss
 from bundle.networks.contrastive import ContrastiveLandmarkNet
 from bundle.networks.landmark_points import LandmarkPointsNet
+from monai.bundle import ckpt_export
+
+from host_syncs import HostSyncCounter
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -14,9 +14,6 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from PIL import Image
-from skimage.metrics import normalized_mutual_information
-
 from bundle.data.images import load_grey
 from bundle.information import (
     estimate_group_intensities,
@@ -27,6 +24,8 @@ from bundle.information import (
 from bundle.information_groups import group_memberships, information_groups
 from bundle.transforms.entropy import local_entropy
 from bundle.transforms.intensity import adjust_brightness_contrast
+from PIL import Image
+from skimage.metrics import normalized_mutual_information
 
 ROOT = Path(__file__).resolve().parents[1]
 REAL_DATA = ROOT.parent / "shared" / "data" / "hamedan_ceph"

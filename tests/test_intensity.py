@@ -5,10 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from bundle.transforms.intensity import InfoGuidedIntensityd
 from monai.data import MetaTensor
 from monai.transforms import Compose
-
-from bundle.transforms.intensity import InfoGuidedIntensityd
 
 
 def _jitter(x: np.ndarray, f, c) -> np.ndarray:

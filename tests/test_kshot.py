@@ -7,12 +7,11 @@ import json
 import numpy as np
 import pytest
 import torch
-from scipy.optimize import minimize
-
 from bundle.data.datalist import DatalistError, load_datalist, save_datalist
 from bundle.kshot import combine_landmarks, geometric_median
 from bundle.pseudo_labels import reliability, select_pseudo_templates
 from bundle.templates import pseudo_template_pool, template_items
+from scipy.optimize import minimize
 
 
 def test_geometric_median_matches_a_numerical_minimiser_of_summed_distances():

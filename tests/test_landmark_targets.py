@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from bundle.oneshot import apply_homogeneous
+from bundle.transforms.landmarks import LandmarkTargets, LandmarkTargetsd, grid_to_physical
 from monai.data import MetaTensor
 from monai.transforms import (
     Compose,
@@ -17,9 +19,6 @@ from monai.transforms import (
     SpatialPadd,
 )
 from PIL import Image
-
-from bundle.oneshot import apply_homogeneous
-from bundle.transforms.landmarks import LandmarkTargets, LandmarkTargetsd, grid_to_physical
 
 
 def _png(tmp_path, width=60, height=40):

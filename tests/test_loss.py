@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-
 from bundle.loss import MultiScaleInfoNCELoss
 from bundle.networks.contrastive import ContrastiveLandmarkNet
 

@@ -6,7 +6,6 @@ import json
 
 import numpy as np
 import pytest
-
 from bundle.data.datalist import DatalistError
 from bundle.data.markups import (
     ControlPoint,

@@ -7,9 +7,6 @@ import math
 import numpy as np
 import pytest
 import torch
-from ignite.engine import Engine
-from monai.handlers import IgniteMetricHandler, from_engine
-
 from bundle.metrics import (
     RadialErrorMetric,
     SuccessDetectionRateMetric,
@@ -17,6 +14,8 @@ from bundle.metrics import (
     success_detection_rate,
     summarize_errors,
 )
+from ignite.engine import Engine
+from monai.handlers import IgniteMetricHandler, from_engine
 
 NAN = float("nan")
 SPACING = np.array([0.1, 0.2])  # anisotropic mm per pixel (x, y)

@@ -18,14 +18,13 @@ from monai.inferers import SimpleInferer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-from hard_negatives import cell_distances, hard_negative_statistics, scale_statistics  # noqa: E402
-
 from bundle.configs import bundle_parser  # noqa: E402
 from bundle.data.synthetic import generate_synthetic_2d  # noqa: E402
 from bundle.loss import MultiScaleInfoNCELoss  # noqa: E402
 from bundle.mixing import FeatureTransformation, HardNegativeMixing, unmix_crops, unmix_draw, unmix_loss  # noqa: E402
 from bundle.networks.contrastive import ContrastiveLandmarkNet  # noqa: E402
 from bundle.training_step import ContrastiveIterationUpdate  # noqa: E402
+from hard_negatives import cell_distances, hard_negative_statistics, scale_statistics  # noqa: E402
 
 
 def key_set(b: int = 2, q: int = 3, k: int = 10, c: int = 8, seed: int = 0) -> tuple[torch.Tensor, ...]:

@@ -21,10 +21,9 @@ from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
+import bundle  # noqa: E402
 import package as packaging  # noqa: E402
 import zoo_ci  # noqa: E402
-
-import bundle  # noqa: E402
 from bundle.configs import bundle_parser  # noqa: E402
 from bundle.data.synthetic import generate_synthetic_2d  # noqa: E402
 

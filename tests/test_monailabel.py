@@ -824,6 +824,7 @@ def test_dicomweb_series_gives_the_png_landmarks(tmp_path):
     VOI window and MONOCHROME1 inversion) and gives the landmarks of the same image as a PNG."""
     from bundle.data.embedded import open_datalist
     from bundle.data.synthetic import generate_synthetic_2d
+
     from tests.test_dicom import dicom_copy
 
     datalist_path = generate_synthetic_2d(tmp_path / "data", n_training=2, n_validation=1, n_test=1)
@@ -882,7 +883,6 @@ def test_ct_volumes_are_served_with_the_3d_configs(tmp_path):
     train task fine-tunes on the volumes and trains a 3D detector that the infer task then serves (in-process,
     tests/monailabel_inprocess.py)."""
     import torch
-
     from bundle.data.embedded import open_datalist
     from bundle.data.markups import ControlPoint, write_mrk_json
     from bundle.data.synthetic import generate_synthetic_3d

@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-
 from bundle.networks.contrastive import ContrastiveLandmarkNet, build_encoder
 from bundle.networks.encoders import DenseUNetEncoder
 from bundle.networks.vgg import VGG19_CONFIG, VGG19DenseEncoder

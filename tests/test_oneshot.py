@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from bundle.oneshot import OneShotInferer, apply_homogeneous, refine_peaks
 
 

@@ -14,10 +14,6 @@ import nibabel as nib
 import numpy as np
 import pytest
 import SimpleITK as sitk
-from monai.bundle import run
-from monai.transforms import EnsureChannelFirst
-from PIL import Image
-
 from bundle.data.annotations import natural_key
 from bundle.data.datalist import DatalistError, load_datalist, save_datalist
 from bundle.data.hand_csv import hand_datalist, read_landmark_csv
@@ -27,6 +23,10 @@ from bundle.data.labelme import labelme_datalist, read_labelme_set
 from bundle.data.markups import ControlPoint, write_markups
 from bundle.data.nifti import nifti_datalist
 from bundle.data.synthetic import generate_synthetic_2d
+from monai.bundle import run
+from monai.transforms import EnsureChannelFirst
+from PIL import Image
+
 from tests.test_dicom import read_predictions, same_predictions
 
 REPO = Path(__file__).resolve().parents[1]

@@ -10,10 +10,6 @@ import math
 import numpy as np
 import pytest
 import torch
-from ignite.engine import Engine
-from matplotlib.image import imread
-from monai.data import MetaTensor
-
 from bundle.handlers import LandmarkReportHandler
 from bundle.reporting import (
     read_predictions_csv,
@@ -22,6 +18,9 @@ from bundle.reporting import (
     write_metrics_json,
     write_predictions_csv,
 )
+from ignite.engine import Engine
+from matplotlib.image import imread
+from monai.data import MetaTensor
 
 NAN = float("nan")
 NAMES = ["sella", "nasion"]

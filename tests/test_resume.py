@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from bundle.checkpoints import resume_path
 from bundle.data.synthetic import generate_synthetic_2d
 

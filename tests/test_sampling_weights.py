@@ -7,10 +7,9 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from monai.data import MetaTensor
-
 from bundle.transforms.entropy import EntropyMapd
 from bundle.transforms.sampling import SamplingWeightd, sampling_weights
+from monai.data import MetaTensor
 
 
 def entropy_map(seed: int, shape: tuple[int, ...] = (1, 12, 15)) -> np.ndarray:

@@ -11,10 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from monai.bundle import ConfigParser, run
-from monai.data import MetaTensor
-from monai.transforms import RandAffined
-
 from bundle.checkpoints import load_weights
 from bundle.data.datalist import load_datalist
 from bundle.data.synthetic import generate_synthetic_2d
@@ -23,6 +19,9 @@ from bundle.networks.detector import HeatmapDetector
 from bundle.oneshot import refine_peaks
 from bundle.stage2 import HeatmapInferer, MaskedHeatmapLoss, detector_templates
 from bundle.transforms.heatmaps import GaussianHeatmapd, render_gaussian_heatmaps
+from monai.bundle import ConfigParser, run
+from monai.data import MetaTensor
+from monai.transforms import RandAffined
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {

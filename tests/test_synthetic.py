@@ -9,12 +9,11 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 import pytest
+from bundle.data import synthetic
+from bundle.data.datalist import SECTIONS, landmarks_array, load_datalist
 from monai.transforms import LoadImage
 from PIL import Image
 from scipy import ndimage
-
-from bundle.data import synthetic
-from bundle.data.datalist import SECTIONS, landmarks_array, load_datalist
 
 SMALL_2D = dict(n_training=3, n_validation=1, n_test=2, seed=3)
 SMALL_3D = dict(n_training=2, n_validation=1, n_test=1, seed=3)

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_oneshot import PatchDescriptorNet, crop, smooth_random_image
-
 from bundle.template_selection import (
     grid_points,
     landmark_transfer_errors,
     select_template,
     select_template_by_landmarks,
 )
+from test_oneshot import PatchDescriptorNet, crop, smooth_random_image
 
 SHIFTS = [(0, 0), (3, 1), (-2, 3), (1, -3), (-3, -2)]  # image 0 is the "typical" one, the centre of the others
 

@@ -7,11 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from monai.inferers import SimpleInferer
-
 from bundle.loss import MultiScaleInfoNCELoss
 from bundle.networks.contrastive import ContrastiveLandmarkNet
 from bundle.training_step import ContrastiveIterationUpdate
+from monai.inferers import SimpleInferer
 
 
 def _engine(network: torch.nn.Module, loss_function) -> SimpleNamespace:

@@ -5,12 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from bundle.networks.features import sample_features
+from bundle.transforms.view_pair import RandViewPaird
 from monai.data import MetaTensor
 from monai.transforms import Lambdad, MapTransform, RandScaleIntensityd
 from scipy.stats import chi2
-
-from bundle.networks.features import sample_features
-from bundle.transforms.view_pair import RandViewPaird
 
 
 def _coordinate_image(spatial: tuple[int, ...]) -> torch.Tensor:

@@ -7,11 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from bundle.data.synthetic import generate_synthetic_2d, generate_synthetic_3d
 from monai.bundle import ConfigWorkflow
 from monai.engines import SupervisedEvaluator, SupervisedTrainer
 from monai.inferers import Inferer
-
-from bundle.data.synthetic import generate_synthetic_2d, generate_synthetic_3d
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKFLOWS = {

@@ -56,9 +56,8 @@ class LandmarkApp(MONAILabelApp):
         for path in (str(self.bundle_root), str(APP_DIR)):  # the bundle package and this app's tasks
             if path not in sys.path:
                 sys.path.insert(0, path)
-        from landmark_tasks.common import BundleContext
-
         from bundle import __version__ as bundle_version
+        from landmark_tasks.common import BundleContext
 
         self.model_dir = Path(app_dir) / "model"
         self.context = BundleContext(

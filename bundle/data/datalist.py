@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from bundle.io_utils import write_json_atomic
 
 SECTIONS = ("training", "validation", "test")

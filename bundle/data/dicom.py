@@ -36,11 +36,10 @@ from typing import Hashable, Mapping, Sequence
 
 import numpy as np
 import torch
+from bundle.data.datalist import DatalistError, unsplit_datalist
 from monai.config import KeysCollection
 from monai.data import MetaTensor
 from monai.transforms import MapTransform
-
-from bundle.data.datalist import DatalistError, unsplit_datalist
 
 _TAG = re.compile(r"^[0-9a-fA-F]{4}\|[0-9a-fA-F]{4}$")
 

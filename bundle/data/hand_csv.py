@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
-
 from bundle.data.annotations import HEADER_IMAGE_SUFFIXES, IMAGE_SUFFIXES, find_images, natural_key
 from bundle.data.datalist import DatalistError, unsplit_datalist
 

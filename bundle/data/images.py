@@ -18,16 +18,14 @@ import warnings
 from pathlib import Path
 from typing import Any, Hashable, Mapping
 
+import monai.transforms
 import numpy as np
 import torch
+from bundle.data.dicom import XRayDicomd, plane_affine
 from monai.config import KeysCollection
 from monai.data import MetaTensor, PILReader
-from monai.transforms import EnsureChannelFirst, MapTransform, ScaleIntensity
-from monai.transforms import LoadImage as _LoadImage
-from monai.transforms import LoadImaged as _LoadImaged
+from monai.transforms import EnsureChannelFirst, LoadImage, MapTransform, ScaleIntensity
 from PIL import Image as PILImage
-
-from bundle.data.dicom import XRayDicomd, plane_affine
 
 # an image smaller than this along an axis is refused (2D: the coarsest output stride, 16; 3D: raw voxels before
 # resampling, where a single slice is no volume)
@@ -106,7 +104,7 @@ def check_picture_size(path: Any, max_pixels: int = MAX_PICTURE_PIXELS) -> None:
         )
 
 
-class LoadImaged(_LoadImaged):
+class LoadImaged(monai.transforms.LoadImaged):
     """MONAI's ``LoadImaged``; a file it cannot read raises :class:`ImageError` naming the file. PNG, JPEG and BMP
     files are read as a viewer shows them (:func:`pil_as_displayed`)."""
 
@@ -130,7 +128,7 @@ def load_image(path: str, **kwargs: Any):
     :class:`ImageError`."""
     check_picture_size(path)
     try:
-        return _LoadImage(image_only=True, **_readers(kwargs))(path)
+        return LoadImage(image_only=True, **_readers(kwargs))(path)
     except Exception as e:
         raise _read_error([path], e) from e
 

@@ -19,7 +19,6 @@ import warnings
 from pathlib import Path
 
 import numpy as np
-
 from bundle.data.annotations import MultiAnnotatorSet, find_images
 from bundle.data.datalist import DatalistError
 

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
-
 from bundle.data.annotations import IMAGE_SUFFIXES, MultiAnnotatorSet, find_images, natural_key
 from bundle.data.datalist import DatalistError, read_json
 

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import NamedTuple, Sequence
 
 import numpy as np
-
 from bundle.data.annotations import strip_suffix
 from bundle.data.datalist import DatalistError, read_json
 from bundle.io_utils import write_json_atomic, write_text_atomic

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
-
 from bundle.data.annotations import find_images, natural_key
 from bundle.data.datalist import DatalistError, unsplit_datalist
 from bundle.data.markups import MARKUPS_SUFFIXES, ControlPoint, markups_stem, read_markups

@@ -34,13 +34,12 @@ from typing import Callable, Sequence
 
 import nibabel as nib
 import numpy as np
+from bundle.data.datalist import save_datalist
+from bundle.io_utils import atomic_path
 from PIL import Image
 from scipy.ndimage import gaussian_filter
 from scipy.spatial.transform import Rotation
 from scipy.special import expit
-
-from bundle.data.datalist import save_datalist
-from bundle.io_utils import atomic_path
 
 __all__ = [
     "LANDMARKS_2D",

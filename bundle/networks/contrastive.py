@@ -13,7 +13,6 @@ from typing import Sequence
 
 import torch
 import torch.nn as nn
-
 from bundle.networks.encoders import DenseUNetEncoder
 from bundle.networks.vgg import VGG19DenseEncoder
 

@@ -23,10 +23,9 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from monai.networks.blocks import Convolution
-
 from bundle.checkpoints import read_state_dict
 from bundle.networks.contrastive import build_encoder
+from monai.networks.blocks import Convolution
 
 __all__ = ["HeatmapDetector", "load_stage1_encoder"]
 

@@ -18,7 +18,6 @@ from typing import Any, Mapping
 
 import torch
 import torch.nn.functional as F
-
 from bundle.export import check_template, load_template
 from bundle.kshot import geometric_median
 

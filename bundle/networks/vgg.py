@@ -15,7 +15,6 @@ from typing import Sequence
 
 import torch
 import torch.nn as nn
-
 from bundle.networks.encoders import PyramidDecoder, check_spatial_size
 
 __all__ = ["VGG19_CONFIG", "VGG19DenseEncoder", "load_vgg19_state_dict"]

@@ -22,11 +22,10 @@ from typing import Any, Hashable, Mapping, Sequence
 
 import numpy as np
 import torch
+from bundle.transforms.utils import like_input, output_keys_for, single_channel_spatial
 from monai.config import KeysCollection
 from monai.transforms import MapTransform, Transform
 from monai.utils import TransformBackends
-
-from bundle.transforms.utils import like_input, output_keys_for, single_channel_spatial
 
 __all__ = ["local_entropy", "EntropyMap", "EntropyMapd"]
 

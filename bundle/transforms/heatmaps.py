@@ -13,12 +13,11 @@ from __future__ import annotations
 from typing import Any, Hashable, Mapping, Sequence
 
 import torch
+from bundle.templates import grid_landmarks
+from bundle.transforms.utils import like_input
 from monai.config import KeysCollection
 from monai.transforms import MapTransform, Transform
 from monai.utils import TransformBackends
-
-from bundle.templates import grid_landmarks
-from bundle.transforms.utils import like_input
 
 __all__ = ["GaussianHeatmap", "GaussianHeatmapd", "render_gaussian_heatmaps"]
 

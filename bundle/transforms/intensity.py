@@ -13,12 +13,11 @@ from typing import Hashable, Mapping, Sequence
 
 import numpy as np
 import torch
+from bundle.information_groups import GROUP_NAMES, check_thresholds, group_memberships, information_groups
 from monai.config import KeysCollection
 from monai.data.meta_obj import get_track_meta
 from monai.transforms import MapTransform, Randomizable, RandomizableTransform
 from monai.utils import TransformBackends, convert_to_tensor
-
-from bundle.information_groups import GROUP_NAMES, check_thresholds, group_memberships, information_groups
 
 __all__ = ["adjust_brightness_contrast", "InfoGuidedIntensity", "InfoGuidedIntensityd"]
 

@@ -26,13 +26,12 @@ from typing import Hashable, Mapping, Sequence
 
 import numpy as np
 import torch
+from bundle.data.datalist import landmarks_array
 from monai.config import KeysCollection
 from monai.data import MetaTensor
 from monai.data.utils import to_affine_nd
 from monai.transforms import MapTransform, Transform
 from monai.utils import TransformBackends
-
-from bundle.data.datalist import landmarks_array
 
 __all__ = ["LandmarkTargets", "LandmarkTargetsd", "grid_to_physical", "physical_to_datalist", "world_axis_spacing"]
 

@@ -12,11 +12,10 @@ from typing import Any, Hashable, Mapping
 
 import numpy as np
 import torch
+from bundle.transforms.utils import like_input, output_keys_for, single_channel_spatial
 from monai.config import KeysCollection
 from monai.transforms import MapTransform, Transform
 from monai.utils import TransformBackends
-
-from bundle.transforms.utils import like_input, output_keys_for, single_channel_spatial
 
 __all__ = ["sampling_weights", "SamplingWeight", "SamplingWeightd"]
 

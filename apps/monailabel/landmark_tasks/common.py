@@ -20,7 +20,6 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
-
 from bundle.command_errors import root_cause
 from bundle.configs import bundle_parser
 from bundle.data.dicom import dicom_tags

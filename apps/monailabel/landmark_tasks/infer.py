@@ -32,9 +32,8 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-from monailabel.interfaces.tasks.infer_v2 import InferTask, InferType
-
 from bundle.data.markups import ControlPoint, write_mrk_json
+from monailabel.interfaces.tasks.infer_v2 import InferTask, InferType
 
 from .common import PREDICTORS, BundleContext, file_key
 

@@ -66,10 +66,9 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+from bundle.io_utils import atomic_path, write_json_atomic
 from monailabel.interfaces.datastore import Datastore
 from monailabel.interfaces.tasks.train import TrainTask
-
-from bundle.io_utils import atomic_path, write_json_atomic
 
 from .common import BundleContext, device_expression
 
