@@ -101,6 +101,18 @@ def evaluate(datalist: Path, out: Path, ckpt: Path, **overrides) -> None:
     )
 
 
+def infer(images: list[str], out: Path, ckpt: Path, **overrides) -> None:
+    run(
+        "inferring",
+        config_file=str(ROOT / "configs/inference.yaml"),
+        bundle_root=str(ROOT),
+        images=images,
+        output_dir=str(out),
+        ckpt_path=str(ckpt),
+        **overrides,
+    )
+
+
 def snapshot(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
@@ -597,15 +609,7 @@ def test_an_output_folder_on_another_file_system_gets_its_report(data2d, tmp_pat
 def test_built_in_template_features_of_other_weights_are_refused(data2d, tmp_path):
     """The shipped template features with another checkpoint: every match would be wrong (it only warned)."""
     png = str(data2d["datalist"].parent / data2d["content"]["test"][0]["image"])
-    text = raises(
-        run,
-        "inferring",
-        config_file=str(ROOT / "configs/inference.yaml"),
-        bundle_root=str(ROOT),
-        images=[png],
-        output_dir=str(tmp_path / "out"),
-        ckpt_path=str(data2d["ckpt"]),
-    )
+    text = raises(infer, [png], tmp_path / "out", data2d["ckpt"])
     assert "template_features.pt holds template features computed with other weights than" in text
     assert str(data2d["ckpt"]) in text and "--datalist" in text
     assert not (tmp_path / "out").exists()
@@ -619,17 +623,7 @@ def test_template_without_landmarks_fails_before_inference_leaving_outputs(data2
     template["image"] = str(data2d["datalist"].parent / template["image"])
     datalist = variant(data2d, tmp_path, template=template, templates=[])
     png = str(data2d["datalist"].parent / data2d["content"]["test"][0]["image"])
-    text = raises(
-        run,
-        "inferring",
-        config_file=str(ROOT / "configs/inference.yaml"),
-        bundle_root=str(ROOT),
-        datalist=str(datalist),
-        images=[png],
-        output_dir=str(out),
-        ckpt_path=str(data2d["ckpt"]),
-        image_size=[64, 64],
-    )
+    text = raises(infer, [png], out, data2d["ckpt"], datalist=str(datalist), image_size=[64, 64])
     assert f"{datalist}:template: a template must carry 'landmarks', at least one of them not null" in text
     assert snapshot(out) == {"predictions.csv": b"old\n"} and staging_leftovers(out) == []
 
