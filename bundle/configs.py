@@ -6,7 +6,6 @@ from __future__ import annotations
 import ast
 import difflib
 import logging
-import math
 import os
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
+from bundle.data.datalist import is_finite_number
 from monai.bundle import ConfigParser
 from monai.utils import set_determinism
 
@@ -180,14 +180,12 @@ def _config_ids(config: Any, prefix: str = "") -> set[str]:
     return ids
 
 
-def as_number(value: Any, key: str, minimum: float | None = None, above: float | None = None, integer: bool = False):
+def as_number(value: Any, key: str, minimum: float | None = None, integer: bool = False):
     """A numeric config value (an int when ``integer``), refused (``ValueError`` naming ``key`` and the value) when
-    it is not a finite number (a bool, NaN, text), below ``minimum`` or not above ``above``."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and (not integer or float(value).is_integer())
-    ok = ok and (minimum is None or value >= minimum) and (above is None or value > above)
-    if not ok:
-        bounds = [f">= {minimum:g}" if minimum is not None else "", f"> {above:g}" if above is not None else ""]
+    it is not a finite number (a bool, NaN, text) or below ``minimum``."""
+    ok = is_finite_number(value) and (not integer or float(value).is_integer())
+    if not ok or (minimum is not None and value < minimum):
         kind = "an integer" if integer else "a finite number"
-        raise ValueError(f"{key}: expected {kind} {' '.join(b for b in bounds if b)}".rstrip() + f", got {value!r}")
+        bound = f" >= {minimum:g}" if minimum is not None else ""
+        raise ValueError(f"{key}: expected {kind}{bound}, got {value!r}")
     return int(value) if integer else value

@@ -119,9 +119,10 @@ def _remove_active_staging() -> None:
 
 
 class StagedOutputs:
-    """A set of output files of ``output_dir`` built in a hidden sibling folder and moved in only when complete.
+    """A set of output files of ``output_dir`` built in a hidden folder and moved in only when complete.
 
-    ``folder`` is ``<parent>/.<output_dir name>.<pid>.<random>.staging``: write every output there, then
+    ``folder`` is ``<base>/.<output_dir name>.<pid>.<random>.staging`` (:attr:`base`: the parent folder, or
+    ``output_dir`` itself when it is on another file system): write every output there, then
     :meth:`commit` moves them into ``output_dir``, or :meth:`discard` removes the folder after a failure,
     leaving ``output_dir`` as it was. A run replaces only files that runs write: the new ones, and those the
     previous run listed in its manifest (``output_dir/.outputs.json``), so that old and new outputs never mix;
@@ -176,14 +177,13 @@ class StagedOutputs:
             listed = json.loads(manifest.read_text())["files"]
         except (OSError, ValueError, KeyError, TypeError):
             return []
-        inside = [f for f in listed if isinstance(f, str) and ".." not in Path(f).parts and not Path(f).is_absolute()]
-        return inside
+        return [f for f in listed if isinstance(f, str) and ".." not in Path(f).parts and not Path(f).is_absolute()]
 
     def commit(self) -> list[Path]:
         """Move the staged outputs into ``output_dir``, in place of the previous run's; return the new paths.
 
-        The files being replaced are first moved aside (into a hidden sibling folder, removed at the end), so
-        that ``output_dir`` never holds old and new outputs together; then the manifest lists the new files.
+        The files being replaced are first moved aside (into a hidden folder beside the staging one, removed at the
+        end), so that ``output_dir`` never holds old and new outputs together; then the manifest lists the new files.
         """
         staged = self.folder
         self.output_dir.mkdir(parents=True, exist_ok=True)

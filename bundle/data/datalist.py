@@ -43,8 +43,9 @@ def read_json(path: str | os.PathLike, what: str = "JSON file") -> Any:
 SPACING_RANGE_MM = (1e-4, 1e4)
 
 
-def _is_number(value: Any) -> bool:
-    """A finite int or float; not a bool (JSON ``true`` would read as 1)."""
+def is_finite_number(value: Any) -> bool:
+    """A finite int or float; not a bool (JSON ``true`` would read as 1). The bundle's one test of a number read
+    from JSON, YAML or a request."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -69,7 +70,7 @@ def _check_item(item: Any, where: str, spatial_dims: int, n_landmarks: int, base
         for j, p in enumerate(lms):
             if p is None:
                 continue
-            if not isinstance(p, (list, tuple)) or len(p) != spatial_dims or not all(_is_number(v) for v in p):
+            if not isinstance(p, (list, tuple)) or len(p) != spatial_dims or not all(is_finite_number(v) for v in p):
                 raise DatalistError(
                     f"{where}.landmarks[{j}]: expected null or {spatial_dims} finite numbers, got {p!r}"
                 )
@@ -79,7 +80,7 @@ def _check_item(item: Any, where: str, spatial_dims: int, n_landmarks: int, base
         if (
             not isinstance(sp, (list, tuple))
             or len(sp) != spatial_dims
-            or not all(_is_number(v) and SPACING_RANGE_MM[0] <= v <= SPACING_RANGE_MM[1] for v in sp)
+            or not all(is_finite_number(v) and SPACING_RANGE_MM[0] <= v <= SPACING_RANGE_MM[1] for v in sp)
         ):
             raise DatalistError(
                 f"{where}.spacing: expected {spatial_dims} numbers of mm per pixel between {SPACING_RANGE_MM[0]:g} and "

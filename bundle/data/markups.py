@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import csv
 import io
-import math
 import warnings
 from pathlib import Path
 from typing import NamedTuple, Sequence
 
 import numpy as np
 from bundle.data.annotations import strip_suffix
-from bundle.data.datalist import DatalistError, read_json
+from bundle.data.datalist import DatalistError, is_finite_number, read_json
 from bundle.io_utils import write_json_atomic, write_text_atomic
 
 MARKUPS_SUFFIXES = (".mrk.json", ".fcsv")
@@ -52,11 +51,7 @@ def _convert(position: Sequence[float], system: str, scale: float = 1.0) -> tupl
 
 
 def _position(value: object, where: str) -> list[float]:
-    if not (
-        isinstance(value, (list, tuple))
-        and len(value) == 3
-        and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value)
-    ):
+    if not (isinstance(value, (list, tuple)) and len(value) == 3 and all(is_finite_number(v) for v in value)):
         raise DatalistError(f"{where}: expected a position of 3 finite numbers, got {value!r:.80}")
     return [float(v) for v in value]
 

@@ -66,6 +66,7 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+from bundle.data.datalist import is_finite_number
 from bundle.io_utils import atomic_path, write_json_atomic
 from monailabel.interfaces.datastore import Datastore
 from monailabel.interfaces.tasks.train import TrainTask
@@ -78,7 +79,7 @@ logger = logging.getLogger(__name__)
 def _number(value: Any, kind: str, integer: bool = False, low: float = -math.inf, low_open: bool = False) -> float:
     """``value`` when it is a finite JSON number (an integer when ``integer``) at least ``low`` (above it when
     ``low_open``), else ValueError saying it must be ``kind``: booleans, strings, NaN and infinities are refused."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if not is_finite_number(value):
         raise ValueError(kind)
     if (integer and value != int(value)) or value < low or (low_open and value == low):
         raise ValueError(kind)
