@@ -237,22 +237,23 @@ _SCHEDULE_STATE = {"last_epoch", "_step_count", "_last_lr", "_get_lr_called_with
 
 def _changed_settings(checkpoint: Mapping, load_dict: Mapping[str, Any], engine: Engine) -> list[tuple[str, Any, Any]]:
     """(key, configured, resumed) for each setting of the run being resumed that the config now gives otherwise."""
-    changed = []
+    pairs = []  # (what, configured state, resumed state, state entries that are progress, not settings)
     optimizer, scheduler = load_dict.get("optimizer"), load_dict.get("lr_scheduler")
     if optimizer is not None and "optimizer" in checkpoint:
-        for new, old in zip(optimizer.state_dict()["param_groups"], checkpoint["optimizer"].get("param_groups", [])):
-            for key in sorted(set(new) & set(old) - {"params", "lr"}):
-                if new[key] != old[key]:
-                    changed.append((_SETTING_NAMES.get(key, f"optimizer {key}"), new[key], old[key]))
+        groups = zip(optimizer.state_dict()["param_groups"], checkpoint["optimizer"].get("param_groups", []))
+        pairs += [("optimizer", new, old, {"params", "lr"}) for new, old in groups]
     if scheduler is not None and "lr_scheduler" in checkpoint:
-        new_state, old_state = scheduler.state_dict(), checkpoint["lr_scheduler"]
-        for key in sorted(set(new_state) & set(old_state) - _SCHEDULE_STATE):
-            if new_state[key] != old_state[key]:
-                changed.append((_SETTING_NAMES.get(key, f"lr_scheduler {key}"), new_state[key], old_state[key]))
+        pairs.append(("lr_scheduler", scheduler.state_dict(), checkpoint["lr_scheduler"], _SCHEDULE_STATE))
+    changed = []
+    for what, new, old, progress in pairs:
+        for key in sorted(set(new) & set(old) - progress):
+            entry = (_SETTING_NAMES.get(key, f"{what} {key}"), new[key], old[key])
+            if new[key] != old[key] and entry not in changed:  # one entry for the same change in several groups
+                changed.append(entry)
     saved_length = checkpoint.get("trainer", {}).get("epoch_length")
     if saved_length is not None and engine.state.epoch_length not in (None, saved_length):
         changed.append(("epoch_length", engine.state.epoch_length, saved_length))
-    return list(dict.fromkeys(changed))
+    return changed
 
 
 def resume_handlers(resume: str | None, load_dict: dict[str, Any], device: torch.device | str = "cpu") -> list:
