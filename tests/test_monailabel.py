@@ -501,6 +501,99 @@ def test_a_bad_stored_label_is_skipped_naming_it(server, tmp_path):
         assert status == 200, reply
 
 
+SLICER_SCHEMA = "https://raw.githubusercontent.com/slicer/slicer/master/Modules/Loadable/Markups/Resources/Schema/markups-schema-v1.0.3.json#"
+
+
+def _slicer_roi_submission(path: Path, centers: list) -> Path:
+    """The label file of 3D Slicer's MONAILabel module for a ``detection`` model, written as
+    ``MONAILabelWidget.onGenerateJSONFromMulipltROIs`` writes it: one ROI markup (as ``slicer.util.saveNode`` saves
+    an ROI node) per ROI node of the scene; point lists are not collected."""
+    rois = [
+        {
+            "type": "ROI",
+            "coordinateSystem": "LPS",
+            "coordinateUnits": "mm",
+            "locked": False,
+            "fixedNumberOfControlPoints": False,
+            "labelFormat": "%N-%d",
+            "lastUsedControlPointNumber": 1,
+            "roiType": "Box",
+            "center": list(c),
+            "orientation": [-1.0, -0.0, -0.0, -0.0, -1.0, -0.0, 0.0, 0.0, 1.0],
+            "size": [10.0, 10.0, 1.0],
+            "insideOut": False,
+            "controlPoints": [{"id": "1", "label": "R-1", "position": list(c), "positionStatus": "defined"}],
+        }
+        for c in centers
+    ]
+    text = "{\n" + f' "@schema": "{SLICER_SCHEMA}",\n' + ' "markups": [\n'
+    text += ",\n".join(f"  {json.dumps(r)}" for r in rois) + "]\n}"
+    path.write_text(text)
+    return path
+
+
+def _slicer_point_list(path: Path, names: list[str], points: list) -> Path:
+    """A point list as ``slicer.util.saveNode`` saves a moved vtkMRMLMarkupsFiducialNode over a PNG (LPS mm)."""
+    control = [
+        {
+            "id": str(i + 1),
+            "label": n,
+            "description": "",
+            "associatedNodeID": "vtkMRMLScalarVolumeNode1",
+            "position": [p[0], p[1], 0.0],
+            "orientation": [-1.0, -0.0, -0.0, -0.0, -1.0, -0.0, 0.0, 0.0, 1.0],
+            "selected": True,
+            "locked": False,
+            "visibility": True,
+            "positionStatus": "defined",
+        }
+        for i, (n, p) in enumerate(zip(names, points))
+    ]
+    markup = {
+        "type": "Fiducial",
+        "coordinateSystem": "LPS",
+        "coordinateUnits": "mm",
+        "locked": False,
+        "fixedNumberOfControlPoints": False,
+        "labelFormat": "%N-%d",
+        "lastUsedControlPointNumber": len(names),
+        "controlPoints": control,
+        "measurements": [],
+        "display": {"visibility": True, "opacity": 1.0, "color": [0.4, 1.0, 1.0]},
+    }
+    path.write_text(json.dumps({"@schema": SLICER_SCHEMA, "markups": [markup]}, indent=4))
+    return path
+
+
+def test_slicer_submit_label_of_points(server, tmp_path):
+    """3D Slicer's MONAILabel module submits a detection model's label as ROI boxes only (its request replayed:
+    the file as the module writes it, under a temporary ``.json`` name, with its params and no tag): the answer is
+    422 giving the way that carries the points, and nothing is stored. That way (the console snippet's
+    ``logic.save_label(image id, saved point list, {})``, which is the client's ``save_label``) stores the label."""
+    client, names = server["client"], server["names"]
+    truth = server["truth"]["test_002"]
+    for centers in ([], [(-40.0, -50.0, 0.0), (-60.0, -70.0, 0.0)]):
+        label_in = _slicer_roi_submission(tmp_path / f"tmp{uuid.uuid4().hex[:8]}.json", centers)
+        with pytest.raises(MONAILabelClientException) as refused:
+            client.save_label("test_002", str(label_in), params={"label_info": [], "model": "landmarks"})
+        status, _, response = refused.value.msg.partition("; Response: ")
+        detail = json.loads(response)["detail"]
+        assert status == "Status: 422" and "'test_002'" in detail, detail
+        assert f"holds {len(centers)} ROI box" in detail and "no point list" in detail
+        assert "slicer.util.saveNode(n, p)" in detail and 'w.logic.save_label(w.current_sample["id"], p, {})' in detail
+        assert "curl -X PUT '<server>/datastore/label?image=<image id>' -F 'label=@landmarks.mrk.json'" in detail
+        assert client.datastore()["objects"]["test_002"]["labels"] == {}
+    moved = [[x + 1.0, y - 2.0] for x, y in truth]
+    points = _slicer_point_list(tmp_path / "landmarks.mrk.json", names, moved)
+    try:
+        client.save_label("test_002", str(points), params={})
+        reply, status = _infer_id(server, "test_001")
+        assert status == 200 and reply["templates"] == [{"image": "test_002", "source": "datastore"}], reply
+    finally:
+        reply, status = _request(f"{server['base']}/datastore/label?id=test_002&tag=final", method="DELETE")
+        assert status == 200, reply
+
+
 def test_infer_request_faults_are_answered_4xx(server):
     """Malformed ``params``, an image given only in ``params``, no image, a session or a whole-slide request:
     answered 4xx with the cause (MONAI Label answered 500 to most)."""

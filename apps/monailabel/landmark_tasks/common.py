@@ -23,6 +23,7 @@ import torch
 from bundle.command_errors import root_cause
 from bundle.configs import bundle_parser
 from bundle.data.dicom import dicom_tags
+from bundle.data.datalist import DatalistError, read_json
 from bundle.data.markups import ControlPoint, read_markups
 from bundle.io_utils import write_json_atomic
 
@@ -52,6 +53,16 @@ IMAGE_EXTENSIONS = (
 # ".json" first: the datastore keeps the LAST matching extension, so "a.mrk.json" gets ".mrk.json"
 LABEL_EXTENSIONS = ("*.json", "*.mrk.json", "*.fcsv")
 FINAL_TAG = "final"
+# how corrected landmarks reach the server from 3D Slicer: its MONAILabel module's "Submit Label" sends only ROI boxes
+# for a detection model (MONAILabelWidget.onGenerateJSONFromMulipltROIs), never a point list (docs/monailabel.md)
+SUBMIT_POINTS_HELP = (
+    "send the corrected point list itself: in 3D Slicer's Python console run\n"
+    "  w = slicer.modules.monailabel.widgetRepresentation().self()\n"
+    '  n = slicer.util.getNodesByClass("vtkMRMLMarkupsFiducialNode")[-1]\n'
+    '  p = slicer.app.temporaryPath + "/landmarks.mrk.json"; slicer.util.saveNode(n, p)\n'
+    '  w.logic.save_label(w.current_sample["id"], p, {})\n'
+    "or, from a shell, curl -X PUT '<server>/datastore/label?image=<image id>' -F 'label=@landmarks.mrk.json'"
+)
 
 
 class ImageError(ValueError):
@@ -60,6 +71,23 @@ class ImageError(ValueError):
 
 class LabelError(ValueError):
     """A saved label that is not a usable landmark file (the message names it)."""
+
+
+def roi_boxes_only(path: str | Path) -> int | None:
+    """The number of ROI boxes of a markups JSON file that holds no point list (what 3D Slicer's MONAILabel module
+    submits for a detection model: every ROI node of the scene, possibly none), else None."""
+    if not str(path).casefold().endswith(".json"):
+        return None
+    try:
+        content = read_json(path, "markups JSON file")
+    except DatalistError:
+        return None  # read_markups names the fault
+    markups = content.get("markups") if isinstance(content, dict) else None
+    if not isinstance(markups, list) or not all(isinstance(m, dict) for m in markups):
+        return None
+    if any(m.get("type", "Fiducial") == "Fiducial" for m in markups):
+        return None
+    return sum(m.get("type") == "ROI" for m in markups)
 
 
 def file_key(path: str | Path) -> tuple[str, int, int]:
@@ -71,8 +99,6 @@ def file_key(path: str | Path) -> tuple[str, int, int]:
 def datalist_dims(path: Path) -> int:
     """The ``spatial_dims`` of the datalist at ``path`` (2 when the file does not exist yet: the embedded
     synthetic 2D set, generated on start)."""
-    from bundle.data.datalist import DatalistError, read_json
-
     if not path.is_file():
         return 2
     content = read_json(path, "datalist")
@@ -297,6 +323,13 @@ class BundleContext:
         Control points are matched by label to the landmark names; a file whose labels name none of them but
         holds exactly one point per landmark is read in order (Slicer's default labels ``F-1``, ``F-2``, ...).
         """
+        boxes = roi_boxes_only(label_path)
+        if boxes is not None:
+            raise LabelError(
+                f"label of {where}: the file holds {boxes} ROI box{'' if boxes == 1 else 'es'} and no point list "
+                "(3D Slicer's MONAILabel module submits only ROI boxes for a detection model, so the corrected "
+                f"landmarks did not reach the server); {SUBMIT_POINTS_HELP}"
+            )
         try:
             points = read_markups(label_path)
         except Exception as e:
