@@ -22,8 +22,8 @@ import numpy as np
 import torch
 from bundle.command_errors import root_cause
 from bundle.configs import bundle_parser
-from bundle.data.dicom import dicom_tags
 from bundle.data.datalist import DatalistError, read_json
+from bundle.data.dicom import dicom_tags
 from bundle.data.markups import ControlPoint, read_markups
 from bundle.io_utils import write_json_atomic
 
