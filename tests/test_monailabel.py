@@ -32,7 +32,9 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import pytest
@@ -114,8 +116,9 @@ def _multipart(field: str, path: Path, filename: str | None = None) -> tuple[byt
     return body, {"Content-Type": f"multipart/form-data; boundary={boundary}"}
 
 
-def _cli_predictions(image: Path, datalist: Path, out: Path) -> dict[str, tuple[float, float]]:
-    """The bundle's own command-line inference on ``image`` (the reference the server must match)."""
+def _cli_predictions(image: Path, datalist: Path | None, out: Path) -> dict[str, tuple[float, float]]:
+    """The bundle's own command-line inference on ``image`` (the reference the server must match), with the
+    templates of ``datalist`` (None: the built-in ones)."""
     command = [
         sys.executable,
         "-m",
@@ -124,8 +127,7 @@ def _cli_predictions(image: Path, datalist: Path, out: Path) -> dict[str, tuple[
         "inferring",
         "--config_file",
         "configs/inference.yaml",
-        "--datalist",
-        str(datalist),  # the server's template
+        *(["--datalist", str(datalist)] if datalist else []),  # the server's template
         "--images",
         f"['{image}']",
         "--output_dir",
@@ -152,26 +154,14 @@ def _mrk_json(path: Path, names: list[str], points: list) -> Path:
     )
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """A MONAI Label server of a copy of the app over 4 synthetic test images (its own temp dir, to watch uploads;
-    the synthetic set in a temp dir too, given to the server as its datalist)."""
-    from bundle.data.embedded import open_datalist
-    from bundle.data.synthetic import generate_synthetic_2d
-
-    tmp_path = tmp_path_factory.mktemp("monailabel")
-    datalist_path = generate_synthetic_2d(tmp_path / "data")
-    datalist = open_datalist(datalist_path)
+@contextmanager
+def _serving(tmp_path: Path, studies: Path, *conf: str) -> Iterator[dict]:
+    """A MONAI Label server of a copy of the app (in ``tmp_path``, its own temp dir to watch uploads) over
+    ``studies`` with ``--conf`` pairs ``conf``: ``{"base", "client", "info", "app", "tmp", "log", "start_s"}``."""
     app = tmp_path / "app"
     shutil.copytree(
         ROOT / "apps/monailabel", app, ignore=shutil.ignore_patterns("__pycache__", "bin", "lib", "logs", "model")
     )
-    studies = tmp_path / "studies"
-    studies.mkdir()
-    truth = {}
-    for item in datalist["test"][:4]:
-        shutil.copy(item["image"], studies)
-        truth[Path(item["image"]).stem] = item["landmarks"]
     server_tmp = tmp_path / "server_tmp"
     server_tmp.mkdir()
     port = _free_port()
@@ -192,12 +182,11 @@ def server(tmp_path_factory):
         "bundle_root",
         str(ROOT),
         "--conf",
-        "datalist",
-        str(datalist_path),
-        "--conf",
         "device",
         "cpu",
     ]
+    for key, value in zip(conf[::2], conf[1::2]):
+        command += ["--conf", key, value]
     log = open(tmp_path / "server.log", "w")
     env = dict(os.environ, OMP_NUM_THREADS="1", MONAI_LABEL_DATASTORE_AUTO_RELOAD="false", TMPDIR=str(server_tmp))
     started = time.monotonic()
@@ -220,14 +209,9 @@ def server(tmp_path_factory):
             "client": client,
             "info": info,
             "app": app,
-            "studies": studies,
             "tmp": server_tmp,
             "log": tmp_path / "server.log",
-            "truth": truth,
-            "names": list(datalist["landmark_names"]),
             "start_s": time.monotonic() - started,
-            "work": tmp_path,
-            "datalist": datalist_path,
         }
     finally:
         os.killpg(process.pid, signal.SIGTERM)
@@ -237,6 +221,33 @@ def server(tmp_path_factory):
             os.killpg(process.pid, signal.SIGKILL)
             process.wait(timeout=20)
         log.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """The module's server over 4 synthetic test images (the synthetic set in a temp dir too, given to the server
+    as its datalist)."""
+    from bundle.data.embedded import open_datalist
+    from bundle.data.synthetic import generate_synthetic_2d
+
+    tmp_path = tmp_path_factory.mktemp("monailabel")
+    datalist_path = generate_synthetic_2d(tmp_path / "data")
+    datalist = open_datalist(datalist_path)
+    studies = tmp_path / "studies"
+    studies.mkdir()
+    truth = {}
+    for item in datalist["test"][:4]:
+        shutil.copy(item["image"], studies)
+        truth[Path(item["image"]).stem] = item["landmarks"]
+    with _serving(tmp_path, studies, "datalist", str(datalist_path)) as running:
+        yield {
+            **running,
+            "studies": studies,
+            "truth": truth,
+            "names": list(datalist["landmark_names"]),
+            "work": tmp_path,
+            "datalist": datalist_path,
+        }
 
 
 def _infer_id(server, image_id: str):
@@ -1041,3 +1052,42 @@ def test_a_giant_picture_is_refused_before_it_is_decoded(server, tmp_path):
     assert status == 422, (status, reply)
     assert "12000 x 12000 pixels, more than the 50,000,000" in reply["detail"], reply
     assert _tree(server["studies"]) == before
+
+
+CEPHALOGRAM = ROOT.parent / "shared" / "data" / "hamedan_ceph" / "images" / "001.png"
+
+
+def test_default_serves_the_shipped_cephalometric_model(tmp_path):
+    """Started without ``--conf datalist``, the server serves the shipped weights with their built-in templates
+    and 19 landmark names, as the ``inferring`` command (a real cephalogram when ../shared/data is there, else a
+    synthetic image); fine-tuning is refused until 2 images are labelled, naming the count."""
+    from bundle.data.embedded import open_datalist
+    from bundle.data.synthetic import generate_synthetic_2d
+    from bundle.export import load_template
+
+    builtin = load_template(ROOT / "models" / "template_features.pt")
+    image = CEPHALOGRAM
+    if not image.is_file():
+        image = Path(open_datalist(generate_synthetic_2d(tmp_path / "data"))["test"][0]["image"])
+    studies = tmp_path / "studies"
+    studies.mkdir()
+    shutil.copy(image, studies)
+    with _serving(tmp_path, studies) as running:
+        assert running["info"]["models"]["landmarks"]["labels"] == {
+            n: i + 1 for i, n in enumerate(builtin["landmark_names"])
+        }
+        assert len(builtin["landmark_names"]) == 19
+        _, reply = running["client"].infer("landmarks", image.stem, {})
+        assert reply["landmark_names"] == builtin["landmark_names"]
+        assert reply["template_source"] == "built-in" and reply["checkpoint"] == "model.pt", reply
+        assert reply["checkpoint_source"] == "shipped"
+        assert reply["template"] == [Path(s).name for s in builtin["sources"]]
+        expected = _cli_predictions(image, None, tmp_path / "cli")
+        for name in builtin["landmark_names"]:
+            np.testing.assert_allclose(reply["landmarks"][name], expected[name], atol=1e-3, err_msg=name)
+        reply, status = _request(
+            f"{running['base']}/train/landmarks?run_sync=false",
+            json.dumps({"epochs": 1}).encode(),
+            {"Content-Type": "application/json"},
+        )
+        assert status == 422 and "at least 2 labelled images" in reply["detail"] and "has 0 labelled" in reply["detail"]

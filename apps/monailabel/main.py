@@ -4,7 +4,8 @@
 
 - Infer task ``landmarks``: every landmark on an image of the datastore (``?image=ID``) or an uploaded file, no
   user input. Templates: the datastore's images with a saved label (k-shot, combined per landmark by the
-  bundle's ``template_combine``), else the bundle's templates (the datalist's, resolved on first use).
+  bundle's ``template_combine``), else the bundle's templates (the datalist's, resolved on first use; without a
+  datalist the built-in ones).
 - Train task ``landmarks``: fine-tunes the served weights on the datastore's images (``network: contrastive``),
   or trains the stage-2 heatmap detector on the saved labels (``network: detector``); the new weights replace
   the served ones only when they score better on the saved labels (see landmark_tasks/train.py). Once a
@@ -22,8 +23,9 @@ is written or deleted; an unknown id, an unreadable image or label is answered 4
 sessions are off (they unpack uploaded archives as they come). Start-up does no heavy work: network, templates
 and the bundle's template search wait for the first request.
 
-Conf keys: ``bundle_root`` (default: the repository holding this app), ``datalist`` (default: the bundle's
-embedded synthetic datalist, generated when missing; its ``spatial_dims`` selects the 2D or 3D configs),
+Conf keys: ``bundle_root`` (default: the repository holding this app), ``datalist`` (the templates' images and the
+landmark names; its ``spatial_dims`` selects the 2D or 3D configs; default: none, the built-in templates of the
+shipped weights, 19 cephalometric landmarks, as the ``inferring`` command uses them),
 ``ckpt_path`` (default: the shipped 2D weights; 3D: ``output/models/ct3d/model.pt``, where the default 3D
 training writes), ``epochs``,
 ``predictor`` (``auto``: the detector once one is published, else template matching; ``detector``; ``templates``),
@@ -62,7 +64,7 @@ class LandmarkApp(MONAILabelApp):
         self.model_dir = Path(app_dir) / "model"
         self.context = BundleContext(
             self.bundle_root,
-            conf.get("datalist", str(self.bundle_root / "data" / "synthetic_2d" / "datalist.json")),
+            conf.get("datalist"),
             conf.get("ckpt_path"),
             self.model_dir,
             conf.get("device"),
@@ -93,11 +95,14 @@ class LandmarkApp(MONAILabelApp):
         """Before a train request is queued: its values, and enough saved labels for the detector
         (ValueError -> 422)."""
         from landmark_tasks.common import FINAL_TAG
-        from landmark_tasks.train import check_detector_labels, validate_options
+        from landmark_tasks.train import check_contrastive_labels, check_detector_labels, validate_options
 
         options = validate_options(params, spatial_dims=self.context.spatial_dims, strict=True)
+        n_labelled = len(self.datastore().get_labeled_images(FINAL_TAG))
         if options.get("network") == "detector":
-            check_detector_labels(len(self.datastore().get_labeled_images(FINAL_TAG)))
+            check_detector_labels(n_labelled)
+        else:
+            check_contrastive_labels(n_labelled, self.context.datalist is None)
 
     # ---- MONAI Label hooks ---------------------------------------------------------------------------
     def init_datastore(self):

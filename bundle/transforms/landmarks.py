@@ -129,14 +129,24 @@ class LandmarkTargets(Transform):
         self.outside_tolerance = float(outside_tolerance)
 
     @staticmethod
-    def _spacing(image, dims: int) -> np.ndarray:
-        """The header's spacing (3D: of the original affine's world axes); 1.0 with a warning when absent."""
-        header = image.meta.get("spacing") if isinstance(image, MetaTensor) else None
-        if dims == 3 and isinstance(image, MetaTensor):
+    def header_spacing(image, dims: int) -> np.ndarray | None:
+        """The header's spacing (3D: of the original affine's world axes), None when the header gives none."""
+        if not isinstance(image, MetaTensor):
+            return None
+        if dims == 3:
             original = image.meta.get("original_affine")
             return world_axis_spacing(np.asarray(original if original is not None else image.affine, float))
+        header = image.meta.get("spacing")
         if header is not None and np.all(np.asarray(header, float)[:dims] > 0):
             return np.asarray(header, float)[:dims]
+        return None
+
+    @classmethod
+    def _spacing(cls, image, dims: int) -> np.ndarray:
+        """The header's spacing; 1.0 with a warning when absent."""
+        spacing = cls.header_spacing(image, dims)
+        if spacing is not None:
+            return spacing
         warnings.warn(
             f"no spacing for {_file(image)}: neither the datalist item nor the header gives one; using 1.0 "
             "(mm figures are then pixels)",

@@ -25,7 +25,9 @@ from bundle.configs import bundle_parser
 from bundle.data.datalist import DatalistError, read_json
 from bundle.data.dicom import dicom_tags
 from bundle.data.markups import ControlPoint, read_markups
+from bundle.export import TemplateFeatureInferer, load_template
 from bundle.io_utils import write_json_atomic
+from bundle.transforms.landmarks import LandmarkTargets
 
 logger = logging.getLogger(__name__)
 # the bundle's configs by the datalist's spatial_dims: training; evaluation (the datalist's template(s);
@@ -53,6 +55,7 @@ IMAGE_EXTENSIONS = (
 # ".json" first: the datastore keeps the LAST matching extension, so "a.mrk.json" gets ".mrk.json"
 LABEL_EXTENSIONS = ("*.json", "*.mrk.json", "*.fcsv")
 FINAL_TAG = "final"
+BUILTIN_TEMPLATES = "models/template_features.pt"  # the shipped weights' cephalometric templates (inference.yaml)
 # how corrected landmarks reach the server from 3D Slicer: its MONAILabel module's "Submit Label" sends only ROI boxes
 # for a detection model (MONAILabelWidget.onGenerateJSONFromMulipltROIs), never a point list (docs/monailabel.md)
 SUBMIT_POINTS_HELP = (
@@ -139,24 +142,39 @@ class BundleContext:
     """The bundle as the app uses it: configs, device, preprocessing, network and templates (all lazy)."""
 
     def __init__(
-        self, bundle_root: Path, datalist: str, shipped_ckpt: Path | None, model_dir: Path, device: str | None = None
+        self,
+        bundle_root: Path,
+        datalist: str | None,
+        shipped_ckpt: Path | None,
+        model_dir: Path,
+        device: str | None = None,
     ) -> None:
-        """``shipped_ckpt``: the weights served until a training publishes others; None: the evaluation config's
-        ``ckpt_path`` (2D: the shipped ``models/model.pt``; 3D: ``output/models/ct3d/model.pt``, where the default
-        3D training writes). ``device``: see :func:`resolve_device`."""
+        """``datalist``: the bundle's templates and landmark names come from it; None: the built-in templates
+        (``models/template_features.pt``, the shipped weights' features of the cephalometric templates, with their
+        19 names), as the ``inferring`` command uses them. ``shipped_ckpt``: the weights served until a training
+        publishes others; None: the evaluation config's ``ckpt_path`` (2D: the shipped ``models/model.pt``; 3D:
+        ``output/models/ct3d/model.pt``, where the default 3D training writes). ``device``: see
+        :func:`resolve_device`."""
         self.device = resolve_device(device)
         self.bundle_root = Path(bundle_root)
-        self.datalist = Path(datalist).resolve()
+        self.datalist = Path(datalist).resolve() if datalist else None
+        self.builtin_template_path = None if self.datalist else self.bundle_root / BUILTIN_TEMPLATES
         self.model_dir = Path(model_dir)
         self.served_path = self.model_dir / "model.pt"
         self.detector_path = self.model_dir / "detector.pt"
         self.detector_info_path = self.model_dir / "detector.json"
         self.templates_cache = self.model_dir / "bundle_templates.json"
         self._lock = threading.RLock()
-        self.spatial_dims = datalist_dims(self.datalist)
+        self.spatial_dims = datalist_dims(self.datalist) if self.datalist else 2
         self.train_configs = TRAIN_CONFIGS[self.spatial_dims]
         self.detector_configs = DETECTOR_CONFIGS[self.spatial_dims]
-        overrides = {"datalist": str(self.datalist), "device": device_expression(self.device)}
+        # what every parser of the app sets: the device, and the datalist or the built-in templates' names
+        self.overrides: dict[str, Any] = {"device": device_expression(self.device)}
+        if self.datalist:
+            self.overrides["datalist"] = str(self.datalist)
+        else:
+            self.overrides["landmark_names"] = load_template(self.builtin_template_path)["landmark_names"]
+        overrides = dict(self.overrides)
         if shipped_ckpt is not None:
             overrides["ckpt_path"] = str(shipped_ckpt)
         self.parser = bundle_parser(CONFIGS[self.spatial_dims], self.bundle_root, **overrides)
@@ -166,15 +184,30 @@ class BundleContext:
                 f"no network weights at {self.shipped_ckpt}: give --conf ckpt_path"
                 + (" (3D: the default 3D training writes output/models/ct3d/)" if self.spatial_dims == 3 else "")
             )
-        self.parser.get_parsed_content("ensure_data")  # as the commands: the embedded data set when missing
+        if self.datalist:
+            self.parser.get_parsed_content("ensure_data")  # as the commands: the embedded data set when missing
+        else:
+            self._check_builtin(self.shipped_ckpt)
         self.names: list[str] = list(self.parser.get_parsed_content("landmark_names"))
         self.template_combine = str(self.parser.get_parsed_content("template_combine"))
         self._preprocessing = None
         self._network = None  # the stage-1 network of the device, and the file whose weights it holds
         self._network_key = None
         self._bundle_templates: list[dict] | None = None
+        self._builtin: tuple[tuple, TemplateFeatureInferer] | None = None
         self._frames: dict[tuple, dict] = {}
         self._detector_parsers: dict[tuple, Any] = {}
+
+    def _check_builtin(self, checkpoint: Path) -> dict:
+        """The built-in template features, refused (ValueError) for weights other than those that computed them."""
+        try:
+            return load_template(self.builtin_template_path, checkpoint)
+        except ValueError:
+            raise ValueError(
+                f"the built-in templates ({BUILTIN_TEMPLATES}) hold features of the shipped weights, not of "
+                f"{checkpoint.name}: give the templates' images (--conf datalist) or label images of the datastore "
+                "(they become the templates)"
+            ) from None
 
     # ---- bundle pieces -------------------------------------------------------------------------------
     @property
@@ -230,11 +263,7 @@ class BundleContext:
         key = tuple(image_size) if image_size else None
         with self._lock:
             if key not in self._detector_parsers:
-                overrides: dict[str, Any] = {
-                    "datalist": str(self.datalist),
-                    "init_checkpoint": None,
-                    "device": device_expression(self.device),
-                }
+                overrides: dict[str, Any] = {**self.overrides, "init_checkpoint": None}
                 if image_size:
                     overrides["image_size"] = [int(v) for v in image_size]
                 self._detector_parsers[key] = bundle_parser(self.detector_configs, self.bundle_root, **overrides)
@@ -271,10 +300,25 @@ class BundleContext:
                 f"cannot read image {name or Path(item['image']).name!r}: {type(cause).__name__}: {cause}"
             ) from e
 
+    def builtin_inferer(self) -> TemplateFeatureInferer:
+        """The inferer of the built-in templates (as ``inferring`` matches them) for the served weights; ValueError
+        once the served weights are no longer the shipped ones (their features would not match)."""
+        with self._lock:
+            checkpoint = self.served_checkpoint()
+            key = file_key(checkpoint)
+            if self._builtin is None or self._builtin[0] != key:
+                self._builtin = (key, TemplateFeatureInferer(self._check_builtin(checkpoint), self.template_combine))
+            return self._builtin[1]
+
+    def builtin_sources(self) -> list[dict]:
+        """The built-in templates as template records ``{"image": file name, "source": "built-in"}``."""
+        return [{"image": name, "source": "built-in"} for name in self.builtin_inferer().template["sources"]]
+
     # ---- frames: pixels <-> LPS mm ---------------------------------------------------------------------
     def frame(self, image: str | Path, data: dict | None = None) -> dict:
-        """``{"spacing", "affine", "grid_to_physical", "grid_shape"}`` of an image: 2D pixel -> LPS mm (``affine`` 3x3
-        or None = pixel * spacing), and the network grid of the evaluation pipeline over the image (its bounds)."""
+        """``{"spacing", "spacing_known", "affine", "grid_to_physical", "grid_shape"}`` of an image: 2D pixel -> LPS mm
+        (``affine`` 3x3 or None = pixel * spacing; ``spacing_known``: its header gives one, else it is 1), and the
+        network grid of the evaluation pipeline over the image (its bounds)."""
         key = file_key(image)
         with self._lock:
             if key in self._frames:
@@ -290,6 +334,7 @@ class BundleContext:
             affine = np.diag([-1.0, -1.0, 1.0]) @ ras  # ITK/MONAI's RAS -> LPS
         frame = {
             "spacing": spacing,
+            "spacing_known": LandmarkTargets.header_spacing(data["image"], self.spatial_dims) is not None,
             "affine": affine,
             "grid_to_physical": np.asarray(torch.as_tensor(data["grid_to_physical"]).cpu(), dtype=np.float64),
             "grid_shape": np.asarray(data["image"].shape[1:], dtype=np.float64),
@@ -297,6 +342,14 @@ class BundleContext:
         with self._lock:
             self._frames[key] = frame
         return frame
+
+    def error_units(self, items: Sequence[dict]) -> str:
+        """The unit of radial errors on ``items``: ``mm`` when each has a spacing (its own or its header's),
+        ``pixels`` when none has, else ``mm where the spacing is known, else pixels``."""
+        known = [bool(it.get("spacing")) or self.frame(it["image"])["spacing_known"] for it in items]
+        if all(known):
+            return "mm"
+        return "pixels" if not any(known) else "mm where the spacing is known, else pixels"
 
     @staticmethod
     def pixels_to_lps(points_px: np.ndarray, frame: dict) -> np.ndarray:
@@ -423,6 +476,9 @@ class BundleContext:
         """
         with self._lock:
             if self._bundle_templates is not None:
+                return self._bundle_templates
+            if self.datalist is None:  # built-in templates: features, no images (builtin_inferer)
+                self._bundle_templates = []
                 return self._bundle_templates
             key = {"datalist": str(self.datalist), "mtime_ns": os.stat(self.datalist).st_mtime_ns}
             if self.templates_cache.is_file():

@@ -100,7 +100,6 @@ class LandmarkInferTask(InferTask):
         # loaded on the first request (start-up stays fast); the network is the context's (one per device)
         self.inferer = None
         self.template_key = None
-        self.templates: list[dict] = []
         self.detector = None  # (network, preprocessing, inferer) of the served detector
         self.detector_key = None
 
@@ -135,7 +134,8 @@ class LandmarkInferTask(InferTask):
         return wanted
 
     def _select_templates(self, exclude: str | None) -> list[dict]:
-        """Labelled datastore images except ``exclude`` (a datastore id), else the bundle's templates."""
+        """Labelled datastore images except ``exclude`` (a datastore id), else the bundle's template images (none with
+        the built-in templates)."""
         items = []
         if self.datastore is not None:
             items = [
@@ -155,7 +155,7 @@ class LandmarkInferTask(InferTask):
             return
         items = [{k: v for k, v in t.items() if k in ("image", "landmarks", "spacing")} for t in templates]
         self.inferer = self.context.new_inferer(items)
-        self.template_key, self.templates = key, templates
+        self.template_key = key
         logger.info(f"templates: {[t.get('id', t['image']) for t in templates]}")
 
     def __call__(self, request: dict) -> tuple[str, dict]:
@@ -176,13 +176,17 @@ class LandmarkInferTask(InferTask):
                 points_mm = inferer(batch, network, g2p)[0].cpu().numpy()
                 templates, checkpoint = [], detector_path
             else:
-                self._update_inferer(self._select_templates(request.get("image_id")))
+                templates = self._select_templates(request.get("image_id"))
+                if templates:
+                    self._update_inferer(templates)
+                    inferer = self.inferer
+                else:  # no labelled image and no template image: the built-in templates
+                    inferer, templates = self.context.builtin_inferer(), self.context.builtin_sources()
                 batch = torch.as_tensor(data["image"]).unsqueeze(0).to(self.context.device)
                 g2p = torch.as_tensor(data["grid_to_physical"]).unsqueeze(0).to(self.context.device)
                 checkpoint = self.context.served_checkpoint()
                 with self.context.network(checkpoint) as network:
-                    points_mm = self.inferer(batch, network, g2p)[0].cpu().numpy()
-                templates = list(self.templates)
+                    points_mm = inferer(batch, network, g2p)[0].cpu().numpy()
         spacing = np.asarray(torch.as_tensor(data["spacing"]).cpu(), dtype=np.float64).reshape(-1)
         result = landmark_result(self.names, points_mm, spacing)
         frame = self.context.frame(image, data) if self.spatial_dims == 2 else None

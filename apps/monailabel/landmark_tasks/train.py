@@ -14,6 +14,8 @@ Contrastive network:
    pixels where an image has no spacing) on the labelled images of the datastore, each predicted k-shot from
    the OTHER labelled images (leave-one-out), or, with a single labelled image, from the bundle's templates.
    With no labelled image, the bundle datalist's ``validation`` items are scored from the bundle's templates.
+   With the built-in templates (no ``datalist`` conf) at least 2 labelled images are needed (refused naming the
+   count): the built-in features belong to the shipped weights, so only the labelled images can score new ones.
    The new weights replace ``model/model.pt`` (the served model) only when
    ``mre_new < mre_served - min_improvement`` (request key, default 0); otherwise the served model stays and the
    result says so. Nothing to score on: the served model stays.
@@ -47,7 +49,8 @@ The bundle's training runs on the app's device (``--conf device``); scoring uses
 that device, and a CUDA device's cache is emptied after each training.
 
 ``model/train_stats.json`` (MONAI Label's convention; ``/info/`` shows it under ``train_stats``) records the
-network trained, both scores, the decision, the predictor served and the device.
+network trained, both scores and their ``units`` (``mm`` when every scored image has a spacing, else pixels), the
+decision, the predictor served and the device.
 """
 
 from __future__ import annotations
@@ -208,6 +211,19 @@ def check_detector_labels(n_labelled: int) -> None:
         raise ValueError(
             f"train request: the detector needs at least {MIN_DETECTOR_LABELS} labelled images (one to train on, one "
             f"held out to score on); the datastore has {n_labelled} labelled image{'' if n_labelled == 1 else 's'} "
+            "(save labels with tag 'final')"
+        )
+
+
+def check_contrastive_labels(n_labelled: int, builtin_templates: bool) -> None:
+    """With the built-in templates, refuse fine-tuning the stage-1 network on fewer than 2 labelled images
+    (ValueError naming the count): the built-in features belong to the shipped weights, so new weights can only be
+    scored, and served, from the datastore's labelled images (each predicted from the others)."""
+    if builtin_templates and n_labelled < 2:
+        raise ValueError(
+            "train request: with the built-in templates, fine-tuning needs at least 2 labelled images (new weights "
+            "are scored on them, each from the others; the built-in template features belong to the shipped "
+            f"weights); the datastore has {n_labelled} labelled image{'' if n_labelled == 1 else 's'} "
             "(save labels with tag 'final')"
         )
 
@@ -449,6 +465,7 @@ class BundleTrainTask(TrainTask):
     # ---- the stage-1 (contrastive) network -------------------------------------------------------------
     def _train_contrastive(self, items: list[dict], options: dict, rule: dict) -> dict[str, Any]:
         labelled = [it for it in items if it.get("landmarks")]
+        check_contrastive_labels(len(labelled), self.context.datalist is None)
         templates = labelled or self.context.bundle_templates()
         work = self.model_dir / "train"
         datalist_path = write_json_atomic(work / "datalist.json", training_datalist(self.context, items, templates))
@@ -490,6 +507,7 @@ class BundleTrainTask(TrainTask):
                 "metrics": {"mre_served": old, "mre_trained": new},
                 "key_metric_name": "mre",
                 "best_metric": best,
+                "units": self.context.error_units([item for item, _ in cases]) if cases else None,
                 "scored_on": scored_on,
             },
             "published": published,
@@ -590,6 +608,7 @@ class BundleTrainTask(TrainTask):
                 "metrics": {"mre_served": old, "mre_trained": new},
                 "key_metric_name": "mre",
                 "best_metric": best,
+                "units": context.error_units(held),
                 "scored_on": scored_on,
                 "served_predictor": served_predictor,
             },
