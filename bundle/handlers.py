@@ -19,9 +19,9 @@ import ignite.distributed as idist
 import numpy as np
 import torch
 from bundle.checkpoints import CheckpointError, read_checkpoint, save_atomically
+from bundle.geometry import apply_homogeneous, physical_to_datalist
 from bundle.io_utils import StagedOutputs
 from bundle.metrics import DEFAULT_THRESHOLDS, radial_errors, summarize_errors
-from bundle.oneshot import apply_homogeneous
 from bundle.reporting import (
     overlay_png,
     save_sdr_curve,
@@ -32,7 +32,6 @@ from bundle.reporting import (
     write_predictions_csv,
 )
 from bundle.templates import with_templates
-from bundle.transforms.landmarks import physical_to_datalist
 from ignite.engine import Engine, Events
 from ignite.handlers.checkpoint import BaseSaveHandler, Checkpoint
 from monai.data import decollate_batch

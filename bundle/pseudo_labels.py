@@ -18,9 +18,9 @@ from typing import Sequence
 
 import numpy as np
 import torch
+from bundle.geometry import apply_homogeneous, physical_to_datalist
 from bundle.kshot import combine_landmarks
-from bundle.oneshot import OneShotInferer, apply_homogeneous
-from bundle.transforms.landmarks import physical_to_datalist
+from bundle.oneshot import OneShotInferer
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ engine pieces of ``configs/train_stage2.yaml``, ``configs/finetune.yaml`` and
   cycle error exceeds a tolerance; written as an inspectable datalist;
 - :class:`MaskedHeatmapLoss`: BCE-with-logits or MSE over the valid landmark channels only;
 - :class:`HeatmapPrepareBatch`: ``(image, (heatmap, mask))`` for MONAI's ``SupervisedTrainer``;
-- :class:`HeatmapInferer`: heatmaps -> sub-pixel peaks (:func:`bundle.oneshot.refine_peaks`) -> physical
+- :class:`HeatmapInferer`: heatmaps -> sub-pixel peaks (:func:`bundle.networks.matching.refine_peaks`) -> physical
   mm, ``(B, L, D)`` as ``OneShotInferer`` returns, so the evaluator, metrics and reports are unchanged.
 """
 
@@ -25,8 +25,12 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
+from bundle.geometry import apply_homogeneous
 from bundle.io_utils import write_json_atomic
-from bundle.oneshot import apply_homogeneous, refine_peaks
+from bundle.networks.matching import refine_peaks
+from bundle.oneshot import OneShotInferer
+from bundle.pseudo_labels import pseudo_label, reliable_landmarks
+from bundle.templates import labelled_training_items, with_templates
 from monai.inferers import Inferer
 from torch.nn.modules.loss import _Loss
 
@@ -100,7 +104,7 @@ class HeatmapPrepareBatch:
 
 class HeatmapInferer(Inferer):
     """Landmarks from a heatmap network: the peak of each channel, refined to sub-pixel precision by
-    :func:`bundle.oneshot.refine_peaks` (parabola through the peak and its neighbours), mapped to physical mm.
+    :func:`bundle.networks.matching.refine_peaks` (parabola through the peak and its neighbours), mapped to physical mm.
 
     ``__call__(inputs, network, grid_to_physical=None)`` -> ``(B, L, D)`` float64: grid positions, or
     physical mm when ``grid_to_physical`` is given (the ``OneShotInferer`` contract).
@@ -153,9 +157,6 @@ def pseudo_labelled_items(
     the images it is measured on. ``output_path``: the pseudo-labelled datalist is written there (atomic),
     with the per-landmark cycle errors under ``pseudo_labels``.
     """
-    from bundle.oneshot import OneShotInferer
-    from bundle.pseudo_labels import pseudo_label, reliable_landmarks
-    from bundle.templates import with_templates
 
     template_images = {t["image"] for t in templates}
     held_out = _held_out_images(datalist) if exclude_held_out else set()
@@ -215,7 +216,6 @@ def detector_templates(ckpt_path: str | Path) -> list[str]:
 def labelled_items(datalist: dict, n_labelled: int | None = None) -> list[dict]:
     """The first ``n_labelled`` (None = all) labelled training items outside the validation and test splits
     (the human labels of fine-tuning)."""
-    from bundle.templates import labelled_training_items
 
     held_out = _held_out_images(datalist)
     items = [dict(it) for it in labelled_training_items(datalist) if it["image"] not in held_out]

@@ -19,7 +19,9 @@ import math
 from typing import Sequence
 
 import torch
-from bundle.oneshot import OneShotInferer, apply_homogeneous, feature_vectors
+from bundle.geometry import apply_homogeneous, plain_tensor
+from bundle.networks.matching import feature_vectors
+from bundle.oneshot import OneShotInferer
 
 
 def grid_points(grid_size: Sequence[int], n_points: int, margin: float = 0.1) -> torch.Tensor:
@@ -45,9 +47,9 @@ def _as_batch(image: torch.Tensor, index: int, grid_size: tuple[int, ...], devic
 def _encode(
     network, inferer: OneShotInferer, image: torch.Tensor, index: int, grid_size: tuple[int, ...], device: torch.device
 ):
-    """The network's feature maps of ``images[index]`` and their grid norms (:meth:`OneShotInferer.feature_norms`)."""
-    features = list(network(_as_batch(image, index, grid_size, device)))
-    return features, inferer.feature_norms(features, grid_size)
+    """The network's feature maps of ``images[index]`` and their grid norms (:meth:`TemplateMatcher.feature_norms`)."""
+    features = [plain_tensor(f) for f in network(_as_batch(image, index, grid_size, device))]
+    return features, inferer.matcher.feature_norms(features, grid_size)
 
 
 def _device(network, default: torch.device) -> torch.device:
@@ -104,8 +106,8 @@ def select_template(
         features_j, norms_j = cached[j] if j in cached else encode(j)
         for c in others:
             features_c, norms_c = cached[c]
-            forward, similarity = inferer.match(queries[c], features_j, grid_size, norms_j)
-            backward, _ = inferer.match(
+            forward, similarity = inferer.matcher(queries[c], features_j, grid_size, norms_j)
+            backward, _ = inferer.matcher(
                 feature_vectors(features_j, forward.float(), grid_size), features_c, grid_size, norms_c
             )
             closes = (backward - points.double()).norm(dim=-1) <= cycle_tolerance
@@ -155,7 +157,7 @@ def landmark_transfer_errors(
         for j in range(n_images):
             if j == c:
                 continue
-            found, _ = inferer.match(queries, features[j], grid_size, norms[j])
+            found, _ = inferer.matcher(queries, features[j], grid_size, norms[j])
             distance = (apply_homogeneous(grid_to_physical[j], found[0]) - physical[j][known].to(found)).norm(dim=-1)
             if bool(torch.isfinite(distance).any()):
                 errors[c, j] = distance.nanmean().cpu()

@@ -12,16 +12,10 @@ import logging
 import os
 
 import torch
-from bundle.oneshot import OneShotInferer, apply_homogeneous
+from bundle.geometry import grid_landmarks
+from bundle.oneshot import OneShotInferer
 from bundle.pseudo_labels import pseudo_label, select_pseudo_templates
 from bundle.template_selection import select_template, select_template_by_landmarks
-
-
-def grid_landmarks(data: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Landmarks ``(L, D)`` (float32) in grid positions of an item that the evaluation pipeline (ending with
-    ``LandmarkTargetsd``) prepared, and its grid-to-physical matrix (float64)."""
-    matrix = torch.as_tensor(data["grid_to_physical"], dtype=torch.float64)
-    return apply_homogeneous(matrix, data["label"], inverse=True).to(torch.float32), matrix
 
 
 def prepare_template(item: dict, preprocessing) -> tuple[torch.Tensor, torch.Tensor]:

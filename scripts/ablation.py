@@ -424,8 +424,9 @@ def template_rules(datalist: str, run_dir: str, pool_size: int = 32) -> dict:
     """
     import torch
     from bundle.configs import bundle_parser
+    from bundle.geometry import grid_landmarks
     from bundle.template_selection import landmark_transfer_errors
-    from bundle.templates import grid_landmarks, resolve_template
+    from bundle.templates import resolve_template
 
     run_path = Path(run_dir)
     parser = bundle_parser(

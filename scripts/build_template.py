@@ -34,7 +34,8 @@ import torch  # noqa: E402
 from bundle.configs import bundle_parser  # noqa: E402
 from bundle.data.annotations import image_stem  # noqa: E402
 from bundle.data.embedded import open_datalist  # noqa: E402
-from bundle.export import compute_template, save_template  # noqa: E402
+from bundle.export import compute_template  # noqa: E402
+from bundle.template_file import save_template  # noqa: E402
 from bundle.templates import labelled_training_items  # noqa: E402
 
 

@@ -16,8 +16,8 @@ from bundle.configs import bundle_parser
 from bundle.data.datalist import landmarks_array, load_datalist, save_datalist
 from bundle.data.markups import read_markups
 from bundle.data.synthetic import generate_synthetic_3d
-from bundle.oneshot import apply_homogeneous
-from bundle.transforms.landmarks import LandmarkTargetsd, world_axis_spacing
+from bundle.geometry import apply_homogeneous, world_axis_spacing
+from bundle.transforms.landmarks import LandmarkTargetsd
 from monai.bundle import ConfigParser, run
 from monai.transforms import CenterSpatialCropd, Compose, LoadImaged, Orientationd, Resized, Spacingd, SpatialPadd
 from scipy.ndimage import map_coordinates

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from bundle.oneshot import apply_homogeneous
-from bundle.transforms.landmarks import LandmarkTargets, LandmarkTargetsd, grid_to_physical
+from bundle.geometry import apply_homogeneous, grid_to_physical
+from bundle.transforms.landmarks import LandmarkTargets, LandmarkTargetsd
 from monai.data import MetaTensor
 from monai.transforms import (
     Compose,

@@ -101,7 +101,7 @@ def test_verify_metadata_rejects_a_broken_file(tmp_path):
 
 
 def test_shipped_template_file_fits_the_shipped_weights_and_holds_no_image():
-    from bundle.export import file_sha256, load_template
+    from bundle.template_file import file_sha256, load_template
 
     template = load_template(TEMPLATE, ROOT / "models" / "model.pt")
     assert TEMPLATE.stat().st_size < 300 * 1024
@@ -256,7 +256,7 @@ def test_exported_network_takes_a_plain_torch_image_cephalogram(tmp_path):
 
 
 def test_network_def_verifies_scripts_and_matches_the_python_path(tmp_path, tiny_datalist):
-    from bundle.export import TemplateFeatureInferer
+    from bundle.oneshot import TemplateFeatureInferer
 
     verify_net_in_out(
         net_id="network_def", meta_file=str(META), config_file=INFERENCE, device="cpu", bundle_root=str(ROOT)
@@ -269,8 +269,9 @@ def test_network_def_verifies_scripts_and_matches_the_python_path(tmp_path, tiny
     image = torch.as_tensor(preprocessing({"image": str(Path(tiny_datalist).parent / test["image"])})["image"])[
         None
     ].float()
-    # reference: the Python path on the grid without sub-pixel refinement, 6 templates by the geometric median
-    inferer = TemplateFeatureInferer(parser.get_parsed_content("template"), refine_radius=0)
+    # reference: the Python path (the one matching core, sub-pixel refinement) on the grid, 6 templates combined by
+    # the geometric median
+    inferer = TemplateFeatureInferer(parser.get_parsed_content("template"))
     expected = inferer(image, parser.get_parsed_content("encoder").eval()).float()
     with torch.no_grad():
         got = exported(image.transpose(2, 3))  # MONAI's [x, y] grid as torch holds an image: (rows, columns)
@@ -283,8 +284,8 @@ def test_network_def_verifies_scripts_and_matches_the_python_path(tmp_path, tiny
 
 def test_template_features_give_what_the_template_image_gives(tiny_datalist, tmp_path):
     """A template feature file built from a datalist's template matches as the template image itself does."""
-    from bundle.export import TemplateFeatureInferer, load_template
-    from bundle.oneshot import OneShotInferer
+    from bundle.oneshot import OneShotInferer, TemplateFeatureInferer
+    from bundle.template_file import load_template
     from bundle.templates import with_templates
 
     sys.path.insert(0, str(ROOT / "scripts"))

@@ -1063,7 +1063,7 @@ def test_default_serves_the_shipped_cephalometric_model(tmp_path):
     synthetic image); fine-tuning is refused until 2 images are labelled, naming the count."""
     from bundle.data.embedded import open_datalist
     from bundle.data.synthetic import generate_synthetic_2d
-    from bundle.export import load_template
+    from bundle.template_file import load_template
 
     builtin = load_template(ROOT / "models" / "template_features.pt")
     image = CEPHALOGRAM

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from bundle.oneshot import OneShotInferer, apply_homogeneous, refine_peaks
+from bundle.geometry import apply_homogeneous
+from bundle.networks.matching import refine_peaks
+from bundle.oneshot import OneShotInferer
 
 
 def gaussian_blur(x: torch.Tensor, sigma: float) -> torch.Tensor:

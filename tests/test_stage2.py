@@ -16,7 +16,7 @@ from bundle.data.datalist import load_datalist
 from bundle.data.synthetic import generate_synthetic_2d
 from bundle.networks.contrastive import ContrastiveLandmarkNet
 from bundle.networks.detector import HeatmapDetector
-from bundle.oneshot import refine_peaks
+from bundle.networks.matching import refine_peaks
 from bundle.stage2 import HeatmapInferer, MaskedHeatmapLoss, detector_templates
 from bundle.transforms.heatmaps import GaussianHeatmapd, render_gaussian_heatmaps
 from monai.bundle import ConfigParser, run

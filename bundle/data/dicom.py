@@ -36,7 +36,11 @@ from typing import Hashable, Mapping, Sequence
 
 import numpy as np
 import torch
+from bundle.data.annotations import natural_key
 from bundle.data.datalist import DatalistError, unsplit_datalist
+from bundle.data.hand_csv import read_landmark_csv
+from bundle.data.markups import MARKUPS_SUFFIXES, read_markups
+from bundle.data.nifti import find_markups, markups_landmarks
 from monai.config import KeysCollection
 from monai.data import MetaTensor
 from monai.transforms import MapTransform
@@ -360,7 +364,6 @@ def dicom_xray_datalist(
     file name without ``.dcm``), as the hand layout's CSV. Items carry no ``spacing``: the header gives it
     at load time; ``spacing`` is written only for files whose header has none (else a warning).
     """
-    from bundle.data.hand_csv import read_landmark_csv
 
     root = Path(root)
     if not root.is_dir():
@@ -420,9 +423,6 @@ def dicom_series_datalist(
     volumes (``bundle.data.nifti``); a folder with several series is refused (``LoadImaged`` would read
     only the first), naming the folder.
     """
-    from bundle.data.annotations import natural_key
-    from bundle.data.markups import MARKUPS_SUFFIXES, read_markups
-    from bundle.data.nifti import find_markups, markups_landmarks
 
     root = Path(root)
     if not root.is_dir():

@@ -7,7 +7,7 @@ covers the same field as the input, so its cell i is centred at input position (
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import List, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -21,8 +21,8 @@ def points_to_feature_index(
     return torch.stack(axes, -1)  # per axis, no tensor built from the sizes (a host-to-device copy on a GPU)
 
 
-def sample_features(features: torch.Tensor, points: torch.Tensor, input_size: Sequence[int]) -> torch.Tensor:
-    """Bilinear (trilinear) features at ``points``.
+def sample_features(features: torch.Tensor, points: torch.Tensor, input_size: List[int]) -> torch.Tensor:
+    """Bilinear (trilinear) features at ``points`` (TorchScript-scriptable).
 
     Args:
         features: ``(B, C, *S)`` feature map of any stride.
@@ -32,15 +32,17 @@ def sample_features(features: torch.Tensor, points: torch.Tensor, input_size: Se
     Returns:
         ``(B, N, C)`` features (not re-normalised).
     """
-    spatial_dims = features.ndim - 2
+    spatial_dims = features.dim() - 2
     if points.shape[-1] != spatial_dims or len(input_size) != spatial_dims:
         raise ValueError(
             f"points have {points.shape[-1]} components and input_size {len(input_size)}, features {spatial_dims}"
         )
     points = points.to(features.dtype)
     # align_corners=False convention, per axis (no tensor built from the sizes)
-    normalised = torch.stack([2.0 * (points[..., a] + 0.5) / float(n) - 1.0 for a, n in enumerate(input_size)], -1)
-    grid = normalised.flip(-1)  # grid_sample wants (x=last axis, y, z) order
-    grid = grid.reshape(grid.shape[0], grid.shape[1], *([1] * (spatial_dims - 1)), spatial_dims)
+    axes: List[torch.Tensor] = []
+    for a in range(spatial_dims):
+        axes.append(2.0 * (points[..., a] + 0.5) / float(input_size[a]) - 1.0)
+    grid = torch.stack(axes, -1).flip(-1)  # grid_sample wants (x=last axis, y, z) order
+    grid = grid.reshape([grid.shape[0], grid.shape[1]] + [1] * (spatial_dims - 1) + [spatial_dims])
     sampled = F.grid_sample(features, grid, mode="bilinear", padding_mode="border", align_corners=False)
     return sampled.reshape(features.shape[0], features.shape[1], -1).transpose(1, 2)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Hashable, Mapping, Sequence
 
 import torch
-from bundle.templates import grid_landmarks
+from bundle.geometry import grid_landmarks
 from bundle.transforms.utils import like_input
 from monai.config import KeysCollection
 from monai.transforms import MapTransform, Transform
@@ -68,7 +68,7 @@ class GaussianHeatmapd(MapTransform):
     ``(L,)`` to an item prepared by ``LandmarkTargetsd``.
 
     The landmarks' grid positions come from the item's ``label`` and ``grid_to_physical``
-    (:func:`bundle.templates.grid_landmarks`), the grid from the image ``keys`` (one key); the heatmap is a
+    (:func:`bundle.geometry.grid_landmarks`), the grid from the image ``keys`` (one key); the heatmap is a
     MetaTensor with the image's metadata (affine), ready for a joint spatial augmentation.
     """
 

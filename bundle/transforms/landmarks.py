@@ -11,7 +11,7 @@ need, all in one physical millimetre frame:
 - ``grid_to_physical``: ``(D+1, D+1)`` homogeneous map from network-grid positions to physical mm.
 
 Both go through the image's affine, which MONAI keeps up to date through every spatial transform
-(:func:`grid_to_physical`): 3D landmarks are world mm, the affine's frame; 2D physical positions are the
+(:func:`bundle.geometry.grid_to_physical`): 3D landmarks are world mm, the affine's frame; 2D physical positions are the
 original file's pixels times the spacing, so the 2D map first takes the affine back to those pixels.
 
 A landmark outside the image by more than ``outside_tolerance`` of its extent (a wrong coordinate
@@ -27,59 +27,13 @@ from typing import Hashable, Mapping, Sequence
 import numpy as np
 import torch
 from bundle.data.datalist import landmarks_array
+from bundle.geometry import grid_to_physical, world_axis_spacing
 from monai.config import KeysCollection
 from monai.data import MetaTensor
-from monai.data.utils import to_affine_nd
 from monai.transforms import MapTransform, Transform
 from monai.utils import TransformBackends
 
-__all__ = ["LandmarkTargets", "LandmarkTargetsd", "grid_to_physical", "physical_to_datalist", "world_axis_spacing"]
-
-
-def grid_to_physical(image, spacing) -> np.ndarray:
-    """Homogeneous ``(D+1, D+1)`` map from the grid positions of a channel-first ``image`` to physical mm.
-
-    The image's affine maps its grid to the frame it was read in (MONAI updates it in every spatial
-    transform; a plain tensor has the identity). In 3D that frame is world mm, the physical frame. In 2D the
-    physical frame is the original file's pixels (centres at integers) times ``spacing`` ``[x, y]``: the
-    affine is taken back to those pixels by the inverse of the affine the file was read with
-    (``original_affine``, e.g. a DICOM's; absent, as for PNG, when that was the identity).
-    """
-    dims = image.ndim - 1
-    affine = np.asarray(to_affine_nd(dims, image.affine), float) if isinstance(image, MetaTensor) else np.eye(dims + 1)
-    if dims == 3:
-        return affine
-    original = image.meta.get("original_affine") if isinstance(image, MetaTensor) else None
-    if original is not None:
-        affine = np.linalg.solve(to_affine_nd(dims, np.asarray(original, float)), affine)
-    return np.diag(np.append(np.asarray(spacing, float), 1.0)) @ affine
-
-
-def world_axis_spacing(affine: np.ndarray) -> np.ndarray:
-    """Voxel size (mm) along the world axes x, y, z of a ``(4, 4)`` voxel-to-world affine.
-
-    Each voxel axis is assigned to the world axis it is closest to (nibabel's ``io_orientation``), so a
-    volume stored in any axis order (e.g. sagittal slices) gives its spacing in world x, y, z order, the
-    order of the landmark components that pixel errors are divided by.
-    """
-    from nibabel.orientations import io_orientation
-
-    affine = np.asarray(affine, float)
-    sizes = np.linalg.norm(affine[:3, :3], axis=0)
-    world_axis = io_orientation(affine)[:, 0]
-    if np.isnan(world_axis).any():
-        raise ValueError(f"degenerate affine, no voxel-to-world orientation: {affine.tolist()}")
-    spacing = np.empty(3)
-    spacing[world_axis.astype(int)] = sizes
-    return spacing
-
-
-def physical_to_datalist(points_mm, spacing) -> np.ndarray:
-    """Physical points ``(..., D)`` in the datalist convention (the inverse of ``label``): 2D original pixels
-    (mm / spacing), 3D world mm unchanged."""
-    points_mm = np.asarray(points_mm, dtype=np.float64)
-    spacing = np.asarray(spacing, dtype=np.float64)
-    return points_mm / spacing if spacing.size == 2 else points_mm
+__all__ = ["LandmarkTargets", "LandmarkTargetsd"]
 
 
 def _file(image) -> str:

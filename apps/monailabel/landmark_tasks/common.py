@@ -20,13 +20,16 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
+from bundle.checkpoints import load_weights
 from bundle.command_errors import root_cause
 from bundle.configs import bundle_parser
 from bundle.data.datalist import DatalistError, read_json
 from bundle.data.dicom import dicom_tags
 from bundle.data.markups import ControlPoint, read_markups
-from bundle.export import TemplateFeatureInferer, load_template
 from bundle.io_utils import write_json_atomic
+from bundle.oneshot import TemplateFeatureInferer
+from bundle.template_file import load_template
+from bundle.templates import with_templates
 from bundle.transforms.landmarks import LandmarkTargets
 
 logger = logging.getLogger(__name__)
@@ -230,8 +233,6 @@ class BundleContext:
     def network(self, checkpoint: str | Path | None = None) -> Iterator[torch.nn.Module]:
         """The stage-1 network of the device holding ``checkpoint``'s weights (default: the served ones), for the
         ``with`` block alone. One instance, built on first use, shared by inference, template choice and scoring."""
-        from bundle.checkpoints import load_weights
-
         path = Path(checkpoint or self.served_checkpoint())
         with self._lock:
             if self._network is None:
@@ -272,8 +273,6 @@ class BundleContext:
     def new_detector(self, checkpoint: str | Path, image_size: Sequence[int] | None = None):
         """``(network, preprocessing, inferer)`` of a detector checkpoint: ``HeatmapDetector`` with its weights, the
         evaluation pipeline at ``image_size`` (the grid it was trained on) and ``bundle.stage2.HeatmapInferer``."""
-        from bundle.checkpoints import load_weights
-
         parser = self.detector_parser(image_size)
         with self._lock:
             network = parser.get_parsed_content("network_def", lazy=False)
@@ -283,8 +282,6 @@ class BundleContext:
 
     def new_inferer(self, items: Sequence[dict]):
         """A fresh one-shot / k-shot inferer (``evaluate#inferer``) holding the template ``items``."""
-        from bundle.templates import with_templates
-
         return with_templates(
             self.parser.get_parsed_content("evaluate#inferer", lazy=False), list(items), self.preprocessing, self.device
         )

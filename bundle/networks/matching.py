@@ -1,0 +1,227 @@
+"""The template-matching core (paper Sec. 3.4, CC2D inference), TorchScript-scriptable.
+
+One implementation serves every path that finds landmarks by matching features: the one-shot inferer (template
+images, :class:`bundle.oneshot.OneShotInferer`), the stored-template inferer
+(:class:`bundle.oneshot.TemplateFeatureInferer`), the exported network
+(:class:`bundle.networks.landmark_points.LandmarkPointsNet`) and the template choice.
+
+For a query vector (a template's unit feature at a landmark) and each scale s, the similarity map is the cosine
+between the query and the input's features linearly interpolated at each grid position. The scales are combined as
+the product of ``((cos + 1) / 2) ** w_s`` (``combine="product"``, CC2D) or the sum of ``w_s * cos`` (``"sum"``),
+and the argmax is taken on the grid. Sub-pixel refinement: the same combined similarity is evaluated on a lattice of
+step ``refine_resolution`` within ``refine_radius`` pixels of the peak and its maximum refined by
+:func:`refine_peaks`.
+
+Coordinates: points are float positions on the network's input grid, components in the order of the tensor's
+spatial axes, the centre of the first pixel at 0 (:mod:`bundle.networks.features`).
+"""
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from bundle.networks.features import sample_features
+
+COMBINE_MODES = ("product", "sum")
+
+
+def feature_vectors(features: List[torch.Tensor], points: torch.Tensor, grid_size: List[int]) -> List[torch.Tensor]:
+    """Unit feature vectors ``(B, N, C)`` at grid ``points`` ``(B, N, D)`` for each scale's map ``(B, C, *S)``."""
+    return [F.normalize(sample_features(f.float(), points.float(), grid_size), dim=-1) for f in features]
+
+
+def _unravel(index: torch.Tensor, size: List[int]) -> torch.Tensor:
+    """Grid coordinates ``(..., D)`` (long) of flat indices into a grid of ``size``."""
+    coords: List[torch.Tensor] = []
+    for extent in size[::-1]:
+        coords.append(index % extent)
+        index = torch.div(index, extent, rounding_mode="floor")
+    coords.reverse()
+    return torch.stack(coords, dim=-1)
+
+
+def refine_peaks(maps: torch.Tensor, step: int = 1) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Sub-pixel peak positions of score maps ``(B, N, *G)`` -> positions ``(B, N, D)`` (float64),
+    peak values ``(B, N)``.
+
+    The integer argmax is refined along each axis by the vertex of the parabola through the values at
+    the peak and at ``peak +/- step`` (separable quadratic fit); an axis whose neighbours fall outside
+    the map or that is flat keeps the integer position. ``step=0`` returns the integer argmax.
+    """
+    b, n = maps.shape[0], maps.shape[1]
+    size = [int(s) for s in maps.shape[2:]]
+    flat = maps.reshape(b, n, -1)
+    values, index = flat.max(dim=-1)
+    coords = _unravel(index, size)  # (B, N, D) long
+    positions = coords.to(torch.float64)
+    if step <= 0:
+        return positions, values
+    centre = values.double()
+    stride = 1
+    for axis in range(len(size) - 1, -1, -1):
+        extent = size[axis]
+        c = coords[..., axis]
+        inside = (c - step >= 0) & (c + step <= extent - 1)
+        lower = flat.gather(-1, (index - step * stride * inside).unsqueeze(-1)).squeeze(-1).double()
+        upper = flat.gather(-1, (index + step * stride * inside).unsqueeze(-1)).squeeze(-1).double()
+        curvature = lower - 2.0 * centre + upper
+        usable = inside & (curvature < 0)
+        offset = torch.where(
+            usable, 0.5 * step * (lower - upper) / torch.where(usable, curvature, -torch.ones_like(curvature)), 0.0
+        )
+        positions[..., axis] += offset.clamp(-0.5 * step, 0.5 * step)
+        stride *= extent
+    return positions, values
+
+
+def _upsampled_norm(features: torch.Tensor, grid_size: List[int], chunk: int) -> torch.Tensor:
+    """Norm ``(B, 1, *G)`` of the features linearly interpolated at every grid position, channels in chunks."""
+    mode = "bilinear" if len(grid_size) == 2 else "trilinear"
+    total = torch.zeros(0)
+    for start in range(0, features.shape[1], chunk):
+        up = F.interpolate(features[:, start : start + chunk], size=grid_size, mode=mode, align_corners=False)
+        part = up.square().sum(dim=1, keepdim=True)
+        total = part if start == 0 else total + part
+    return total.sqrt().clamp_min(1e-8)
+
+
+class TemplateMatcher(torch.nn.Module):
+    """Best match on the input grid of unit query vectors, per scale, in multi-scale feature maps (module doc).
+
+    Args:
+        combine: "product" or "sum".
+        scale_weights: one weight per network scale (coarse to fine); default all 1.
+        refine_radius: half-width in grid pixels of the sub-pixel search; 0 disables it.
+        refine_resolution: lattice step in grid pixels of the sub-pixel search.
+        max_map_elements: bound on ``batch x queries x grid voxels`` per chunk of queries (memory).
+    """
+
+    scale_weights: List[float]
+
+    def __init__(
+        self,
+        combine: str = "product",
+        scale_weights: Optional[Sequence[float]] = None,
+        refine_radius: float = 1.0,
+        refine_resolution: float = 0.1,
+        max_map_elements: int = 2**25,
+    ) -> None:
+        super().__init__()
+        if combine not in COMBINE_MODES:
+            raise ValueError(f"combine must be one of {COMBINE_MODES}, got {combine!r}")
+        if refine_radius < 0 or refine_resolution <= 0:
+            raise ValueError(
+                f"refine_radius must be >= 0 and refine_resolution > 0, got {refine_radius}, {refine_resolution}"
+            )
+        if max_map_elements < 1:
+            raise ValueError(f"max_map_elements must be positive, got {max_map_elements}")
+        self.combine = combine
+        self.has_weights = scale_weights is not None
+        self.scale_weights: List[float] = [] if scale_weights is None else [float(w) for w in scale_weights]
+        self.refine_radius = float(refine_radius)
+        self.refine_resolution = float(refine_resolution)
+        self.max_map_elements = int(max_map_elements)
+
+    def combine_scales(self, cosines: List[torch.Tensor]) -> torch.Tensor:
+        """Combine per-scale cosine maps (same shape) into one score map."""
+        if self.has_weights and len(self.scale_weights) != len(cosines):
+            raise ValueError(
+                f"scale_weights has {len(self.scale_weights)} values but the network gives {len(cosines)} scales"
+            )
+        weights = self.scale_weights if self.has_weights else [1.0] * len(cosines)
+        if self.combine == "product":
+            score = torch.ones([1], dtype=cosines[0].dtype, device=cosines[0].device)
+            for c, w in zip(cosines, weights):
+                t = ((c + 1.0) * 0.5).clamp(0.0, 1.0)
+                score = score * (t if w == 1.0 else t**w)
+            return score
+        total = torch.zeros([1], dtype=cosines[0].dtype, device=cosines[0].device)
+        for c, w in zip(cosines, weights):
+            total = total + (c if w == 1.0 else w * c)
+        return total
+
+    def _chunk(self, batch: int, grid_size: List[int]) -> int:
+        voxels = 1
+        for s in grid_size:
+            voxels *= s
+        return max(1, self.max_map_elements // max(1, batch * voxels))
+
+    def feature_norms(self, features: List[torch.Tensor], grid_size: List[int]) -> List[torch.Tensor]:
+        """Per scale, the norm ``(B, 1, *G)`` of the features interpolated on the grid (reusable across
+        :meth:`forward` calls on the same features)."""
+        return [_upsampled_norm(f.float(), grid_size, self._chunk(f.shape[0], grid_size)) for f in features]
+
+    def combined_map(
+        self, queries: List[torch.Tensor], maps: List[torch.Tensor], norms: List[torch.Tensor], grid_size: List[int]
+    ) -> torch.Tensor:
+        """Combined similarity ``(B, N, *G)`` of unit queries ``(B, N, C)`` with the feature maps on the grid.
+
+        Per scale: the dot product with the map, interpolated to the grid and divided by the interpolated
+        features' norm (:meth:`feature_norms`), i.e. the cosine; then :meth:`combine_scales`.
+        """
+        mode = "bilinear" if len(grid_size) == 2 else "trilinear"
+        cosines: List[torch.Tensor] = []
+        for s in range(len(queries)):
+            dots = torch.einsum("bnc,bc...->bn...", queries[s], maps[s])
+            cosines.append(F.interpolate(dots, size=grid_size, mode=mode, align_corners=False) / norms[s])
+        return self.combine_scales(cosines)
+
+    def _lattice(self, spatial_dims: int, device: torch.device) -> torch.Tensor:
+        """Offsets ``(K**D, D)`` of the sub-pixel search lattice."""
+        half = int(round(self.refine_radius / self.refine_resolution))
+        axis = torch.arange(-half, half + 1, device=device, dtype=torch.float32) * self.refine_resolution
+        return torch.stack(torch.meshgrid([axis] * spatial_dims, indexing="ij"), dim=-1).reshape(-1, spatial_dims)
+
+    def _refine(
+        self,
+        queries: List[torch.Tensor],
+        maps: List[torch.Tensor],
+        peaks: torch.Tensor,
+        lattice: torch.Tensor,
+        grid_size: List[int],
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Maximise the combined similarity on the lattice around each integer peak (then a parabola fit)."""
+        b, n, d = peaks.shape[0], peaks.shape[1], peaks.shape[2]
+        k = int(round(lattice.shape[0] ** (1.0 / d)))
+        points = (peaks.float()[:, :, None, :] + lattice).reshape(b, -1, d)
+        cosines: List[torch.Tensor] = []
+        for q, f in zip(queries, maps):
+            sampled = F.normalize(sample_features(f, points, grid_size), dim=-1).reshape(b, n, -1, f.shape[1])
+            cosines.append(torch.einsum("bnmc,bnc->bnm", sampled, q))
+        index, value = refine_peaks(self.combine_scales(cosines).reshape([b, n] + [k] * d), step=1)
+        refined = peaks + (index - (k - 1) / 2) * self.refine_resolution
+        upper = torch.tensor([s - 1 for s in grid_size], dtype=refined.dtype, device=refined.device)
+        return torch.minimum(refined.clamp_min(0.0), upper), value
+
+    def forward(
+        self,
+        queries: List[torch.Tensor],
+        features: List[torch.Tensor],
+        grid_size: List[int],
+        norms: Optional[List[torch.Tensor]] = None,
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Best match on the grid of each query: positions ``(B, N, D)`` (float64) and combined scores ``(B, N)``.
+
+        ``queries``: per scale, unit vectors ``(B, N, C)``; ``features``: per scale, maps ``(B, C, *S)``;
+        ``norms``: :meth:`feature_norms` of ``features`` when already computed.
+        Scores: "product" in [0, 1], "sum" the weighted sum of cosines, at the (refined) peak.
+        """
+        if len(queries) != len(features):
+            raise ValueError(f"{len(queries)} query scales for {len(features)} feature scales")
+        b, n = queries[0].shape[0], queries[0].shape[1]
+        chunk = self._chunk(b, grid_size)
+        maps = [f.float() for f in features]
+        if norms is None:
+            norms = self.feature_norms(maps, grid_size)
+        refine = self.refine_radius > 0
+        lattice = self._lattice(len(grid_size), maps[0].device)
+        positions: List[torch.Tensor] = []
+        scores: List[torch.Tensor] = []
+        for start in range(0, n, chunk):
+            q_chunk = [q[:, start : start + chunk].float() for q in queries]
+            pos, score = refine_peaks(self.combined_map(q_chunk, maps, norms, grid_size), step=0)
+            if refine:
+                pos, score = self._refine(q_chunk, maps, pos, lattice, grid_size)
+            positions.append(pos)
+            scores.append(score)
+        return torch.cat(positions, dim=1), torch.cat(scores, dim=1)

@@ -1,0 +1,112 @@
+"""Template feature files: a template's unit feature vectors at its landmarks, without its image.
+
+One-shot matching needs, from the template, only the unit feature vectors of the network at the template's
+landmarks (paper Sec. 3.4): the image itself is not needed once they are computed. A *template feature
+file* stores them, so a bundle can carry its template without carrying the template image (the shipped
+cephalogram templates are Hamedan images, which may not be redistributed). It is written by
+``scripts/build_template.py`` with ``torch.save`` and read with ``torch.load(weights_only=True)``:
+
+- ``format``: ``"infoguided-landmarks-template/1"``;
+- ``landmark_names``: the L landmark names;
+- ``queries``: ``(K, L, S, C)`` float32, for each of K templates, each landmark and each of the network's S
+  scales (coarse to fine), the unit feature vector at that landmark; NaN where a template lacks the landmark;
+- ``strides``: the S output strides of the network that computed them; ``spatial_dims``; ``grid_size``:
+  the network grid the template images were resized to;
+- ``sources``: K short descriptions of the template images (no pixel data); ``checkpoint_sha256``: the
+  SHA-256 of the weights that computed the features (they only fit those weights).
+
+Matched by :class:`bundle.oneshot.TemplateFeatureInferer` (the Python path) and
+:class:`bundle.networks.landmark_points.LandmarkPointsNet` (the exported network); computed by
+:func:`bundle.export.compute_template`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from bundle.io_utils import atomic_path
+
+TEMPLATE_FORMAT = "infoguided-landmarks-template/1"
+BUNDLE_DIR = Path(__file__).resolve().parents[1]
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """SHA-256 (hex) of a file's bytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(2**20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def check_template(template: Mapping[str, Any], where: str = "template") -> dict:
+    """Validate a template feature dict (see the module doc) and return it as a plain dict."""
+    if not isinstance(template, Mapping):
+        raise ValueError(f"{where}: expected a template feature dict, got {type(template).__name__}")
+    if template.get("format") != TEMPLATE_FORMAT:
+        raise ValueError(
+            f"{where}: not a template feature file of format {TEMPLATE_FORMAT!r} (format {template.get('format')!r})"
+        )
+    missing = [k for k in ("landmark_names", "queries", "strides", "spatial_dims", "sources") if k not in template]
+    if missing:
+        raise ValueError(f"{where}: template feature file lacks {missing}")
+    queries = template["queries"]
+    names = list(template["landmark_names"])
+    if not isinstance(queries, torch.Tensor) or queries.ndim != 4:
+        raise ValueError(
+            f"{where}: 'queries' must be a (K, L, S, C) tensor, got {getattr(queries, 'shape', type(queries))}"
+        )
+    k, n, s, _ = queries.shape
+    if n != len(names) or s != len(template["strides"]) or k != len(template["sources"]) or k < 1:
+        raise ValueError(
+            f"{where}: 'queries' {tuple(queries.shape)} does not fit {len(names)} landmark names, "
+            f"{len(template['strides'])} strides and {len(template['sources'])} sources"
+        )
+    if len(set(names)) != len(names):
+        raise ValueError(f"{where}: duplicate landmark names {names}")
+    valid = ~torch.isnan(queries).any(dim=-1).any(dim=-1)
+    if not bool(valid.any()):
+        raise ValueError(f"{where}: no template carries any landmark")
+    return {**dict(template), "landmark_names": names, "queries": queries.float()}
+
+
+def bundle_path(path: str | os.PathLike) -> Path:
+    """``path``; a relative path missing from the working directory is taken in the bundle's own folder (the
+    configs' ``bundle_root: .`` then also works for tools that build the network from elsewhere, e.g.
+    ``monai.bundle.load``)."""
+    path = Path(path)
+    if not path.exists() and not path.is_absolute() and (BUNDLE_DIR / path).exists():
+        return BUNDLE_DIR / path
+    return path
+
+
+def load_template(path: str | os.PathLike, checkpoint: str | os.PathLike | None = None) -> dict:
+    """Read a template feature file; refuse it (``ValueError`` naming both files) when ``checkpoint`` is not the
+    weights that computed its features: every match would be wrong."""
+    path = bundle_path(path)
+    if checkpoint is not None:
+        checkpoint = bundle_path(checkpoint)
+    if not path.is_file():
+        raise FileNotFoundError(f"template feature file not found: {path} (build one with scripts/build_template.py)")
+    template = check_template(torch.load(path, map_location="cpu", weights_only=True), str(path))
+    expected = template.get("checkpoint_sha256")
+    if checkpoint is not None and expected and Path(checkpoint).is_file() and file_sha256(checkpoint) != expected:
+        raise ValueError(
+            f"{path} holds template features computed with other weights than {checkpoint}: the matches would be "
+            "wrong; give the templates' images instead (--datalist) or rebuild the features for these weights with "
+            "scripts/build_template.py"
+        )
+    return template
+
+
+def save_template(path: str | os.PathLike, template: Mapping[str, Any]) -> Path:
+    """Write a template feature dict atomically (checked first)."""
+    template = check_template(template, str(path))
+    with atomic_path(path) as tmp:
+        torch.save(template, tmp)
+        tmp.chmod(0o644)
+    return Path(path)
