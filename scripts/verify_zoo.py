@@ -16,8 +16,8 @@ export (``ckpt_export``, scripting) of ``configs/inference``.
 Two checks the zoo leaves to the bundle follow on the staged copy: ``ConfigWorkflow(workflow_type=
 "inference").check_properties()`` (MONAI's inference properties) and ``monai.bundle.load`` of the
 inference and train networks (``configs/<workflow_type>.json``) with ``models/model.pt``, in a fresh Python
-started in the bundle's folder (MONAI puts the bundle folder on ``sys.path`` only in ``run``; ``load`` finds
-the bundle's own ``bundle`` package through the working directory).
+started in ``WORKDIR``, not the bundle's folder (the configs' ``initialize`` puts the bundle's folder on
+``sys.path`` where MONAI does not: ``load`` works from any working directory).
 Exit status 0 when everything passes.
 """
 
@@ -96,8 +96,8 @@ def verify(zoo: str, mode: str = "full", workdir: str | None = None, name: str =
         return done.returncode
     print(f"PASSED: the zoo's verify_bundle.py -m {mode} on {bundle}", flush=True)
     if mode == "full":
-        # from the bundle's folder: MONAI imports the bundle's code from there (``load`` adds no path itself)
-        done = subprocess.run([sys.executable, "-c", EXTRA_CHECKS, str(bundle.parent), name], cwd=bundle, env=env)
+        # from outside the bundle's folder: the configs themselves make the bundle's code importable
+        done = subprocess.run([sys.executable, "-c", EXTRA_CHECKS, str(bundle.parent), name], cwd=work, env=env)
         if done.returncode != 0:
             print("FAILED: extra checks (ConfigWorkflow properties, monai.bundle.load)", flush=True)
             return done.returncode

@@ -39,6 +39,12 @@ def tiny_datalist(tmp_path_factory):
     return generate_synthetic_2d(tmp_path_factory.mktemp("data"), n_training=2, n_validation=0, n_test=2, seed=3)
 
 
+@pytest.fixture(scope="module")
+def zipped(tmp_path_factory) -> Path:
+    """The model-zoo archive of the bundle, built by ``scripts/package.py`` (once for the module)."""
+    return Path(packaging.package(output_dir=str(tmp_path_factory.mktemp("dist"))))
+
+
 def _pins(path: Path) -> dict[str, str]:
     pins = {}
     for line in path.read_text().splitlines():
@@ -343,8 +349,7 @@ def _predictions(path: Path) -> list[tuple[str, float, float]]:
         return [(r["landmark"], float(r["x"]), float(r["y"])) for r in csv.DictReader(f)]
 
 
-def test_zip_downloads_through_monai_and_runs_inference_from_the_unpacked_copy(tmp_path, tiny_datalist):
-    zipped = Path(packaging.package(output_dir=str(tmp_path / "dist")))
+def test_zip_downloads_through_monai_and_runs_inference_from_the_unpacked_copy(tmp_path, tiny_datalist, zipped):
     meta = json.loads(META.read_text())
     assert zipped.name == f"{packaging.DEFAULT_NAME}_v{meta['version']}.zip"
     with zipfile.ZipFile(zipped) as archive:
@@ -391,20 +396,64 @@ def test_zip_downloads_through_monai_and_runs_inference_from_the_unpacked_copy(t
     assert outputs["zip"] == outputs["repo"]
     assert not (unpacked / "data").exists()  # nothing was generated or downloaded
 
-    # monai.bundle.load, in a fresh Python in the downloaded bundle's folder with no path of ours, builds the
-    # networks from the JSON configs and loads the weights
-    code = (
-        "import sys; from monai.bundle import load\n"
-        "for t in ('inference', 'train'):\n"
-        "    net = load(sys.argv[1], bundle_dir=sys.argv[2], source='github', workflow_type=t, device='cpu')\n"
-        "    print(t, type(net).__name__)\n"
-    )
+
+# A zoo user: MONAI's download (of the archive's file: URL, no network) then MONAI's load, nothing else; prints
+# what load returned as one JSON line after LOADED.
+DOWNLOAD_THEN_LOAD = """
+import json, sys, torch
+from monai.bundle import download, load
+
+name, url, bundles, workflow_type = sys.argv[1:5]
+download(name=name, url=url, bundle_dir=bundles, progress=False)
+kwargs = {} if workflow_type == "default" else {"workflow_type": workflow_type}
+net = load(name, bundle_dir=bundles, source="github", device="cpu", **kwargs).eval()
+weights = torch.load(f"{bundles}/{name}/models/model.pt", map_location="cpu", weights_only=True)
+shipped = net.network if hasattr(net, "network") else net
+same = sorted(weights) == sorted(shipped.state_dict()) and all(
+    torch.equal(weights[k], v) for k, v in shipped.state_dict().items())
+with torch.no_grad():
+    out = net(torch.rand(1, 1, 192, 192))
+shapes = [list(out.shape)] if torch.is_tensor(out) else [list(o.shape) for o in out]
+code = sys.modules[type(net).__module__].__file__
+print("LOADED " + json.dumps({"class": f"{type(net).__module__}.{type(net).__qualname__}", "code": code,
+                              "weights": same, "shapes": shapes}))
+"""
+
+
+@pytest.mark.parametrize(
+    "workflow_type, network, shapes",
+    [
+        ("inference", "bundle.networks.landmark_points.LandmarkPointsNet", [[1, 19, 2]]),
+        (
+            "train",
+            "bundle.networks.contrastive.ContrastiveLandmarkNet",
+            [[1, 32, 12, 12], [1, 32, 24, 24], [1, 32, 48, 48], [1, 32, 96, 96]],
+        ),
+        (
+            "default",
+            "bundle.networks.contrastive.ContrastiveLandmarkNet",
+            [[1, 32, 12, 12], [1, 32, 24, 24], [1, 32, 48, 48], [1, 32, 96, 96]],
+        ),
+    ],
+)
+def test_monai_download_then_load_builds_the_network_from_any_folder(tmp_path, zipped, workflow_type, network, shapes):
+    """``monai.bundle.download`` then ``monai.bundle.load`` (``workflow_type`` inference, train, or left out) in a
+    fresh Python started in a folder unrelated to the bundle, with no ``PYTHONPATH`` and no path edit: the network is
+    the bundle's class, from the downloaded copy's own code, with the shipped weights, and it runs."""
+    bundles, elsewhere = tmp_path / "bundles", tmp_path / "elsewhere"
+    elsewhere.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    command = [sys.executable, "-c", code, packaging.DEFAULT_NAME, str(bundles)]
-    done = subprocess.run(command, cwd=unpacked, env=env, capture_output=True, text=True, timeout=300)
+    env["OMP_NUM_THREADS"] = "1"
+    command = [sys.executable, "-c", DOWNLOAD_THEN_LOAD, packaging.DEFAULT_NAME, zipped.as_uri(), str(bundles)]
+    done = subprocess.run(
+        command + [workflow_type], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
-    loaded = [line for line in done.stdout.splitlines() if line.startswith(("inference ", "train "))]
-    assert loaded == ["inference LandmarkPointsNet", "train ContrastiveLandmarkNet"]
+    loaded = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("LOADED "))[7:])
+    assert loaded["class"] == network
+    assert Path(loaded["code"]).is_relative_to(bundles / packaging.DEFAULT_NAME / "bundle")
+    assert loaded["weights"] and loaded["shapes"] == shapes
+    assert not any(elsewhere.iterdir())  # loading wrote nothing into the working directory
 
 
 @pytest.mark.skipif(
