@@ -220,8 +220,8 @@ def _grid_cell(image: Path) -> float:
 
 
 def _close(distance: np.ndarray, cell: float) -> bool:
-    """Integer grid peaks from a PIL-resized image against ``inferring``'s refined ones: the median within half a
-    grid cell, 90 % within two (a landmark with two near-equal peaks may flip under the other resize)."""
+    """The exported network on a PIL-resized image against ``inferring`` on MONAI's area resize (the two resizes
+    differ): the median within half a grid cell, 90 % within two (a landmark with two near-equal peaks may flip)."""
     return bool(np.median(distance) <= 0.5 * cell and np.mean(distance <= 2 * cell) >= 0.9)
 
 
