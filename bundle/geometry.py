@@ -6,7 +6,9 @@
 - datalist: 2D original pixels ``[x, y]``, 3D world mm.
 
 ``grid_to_physical`` is a homogeneous ``(D+1, D+1)`` (or batched ``(B, D+1, D+1)``) matrix from grid positions to
-physical millimetres.
+physical millimetres. It is a matrix, not MONAI's ``ApplyTransformToPointsd``: the inferers map batched predictions
+with it after the network, and the 2D physical frame (original pixels times the spacing) is not the affine of a
+PNG, so :func:`grid_to_physical` builds it from the image's affine and :func:`apply_homogeneous` applies it.
 """
 
 from __future__ import annotations
