@@ -1,5 +1,5 @@
-"""MONAI transforms of the paper's method: array transforms and their dictionary wrappers (the public names of
-the README)."""
+"""MONAI transforms of the paper's method: array transforms and their dictionary wrappers (the public names that
+docs/transforms.md documents)."""
 
 from bundle.transforms.entropy import EntropyMap, EntropyMapd, local_entropy
 from bundle.transforms.intensity import InfoGuidedIntensity, InfoGuidedIntensityd, adjust_brightness_contrast
