@@ -8,6 +8,8 @@ convention. Matching: :class:`bundle.oneshot.TemplateFeatureInferer`.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 from pathlib import Path
@@ -19,7 +21,7 @@ from bundle.checkpoints import load_weights
 from bundle.data.embedded import open_datalist
 from bundle.geometry import physical_to_datalist, plain_tensor
 from bundle.networks.matching import feature_vectors
-from bundle.template_file import TEMPLATE_FORMAT, bundle_path, check_template, file_sha256, load_template
+from bundle.template_file import TEMPLATE_FORMAT, bundle_path, check_template, file_sha256, load_template, save_template
 from bundle.templates import check_rule, prepare_template, resolve_templates
 from monai.config import KeysCollection
 from monai.transforms import MapTransform
@@ -84,6 +86,39 @@ def template_source_names(
     return load_template(template_path)["landmark_names"]
 
 
+def default_template_cache() -> Path:
+    """Where the ``inferring`` command keeps computed template features: ``$XDG_CACHE_HOME`` (else ``~/.cache``)
+    ``/infoguided-landmarks/templates``."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "infoguided-landmarks" / "templates"
+
+
+def template_cache_key(
+    datalist_path: str | os.PathLike, datalist: dict, checkpoint: str | os.PathLike, rule: str, image_size
+) -> str:
+    """SHA-256 of what a datalist's template features depend on: the datalist's bytes, the identity (path, size,
+    modification time) of every image it names as a template or training item, the weights' bytes, the template
+    rule, the network grid and the file format."""
+    images = [
+        str(it["image"])
+        for key in ("template", "templates", "training")
+        for it in ([datalist[key]] if isinstance(datalist.get(key), dict) else datalist.get(key) or [])
+    ]
+    stats = []
+    for image in sorted(set(images)):
+        st = os.stat(image) if os.path.exists(image) else None
+        stats.append([image, st.st_size if st else None, st.st_mtime_ns if st else None])
+    content = {
+        "format": TEMPLATE_FORMAT,
+        "datalist": file_sha256(datalist_path),
+        "images": stats,
+        "checkpoint": file_sha256(checkpoint),
+        "rule": rule,
+        "image_size": [int(v) for v in image_size] if image_size is not None else None,
+    }
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
+
+
 def resolve_template(
     template_path: str | os.PathLike,
     template_datalist: str | os.PathLike | None,
@@ -92,21 +127,49 @@ def resolve_template(
     device: torch.device | str = "cpu",
     checkpoint: str | os.PathLike | None = None,
     rule: str = "landmarks",
+    cache_dir: str | os.PathLike | None = None,
+    image_size=None,
 ) -> dict:
     """The template features of inference: from ``template_datalist`` when given (its ``templates`` /
-    ``template`` items, else one chosen among its labelled training items by ``rule``, computed now with
-    ``network`` after loading ``checkpoint`` into it), else read from the feature file ``template_path``
-    (``network`` is then not used, so that building the export network needs no weights)."""
+    ``template`` items, else one chosen among its labelled training items by ``rule``, computed with ``network``
+    after loading ``checkpoint`` into it), else read from the feature file ``template_path`` (``network`` is then
+    not used, so that building the export network needs no weights).
+
+    With ``cache_dir`` (and a ``checkpoint``), a datalist's features are kept there as a template feature file named
+    by :func:`template_cache_key` (``image_size``: the network grid) and read back by later calls with the same
+    datalist, images, weights and rule instead of choosing and computing the templates again.
+    """
     check_rule(rule)
     if not template_datalist:
         return load_template(template_path, checkpoint)
     datalist = open_datalist(template_datalist)
     if checkpoint is not None:
-        network = load_weights(network, bundle_path(checkpoint), device)
+        checkpoint = bundle_path(checkpoint)
+    cached = None
+    if cache_dir and checkpoint is not None:
+        key = template_cache_key(template_datalist, datalist, checkpoint, rule, image_size)
+        cached = Path(cache_dir) / f"{key}.pt"
+        if cached.is_file():
+            try:
+                template = load_template(cached, checkpoint)
+            except Exception as e:  # a damaged or foreign cache file is computed again (torch.load raises many kinds)
+                logger.warning("template cache %s unreadable (%s): computing the templates", cached, e)
+            else:
+                logger.info("template(s) of %s from the cache %s: %s", template_datalist, cached, template["sources"])
+                return template
+    if checkpoint is not None:
+        network = load_weights(network, checkpoint, device)
     network.eval()
     items = resolve_templates(datalist, network, preprocessing, device, rule=rule)
     logger.info("template(s) from %s: %s", template_datalist, [it["image"] for it in items])
-    return compute_template(network, items, preprocessing, datalist["landmark_names"], device, checkpoint)
+    template = compute_template(network, items, preprocessing, datalist["landmark_names"], device, checkpoint)
+    if cached is not None:
+        try:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            save_template(cached, template)
+        except OSError as e:  # a read-only or full cache does not stop inference
+            logger.warning("template cache %s not written (%s)", cached, e)
+    return template
 
 
 # --------------------------------------------------------------------------- inference on new images

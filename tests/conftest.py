@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -28,6 +29,19 @@ def _tree_state() -> set[str] | None:
         return None
     paths = {line[3:] for line in done.stdout.splitlines()}
     return {p for p in paths if not any(part in p or p.startswith(part) for part in ALLOWED)}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_cache(tmp_path_factory):
+    """The commands' user cache (template features of ``inferring --datalist``) in a temporary folder, for this
+    process and the commands it starts."""
+    previous = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
+    yield
+    if previous is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = previous
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -225,6 +225,29 @@ def _close(distance: np.ndarray, cell: float) -> bool:
     return bool(np.median(distance) <= 0.5 * cell and np.mean(distance <= 2 * cell) >= 0.9)
 
 
+def test_a_datalists_template_features_are_kept_for_the_next_call(tmp_path, tiny_datalist):
+    """``inferring --datalist``: the second call reads the template features that the first computed (same
+    predictions, the cache file not rewritten); another datalist gets its own; a damaged cache file is computed
+    again."""
+    datalist = json.loads(Path(tiny_datalist).read_text())
+    image = Path(tiny_datalist).parent / datalist["test"][0]["image"]
+    cache = tmp_path / "cache"
+    first = _inferring(image, tmp_path / "a", datalist=str(tiny_datalist), template_cache=str(cache))
+    (kept,) = cache.glob("*.pt")
+    stamp = kept.stat().st_mtime_ns
+    second = _inferring(image, tmp_path / "b", datalist=str(tiny_datalist), template_cache=str(cache))
+    np.testing.assert_array_equal(second, first)
+    assert kept.stat().st_mtime_ns == stamp
+    other = Path(tiny_datalist).with_name("other.json")
+    other.write_text(json.dumps({**datalist, "template": datalist["training"][1]}))
+    _inferring(image, tmp_path / "c", datalist=str(other), template_cache=str(cache))
+    assert len(list(cache.glob("*.pt"))) == 2
+    kept.write_bytes(b"not a template file")
+    again = _inferring(image, tmp_path / "d", datalist=str(tiny_datalist), template_cache=str(cache))
+    np.testing.assert_array_equal(again, first)
+    assert torch.load(kept, weights_only=True)["format"] == "infoguided-landmarks-template/1"
+
+
 def test_exported_network_takes_a_plain_torch_image_synthetic(tmp_path, tiny_datalist):
     """The exported network fed (1, 1, rows, columns) from PIL, without MONAI, finds what ``inferring`` finds (on a
     non-square synthetic image, its datalist's template built in) and lands near the true landmarks."""
