@@ -1,22 +1,22 @@
 """The paper's ablation (Quan et al. CVPR 2023, Table 3 rows) and the gamma / alpha_hat sweeps on one datalist.
 
-    python scripts/ablation.py run --datalist runs/hamedan/protocol.json --out runs/hamedan \
+    python -m scripts.ablation run --datalist runs/hamedan/protocol.json --out runs/hamedan \
         [--iterations 500 --seeds "[0,1]" --augmentation "runs/hamedan/aug_{alpha}.yaml" --only "[name,...]"]
-    python scripts/ablation.py select --datalist runs/hamedan/protocol.json --out runs/hamedan
-    python scripts/ablation.py template_rules --datalist runs/hamedan/protocol.json --run_dir runs/hamedan/entropy_s0
-    python scripts/ablation.py report --out runs/hamedan --docs docs [--long runs/hamedan_long]
-    python scripts/ablation.py run --plan converged --datalist runs/hamedan/protocol.json --out runs/hamedan_3000 \
+    python -m scripts.ablation select --datalist runs/hamedan/protocol.json --out runs/hamedan
+    python -m scripts.ablation template_rules --datalist runs/hamedan/protocol.json --run_dir runs/hamedan/entropy_s0
+    python -m scripts.ablation report --out runs/hamedan --docs docs [--long runs/hamedan_long]
+    python -m scripts.ablation run --plan converged --datalist runs/hamedan/protocol.json --out runs/hamedan_3000 \
         --iterations 3000 --augmentation runs/hamedan/aug_estimated.yaml
-    python scripts/ablation.py report_plan --plan converged --out runs/hamedan_3000 --docs docs
-    python scripts/ablation.py run --plan comparison --datalist runs/hamedan/protocol.json \
+    python -m scripts.ablation report_plan --plan converged --out runs/hamedan_3000 --docs docs
+    python -m scripts.ablation run --plan comparison --datalist runs/hamedan/protocol.json \
         --out runs/hamedan_comparison --iterations 1500 --augmentation runs/hamedan/aug_estimated.yaml
-    python scripts/ablation.py report_plan --plan comparison --out runs/hamedan_comparison --docs docs
+    python -m scripts.ablation report_plan --plan comparison --out runs/hamedan_comparison --docs docs
 
 ``run`` trains and evaluates every planned run (:func:`plan`) in turn with the bundle's own commands, the
 same budget for all, and writes ``OUT/<run>/result.json`` (settings, validation and test metrics, training
 time, peak memory); a run whose ``result.json`` exists is skipped, so an interrupted plan continues where it
 stopped. ``augmentation`` is a path pattern with ``{alpha}``: the per-group intensities that
-``scripts/estimate_augmentation.py --alpha_hat ALPHA`` wrote. ``select`` scores each finished run on the
+``python -m scripts.estimate_augmentation --alpha_hat ALPHA`` wrote. ``select`` scores each finished run on the
 labelled images outside the test split (:func:`selection_datalist`), the ranking that chooses the shipped
 model. ``template_rules`` compares the template rules of the evaluation on one run, without test images.
 ``report`` reads the results and writes the tables (``docs/results.md`` between its
@@ -39,16 +39,14 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import fire
+import numpy as np
+from bundle.data.datalist import load_datalist
+from bundle.io_utils import write_json_atomic, write_text_atomic
+from bundle.reporting import read_predictions_csv
+from bundle.templates import labelled_training_items
 
-import fire  # noqa: E402
-import numpy as np  # noqa: E402
-from bundle.data.datalist import load_datalist  # noqa: E402
-from bundle.io_utils import write_json_atomic, write_text_atomic  # noqa: E402
-from bundle.reporting import read_predictions_csv  # noqa: E402
-from bundle.templates import labelled_training_items  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 ROWS = {  # the paper's ablation rows: (entropy_sampling, adaptive_augmentation)
     "baseline": (False, False),
@@ -236,7 +234,7 @@ def run_one(
     if not Path(aug).is_file():
         raise FileNotFoundError(
             f"{aug}: no estimated intensities for alpha_hat {spec['alpha_hat']} "
-            f"(run scripts/estimate_augmentation.py --alpha_hat {spec['alpha_hat']} --output {aug})"
+            f"(run python -m scripts.estimate_augmentation --alpha_hat {spec['alpha_hat']} --output {aug})"
         )
     epochs = max(1, iterations // epoch_length)
     overrides = dict(

@@ -5,11 +5,11 @@ Trains the 3D model self-supervised on warped T1w copies (``configs/train.yaml``
 with an MRI intensity window), then matches the T1w template's 32 AFIDs in each test volume and prints
 the MRE (mm, world space) per group beside the no-matching baseline (the template's own coordinates):
 
-    python scripts/afids_check.py --workdir output/afids [--iterations 60] [--spacing 3]
+    python -m scripts.afids_check --workdir output/afids [--iterations 60] [--spacing 3]
     # the same checkpoint, k = 5 labelled templates: the T1w and 4 warped training copies with their AFIDs
-    python scripts/afids_check.py --workdir output/afids --templates 5
+    python -m scripts.afids_check --workdir output/afids --templates 5
     # the same checkpoint, the T1w template plus 5 pseudo-templates among the 8 training warps (their AFIDs unread)
-    python scripts/afids_check.py --workdir output/afids --pseudo_templates 5 [--pseudo_candidates 8]
+    python -m scripts.afids_check --workdir output/afids --pseudo_templates 5 [--pseudo_candidates 8]
 
 Pseudo-templates are chosen as the evaluating command's ``pseudo_*`` keys choose them and written as a datalist
 (``WORKDIR/data/datalist_k1_pseudo5.json``) that the evaluation then reads; the script also prints how far each
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import csv
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -32,8 +31,6 @@ import fire
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 
 def _group_errors(predictions: Path, datalist: dict, template: np.ndarray) -> dict[str, dict[str, list[float]]]:

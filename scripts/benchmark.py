@@ -1,11 +1,10 @@
 """Benchmarks of the bundle's heavy pieces, one command per section.
 
-Run from the repository root, e.g. ``python scripts/benchmark.py entropy --repeats 3``.
+Run from the repository root, e.g. ``python -m scripts.benchmark entropy --repeats 3``.
 """
 
 from __future__ import annotations
 
-import sys
 import time
 import tracemalloc
 from pathlib import Path
@@ -15,8 +14,6 @@ import fire
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 DATA = ROOT.parent / "shared" / "data"
 

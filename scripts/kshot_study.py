@@ -1,7 +1,7 @@
 """k-shot and pseudo-template measurements on a protocol datalist (docs/results.md, "Several templates").
 
-    python scripts/kshot_study.py selection --datalist runs/hamedan/protocol.json --template 019 --out runs/kshot
-    python scripts/kshot_study.py test --datalist runs/hamedan/protocol.json --out runs/kshot \
+    python -m scripts.kshot_study selection --datalist runs/hamedan/protocol.json --template 019 --out runs/kshot
+    python -m scripts.kshot_study test --datalist runs/hamedan/protocol.json --out runs/kshot \
         --runs "[{'name': 'one', 'template': '019'}, {'name': 'five', 'first_labelled': 5}]"
 
 ``selection`` chooses the pseudo-template settings without the test images: the template's labels are the
@@ -16,20 +16,17 @@ and the script prints MRE, SDR 2 mm, the share of errors above 10 mm and the wal
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import fire
+import numpy as np
+from bundle.data.datalist import load_datalist, save_datalist
+from bundle.io_utils import write_json_atomic
+from bundle.reporting import read_predictions_csv
+from bundle.templates import labelled_training_items
 
-import fire  # noqa: E402
-import numpy as np  # noqa: E402
-from bundle.data.datalist import load_datalist, save_datalist  # noqa: E402
-from bundle.io_utils import write_json_atomic  # noqa: E402
-from bundle.reporting import read_predictions_csv  # noqa: E402
-from bundle.templates import labelled_training_items  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 CONFIGS = ["configs/train.yaml", "configs/evaluate.yaml"]
 

@@ -23,6 +23,7 @@ from bundle.afids import (
 )
 from bundle.data.datalist import load_datalist
 from scipy.ndimage import map_coordinates
+from scripts import afids_check
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -105,9 +106,6 @@ def test_prepare_afids_datalist(tmp_path):
         )
 
     # afids_check --templates k: the T1w template and the first k - 1 training warps with their AFIDs
-    spec = importlib.util.spec_from_file_location("afids_check", ROOT / "scripts" / "afids_check.py")
-    afids_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(afids_check)
     kshot = load_datalist(afids_check.kshot_datalist(datalist, 3, tmp_path / "datalist_k3.json"))
     assert "template" not in kshot and [it["image"] for it in kshot["templates"]] == [datalist["template"]["image"]] + [
         it["image"] for it in datalist["training"]
@@ -126,9 +124,6 @@ def test_afids_check_pseudo_templates_are_written_and_scored_against_the_carried
     from bundle.afids import MRI_LOAD_TRANSFORMS
     from bundle.configs import bundle_parser
 
-    spec = importlib.util.spec_from_file_location("afids_check", ROOT / "scripts" / "afids_check.py")
-    afids_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(afids_check)
     path = prepare_afids_datalist(tmp_path / "data", n_training=3, n_test=1, spacing=6.0, seed=3)
     datalist = load_datalist(path)
     configs = [str(ROOT / "configs" / f) for f in ("train.yaml", "train_3d.yaml", "evaluate.yaml", "evaluate_3d.yaml")]

@@ -31,6 +31,7 @@ from ignite.engine import Engine
 from monai.bundle import run
 from monai.transforms import Compose
 from PIL import Image
+from scripts import prepare_data
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ["configs/train.yaml"]
@@ -631,18 +632,7 @@ def test_template_without_landmarks_fails_before_inference_leaving_outputs(data2
 # ---------------------------------------------------------------- prepare_data
 
 
-def _prepare_data_script():
-    """scripts/prepare_data.py as a module (its ``main`` takes the command line's arguments)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("prepare_data", ROOT / "scripts" / "prepare_data.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_prepare_data_refuses_a_truncated_png(tmp_path, capsys):
-    prepare_data = _prepare_data_script()
     root = tmp_path / "hand"
     (root / "images").mkdir(parents=True)
     rng = np.random.default_rng(0)
@@ -663,7 +653,6 @@ def test_prepare_data_refuses_a_truncated_png(tmp_path, capsys):
 
 
 def test_prepare_data_refuses_a_landmark_outside_its_image(tmp_path, capsys):
-    prepare_data = _prepare_data_script()
     root = tmp_path / "hand"
     (root / "images").mkdir(parents=True)
     for i in (1, 2):

@@ -8,7 +8,6 @@ computed from those values and the DICOM rules in the test, not by the code unde
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import struct
 import uuid
@@ -38,6 +37,7 @@ from bundle.transforms.landmarks import LandmarkTargetsd
 from monai.bundle import run
 from monai.transforms import Compose, LoadImaged
 from PIL import Image
+from scripts import prepare_data
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_2D = ["configs/train.yaml"]
@@ -493,9 +493,6 @@ def test_dicom_datalists_for_xray_files_and_ct_series(tmp_path):
     assert dl["spatial_dims"] == 3 and dl["landmark_names"] == ["tip"]
     assert Path(dl["training"][0]["image"]).name == "a" and dl["training"][0]["landmarks"] == [[-6.0, 18.0, 27.0]]
 
-    spec = importlib.util.spec_from_file_location("prepare_data", ROOT / "scripts" / "prepare_data.py")
-    prepare_data = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(prepare_data)
     out = tmp_path / "lists" / "ct.json"
     prepare_data.main(["dicom", str(cts), str(out)])
     assert load_datalist(out)["training"][0]["landmarks"] == [[-6.0, 18.0, 27.0]]

@@ -4,20 +4,14 @@ from __future__ import annotations
 
 import csv
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from bundle.information_groups import information_groups
+from bundle.transforms.entropy import local_entropy
 from PIL import Image
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import ablation  # noqa: E402
-import results_figures  # noqa: E402
-from bundle.information_groups import information_groups  # noqa: E402
-from bundle.transforms.entropy import local_entropy  # noqa: E402
+from scripts import ablation, results_figures
 
 
 def test_plan_covers_rows_seeds_and_sweeps_once():
@@ -263,7 +257,7 @@ def test_a_failing_bundle_command_names_its_log(tmp_path):
 
 def test_missing_augmentation_estimate_is_named(tmp_path):
     spec = ablation.plan([0])[0]
-    with pytest.raises(FileNotFoundError, match="estimate_augmentation.py --alpha_hat 0.8"):
+    with pytest.raises(FileNotFoundError, match="scripts.estimate_augmentation --alpha_hat 0.8"):
         ablation.run_one(spec, "d.json", tmp_path, 10, 10, str(tmp_path / "aug_{alpha}.yaml"))
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -26,14 +25,12 @@ from bundle.data.synthetic import generate_synthetic_2d
 from monai.bundle import run
 from monai.transforms import EnsureChannelFirst
 from PIL import Image
+from scripts import prepare_data
 
 from tests.test_dicom import read_predictions, same_predictions
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data"
-spec = importlib.util.spec_from_file_location("prepare_data", REPO / "scripts" / "prepare_data.py")
-prepare_data = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(prepare_data)
 
 
 def messages(record) -> list[str]:
@@ -430,7 +427,7 @@ def test_split_is_seeded_and_keeps_the_template():
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, str(REPO / "scripts" / "prepare_data.py"), *args]
+    command = [sys.executable, "-m", "scripts.prepare_data", *args]
     return subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=120)
 
 
