@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _group_errors(predictions: Path, datalist: dict, template: np.ndarray) -> dict[str, dict[str, list[float]]]:
     """Per test group: the matching errors (predictions.csv) and the template-coordinate baseline errors."""
-    from bundle.afids import group_of
+    from scripts.afids import group_of
 
     references = {Path(it["image"]).name: np.asarray(it["landmarks"], float) for it in datalist["test"]}
     groups: dict[str, dict[str, list[float]]] = {}
@@ -152,10 +152,10 @@ def main(
     all) training warps, labelled by matching, their AFIDs not read (``bundle.templates.resolve_templates``);
     ``pseudo_cycle_tolerance`` in network-grid voxels; ``template_combine`` as in ``configs/train.yaml``.
     """
-    from bundle.afids import MRI_LOAD_TRANSFORMS, prepare_afids_datalist
     from bundle.data.datalist import load_datalist
     from bundle.io_utils import write_json_atomic
     from monai.bundle import run
+    from scripts.afids import MRI_LOAD_TRANSFORMS, prepare_afids_datalist
 
     work = Path(workdir).resolve()
     datalist_path = work / "data" / "datalist.json"
