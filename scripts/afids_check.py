@@ -152,6 +152,7 @@ def main(
     all) training warps, labelled by matching, their AFIDs not read (``bundle.templates.resolve_templates``);
     ``pseudo_cycle_tolerance`` in network-grid voxels; ``template_combine`` as in ``configs/train.yaml``.
     """
+    from bundle.configs import config_files
     from bundle.data.datalist import load_datalist
     from bundle.io_utils import write_json_atomic
     from monai.bundle import run
@@ -173,7 +174,7 @@ def main(
         else kshot_datalist(datalist, templates, work / "data" / f"datalist_k{templates}.json")
     )
 
-    configs = [str(ROOT / "configs" / f) for f in ("train.yaml", "train_3d.yaml")]
+    configs = [str(ROOT / f) for f in config_files("train", spatial_dims=3)]
     common = {
         "bundle_root": str(ROOT),
         "target_spacing": [spacing] * 3,
@@ -219,7 +220,7 @@ def main(
                 f"evaluate with the same --spacing and --image_size, or --retrain true"
             )
     trained = time.perf_counter()
-    evaluation = configs + [str(ROOT / "configs" / f) for f in ("evaluate.yaml", "evaluate_3d.yaml")]
+    evaluation = [str(ROOT / f) for f in config_files("evaluate", spatial_dims=3)]
     eval_dir = work / f"eval_{setting}"
     candidates = len(datalist["training"]) if pseudo_candidates is None else pseudo_candidates
     pseudo = []

@@ -121,12 +121,12 @@ def test_afids_check_pseudo_templates_are_written_and_scored_against_the_carried
     """afids_check --pseudo_templates: chosen by bundle.templates.resolve_templates (an untrained tiny network here),
     written as the datalist's templates with their kept pseudo-labels, scored against the carried AFIDs."""
     import torch
-    from bundle.configs import bundle_parser
+    from bundle.configs import bundle_parser, config_files
     from scripts.afids import MRI_LOAD_TRANSFORMS
 
     path = prepare_afids_datalist(tmp_path / "data", n_training=3, n_test=1, spacing=6.0, seed=3)
     datalist = load_datalist(path)
-    configs = [str(ROOT / "configs" / f) for f in ("train.yaml", "train_3d.yaml", "evaluate.yaml", "evaluate_3d.yaml")]
+    configs = [str(ROOT / f) for f in config_files("evaluate", spatial_dims=3)]
     common = {
         "bundle_root": str(ROOT),
         "target_spacing": [6.0] * 3,

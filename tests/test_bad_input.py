@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 from bundle.checkpoints import CheckpointError, load_weights, resume_path, save_atomically
-from bundle.configs import bundle_parser, check_command_line, check_image_size
+from bundle.configs import bundle_parser, check_command_line, check_image_size, config_files
 from bundle.data.datalist import DatalistError, load_datalist
 from bundle.data.synthetic import generate_synthetic_2d
 from bundle.export import image_items
@@ -34,9 +34,9 @@ from PIL import Image
 from scripts import prepare_data
 
 ROOT = Path(__file__).resolve().parents[1]
-TRAIN = ["configs/train.yaml"]
-EVALUATE = ["configs/train.yaml", "configs/evaluate.yaml"]
-EVALUATE_3D = ["configs/train.yaml", "configs/train_3d.yaml", "configs/evaluate.yaml", "configs/evaluate_3d.yaml"]
+TRAIN = config_files("train")
+EVALUATE = config_files("evaluate")
+EVALUATE_3D = config_files("evaluate", spatial_dims=3)
 SMALL = {"image_size": [64, 64], "progress_bar": False, "seed": 0}
 
 

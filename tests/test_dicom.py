@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import SimpleITK as sitk
 import torch
-from bundle.configs import bundle_parser
+from bundle.configs import bundle_parser, config_files
 from bundle.data.datalist import load_datalist, save_datalist
 from bundle.data.dicom import (
     DicomError,
@@ -40,8 +40,8 @@ from PIL import Image
 from scripts import prepare_data
 
 ROOT = Path(__file__).resolve().parents[1]
-TRAIN_2D = ["configs/train.yaml"]
-TRAIN_3D = ["configs/train.yaml", "configs/train_3d.yaml"]
+TRAIN_2D = config_files("train")
+TRAIN_3D = config_files("train", spatial_dims=3)
 
 
 # ---- a minimal DICOM writer (PS3.10 file, explicit VR little endian, uncompressed) ----
@@ -564,7 +564,7 @@ def same_predictions(png: dict, dcm: dict) -> float:
 
 def test_evaluating_gives_the_same_landmarks_and_mm_on_png_and_dicom(tmp_path):
     png_list, dicom_list = png_and_dicom_datalists(tmp_path)
-    config = [str(ROOT / "configs" / f) for f in ("train.yaml", "evaluate.yaml")]
+    config = [str(ROOT / f) for f in config_files("evaluate")]
     results = {}
     for kind, path in (("png", png_list), ("dcm", dicom_list)):
         out = tmp_path / f"eval_{kind}"

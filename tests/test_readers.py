@@ -13,6 +13,7 @@ import nibabel as nib
 import numpy as np
 import pytest
 import SimpleITK as sitk
+from bundle.configs import config_files
 from bundle.data.annotations import natural_key
 from bundle.data.datalist import DatalistError, load_datalist, save_datalist
 from bundle.data.hand_csv import hand_datalist, read_landmark_csv
@@ -273,7 +274,7 @@ def evaluate(datalist: Path, out: Path) -> tuple[dict, dict]:
         warnings.simplefilter("ignore")
         run(
             "evaluating",
-            config_file=[str(REPO / "configs" / f) for f in ("train.yaml", "evaluate.yaml")],
+            config_file=[str(REPO / f) for f in config_files("evaluate")],
             bundle_root=str(REPO),
             datalist=str(datalist),
             output_dir=str(out),
