@@ -31,7 +31,7 @@ $(MONAILABEL_VENV)/.installed: $(VENV)/.installed requirements-monailabel.txt
 	touch $@
 
 package: install
-	$(PY) scripts/package.py --output_dir dist
+	$(PY) -m scripts.package --output_dir dist
 
 demo: demo-train demo-evaluate
 
@@ -63,7 +63,7 @@ test-fast: install lint
 	$(PY) -m pytest $(PYTEST_ARGS) -m "not slow" tests
 
 benchmark: install
-	$(PY) scripts/benchmark.py all
+	$(PY) -m scripts.benchmark all
 
 clean:
 	rm -rf output dist .pytest_cache

@@ -19,6 +19,42 @@ from monai.utils import set_determinism
 
 BUNDLE_ROOT = Path(__file__).resolve().parents[1]
 
+# the config files each command of the bundle merges, in order (paths relative to the bundle root; the README's
+# command lines); the 3D configuration merges THREE_D's twin right after each of its 2D files
+CONFIG_FILES: dict[str, tuple[str, ...]] = {
+    "train": ("configs/train.yaml",),
+    "train_multi_gpu": ("configs/train.yaml", "configs/multi_gpu_train.yaml"),
+    "train_stage2": ("configs/train.yaml", "configs/train_stage2.yaml"),
+    "finetune": ("configs/train.yaml", "configs/train_stage2.yaml", "configs/finetune.yaml"),
+    "evaluate": ("configs/train.yaml", "configs/evaluate.yaml"),
+    "evaluate_detector": (
+        "configs/train.yaml",
+        "configs/train_stage2.yaml",
+        "configs/evaluate.yaml",
+        "configs/evaluate_detector.yaml",
+    ),
+    "evaluate_finetuned": (
+        "configs/train.yaml",
+        "configs/train_stage2.yaml",
+        "configs/finetune.yaml",
+        "configs/evaluate.yaml",
+        "configs/evaluate_detector.yaml",
+    ),
+    "inference": ("configs/inference.yaml",),
+}
+THREE_D = {"configs/train.yaml": "configs/train_3d.yaml", "configs/evaluate.yaml": "configs/evaluate_3d.yaml"}
+
+
+def config_files(name: str, spatial_dims: int = 2) -> list[str]:
+    """The config files of ``name`` (a key of ``CONFIG_FILES``) for 2D images or 3D volumes (``spatial_dims``);
+    ``ValueError`` for a name without a 3D configuration (``inference``) asked for 3D."""
+    files = list(CONFIG_FILES[name])
+    if spatial_dims == 2:
+        return files
+    if spatial_dims != 3 or not any(f in THREE_D for f in files):
+        raise ValueError(f"{name}: no configuration for spatial_dims {spatial_dims!r}")
+    return [g for f in files for g in (f, THREE_D.get(f)) if g]
+
 
 def bundle_parser(
     config_files: str | Sequence[str], bundle_root: str | os.PathLike = BUNDLE_ROOT, **overrides: Any

@@ -1,22 +1,22 @@
 """The paper's ablation (Quan et al. CVPR 2023, Table 3 rows) and the gamma / alpha_hat sweeps on one datalist.
 
-    python scripts/ablation.py run --datalist runs/hamedan/protocol.json --out runs/hamedan \
+    python -m scripts.ablation run --datalist runs/hamedan/protocol.json --out runs/hamedan \
         [--iterations 500 --seeds "[0,1]" --augmentation "runs/hamedan/aug_{alpha}.yaml" --only "[name,...]"]
-    python scripts/ablation.py select --datalist runs/hamedan/protocol.json --out runs/hamedan
-    python scripts/ablation.py template_rules --datalist runs/hamedan/protocol.json --run_dir runs/hamedan/entropy_s0
-    python scripts/ablation.py report --out runs/hamedan --docs docs [--long runs/hamedan_long]
-    python scripts/ablation.py run --plan converged --datalist runs/hamedan/protocol.json --out runs/hamedan_3000 \
+    python -m scripts.ablation select --datalist runs/hamedan/protocol.json --out runs/hamedan
+    python -m scripts.ablation template_rules --datalist runs/hamedan/protocol.json --run_dir runs/hamedan/entropy_s0
+    python -m scripts.ablation report --out runs/hamedan --docs docs [--long runs/hamedan_long]
+    python -m scripts.ablation run --plan converged --datalist runs/hamedan/protocol.json --out runs/hamedan_3000 \
         --iterations 3000 --augmentation runs/hamedan/aug_estimated.yaml
-    python scripts/ablation.py report_plan --plan converged --out runs/hamedan_3000 --docs docs
-    python scripts/ablation.py run --plan comparison --datalist runs/hamedan/protocol.json \
+    python -m scripts.ablation report_plan --plan converged --out runs/hamedan_3000 --docs docs
+    python -m scripts.ablation run --plan comparison --datalist runs/hamedan/protocol.json \
         --out runs/hamedan_comparison --iterations 1500 --augmentation runs/hamedan/aug_estimated.yaml
-    python scripts/ablation.py report_plan --plan comparison --out runs/hamedan_comparison --docs docs
+    python -m scripts.ablation report_plan --plan comparison --out runs/hamedan_comparison --docs docs
 
 ``run`` trains and evaluates every planned run (:func:`plan`) in turn with the bundle's own commands, the
 same budget for all, and writes ``OUT/<run>/result.json`` (settings, validation and test metrics, training
 time, peak memory); a run whose ``result.json`` exists is skipped, so an interrupted plan continues where it
 stopped. ``augmentation`` is a path pattern with ``{alpha}``: the per-group intensities that
-``scripts/estimate_augmentation.py --alpha_hat ALPHA`` wrote. ``select`` scores each finished run on the
+``python -m scripts.estimate_augmentation --alpha_hat ALPHA`` wrote. ``select`` scores each finished run on the
 labelled images outside the test split (:func:`selection_datalist`), the ranking that chooses the shipped
 model. ``template_rules`` compares the template rules of the evaluation on one run, without test images.
 ``report`` reads the results and writes the tables (``docs/results.md`` between its
@@ -31,24 +31,17 @@ session) and writes its table between the plan's ``<!-- converged:begin/end -->`
 from __future__ import annotations
 
 import json
-import os
-import re
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import NamedTuple
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import fire  # noqa: E402
-import numpy as np  # noqa: E402
-from bundle.data.datalist import load_datalist  # noqa: E402
-from bundle.io_utils import write_json_atomic, write_text_atomic  # noqa: E402
-from bundle.reporting import read_predictions_csv  # noqa: E402
-from bundle.templates import labelled_training_items  # noqa: E402
+import fire
+import numpy as np
+from bundle.configs import config_files
+from bundle.data.datalist import load_datalist
+from bundle.io_utils import write_json_atomic, write_text_atomic
+from bundle.reporting import read_predictions_csv
+from bundle.templates import labelled_training_items
+from scripts.bundle_commands import run_command
 
 ROWS = {  # the paper's ablation rows: (entropy_sampling, adaptive_augmentation)
     "baseline": (False, False),
@@ -198,25 +191,6 @@ def high_group_overrides(augmentation: dict) -> dict:
 PLANS = {"sweep": plan, "converged": plan_converged, "comparison": plan_comparison}
 
 
-def _bundle(
-    command: str, configs: list[str], overrides: dict, log: Path, append: bool = False
-) -> tuple[float, float, str]:
-    """Run ``python -m monai.bundle run COMMAND``; return (seconds, peak RSS in MB, log text). Raises on failure.
-    ``append`` keeps the log of an earlier, interrupted run of the same command."""
-    args = [sys.executable, "-m", "monai.bundle", "run", command, "--config_file", repr(configs)]
-    for key, value in overrides.items():
-        args += [f"--{key}", str(value)]
-    start = time.perf_counter()
-    with open(log, "a" if append else "w") as out:
-        proc = subprocess.Popen(args, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-        _, status, usage = os.wait4(proc.pid, 0)
-    seconds = time.perf_counter() - start
-    text = log.read_text()
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise RuntimeError(f"{command} failed (exit {os.waitstatus_to_exitcode(status)}); see {log}:\n{text[-3000:]}")
-    return seconds, usage.ru_maxrss / 1024.0, text
-
-
 def run_one(
     spec: dict,
     datalist: str,
@@ -236,7 +210,7 @@ def run_one(
     if not Path(aug).is_file():
         raise FileNotFoundError(
             f"{aug}: no estimated intensities for alpha_hat {spec['alpha_hat']} "
-            f"(run scripts/estimate_augmentation.py --alpha_hat {spec['alpha_hat']} --output {aug})"
+            f"(run python -m scripts.estimate_augmentation --alpha_hat {spec['alpha_hat']} --output {aug})"
         )
     epochs = max(1, iterations // epoch_length)
     overrides = dict(
@@ -263,13 +237,10 @@ def run_one(
     resumed = (run_dir / "models" / "last.pt").is_file()
     if resumed:
         overrides["resume"] = True
-    train_s, train_rss, log = _bundle(
-        "training", ["configs/train.yaml", aug], overrides, run_dir / "train.log", append=resumed
-    )
-    val = [float(v) for v in re.findall(r"val_mre_mm: ([0-9.]+)", log)]
-    eval_s, eval_rss, _ = _bundle(
+    train = run_command("training", [*config_files("train"), aug], overrides, run_dir / "train.log", append=resumed)
+    evaluation = run_command(
         "evaluating",
-        ["configs/train.yaml", "configs/evaluate.yaml"],
+        config_files("evaluate"),
         dict(
             datalist=datalist,
             output_dir=run_dir / "eval",
@@ -279,20 +250,19 @@ def run_one(
         ),
         run_dir / "eval.log",
     )
-    metrics = json.loads((run_dir / "eval" / "metrics.json").read_text())
     result = dict(
         spec,
         iterations=epochs * epoch_length,
         augmentation_file=aug,
         template_rule=template_rule,
         settings=settings or {},
-        validation_mre_mm=val[-1] if val else None,
-        test=metrics,
-        train_seconds=round(train_s, 1),  # of the last (resumed) part only when ``resumed``
+        validation_mre_mm=train.outputs.get("val_mre_mm"),
+        test=evaluation.outputs,
+        train_seconds=round(train.seconds, 1),  # of the last (resumed) part only when ``resumed``
         resumed=resumed,
-        train_peak_rss_mb=round(train_rss),
-        eval_seconds=round(eval_s, 1),
-        eval_peak_rss_mb=round(eval_rss),
+        train_peak_rss_mb=round(train.peak_rss_mb),
+        eval_seconds=round(evaluation.seconds, 1),
+        eval_peak_rss_mb=round(evaluation.peak_rss_mb),
     )
     write_json_atomic(run_dir / "result.json", result)
     return result
@@ -380,9 +350,9 @@ def _evaluate_runs(datalist: str, out: str, key: str, make_datalist, describe: s
         run_dir = path.parent
         chosen = json.loads((run_dir / "eval" / "metrics.json").read_text())
         write_json_atomic(run_dir / f"{key}_datalist.json", make_datalist(full, chosen))
-        _bundle(
+        metrics = run_command(
             "evaluating",
-            ["configs/train.yaml", "configs/evaluate.yaml"],
+            config_files("evaluate"),
             dict(
                 datalist=run_dir / f"{key}_datalist.json",
                 output_dir=run_dir / key,
@@ -390,8 +360,7 @@ def _evaluate_runs(datalist: str, out: str, key: str, make_datalist, describe: s
                 overlays=False,
             ),
             run_dir / f"{key}.log",
-        )
-        metrics = json.loads((run_dir / key / "metrics.json").read_text())
+        ).outputs
         write_json_atomic(path, dict(result, **{key: metrics, f"{key}_mre_mm": metrics["mre_mm"]}))
         print(
             f"{result['name']}: {describe} MRE {metrics['mre_mm']:.2f} mm on {metrics['n_images']} images, "
@@ -430,7 +399,7 @@ def template_rules(datalist: str, run_dir: str, pool_size: int = 32) -> dict:
 
     run_path = Path(run_dir)
     parser = bundle_parser(
-        ["configs/train.yaml", "configs/evaluate.yaml"],
+        config_files("evaluate"),
         datalist=datalist,
         ckpt_path=str(run_path / "models" / "model.pt"),
         device="cpu",

@@ -5,11 +5,11 @@ Trains the 3D model self-supervised on warped T1w copies (``configs/train.yaml``
 with an MRI intensity window), then matches the T1w template's 32 AFIDs in each test volume and prints
 the MRE (mm, world space) per group beside the no-matching baseline (the template's own coordinates):
 
-    python scripts/afids_check.py --workdir output/afids [--iterations 60] [--spacing 3]
+    python -m scripts.afids_check --workdir output/afids [--iterations 60] [--spacing 3]
     # the same checkpoint, k = 5 labelled templates: the T1w and 4 warped training copies with their AFIDs
-    python scripts/afids_check.py --workdir output/afids --templates 5
+    python -m scripts.afids_check --workdir output/afids --templates 5
     # the same checkpoint, the T1w template plus 5 pseudo-templates among the 8 training warps (their AFIDs unread)
-    python scripts/afids_check.py --workdir output/afids --pseudo_templates 5 [--pseudo_candidates 8]
+    python -m scripts.afids_check --workdir output/afids --pseudo_templates 5 [--pseudo_candidates 8]
 
 Pseudo-templates are chosen as the evaluating command's ``pseudo_*`` keys choose them and written as a datalist
 (``WORKDIR/data/datalist_k1_pseudo5.json``) that the evaluation then reads; the script also prints how far each
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import csv
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -32,13 +31,11 @@ import fire
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 
 def _group_errors(predictions: Path, datalist: dict, template: np.ndarray) -> dict[str, dict[str, list[float]]]:
     """Per test group: the matching errors (predictions.csv) and the template-coordinate baseline errors."""
-    from bundle.afids import group_of
+    from scripts.afids import group_of
 
     references = {Path(it["image"]).name: np.asarray(it["landmarks"], float) for it in datalist["test"]}
     groups: dict[str, dict[str, list[float]]] = {}
@@ -155,10 +152,11 @@ def main(
     all) training warps, labelled by matching, their AFIDs not read (``bundle.templates.resolve_templates``);
     ``pseudo_cycle_tolerance`` in network-grid voxels; ``template_combine`` as in ``configs/train.yaml``.
     """
-    from bundle.afids import MRI_LOAD_TRANSFORMS, prepare_afids_datalist
+    from bundle.configs import config_files
     from bundle.data.datalist import load_datalist
     from bundle.io_utils import write_json_atomic
     from monai.bundle import run
+    from scripts.afids import MRI_LOAD_TRANSFORMS, prepare_afids_datalist
 
     work = Path(workdir).resolve()
     datalist_path = work / "data" / "datalist.json"
@@ -176,7 +174,7 @@ def main(
         else kshot_datalist(datalist, templates, work / "data" / f"datalist_k{templates}.json")
     )
 
-    configs = [str(ROOT / "configs" / f) for f in ("train.yaml", "train_3d.yaml")]
+    configs = [str(ROOT / f) for f in config_files("train", spatial_dims=3)]
     common = {
         "bundle_root": str(ROOT),
         "target_spacing": [spacing] * 3,
@@ -222,7 +220,7 @@ def main(
                 f"evaluate with the same --spacing and --image_size, or --retrain true"
             )
     trained = time.perf_counter()
-    evaluation = configs + [str(ROOT / "configs" / f) for f in ("evaluate.yaml", "evaluate_3d.yaml")]
+    evaluation = [str(ROOT / f) for f in config_files("evaluate", spatial_dims=3)]
     eval_dir = work / f"eval_{setting}"
     candidates = len(datalist["training"]) if pseudo_candidates is None else pseudo_candidates
     pseudo = []

@@ -1,11 +1,10 @@
 """Benchmarks of the bundle's heavy pieces, one command per section.
 
-Run from the repository root, e.g. ``python scripts/benchmark.py entropy --repeats 3``.
+Run from the repository root, e.g. ``python -m scripts.benchmark entropy --repeats 3``.
 """
 
 from __future__ import annotations
 
-import sys
 import time
 import tracemalloc
 from pathlib import Path
@@ -15,8 +14,6 @@ import fire
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 DATA = ROOT.parent / "shared" / "data"
 
@@ -305,12 +302,16 @@ def all(repeats: int = 3) -> None:  # noqa: A001 - the CLI's name for every sect
 
 def training_3d(iterations: int = 10, warmup: int = 2, **overrides: Any) -> None:
     """3D training throughput (configs/train.yaml + configs/train_3d.yaml, synthetic CT) and peak memory."""
-    training(iterations=iterations, warmup=warmup, config=["configs/train.yaml", "configs/train_3d.yaml"], **overrides)
+    from bundle.configs import config_files
+
+    training(iterations=iterations, warmup=warmup, config=config_files("train", spatial_dims=3), **overrides)
 
 
 def inference_3d(repeats: int = 2, **overrides: Any) -> None:
     """3D one-shot inference time per volume (load, resample, window, match, refine) against the forward alone."""
-    inference(repeats=repeats, config=["configs/train.yaml", "configs/train_3d.yaml"], **overrides)
+    from bundle.configs import config_files
+
+    inference(repeats=repeats, config=config_files("train", spatial_dims=3), **overrides)
 
 
 COMMANDS = {

@@ -1,12 +1,12 @@
 """Write a template feature file (``bundle.export``): the network's feature vectors at K templates' landmarks.
 
-    python scripts/build_template.py --datalist runs/hamedan/protocol.json --output models/template_features.pt \
+    python -m scripts.build_template --datalist runs/hamedan/protocol.json --output models/template_features.pt \
         --templates "['019']" --first_labelled 5 [--ckpt_path models/model.pt]
 
 Without ``--output`` the file goes to ``output/template_features.pt``: the shipped one is only replaced when named.
 The shipped ``models/template_features.pt`` is built this way from the Hamedan protocol datalist, made by
 
-    python scripts/prepare_data.py labelme HAMEDAN_DIR runs/hamedan/protocol.json --names isbi \
+    python -m scripts.prepare_data labelme HAMEDAN_DIR runs/hamedan/protocol.json --names isbi \
         --spacing "[0.12,0.12]" --validation_fraction 0.1 --test_fraction 0.3 --seed 0 --keep_held_out_images true
 
 with K = 6 templates: image 019 (the evaluation's template, chosen by the default rule ``landmarks``, see
@@ -22,21 +22,18 @@ features are computed with ``configs/inference.yaml``'s network and preprocessin
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import fire
+import torch
+from bundle.configs import bundle_parser
+from bundle.data.annotations import image_stem
+from bundle.data.embedded import open_datalist
+from bundle.export import compute_template
+from bundle.template_file import save_template
+from bundle.templates import labelled_training_items
 
-import fire  # noqa: E402
-import torch  # noqa: E402
-from bundle.configs import bundle_parser  # noqa: E402
-from bundle.data.annotations import image_stem  # noqa: E402
-from bundle.data.embedded import open_datalist  # noqa: E402
-from bundle.export import compute_template  # noqa: E402
-from bundle.template_file import save_template  # noqa: E402
-from bundle.templates import labelled_training_items  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _labelled_items(datalist: dict) -> list[dict]:

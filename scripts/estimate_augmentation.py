@@ -1,7 +1,7 @@
 """Estimate the per-group augmentation of the paper (Sec. 3, step 2, "Approximating minimal necessary MI")
 from a datalist.
 
-    python scripts/estimate_augmentation.py --datalist D --output augmentation.yaml \
+    python -m scripts.estimate_augmentation --datalist D --output augmentation.yaml \
         [--mi distribution|joint --alpha_hat 0.8 --window 10 --thresholds "[2,4]" --n_images 10 --patch_size 64 \
          --image_size 384 --correspondences landmarks|encoder --ckpt_path models/model.pt --seed 0]
 
@@ -37,22 +37,19 @@ atomically as YAML that a bundle config merges (``augmentation: {thresholds, ...
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import fire  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import yaml  # noqa: E402
-from bundle.data.datalist import landmarks_array, load_datalist  # noqa: E402
-from bundle.data.images import load_grey  # noqa: E402
-from bundle.information import estimate_group_intensities, estimate_group_ranges, offset_correspondences  # noqa: E402
-from bundle.information_groups import GROUP_NAMES, check_thresholds  # noqa: E402
-from bundle.io_utils import write_text_atomic  # noqa: E402
-from bundle.transforms.entropy import local_entropy  # noqa: E402
-from monai.transforms import Resize  # noqa: E402
+import fire
+import numpy as np
+import torch
+import yaml
+from bundle.data.datalist import landmarks_array, load_datalist
+from bundle.data.images import load_grey
+from bundle.information import estimate_group_intensities, estimate_group_ranges, offset_correspondences
+from bundle.information_groups import GROUP_NAMES, check_thresholds
+from bundle.io_utils import write_text_atomic
+from bundle.transforms.entropy import local_entropy
+from monai.transforms import Resize
 
 CORRESPONDENCE_SOURCES = ("landmarks", "encoder")
 MI_KINDS = ("distribution", "joint")

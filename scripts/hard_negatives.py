@@ -13,7 +13,7 @@ checkpoint, each scale of the loss reports (over the queries inside both views):
   synthetic negatives whose cosine with the query exceeds the positive's;
 * ``positive_cosine`` / ``hard_cosine`` / ``synthetic_cosine``: the mean cosines.
 
-    python scripts/hard_negatives.py --ckpt_path runs/hamedan_comparison/baseline_s0/models/model.pt \
+    python -m scripts.hard_negatives --ckpt_path runs/hamedan_comparison/baseline_s0/models/model.pt \
         --datalist runs/hamedan/protocol.json --batches 20 --output hard.json
 """
 
@@ -21,19 +21,14 @@ from __future__ import annotations
 
 import itertools
 import json
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import fire  # noqa: E402
-import torch  # noqa: E402
-from bundle.configs import bundle_parser  # noqa: E402
-from bundle.io_utils import write_json_atomic  # noqa: E402
-from bundle.loss import window_offsets  # noqa: E402
-from bundle.mixing import HardNegativeMixing  # noqa: E402
+import fire
+import torch
+from bundle.configs import bundle_parser
+from bundle.io_utils import write_json_atomic
+from bundle.loss import window_offsets
+from bundle.mixing import HardNegativeMixing
 
 
 class KeySetRecorder:

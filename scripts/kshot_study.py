@@ -1,7 +1,7 @@
 """k-shot and pseudo-template measurements on a protocol datalist (docs/results.md, "Several templates").
 
-    python scripts/kshot_study.py selection --datalist runs/hamedan/protocol.json --template 019 --out runs/kshot
-    python scripts/kshot_study.py test --datalist runs/hamedan/protocol.json --out runs/kshot \
+    python -m scripts.kshot_study selection --datalist runs/hamedan/protocol.json --template 019 --out runs/kshot
+    python -m scripts.kshot_study test --datalist runs/hamedan/protocol.json --out runs/kshot \
         --runs "[{'name': 'one', 'template': '019'}, {'name': 'five', 'first_labelled': 5}]"
 
 ``selection`` chooses the pseudo-template settings without the test images: the template's labels are the
@@ -15,23 +15,16 @@ and the script prints MRE, SDR 2 mm, the share of errors above 10 mm and the wal
 
 from __future__ import annotations
 
-import json
-import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import fire  # noqa: E402
-import numpy as np  # noqa: E402
-from bundle.data.datalist import load_datalist, save_datalist  # noqa: E402
-from bundle.io_utils import write_json_atomic  # noqa: E402
-from bundle.reporting import read_predictions_csv  # noqa: E402
-from bundle.templates import labelled_training_items  # noqa: E402
-
-CONFIGS = ["configs/train.yaml", "configs/evaluate.yaml"]
+import fire
+import numpy as np
+from bundle.configs import config_files
+from bundle.data.datalist import load_datalist, save_datalist
+from bundle.io_utils import write_json_atomic
+from bundle.reporting import read_predictions_csv
+from bundle.templates import labelled_training_items
+from scripts.bundle_commands import run_command
 
 
 def _find(items: list[dict], stem: str) -> dict:
@@ -48,8 +41,7 @@ def _absolute(item: dict) -> dict:
 
 def _evaluate(datalist: dict, out: Path, ckpt_path: str, **overrides) -> dict:
     """Run the bundle's evaluating command on ``datalist``; return its metrics plus gross-error share and seconds."""
-    from monai.bundle import run
-
+    out = out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     absolute = {
         k: (
@@ -60,20 +52,19 @@ def _evaluate(datalist: dict, out: Path, ckpt_path: str, **overrides) -> dict:
         for k, v in datalist.items()
     }
     path = save_datalist(absolute, out / "datalist.json")
-    start = time.perf_counter()
-    run(
+    evaluation = run_command(
         "evaluating",
-        config_file=[str(ROOT / c) for c in CONFIGS],
-        bundle_root=str(ROOT),
-        datalist=str(path),
-        output_dir=str(out),
-        ckpt_path=ckpt_path,
-        overlays=False,
-        progress_bar=False,
-        **overrides,
+        config_files("evaluate"),
+        dict(
+            datalist=path,
+            output_dir=out,
+            ckpt_path=Path(ckpt_path).resolve(),
+            overlays=False,
+            progress_bar=False,
+            **overrides,
+        ),
     )
-    seconds = time.perf_counter() - start
-    metrics = json.loads((out / "metrics.json").read_text())
+    metrics, seconds = evaluation.outputs, evaluation.seconds
     errors = np.array([r["error_mm"] for r in read_predictions_csv(out / "predictions.csv")])
     errors = errors[np.isfinite(errors)]
     result = {

@@ -1,6 +1,6 @@
 """Build the model-zoo archive of the bundle: ``<name>_v<version>.zip`` holding one top-level folder ``<name>/``.
 
-    python scripts/package.py [--output_dir dist] [--name cephalometric_xray_landmark_detection]
+    python -m scripts.package [--output_dir dist] [--name cephalometric_xray_landmark_detection]
 
 What goes in is what the bundle needs to run from its own folder (MONAI model-zoo layout): ``configs/``,
 ``models/``, ``docs/``, ``scripts/``, the ``bundle/`` package the configs import, ``LICENSE``,
@@ -15,17 +15,14 @@ bundle's network from ``configs/<workflow_type>.json`` only. The default name fo
 from __future__ import annotations
 
 import json
-import sys
 import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import fire
+import yaml
+from bundle.io_utils import atomic_path
 
-import fire  # noqa: E402
-import yaml  # noqa: E402
-from bundle.io_utils import atomic_path  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 DEFAULT_NAME = "cephalometric_xray_landmark_detection"
 INCLUDE = ("configs", "models", "docs", "scripts", "bundle", "LICENSE", "large_files.yml", "requirements.txt")

@@ -2,12 +2,12 @@
 
 Run from the repository root::
 
-    python scripts/prepare_data.py labelme --root DIR --out data/x/datalist.json \\
+    python -m scripts.prepare_data labelme --root DIR --out data/x/datalist.json \\
         [--annotators a,b] [--names isbi | --landmark_names "[n1,n2,...]"] [--spacing "[0.12,0.12]"]
-    python scripts/prepare_data.py isbi2015 --root DIR --out ... [--test2 validation]
-    python scripts/prepare_data.py hand --root DIR --out ... [--spacing "[0.1,0.1]"] [--csv all.csv]
-    python scripts/prepare_data.py nifti --images_dir DIR [--markups_dir DIR] --out ... [--landmark_names ...]
-    python scripts/prepare_data.py dicom --root DIR --out ... [--csv marks.csv] [--spacing ...] [--markups_dir DIR]
+    python -m scripts.prepare_data isbi2015 --root DIR --out ... [--test2 validation]
+    python -m scripts.prepare_data hand --root DIR --out ... [--spacing "[0.1,0.1]"] [--csv all.csv]
+    python -m scripts.prepare_data nifti --images_dir DIR [--markups_dir DIR] --out ... [--landmark_names ...]
+    python -m scripts.prepare_data dicom --root DIR --out ... [--csv marks.csv] [--spacing ...] [--markups_dir DIR]
 
 Options of every command: ``--name``; ``--validation_fraction 0.0 --test_fraction 0.0 --seed 0`` move a
 seeded random share of the labelled ``training`` items to ``validation`` / ``test``; ``--template ID``
@@ -25,21 +25,19 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import fire
+import numpy as np
+from bundle.data.annotations import MultiAnnotatorSet, image_stem, natural_key
+from bundle.data.datalist import SECTIONS, load_datalist, save_datalist
+from bundle.data.dicom import dicom_series_datalist, dicom_xray_datalist, find_dicom_files
+from bundle.data.hand_csv import hand_datalist
+from bundle.data.images import ImageError, check_image_file
+from bundle.data.isbi2015 import ISBI_2015_LANDMARK_NAMES, ISBI_2015_SPACING_MM, read_isbi2015_set
+from bundle.data.labelme import read_labelme_set
+from bundle.data.nifti import nifti_datalist
+from bundle.io_utils import atomic_path
 
-import fire  # noqa: E402
-import numpy as np  # noqa: E402
-from bundle.data.annotations import MultiAnnotatorSet, image_stem, natural_key  # noqa: E402
-from bundle.data.datalist import SECTIONS, load_datalist, save_datalist  # noqa: E402
-from bundle.data.dicom import dicom_series_datalist, dicom_xray_datalist, find_dicom_files  # noqa: E402
-from bundle.data.hand_csv import hand_datalist  # noqa: E402
-from bundle.data.images import ImageError, check_image_file  # noqa: E402
-from bundle.data.isbi2015 import ISBI_2015_LANDMARK_NAMES, ISBI_2015_SPACING_MM, read_isbi2015_set  # noqa: E402
-from bundle.data.labelme import read_labelme_set  # noqa: E402
-from bundle.data.nifti import nifti_datalist  # noqa: E402
-from bundle.io_utils import atomic_path  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 BUILT_IN_NAMES = {"isbi": ISBI_2015_LANDMARK_NAMES}
 

@@ -1,34 +1,29 @@
 """Figures of docs/results.md drawn from real images: the IIE map with its three groups, prediction overlays.
 
-    python scripts/results_figures.py iie --image IMAGE --output docs/results_iie_groups.png \
+    python -m scripts.results_figures iie --image IMAGE --output docs/results_iie_groups.png \
         [--window 10 --thresholds "[2,4]"]
-    python scripts/results_figures.py overlays --datalist D --eval_dir RUN/eval --output_dir docs [--n 2 --width 480]
+    python -m scripts.results_figures overlays --datalist D --eval_dir RUN/eval --output_dir docs [--n 2 --width 480]
 
 The figures are downsampled renderings (``width`` pixels wide) for illustration only.
 """
 
 from __future__ import annotations
 
-import sys
 from collections import defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import fire  # noqa: E402
-import numpy as np  # noqa: E402
-from bundle.data.datalist import landmarks_array, load_datalist  # noqa: E402
-from bundle.data.images import load_grey  # noqa: E402
-from bundle.information_groups import GROUP_NAMES, information_groups  # noqa: E402
-from bundle.io_utils import atomic_path  # noqa: E402
-from bundle.reporting import read_predictions_csv, save_overlay_png  # noqa: E402
-from bundle.transforms.entropy import local_entropy  # noqa: E402
-from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
-from matplotlib.colors import ListedColormap  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
-from monai.transforms import Resize  # noqa: E402
+import fire
+import numpy as np
+from bundle.data.datalist import landmarks_array, load_datalist
+from bundle.data.images import load_grey
+from bundle.information_groups import GROUP_NAMES, information_groups
+from bundle.io_utils import atomic_path
+from bundle.reporting import read_predictions_csv, save_overlay_png
+from bundle.transforms.entropy import local_entropy
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.colors import ListedColormap
+from matplotlib.figure import Figure
+from monai.transforms import Resize
 
 
 def _shrink(image_xy: np.ndarray, width: int, mode: str = "area") -> tuple[np.ndarray, float]:

@@ -1,6 +1,6 @@
 """Run the MONAI model zoo's own pre-merge check (``ci/verify_bundle.py``) on this bundle, offline.
 
-    python scripts/verify_zoo.py ZOO_CHECKOUT [--mode full] [--workdir DIR] [--name NAME]
+    python -m scripts.verify_zoo ZOO_CHECKOUT [--mode full] [--workdir DIR] [--name NAME]
 
 ``ZOO_CHECKOUT`` is a copy of the Project-MONAI/model-zoo repository (its ``ci/`` folder and
 ``models/model_info.json`` are used; nothing of it is copied into this repository). The bundle is staged
@@ -32,11 +32,10 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+import fire
+from scripts import package as packaging
 
-import fire  # noqa: E402
-import package as packaging  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 EXTRA_CHECKS = r"""
 import sys, torch

@@ -1,6 +1,6 @@
 """Run the model zoo's other CI workflow steps on the packaged bundle, as its GitHub workflows run them.
 
-    python scripts/zoo_ci.py ZOO_CHECKOUT [--python TOOLS_PY] [--workdir DIR] [--steps "['requirements','codeformat']"]
+    python -m scripts.zoo_ci ZOO_CHECKOUT [--python TOOLS_PY] [--workdir DIR] [--steps "['requirements','codeformat']"]
 
 ``ZOO_CHECKOUT`` is a copy of Project-MONAI/model-zoo (its code is run, not copied here). The archive of
 ``scripts/package.py`` is staged as ``WORKDIR/models/<name>/`` (``verify_zoo.stage``) beside the zoo's
@@ -28,8 +28,8 @@ import tempfile
 from pathlib import Path
 
 import fire
-import package as packaging
-from verify_zoo import stage
+from scripts import package as packaging
+from scripts.verify_zoo import stage
 
 ZOO_PYTHON = "3.10"
 # pins of configs/metadata.json checked to have CPython 3.10 wheels (pip download --python-version 3.10

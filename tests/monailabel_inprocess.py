@@ -41,10 +41,10 @@ def new_app(work: Path, studies: str, datalist: str, **conf: str):
     shutil.copytree(ROOT / "apps" / "monailabel", app_dir, ignore=shutil.ignore_patterns("model", "__pycache__"))
     (app_dir / "bin").mkdir()
     (app_dir / "bin" / "itkimage2segimage").touch()  # MONAI Label downloads dcmqi unless it is there
-    if str(app_dir) not in sys.path:
-        sys.path.insert(0, str(app_dir))
-    from main import LandmarkApp
+    # loaded as MONAI Label loads an app (its folder on sys.path while main.py runs)
+    from monailabel.utils.others.class_utils import get_class_of_subclass_from_file
 
+    LandmarkApp = get_class_of_subclass_from_file("main", str(app_dir / "main.py"), "MONAILabelApp")
     return LandmarkApp(str(app_dir), studies, {"bundle_root": str(ROOT), "datalist": datalist, **conf})
 
 

@@ -12,7 +12,7 @@ import nibabel as nib
 import numpy as np
 import pytest
 import torch
-from bundle.configs import bundle_parser
+from bundle.configs import bundle_parser, config_files
 from bundle.data.datalist import landmarks_array, load_datalist, save_datalist
 from bundle.data.markups import read_markups
 from bundle.data.synthetic import generate_synthetic_3d
@@ -24,8 +24,8 @@ from scipy.ndimage import map_coordinates
 from skimage.filters.rank import entropy as skimage_entropy
 
 ROOT = Path(__file__).resolve().parents[1]
-TRAIN_3D = [str(ROOT / "configs" / f) for f in ("train.yaml", "train_3d.yaml")]
-EVAL_3D = TRAIN_3D + [str(ROOT / "configs" / f) for f in ("evaluate.yaml", "evaluate_3d.yaml")]
+TRAIN_3D = [str(ROOT / f) for f in config_files("train", spatial_dims=3)]
+EVAL_3D = [str(ROOT / f) for f in config_files("evaluate", spatial_dims=3)]
 # an oblique, LPS-like voxel-to-world affine with anisotropic voxels
 AFFINE = np.array([[-1.5, 0.1, 0.0, 40.0], [0.0, -1.2, 0.05, 60.0], [0.02, 0.0, 2.0, -30.0], [0.0, 0.0, 0.0, 1.0]])
 SHAPE = (40, 44, 36)

@@ -1,4 +1,4 @@
-"""The AFID real-data check (bundle/afids.py): warps carry landmarks exactly; the autoafids resources and the
+"""The AFID real-data check (scripts/afids.py): warps carry landmarks exactly; the autoafids resources and the
 experiment's datalist (skipped when the autoafids package is not installed)."""
 
 from __future__ import annotations
@@ -9,7 +9,10 @@ from pathlib import Path
 import nibabel as nib
 import numpy as np
 import pytest
-from bundle.afids import (
+from bundle.data.datalist import load_datalist
+from scipy.ndimage import map_coordinates
+from scripts import afids_check
+from scripts.afids import (
     afids_files,
     carry_points,
     group_of,
@@ -21,8 +24,6 @@ from bundle.afids import (
     warp_volume,
     working_grid,
 )
-from bundle.data.datalist import load_datalist
-from scipy.ndimage import map_coordinates
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -105,9 +106,6 @@ def test_prepare_afids_datalist(tmp_path):
         )
 
     # afids_check --templates k: the T1w template and the first k - 1 training warps with their AFIDs
-    spec = importlib.util.spec_from_file_location("afids_check", ROOT / "scripts" / "afids_check.py")
-    afids_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(afids_check)
     kshot = load_datalist(afids_check.kshot_datalist(datalist, 3, tmp_path / "datalist_k3.json"))
     assert "template" not in kshot and [it["image"] for it in kshot["templates"]] == [datalist["template"]["image"]] + [
         it["image"] for it in datalist["training"]
@@ -123,15 +121,12 @@ def test_afids_check_pseudo_templates_are_written_and_scored_against_the_carried
     """afids_check --pseudo_templates: chosen by bundle.templates.resolve_templates (an untrained tiny network here),
     written as the datalist's templates with their kept pseudo-labels, scored against the carried AFIDs."""
     import torch
-    from bundle.afids import MRI_LOAD_TRANSFORMS
-    from bundle.configs import bundle_parser
+    from bundle.configs import bundle_parser, config_files
+    from scripts.afids import MRI_LOAD_TRANSFORMS
 
-    spec = importlib.util.spec_from_file_location("afids_check", ROOT / "scripts" / "afids_check.py")
-    afids_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(afids_check)
     path = prepare_afids_datalist(tmp_path / "data", n_training=3, n_test=1, spacing=6.0, seed=3)
     datalist = load_datalist(path)
-    configs = [str(ROOT / "configs" / f) for f in ("train.yaml", "train_3d.yaml", "evaluate.yaml", "evaluate_3d.yaml")]
+    configs = [str(ROOT / f) for f in config_files("evaluate", spatial_dims=3)]
     common = {
         "bundle_root": str(ROOT),
         "target_spacing": [6.0] * 3,

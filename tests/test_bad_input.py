@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 from bundle.checkpoints import CheckpointError, load_weights, resume_path, save_atomically
-from bundle.configs import bundle_parser, check_command_line, check_image_size
+from bundle.configs import bundle_parser, check_command_line, check_image_size, config_files
 from bundle.data.datalist import DatalistError, load_datalist
 from bundle.data.synthetic import generate_synthetic_2d
 from bundle.export import image_items
@@ -31,11 +31,12 @@ from ignite.engine import Engine
 from monai.bundle import run
 from monai.transforms import Compose
 from PIL import Image
+from scripts import prepare_data
 
 ROOT = Path(__file__).resolve().parents[1]
-TRAIN = ["configs/train.yaml"]
-EVALUATE = ["configs/train.yaml", "configs/evaluate.yaml"]
-EVALUATE_3D = ["configs/train.yaml", "configs/train_3d.yaml", "configs/evaluate.yaml", "configs/evaluate_3d.yaml"]
+TRAIN = config_files("train")
+EVALUATE = config_files("evaluate")
+EVALUATE_3D = config_files("evaluate", spatial_dims=3)
 SMALL = {"image_size": [64, 64], "progress_bar": False, "seed": 0}
 
 
@@ -631,18 +632,7 @@ def test_template_without_landmarks_fails_before_inference_leaving_outputs(data2
 # ---------------------------------------------------------------- prepare_data
 
 
-def _prepare_data_script():
-    """scripts/prepare_data.py as a module (its ``main`` takes the command line's arguments)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("prepare_data", ROOT / "scripts" / "prepare_data.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_prepare_data_refuses_a_truncated_png(tmp_path, capsys):
-    prepare_data = _prepare_data_script()
     root = tmp_path / "hand"
     (root / "images").mkdir(parents=True)
     rng = np.random.default_rng(0)
@@ -663,7 +653,6 @@ def test_prepare_data_refuses_a_truncated_png(tmp_path, capsys):
 
 
 def test_prepare_data_refuses_a_landmark_outside_its_image(tmp_path, capsys):
-    prepare_data = _prepare_data_script()
     root = tmp_path / "hand"
     (root / "images").mkdir(parents=True)
     for i in (1, 2):

@@ -9,23 +9,23 @@ import sys
 from pathlib import Path
 
 import pytest
-from bundle.configs import as_flag, bundle_parser
+from bundle.configs import as_flag, bundle_parser, config_files
 
 ROOT = Path(__file__).resolve().parents[1]
 
 # every command's config list (README); every file of configs/ is in at least one
 COMMANDS = {
-    "training": ["train.yaml"],
-    "training 3D": ["train.yaml", "train_3d.yaml"],
-    "training, authors' ranges": ["train.yaml", "authors_ranges.yaml"],
-    "training, shipped model": ["train.yaml", "hamedan_ceph.yaml"],
-    "multi-GPU training": ["train.yaml", "multi_gpu_train.yaml"],
-    "stage 2": ["train.yaml", "train_stage2.yaml"],
-    "fine-tuning": ["train.yaml", "train_stage2.yaml", "finetune.yaml"],
-    "evaluation": ["train.yaml", "evaluate.yaml"],
-    "evaluation 3D": ["train.yaml", "train_3d.yaml", "evaluate.yaml", "evaluate_3d.yaml"],
-    "evaluation, detector": ["train.yaml", "train_stage2.yaml", "evaluate.yaml", "evaluate_detector.yaml"],
-    "inference": ["inference.yaml"],
+    "training": config_files("train"),
+    "training 3D": config_files("train", spatial_dims=3),
+    "training, authors' ranges": [*config_files("train"), "configs/authors_ranges.yaml"],
+    "training, shipped model": [*config_files("train"), "configs/hamedan_ceph.yaml"],
+    "multi-GPU training": config_files("train_multi_gpu"),
+    "stage 2": config_files("train_stage2"),
+    "fine-tuning": config_files("finetune"),
+    "evaluation": config_files("evaluate"),
+    "evaluation 3D": config_files("evaluate", spatial_dims=3),
+    "evaluation, detector": config_files("evaluate_detector"),
+    "inference": config_files("inference"),
 }
 FALSE = ["false", "False", "FALSE", "no", "No", "0", 0]
 TRUE = ["true", "True", "TRUE", "yes", "YES", "1", 1]
@@ -47,7 +47,7 @@ def _strings(value, prefix=""):
 def _flags_and_readers(files):
     """The yes/no keys of the merged ``files`` (top-level keys whose value is true or false) and, for each,
     the ids of the config strings that refer to it."""
-    config = bundle_parser([f"configs/{f}" for f in files]).get()
+    config = bundle_parser(files).get()
     flags = sorted(k for k, v in config.items() if isinstance(v, bool))
     return {f: [i for i, text in _strings(config) if re.search(rf"@{f}(?![\w#])", text)] for f in flags}
 
@@ -62,7 +62,9 @@ def _comparable(value):
 
 
 def test_every_config_file_is_in_a_command_and_every_yes_no_key_is_read():
-    assert {f for files in COMMANDS.values() for f in files} == {p.name for p in (ROOT / "configs").glob("*.yaml")}
+    assert {f for files in COMMANDS.values() for f in files} == {
+        f"configs/{p.name}" for p in (ROOT / "configs").glob("*.yaml")
+    }
     readers = {}
     for files in COMMANDS.values():
         for flag, ids in _flags_and_readers(files).items():
@@ -82,13 +84,13 @@ def test_every_yes_no_key_reads_any_spelling_and_refuses_others(command, tmp_pat
     settings = {"output_dir": str(tmp_path / "out"), "ckpt_dir": str(tmp_path / "models")}
     for flag, ids in readers.items():  # (stage 2 has no contrastive step: cpu_channels_last goes unread)
         for truth, spellings in SPELLINGS:
-            expected = bundle_parser([f"configs/{f}" for f in files], **settings, **{flag: truth})
+            expected = bundle_parser(files, **settings, **{flag: truth})
             for spelling in spellings:
-                parser = bundle_parser([f"configs/{f}" for f in files], **settings, **{flag: spelling})
+                parser = bundle_parser(files, **settings, **{flag: spelling})
                 for i in ids:
                     got, want = parser.get_parsed_content(i), expected.get_parsed_content(i)
                     assert _comparable(got) == _comparable(want), f"{command}: {i} with {flag}={spelling!r}"
-        parser = bundle_parser([f"configs/{f}" for f in files], **settings, **{flag: "flase"})
+        parser = bundle_parser(files, **settings, **{flag: "flase"})
         for i in ids:
             with pytest.raises(RuntimeError) as failure:  # MONAI wraps the error of a config expression
                 parser.get_parsed_content(i)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 from bundle.checkpoints import load_weights
-from bundle.configs import bundle_parser
+from bundle.configs import bundle_parser, config_files
 from bundle.data.synthetic import generate_synthetic_2d
 from ignite.handlers import ProgressBar
 from monai.bundle import ConfigParser
@@ -62,14 +62,14 @@ def test_evaluation_picks_a_labelled_training_template_by_either_rule(tiny_datal
     assert len(labelled) >= 2
     for rule in ("landmarks", "features"):
         parser = bundle_parser(
-            ["configs/train.yaml", "configs/evaluate.yaml"],
+            config_files("evaluate"),
             datalist=str(no_template),
             output_dir=str(tmp_path / "out"),
             template_rule=rule,
         )
         assert Path(parser.get_parsed_content("evaluate#template")["image"]).name in labelled
     parser = bundle_parser(
-        ["configs/train.yaml", "configs/evaluate.yaml"],
+        config_files("evaluate"),
         datalist=str(no_template),
         output_dir=str(tmp_path / "out"),
         template_rule="nearest",
@@ -79,7 +79,7 @@ def test_evaluation_picks_a_labelled_training_template_by_either_rule(tiny_datal
     assert "template rule must be one of ('landmarks', 'features'), got 'nearest'" in str(failure.value.__cause__)
     # refused also where the datalist names its template and the rule would go unused
     parser = bundle_parser(
-        ["configs/train.yaml", "configs/evaluate.yaml"],
+        config_files("evaluate"),
         datalist=str(tiny_datalist),
         output_dir=str(tmp_path / "out"),
         template_rule="nearest",
@@ -163,7 +163,7 @@ def test_parsing_writes_nothing_and_runs_no_network(tmp_path, monkeypatch, caplo
 
     root = tmp_path / "bundle"
     shutil.copytree(ROOT / "configs", root / "configs")
-    files = ["configs/train.yaml", "configs/evaluate.yaml"]
+    files = config_files("evaluate")
     settings = {"bundle_root": root, "ckpt_path": str(ROOT / "models" / "model.pt")}
     before = _files(tmp_path)
     # the default datalist missing: parsing needs no data until the datalist is read, which names the file

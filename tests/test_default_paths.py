@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from bundle.configs import bundle_parser
+from bundle.configs import bundle_parser, config_files
 
 from training_args import tiny_training_args
 
@@ -20,28 +20,28 @@ ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "models"
 # training command -> its run folder's checkpoint folder, relative to output_dir
 TRAININGS = {
-    ("train.yaml",): "models",
-    ("train.yaml", "train_3d.yaml"): "models/ct3d",
-    ("train.yaml", "multi_gpu_train.yaml"): "models",
-    ("train.yaml", "train_stage2.yaml"): "models/stage2",
-    ("train.yaml", "train_stage2.yaml", "finetune.yaml"): "models/finetune",
+    ("train", 2): "models",
+    ("train", 3): "models/ct3d",
+    ("train_multi_gpu", 2): "models",
+    ("train_stage2", 2): "models/stage2",
+    ("finetune", 2): "models/finetune",
 }
 # evaluation / inference command -> the weights it reads by default: the shipped ones, or, where none ship, the
 # checkpoint of the default training (command)
 EVALUATIONS = {
-    ("train.yaml", "evaluate.yaml"): "models/model.pt",
-    ("train.yaml", "evaluate.yaml", "hamedan_ceph.yaml"): "models/model.pt",
-    ("inference.yaml",): "models/model.pt",
-    ("train.yaml", "train_stage2.yaml", "evaluate.yaml", "evaluate_detector.yaml"): "models/stage2/model.pt",
-    ("train.yaml", "train_3d.yaml", "evaluate.yaml", "evaluate_3d.yaml"): ("train.yaml", "train_3d.yaml"),
-    ("train.yaml", "train_stage2.yaml", "finetune.yaml", "evaluate.yaml", "evaluate_detector.yaml"): (
-        ("train.yaml", "train_stage2.yaml", "finetune.yaml")
-    ),
+    ("evaluate", 2): "models/model.pt",
+    ("evaluate", 2, "configs/hamedan_ceph.yaml"): "models/model.pt",
+    ("inference", 2): "models/model.pt",
+    ("evaluate_detector", 2): "models/stage2/model.pt",
+    ("evaluate", 3): ("train", 3),
+    ("evaluate_finetuned", 2): ("finetune", 2),
 }
 
 
-def _parser(files, **overrides):
-    return bundle_parser([f"configs/{f}" for f in files], **overrides)
+def _parser(command, **overrides):
+    """The parser of ``command``: (a name of bundle.configs.CONFIG_FILES, spatial_dims, config files merged after)."""
+    name, spatial_dims, *more = command
+    return bundle_parser([*config_files(name, spatial_dims), *more], **overrides)
 
 
 @pytest.mark.parametrize("files", TRAININGS)

@@ -8,7 +8,6 @@ computed from those values and the DICOM rules in the test, not by the code unde
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import struct
 import uuid
@@ -20,7 +19,7 @@ import numpy as np
 import pytest
 import SimpleITK as sitk
 import torch
-from bundle.configs import bundle_parser
+from bundle.configs import bundle_parser, config_files
 from bundle.data.datalist import load_datalist, save_datalist
 from bundle.data.dicom import (
     DicomError,
@@ -38,10 +37,11 @@ from bundle.transforms.landmarks import LandmarkTargetsd
 from monai.bundle import run
 from monai.transforms import Compose, LoadImaged
 from PIL import Image
+from scripts import prepare_data
 
 ROOT = Path(__file__).resolve().parents[1]
-TRAIN_2D = ["configs/train.yaml"]
-TRAIN_3D = ["configs/train.yaml", "configs/train_3d.yaml"]
+TRAIN_2D = config_files("train")
+TRAIN_3D = config_files("train", spatial_dims=3)
 
 
 # ---- a minimal DICOM writer (PS3.10 file, explicit VR little endian, uncompressed) ----
@@ -493,9 +493,6 @@ def test_dicom_datalists_for_xray_files_and_ct_series(tmp_path):
     assert dl["spatial_dims"] == 3 and dl["landmark_names"] == ["tip"]
     assert Path(dl["training"][0]["image"]).name == "a" and dl["training"][0]["landmarks"] == [[-6.0, 18.0, 27.0]]
 
-    spec = importlib.util.spec_from_file_location("prepare_data", ROOT / "scripts" / "prepare_data.py")
-    prepare_data = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(prepare_data)
     out = tmp_path / "lists" / "ct.json"
     prepare_data.main(["dicom", str(cts), str(out)])
     assert load_datalist(out)["training"][0]["landmarks"] == [[-6.0, 18.0, 27.0]]
@@ -567,7 +564,7 @@ def same_predictions(png: dict, dcm: dict) -> float:
 
 def test_evaluating_gives_the_same_landmarks_and_mm_on_png_and_dicom(tmp_path):
     png_list, dicom_list = png_and_dicom_datalists(tmp_path)
-    config = [str(ROOT / "configs" / f) for f in ("train.yaml", "evaluate.yaml")]
+    config = [str(ROOT / f) for f in config_files("evaluate")]
     results = {}
     for kind, path in (("png", png_list), ("dcm", dicom_list)):
         out = tmp_path / f"eval_{kind}"

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from bundle.configs import config_files
 from bundle.data.datalist import landmarks_array, load_datalist
 from bundle.data.synthetic import generate_synthetic_2d
 from monai.bundle import run
@@ -42,7 +43,7 @@ def chance_mre_mm(datalist: dict, size_px: tuple[int, int], n: int = 4000, seed:
 def evaluate(datalist: Path, out: Path, ckpt: Path, **overrides) -> dict:
     run(
         "evaluating",
-        config_file=[str(ROOT / "configs/train.yaml"), str(ROOT / "configs/evaluate.yaml")],
+        config_file=[str(ROOT / f) for f in config_files("evaluate")],
         bundle_root=str(ROOT),
         datalist=str(datalist),
         output_dir=str(out),

@@ -3,7 +3,6 @@ bundle/information.py and scripts/estimate_augmentation.py (``--mi distribution`
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from collections import Counter
@@ -24,17 +23,7 @@ from bundle.information import (
 from bundle.information_groups import information_groups
 from bundle.transforms.entropy import local_entropy
 from PIL import Image
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location(
-        "estimate_augmentation", ROOT / "scripts" / "estimate_augmentation.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from scripts import estimate_augmentation
 
 
 def _hand_mi(a, b) -> float:
@@ -221,7 +210,7 @@ def _write_png_datalist(tmp_path: Path, n_images: int = 4, labelled: bool = True
 def test_script_default_is_the_distribution_estimate_and_merges_into_training(tmp_path, capsys):
     from bundle.configs import bundle_parser
 
-    script = _load_script()
+    script = estimate_augmentation
     datalist = _write_png_datalist(tmp_path)
     out = tmp_path / "augmentation.yaml"
     script.estimate(
@@ -275,7 +264,7 @@ def test_authors_ranges_config_merges():
 def test_encoder_correspondences_need_no_labels_and_find_identical_images(tmp_path):
     from bundle.configs import bundle_parser
 
-    script = _load_script()
+    script = estimate_augmentation
     torch.manual_seed(0)
     network = bundle_parser("configs/train.yaml", image_size=[96, 96]).get_parsed_content("network_def")
     ckpt = tmp_path / "model.pt"

@@ -4,20 +4,16 @@ from __future__ import annotations
 
 import csv
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from bundle.configs import config_files
+from bundle.information_groups import information_groups
+from bundle.transforms.entropy import local_entropy
 from PIL import Image
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import ablation  # noqa: E402
-import results_figures  # noqa: E402
-from bundle.information_groups import information_groups  # noqa: E402
-from bundle.transforms.entropy import local_entropy  # noqa: E402
+from scripts import ablation, results_figures
+from scripts.bundle_commands import CommandRun, run_command
 
 
 def test_plan_covers_rows_seeds_and_sweeps_once():
@@ -257,13 +253,13 @@ def test_template_rules_score_both_choices_outside_the_pool(tmp_path):
 def test_a_failing_bundle_command_names_its_log(tmp_path):
     log = tmp_path / "train.log"
     with pytest.raises(RuntimeError, match="train.log"):
-        ablation._bundle("training", ["configs/train.yaml"], {"datalist": tmp_path / "absent.json"}, log)
+        run_command("training", config_files("train"), {"datalist": tmp_path / "absent.json"}, log)
     assert "absent.json" in log.read_text()
 
 
 def test_missing_augmentation_estimate_is_named(tmp_path):
     spec = ablation.plan([0])[0]
-    with pytest.raises(FileNotFoundError, match="estimate_augmentation.py --alpha_hat 0.8"):
+    with pytest.raises(FileNotFoundError, match="scripts.estimate_augmentation --alpha_hat 0.8"):
         ablation.run_one(spec, "d.json", tmp_path, 10, 10, str(tmp_path / "aug_{alpha}.yaml"))
 
 
@@ -346,14 +342,11 @@ def test_run_one_passes_the_mixing_and_the_high_group_augmentation(tmp_path, mon
     )
     calls = {}
 
-    def fake_bundle(command, configs, overrides, log, append=False):
+    def fake_run_command(command, configs, overrides, log, append=False):
         calls[command] = dict(overrides, append=append)
-        if command == "evaluating":
-            Path(overrides["output_dir"]).mkdir(parents=True, exist_ok=True)
-            (Path(overrides["output_dir"]) / "metrics.json").write_text(json.dumps({"mre_mm": 2.0}))
-        return 1.0, 1.0, "val_mre_mm: 2.5"
+        return CommandRun({"val_mre_mm": 2.5} if command == "training" else {"mre_mm": 2.0}, 1.0, 1.0)
 
-    monkeypatch.setattr(ablation, "_bundle", fake_bundle)
+    monkeypatch.setattr(ablation, "run_command", fake_run_command)
     spec = next(r for r in ablation.plan_comparison([0]) if r["row"] == "mochi")
     result = ablation.run_one(spec, "d.json", tmp_path / "out", 20, 10, str(aug))
     train = calls["training"]

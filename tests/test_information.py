@@ -3,7 +3,6 @@ bundle/information_groups.py) and its command-line tool (scripts/estimate_augmen
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -25,19 +24,11 @@ from bundle.information_groups import group_memberships, information_groups
 from bundle.transforms.entropy import local_entropy
 from bundle.transforms.intensity import adjust_brightness_contrast
 from PIL import Image
+from scripts import estimate_augmentation
 from skimage.metrics import normalized_mutual_information
 
 ROOT = Path(__file__).resolve().parents[1]
 REAL_DATA = ROOT.parent / "shared" / "data" / "hamedan_ceph"
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location(
-        "estimate_augmentation", ROOT / "scripts" / "estimate_augmentation.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _entropy_bits(p: np.ndarray) -> float:
@@ -298,7 +289,7 @@ def _write_png_datalist(tmp_path: Path, n_images: int = 4) -> Path:
 
 
 def test_script_writes_mergeable_yaml(tmp_path, capsys):
-    script = _load_script()
+    script = estimate_augmentation
     datalist = _write_png_datalist(tmp_path)
     out = tmp_path / "aug" / "augmentation.yaml"
     script.estimate(
@@ -317,7 +308,7 @@ def test_script_writes_mergeable_yaml(tmp_path, capsys):
 
 
 def test_script_image_orientation_and_entropy_at_points(tmp_path):
-    script = _load_script()
+    script = estimate_augmentation
     datalist = _write_png_datalist(tmp_path, n_images=1)
     img, _ = load_grey(str(tmp_path / "000.png"), 2)
     expected = np.asarray(Image.open(tmp_path / "000.png"), dtype=np.float64).T / 255.0
@@ -332,7 +323,7 @@ def test_script_image_orientation_and_entropy_at_points(tmp_path):
 
 
 def test_script_world_to_voxel_for_3d():
-    script = _load_script()
+    script = estimate_augmentation
     affine = np.array([[2.0, 0, 0, -10], [0, 1.5, 0, 5], [0, 0, 3.0, 0], [0, 0, 0, 1]])
     world = np.array([[-10.0, 5.0, 0.0], [-6.0, 8.0, 9.0]])
     np.testing.assert_allclose(script.landmarks_to_array_axes(world, affine, 3), [[0, 0, 0], [2, 2, 3]])
@@ -343,7 +334,8 @@ def test_script_cli(tmp_path):
     out = tmp_path / "cli.yaml"
     cmd = [
         sys.executable,
-        str(ROOT / "scripts" / "estimate_augmentation.py"),
+        "-m",
+        "scripts.estimate_augmentation",
         "--datalist",
         str(datalist),
         "--output",
@@ -363,7 +355,7 @@ def test_script_cli(tmp_path):
         "--step",
         "0.1",
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert yaml.safe_load(out.read_text())["augmentation"]["source"]["n_images"] == 2
     assert "A_contrast" in proc.stdout
@@ -382,7 +374,7 @@ def test_real_cephalograms_landmarks_only(tmp_path):
     dl = {"name": "ceph", "spatial_dims": 2, "landmark_names": [f"l{k}" for k in range(1, 20)], "training": items}
     path = tmp_path / "dl.json"
     path.write_text(json.dumps(dl))
-    res = _load_script().estimate(
+    res = estimate_augmentation.estimate(
         str(path), str(tmp_path / "a.yaml"), mi="joint", n_images=2, radius=0, n_keypoints=19, step=0.05
     )
     groups = res["augmentation"]["groups"]

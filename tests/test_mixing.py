@@ -7,24 +7,19 @@ from __future__ import annotations
 import copy
 import json
 import math
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
+from bundle.configs import bundle_parser
+from bundle.data.synthetic import generate_synthetic_2d
+from bundle.loss import MultiScaleInfoNCELoss
+from bundle.mixing import FeatureTransformation, HardNegativeMixing, unmix_crops, unmix_draw, unmix_loss
+from bundle.networks.contrastive import ContrastiveLandmarkNet
+from bundle.training_step import ContrastiveIterationUpdate
 from monai.inferers import SimpleInferer
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-from bundle.configs import bundle_parser  # noqa: E402
-from bundle.data.synthetic import generate_synthetic_2d  # noqa: E402
-from bundle.loss import MultiScaleInfoNCELoss  # noqa: E402
-from bundle.mixing import FeatureTransformation, HardNegativeMixing, unmix_crops, unmix_draw, unmix_loss  # noqa: E402
-from bundle.networks.contrastive import ContrastiveLandmarkNet  # noqa: E402
-from bundle.training_step import ContrastiveIterationUpdate  # noqa: E402
-from hard_negatives import cell_distances, hard_negative_statistics, scale_statistics  # noqa: E402
+from scripts.hard_negatives import cell_distances, hard_negative_statistics, scale_statistics
 
 
 def key_set(b: int = 2, q: int = 3, k: int = 10, c: int = 8, seed: int = 0) -> tuple[torch.Tensor, ...]:

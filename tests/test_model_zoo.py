@@ -13,19 +13,18 @@ import warnings
 import zipfile
 from pathlib import Path
 
+import bundle
 import numpy as np
 import pytest
 import torch
+from bundle.configs import bundle_parser
+from bundle.data.synthetic import generate_synthetic_2d
 from monai.bundle import ConfigWorkflow, ckpt_export, download, run, verify_metadata, verify_net_in_out
 from PIL import Image
+from scripts import package as packaging
+from scripts import zoo_ci
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-import bundle  # noqa: E402
-import package as packaging  # noqa: E402
-import zoo_ci  # noqa: E402
-from bundle.configs import bundle_parser  # noqa: E402
-from bundle.data.synthetic import generate_synthetic_2d  # noqa: E402
 
 INFERENCE = str(ROOT / "configs" / "inference.yaml")
 META = ROOT / "configs" / "metadata.json"
@@ -316,9 +315,7 @@ def test_template_features_give_what_the_template_image_gives(tiny_datalist, tmp
     from bundle.oneshot import OneShotInferer, TemplateFeatureInferer
     from bundle.template_file import load_template
     from bundle.templates import with_templates
-
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import build_template
+    from scripts import build_template
 
     path = build_template.build(str(tiny_datalist), output=str(tmp_path / "t.pt"))
     template = load_template(path, ROOT / "models" / "model.pt")
@@ -485,7 +482,8 @@ def test_monai_download_then_load_builds_the_network_from_any_folder(tmp_path, z
 def test_the_zoo_verify_bundle_full_passes(tmp_path):
     command = [
         sys.executable,
-        str(ROOT / "scripts/verify_zoo.py"),
+        "-m",
+        "scripts.verify_zoo",
         os.environ["MODEL_ZOO_DIR"],
         "--workdir",
         str(tmp_path),
@@ -500,7 +498,7 @@ def test_the_zoo_verify_bundle_full_passes(tmp_path):
     reason="MODEL_ZOO_DIR (a model-zoo checkout) and ZOO_TOOLS_PYTHON (black, isort, flake8, pytype) not both set",
 )
 def test_the_zoo_premerge_install_and_code_format_steps_pass(tmp_path):
-    command = [sys.executable, str(ROOT / "scripts/zoo_ci.py"), os.environ["MODEL_ZOO_DIR"]]
+    command = [sys.executable, "-m", "scripts.zoo_ci", os.environ["MODEL_ZOO_DIR"]]
     command += ["--python", os.environ["ZOO_TOOLS_PYTHON"], "--workdir", str(tmp_path)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]

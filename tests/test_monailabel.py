@@ -38,6 +38,7 @@ from typing import Iterator
 
 import numpy as np
 import pytest
+from bundle.configs import config_files
 from PIL import Image
 
 pytestmark = pytest.mark.slow  # a MONAI Label server per module, trainings through it
@@ -970,7 +971,7 @@ def _cli_evaluate_3d(datalist: dict, ckpt: Path, out: Path) -> dict[str, list[fl
     """The bundle's 3D evaluation (one test image) from the command line: {landmark: [x, y, z] world mm}."""
     out.mkdir(parents=True)
     (out / "datalist.json").write_text(json.dumps(datalist))
-    configs = ["configs/train.yaml", "configs/train_3d.yaml", "configs/evaluate.yaml", "configs/evaluate_3d.yaml"]
+    configs = config_files("evaluate", spatial_dims=3)
     command = [sys.executable, "-m", "monai.bundle", "run", "evaluating", "--config_file", json.dumps(configs)]
     command += ["--datalist", str(out / "datalist.json"), "--ckpt_path", str(ckpt), "--output_dir", str(out / "eval")]
     done = subprocess.run(

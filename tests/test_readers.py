@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -14,6 +13,7 @@ import nibabel as nib
 import numpy as np
 import pytest
 import SimpleITK as sitk
+from bundle.configs import config_files
 from bundle.data.annotations import natural_key
 from bundle.data.datalist import DatalistError, load_datalist, save_datalist
 from bundle.data.hand_csv import hand_datalist, read_landmark_csv
@@ -26,14 +26,12 @@ from bundle.data.synthetic import generate_synthetic_2d
 from monai.bundle import run
 from monai.transforms import EnsureChannelFirst
 from PIL import Image
+from scripts import prepare_data
 
 from tests.test_dicom import read_predictions, same_predictions
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data"
-spec = importlib.util.spec_from_file_location("prepare_data", REPO / "scripts" / "prepare_data.py")
-prepare_data = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(prepare_data)
 
 
 def messages(record) -> list[str]:
@@ -276,7 +274,7 @@ def evaluate(datalist: Path, out: Path) -> tuple[dict, dict]:
         warnings.simplefilter("ignore")
         run(
             "evaluating",
-            config_file=[str(REPO / "configs" / f) for f in ("train.yaml", "evaluate.yaml")],
+            config_file=[str(REPO / f) for f in config_files("evaluate")],
             bundle_root=str(REPO),
             datalist=str(datalist),
             output_dir=str(out),
@@ -430,7 +428,7 @@ def test_split_is_seeded_and_keeps_the_template():
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, str(REPO / "scripts" / "prepare_data.py"), *args]
+    command = [sys.executable, "-m", "scripts.prepare_data", *args]
     return subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=120)
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from bundle.configs import config_files
 from bundle.data.synthetic import generate_synthetic_2d, generate_synthetic_3d
 from monai.bundle import ConfigWorkflow
 from monai.engines import SupervisedEvaluator, SupervisedTrainer
@@ -14,14 +15,14 @@ from monai.inferers import Inferer
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKFLOWS = {
-    "training": ("train", ["train.yaml"]),
-    "training 3D": ("train", ["train.yaml", "train_3d.yaml"]),
-    "stage 2": ("train", ["train.yaml", "train_stage2.yaml"]),
-    "fine-tuning": ("train", ["train.yaml", "train_stage2.yaml", "finetune.yaml"]),
-    "evaluation (infer)": ("infer", ["train.yaml", "evaluate.yaml"]),
-    "evaluation (eval)": ("eval", ["train.yaml", "evaluate.yaml"]),
-    "evaluation, detector": ("eval", ["train.yaml", "train_stage2.yaml", "evaluate.yaml", "evaluate_detector.yaml"]),
-    "inference": ("inference", ["inference.yaml"]),
+    "training": ("train", config_files("train")),
+    "training 3D": ("train", config_files("train", spatial_dims=3)),
+    "stage 2": ("train", config_files("train_stage2")),
+    "fine-tuning": ("train", config_files("finetune")),
+    "evaluation (infer)": ("infer", config_files("evaluate")),
+    "evaluation (eval)": ("eval", config_files("evaluate")),
+    "evaluation, detector": ("eval", config_files("evaluate_detector")),
+    "inference": ("inference", config_files("inference")),
 }
 
 
@@ -41,11 +42,11 @@ def test_monai_finds_every_property(name, datalists, tmp_path):
     workflow_type, files = WORKFLOWS[name]
     settings = {"bundle_root": str(ROOT), "output_dir": str(tmp_path / "out")}
     if name != "inference":
-        settings["datalist"] = str(datalists[3 if "train_3d.yaml" in files else 2])
-    if "evaluate_detector.yaml" in files:  # the shipped detector: the 19 cephalometric landmarks
+        settings["datalist"] = str(datalists[3 if "configs/train_3d.yaml" in files else 2])
+    if "configs/evaluate_detector.yaml" in files:  # the shipped detector: the 19 cephalometric landmarks
         settings["network_def#n_landmarks"] = 19
     workflow = ConfigWorkflow(
-        config_file=[str(ROOT / "configs" / f) for f in files],
+        config_file=[str(ROOT / f) for f in files],
         workflow_type=workflow_type,
         logging_file=False,
         **settings,

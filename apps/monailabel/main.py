@@ -40,6 +40,9 @@ import os
 import sys
 from pathlib import Path
 
+# MONAI Label puts this app's folder on sys.path only while it loads this file (class_utils.module_from_file):
+# the app's task package is imported now, and its other modules later through the package
+from landmark_tasks.strategy import OrderedStrategy
 from monailabel.config import settings
 from monailabel.interfaces.app import MONAILabelApp
 from monailabel.interfaces.exception import MONAILabelException
@@ -55,9 +58,9 @@ class LandmarkApp(MONAILabelApp):
             raise FileNotFoundError(
                 f"bundle_root {self.bundle_root} holds no configs/train.yaml (set --conf bundle_root)"
             )
-        for path in (str(self.bundle_root), str(APP_DIR)):  # the bundle package and this app's tasks
-            if path not in sys.path:
-                sys.path.insert(0, path)
+        # the bundle package: MONAI Label puts nothing of bundle_root (a conf key) on sys.path
+        if str(self.bundle_root) not in sys.path:
+            sys.path.insert(0, str(self.bundle_root))
         from bundle import __version__ as bundle_version
         from landmark_tasks.common import BundleContext
 
@@ -139,8 +142,6 @@ class LandmarkApp(MONAILabelApp):
         return {"landmarks": BundleTrainTask(self.context, self.train_defaults)}
 
     def init_strategies(self):
-        from landmark_tasks.strategy import OrderedStrategy
-
         return {**super().init_strategies(), "first": OrderedStrategy(last=False), "last": OrderedStrategy(last=True)}
 
     def next_sample(self, request):

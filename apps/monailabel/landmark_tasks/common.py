@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from bundle.checkpoints import load_weights
 from bundle.command_errors import root_cause
-from bundle.configs import bundle_parser
+from bundle.configs import bundle_parser, config_files
 from bundle.data.datalist import DatalistError, read_json
 from bundle.data.dicom import dicom_tags
 from bundle.data.markups import ControlPoint, read_markups
@@ -33,14 +33,6 @@ from bundle.templates import with_templates
 from bundle.transforms.landmarks import LandmarkTargets
 
 logger = logging.getLogger(__name__)
-# the bundle's configs by the datalist's spatial_dims: training; evaluation (the datalist's template(s);
-# inference.yaml is standalone); the stage-2 heatmap detector fine-tuned on human labels (`finetune.yaml`)
-TRAIN_CONFIGS = {2: ("configs/train.yaml",), 3: ("configs/train.yaml", "configs/train_3d.yaml")}
-CONFIGS = {
-    2: (*TRAIN_CONFIGS[2], "configs/evaluate.yaml"),
-    3: (*TRAIN_CONFIGS[3], "configs/evaluate.yaml", "configs/evaluate_3d.yaml"),
-}
-DETECTOR_CONFIGS = {d: (*TRAIN_CONFIGS[d], "configs/train_stage2.yaml", "configs/finetune.yaml") for d in (2, 3)}
 PREDICTORS = ("auto", "detector", "templates")
 IMAGE_EXTENSIONS = (
     "*.png",
@@ -169,8 +161,10 @@ class BundleContext:
         self.templates_cache = self.model_dir / "bundle_templates.json"
         self._lock = threading.RLock()
         self.spatial_dims = datalist_dims(self.datalist) if self.datalist else 2
-        self.train_configs = TRAIN_CONFIGS[self.spatial_dims]
-        self.detector_configs = DETECTOR_CONFIGS[self.spatial_dims]
+        # the bundle's configs of the datalist's spatial_dims: training; evaluation (the datalist's template(s);
+        # inference.yaml is standalone); the stage-2 heatmap detector fine-tuned on human labels (`finetune.yaml`)
+        self.train_configs = config_files("train", self.spatial_dims)
+        self.detector_configs = config_files("finetune", self.spatial_dims)
         # what every parser of the app sets: the device, and the datalist or the built-in templates' names
         self.overrides: dict[str, Any] = {"device": device_expression(self.device)}
         if self.datalist:
@@ -180,7 +174,7 @@ class BundleContext:
         overrides = dict(self.overrides)
         if shipped_ckpt is not None:
             overrides["ckpt_path"] = str(shipped_ckpt)
-        self.parser = bundle_parser(CONFIGS[self.spatial_dims], self.bundle_root, **overrides)
+        self.parser = bundle_parser(config_files("evaluate", self.spatial_dims), self.bundle_root, **overrides)
         self.shipped_ckpt = Path(self.parser.get_parsed_content("ckpt_path")).resolve()
         if not self.served_checkpoint().is_file():
             raise FileNotFoundError(
@@ -259,7 +253,7 @@ class BundleContext:
             return {}
 
     def detector_parser(self, image_size: Sequence[int] | None = None):
-        """The bundle's fine-tuning configs (``DETECTOR_CONFIGS`` of the datalist's dimensionality)
+        """The bundle's fine-tuning configs for the datalist's dimensionality (``detector_configs``)
         at the detector's ``image_size`` (None: the config's)."""
         key = tuple(image_size) if image_size else None
         with self._lock:

@@ -175,7 +175,7 @@ def prepare_afids_datalist(
     """Write the AFID experiment's volumes (``out_dir/images``, float32 NIfTI at ``spacing`` mm) and datalist.
 
     ``training``: ``n_training`` warped, intensity-perturbed T1w copies with their AFIDs carried (training
-    never reads them; ``scripts/afids_check.py --templates k`` uses the first k - 1 as labelled templates,
+    never reads them; ``python -m scripts.afids_check --templates k`` uses the first k - 1 as labelled templates,
     pseudo-templates drop them); ``validation``: one more such copy with its AFIDs (for the trainer's
     validation, off by default); ``template``:
     the T1w volume with its AFIDs; ``test``: ``n_test`` warped T1w copies (``t1w_warped_*``), the T2w
