@@ -4,7 +4,7 @@ One-shot matching needs, from the template, only the unit feature vectors of the
 landmarks (paper Sec. 3.4): the image itself is not needed once they are computed. A *template feature
 file* stores them, so a bundle can carry its template without carrying the template image (the shipped
 cephalogram templates are Hamedan images, which may not be redistributed). It is written by
-``scripts/build_template.py`` with ``torch.save`` and read with ``torch.load(weights_only=True)``:
+``python -m scripts.build_template`` with ``torch.save`` and read with ``torch.load(weights_only=True)``:
 
 - ``format``: ``"infoguided-landmarks-template/1"``;
 - ``landmark_names``: the L landmark names;
@@ -91,14 +91,16 @@ def load_template(path: str | os.PathLike, checkpoint: str | os.PathLike | None 
     if checkpoint is not None:
         checkpoint = bundle_path(checkpoint)
     if not path.is_file():
-        raise FileNotFoundError(f"template feature file not found: {path} (build one with scripts/build_template.py)")
+        raise FileNotFoundError(
+            f"template feature file not found: {path} (build one with python -m scripts.build_template)"
+        )
     template = check_template(torch.load(path, map_location="cpu", weights_only=True), str(path))
     expected = template.get("checkpoint_sha256")
     if checkpoint is not None and expected and Path(checkpoint).is_file() and file_sha256(checkpoint) != expected:
         raise ValueError(
             f"{path} holds template features computed with other weights than {checkpoint}: the matches would be "
             "wrong; give the templates' images instead (--datalist) or rebuild the features for these weights with "
-            "scripts/build_template.py"
+            "python -m scripts.build_template"
         )
     return template
 

@@ -30,7 +30,7 @@ LAYERS = [
     ["bundle.networks", "bundle.transforms", "bundle.metrics", "bundle.mixing", "bundle.information"],
     ["bundle.oneshot", "bundle.loss", "bundle.training_step", "bundle.template_selection", "bundle.pseudo_labels"],
     ["bundle.templates", "bundle.export", "bundle.stage2", "bundle.reporting"],
-    ["bundle.handlers", "bundle.configs", "bundle.afids"],  # engines' glue, read by the configs
+    ["bundle.handlers", "bundle.configs"],  # engines' glue, read by the configs
 ]
 
 

@@ -24,7 +24,7 @@ Landmarks stay in the file's pixel coordinates: ``[x, y]`` = (column, row), as `
 every 2D image ``[x, y]``. Images that are not DICOM pass through ``XRayDicomd`` unchanged.
 
 ``dicom_xray_datalist`` and ``dicom_series_datalist`` build datalists from a folder of X-ray files (with
-a landmark CSV) or of CT series folders (with 3D Slicer markups); ``scripts/prepare_data.py dicom``.
+a landmark CSV) or of CT series folders (with 3D Slicer markups); ``python -m scripts.prepare_data dicom``.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ in tiles (plus a halo of ``k - 1``), each with only the bins present in it, on a
 sums are contiguous additions of small integers (two bins per 16-bit word when counts fit a byte) and
 ``c log2 c`` comes from a lookup table. On a GPU the same sums run over the whole image, a chunk of
 bins at a time. This replaces the per-pixel sliding histogram of ``skimage.filters.rank.entropy``
-(same result to float32 rounding, several times faster; see ``scripts/benchmark.py entropy``).
+(same result to float32 rounding, several times faster; see ``python -m scripts.benchmark entropy``).
 """
 
 from __future__ import annotations
