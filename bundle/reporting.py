@@ -1,6 +1,6 @@
 """Evaluation report files: metrics.json, predictions.csv, overlay PNGs (2D), 3D Slicer markups (3D) and the SDR curve.
 
-Writers (and the reader of predictions.csv) only; :class:`bundle.handlers.LandmarkReportHandler` assembles a
+Writers (and the reader of predictions.csv) only; :class:`bundle.handlers.report.LandmarkReportHandler` assembles a
 run's report from them. Every file is written atomically (``bundle.io_utils``). Figures use matplotlib's Agg
 canvas directly, without pyplot's global state, so they work headless and in threads.
 """

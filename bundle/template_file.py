@@ -15,9 +15,9 @@ cephalogram templates are Hamedan images, which may not be redistributed). It is
 - ``sources``: K short descriptions of the template images (no pixel data); ``checkpoint_sha256``: the
   SHA-256 of the weights that computed the features (they only fit those weights).
 
-Matched by :class:`bundle.oneshot.TemplateFeatureInferer` (the Python path) and
+Matched by :class:`bundle.inferers.oneshot.TemplateFeatureInferer` (the Python path) and
 :class:`bundle.networks.landmark_points.LandmarkPointsNet` (the exported network); computed by
-:func:`bundle.export.compute_template`.
+:func:`bundle.templates.features.compute_template`.
 """
 
 from __future__ import annotations

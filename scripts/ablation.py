@@ -40,7 +40,7 @@ from bundle.configs import config_files
 from bundle.data.datalist import load_datalist
 from bundle.io_utils import write_json_atomic, write_text_atomic
 from bundle.reporting import read_predictions_csv
-from bundle.templates import labelled_training_items
+from bundle.templates.resolution import labelled_training_items
 from scripts.bundle_commands import run_command
 
 ROWS = {  # the paper's ablation rows: (entropy_sampling, adaptive_augmentation)
@@ -384,7 +384,8 @@ def common(datalist: str, out: str, k: int = 5) -> None:
 
 
 def template_rules(datalist: str, run_dir: str, pool_size: int = 32) -> dict:
-    """Compare the two template rules of ``bundle.templates.resolve_template`` on images outside the test split.
+    """Compare the two template rules of ``bundle.templates.resolution.resolve_template`` on images outside the test
+    split.
 
     Both rules choose among the first ``pool_size`` labelled training items (a template the datalist names is
     ignored), as the evaluation does; each chosen template is then scored by its one-shot MRE on the other
@@ -394,8 +395,8 @@ def template_rules(datalist: str, run_dir: str, pool_size: int = 32) -> dict:
     import torch
     from bundle.configs import bundle_parser
     from bundle.geometry import grid_landmarks
-    from bundle.template_selection import landmark_transfer_errors
-    from bundle.templates import resolve_template
+    from bundle.templates.resolution import resolve_template
+    from bundle.templates.selection import landmark_transfer_errors
 
     run_path = Path(run_dir)
     parser = bundle_parser(

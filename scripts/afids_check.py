@@ -55,7 +55,7 @@ def kshot_datalist(datalist: dict, k: int, path: Path) -> Path:
     """A copy of the experiment's datalist whose ``templates`` are its T1w ``template`` and the first ``k - 1``
     training warps with their carried AFIDs (written to ``path``)."""
     from bundle.data.datalist import save_datalist
-    from bundle.templates import labelled_training_items
+    from bundle.templates.resolution import labelled_training_items
 
     labelled = labelled_training_items(datalist)
     if k < 1 or k - 1 > len(labelled):
@@ -82,12 +82,13 @@ def pseudo_template_datalist(
     template_combine: str,
 ) -> tuple[Path, list[dict]]:
     """The templates of ``datalist_path`` plus ``pseudo_templates`` pseudo-templates, chosen exactly as the evaluating
-    command's ``pseudo_*`` keys do (``bundle.templates.resolve_templates``), written as a datalist (``path``) whose
-    ``templates`` list them, so that the pseudo-labels are kept; and, per pseudo-template, how many AFIDs passed the
-    cycle check and their errors against the AFIDs carried through its warp (read only here, for the report)."""
+    command's ``pseudo_*`` keys do (``bundle.templates.resolution.resolve_templates``), written as a datalist
+    (``path``) whose ``templates`` list them, so that the pseudo-labels are kept; and, per pseudo-template, how many
+    AFIDs passed the cycle check and their errors against the AFIDs carried through its warp (read only here, for
+    the report)."""
     from bundle.configs import bundle_parser
     from bundle.data.datalist import save_datalist
-    from bundle.templates import resolve_templates, template_items
+    from bundle.templates.resolution import resolve_templates, template_items
 
     overrides = {k: v for k, v in common.items() if k != "bundle_root"}
     parser = bundle_parser(configs, bundle_root=ROOT, datalist=str(datalist_path), ckpt_path=str(ckpt), **overrides)
@@ -149,7 +150,7 @@ def main(
 
     ``templates``: k labelled templates (the T1w and k - 1 training warps with their AFIDs);
     ``pseudo_templates``: that many pseudo-templates chosen among the first ``pseudo_candidates`` (default
-    all) training warps, labelled by matching, their AFIDs not read (``bundle.templates.resolve_templates``);
+    all) training warps, labelled by matching, their AFIDs not read (``bundle.templates.resolution.resolve_templates``);
     ``pseudo_cycle_tolerance`` in network-grid voxels; ``template_combine`` as in ``configs/train.yaml``.
     """
     from bundle.configs import config_files

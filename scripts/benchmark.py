@@ -125,7 +125,7 @@ def training(
 
     import torch
     from bundle.configs import bundle_parser
-    from bundle.training_step import ContrastiveIterationUpdate
+    from bundle.engines.contrastive import ContrastiveIterationUpdate
     from ignite.engine import Events
 
     default_threads = torch.get_num_threads()
@@ -270,7 +270,7 @@ def inference(repeats: int = 3, config: str | list[str] = "configs/train.yaml", 
         )
         parser.get_parsed_content("ensure_data")
         parser["network"] = "$@network_def.to(@device)"  # timing does not need trained weights
-        parser["evaluate#choose_templates"] = "$lambda: bundle.templates.default_templates(@dataset)"
+        parser["evaluate#choose_templates"] = "$lambda: bundle.templates.resolution.default_templates(@dataset)"
         evaluator = parser.get_parsed_content("evaluate#evaluator")
         device = parser.get_parsed_content("device")
         n_images = len(parser.get_parsed_content("evaluate#dataset"))

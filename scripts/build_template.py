@@ -1,4 +1,4 @@
-"""Write a template feature file (``bundle.export``): the network's feature vectors at K templates' landmarks.
+"""Write a template feature file (``bundle.template_file``): the network's feature vectors at K templates' landmarks.
 
     python -m scripts.build_template --datalist runs/hamedan/protocol.json --output models/template_features.pt \
         --templates "['019']" --first_labelled 5 [--ckpt_path models/model.pt]
@@ -29,9 +29,9 @@ import torch
 from bundle.configs import bundle_parser
 from bundle.data.annotations import image_stem
 from bundle.data.embedded import open_datalist
-from bundle.export import compute_template
 from bundle.template_file import save_template
-from bundle.templates import labelled_training_items
+from bundle.templates.features import compute_template
+from bundle.templates.resolution import labelled_training_items
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -89,7 +89,7 @@ def build(
     checkpoint = parser.get_parsed_content("ckpt_path")
     items = select_items(data, templates, first_labelled)
     if not items:
-        from bundle.templates import resolve_templates
+        from bundle.templates.resolution import resolve_templates
 
         items = resolve_templates(data, network, preprocessing, device_, rule=rule)
     template = compute_template(network, items, preprocessing, data["landmark_names"], device_, checkpoint)

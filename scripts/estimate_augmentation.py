@@ -29,7 +29,7 @@ Correspondences in the other images (``--correspondences``):
   each landmark (:func:`bundle.information.offset_correspondences`); the other images must be labelled.
 * ``encoder``: the template's key points matched one-shot into each other image by a trained stage-1
   network (``--ckpt_path``, the network of ``--config_file``, default ``configs/train.yaml``) with the
-  bundle's :class:`bundle.oneshot.OneShotInferer` on the network grid; the other images need no labels.
+  bundle's :class:`bundle.inferers.oneshot.OneShotInferer` on the network grid; the other images need no labels.
 
 Patches are cut on the working grid (``image_size`` or the original size). The result is written
 atomically as YAML that a bundle config merges (``augmentation: {thresholds, ...}``).
@@ -135,14 +135,14 @@ def encoder_correspondences(
     device: str = "cpu",
 ) -> np.ndarray:
     """Correspondences ``(len(others), K, D)`` (original pixels/voxels, array axes) of the template's points,
-    found by one-shot matching with a trained stage-1 network (:class:`bundle.oneshot.OneShotInferer`).
+    found by one-shot matching with a trained stage-1 network (:class:`bundle.inferers.oneshot.OneShotInferer`).
 
     Images go to the network grid of ``config_file``'s ``image_size`` (area resampling, as in evaluation);
     points map with the pixel-centre convention both ways. NaN template points stay NaN.
     """
     from bundle.checkpoints import load_weights
     from bundle.configs import bundle_parser, check_image_size
-    from bundle.oneshot import OneShotInferer
+    from bundle.inferers.oneshot import OneShotInferer
 
     parser = bundle_parser(config_file, device=f"$torch.device('{device}')")
     dims = template.ndim

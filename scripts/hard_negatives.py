@@ -1,7 +1,7 @@
 """Where the pixel-wise loss's hardest negatives lie, and how hard MoCHi's mixtures of them are.
 
 A diagnostic for the comparison of docs/results.md: MoCHi (Kalantidis et al., NeurIPS 2020;
-:class:`bundle.mixing.HardNegativeMixing`) mixes synthetic negatives from a query's hardest negatives. With
+:class:`bundle.losses.mixing.HardNegativeMixing`) mixes synthetic negatives from a query's hardest negatives. With
 feature pixels as the instances of the multi-scale InfoNCE (Quan et al., CVPR 2023, Sec. 3.1) those may be
 the positive cell's own neighbours. For view pairs drawn by the training config's sampler and a trained
 checkpoint, each scale of the loss reports (over the queries inside both views):
@@ -27,8 +27,8 @@ import fire
 import torch
 from bundle.configs import bundle_parser
 from bundle.io_utils import write_json_atomic
-from bundle.loss import window_offsets
-from bundle.mixing import HardNegativeMixing
+from bundle.losses.infonce import window_offsets
+from bundle.losses.mixing import HardNegativeMixing
 
 
 class KeySetRecorder:
@@ -45,7 +45,7 @@ class KeySetRecorder:
 
 def cell_distances(logits: torch.Tensor, target: torch.Tensor, window: int | None, spatial) -> torch.Tensor:
     """Chebyshev distance in cells ``(B, Q, K)`` of every key column from the positive's cell: the loss's
-    window columns are the cells of :func:`bundle.loss.window_offsets`, its global columns the row-major cells
+    window columns are the cells of :func:`bundle.losses.infonce.window_offsets`, its global columns the row-major cells
     of the map."""
     if window is not None:
         return window_offsets(window, len(spatial), logits.device).abs().amax(-1).expand(logits.shape)

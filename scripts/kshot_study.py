@@ -23,7 +23,7 @@ from bundle.configs import config_files
 from bundle.data.datalist import load_datalist, save_datalist
 from bundle.io_utils import write_json_atomic
 from bundle.reporting import read_predictions_csv
-from bundle.templates import labelled_training_items
+from bundle.templates.resolution import labelled_training_items
 from scripts.bundle_commands import run_command
 
 

@@ -257,7 +257,7 @@ def test_3d_kshot_and_pseudo_template_evaluation_list_their_templates(tmp_path):
     assert set(pseudo["templates"][1:]) <= {it["image"] for it in datalist["training"][:3]}
 
     # the pseudo-templates' landmarks are world RAS mm (the 3D datalist convention), close to the phantoms' own
-    from bundle.templates import resolve_templates
+    from bundle.templates.resolution import resolve_templates
 
     settings = {k: TINY_3D[k] for k in ("target_spacing", "image_size", "network_def#channels")}
     parser = bundle_parser(EVAL_3D, datalist=str(datalist_path), ckpt_path=str(ckpt), device="cpu", **settings)
@@ -304,9 +304,9 @@ def test_3d_templates_combined_in_world_mm_and_cycle_errors_match_an_independent
     """3D k-shot: the geometric median of the templates' predictions taken in world mm (oblique, anisotropic
     grid-to-world map) equals a numerical minimiser of summed distances; forward-backward cycle errors equal a
     brute-force back-match; a template identical to the input finds its own landmarks with a closed cycle."""
+    from bundle.inferers.oneshot import OneShotInferer
     from bundle.networks.contrastive import ContrastiveLandmarkNet
     from bundle.networks.features import sample_features
-    from bundle.oneshot import OneShotInferer
     from scipy.optimize import minimize
 
     torch.manual_seed(0)

@@ -118,8 +118,9 @@ def test_prepare_afids_datalist(tmp_path):
 
 @needs_autoafids
 def test_afids_check_pseudo_templates_are_written_and_scored_against_the_carried_afids(tmp_path):
-    """afids_check --pseudo_templates: chosen by bundle.templates.resolve_templates (an untrained tiny network here),
-    written as the datalist's templates with their kept pseudo-labels, scored against the carried AFIDs."""
+    """afids_check --pseudo_templates: chosen by bundle.templates.resolution.resolve_templates (an untrained tiny
+    network here), written as the datalist's templates with their kept pseudo-labels, scored against the carried
+    AFIDs."""
     import torch
     from bundle.configs import bundle_parser, config_files
     from scripts.afids import MRI_LOAD_TRANSFORMS

@@ -22,11 +22,11 @@ import torch
 from bundle.checkpoints import CheckpointError, load_weights, resume_path, save_atomically
 from bundle.configs import bundle_parser, check_command_line, check_image_size, config_files
 from bundle.data.datalist import DatalistError, load_datalist
+from bundle.data.images import image_items
 from bundle.data.synthetic import generate_synthetic_2d
-from bundle.export import image_items
-from bundle.handlers import LastCheckpointSaver, ResumeCheckpointLoader
+from bundle.handlers.checkpoints import LastCheckpointSaver, ResumeCheckpointLoader
 from bundle.networks.contrastive import ContrastiveLandmarkNet
-from bundle.templates import prepare_template
+from bundle.templates.resolution import prepare_template
 from ignite.engine import Engine
 from monai.bundle import run
 from monai.transforms import Compose

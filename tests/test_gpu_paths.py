@@ -14,7 +14,7 @@ from bundle.checkpoints import read_checkpoint, read_state_dict, save_atomically
 from bundle.configs import bundle_parser, seed_everything
 from bundle.data.samplers import ReshufflingDistributedSampler
 from bundle.kshot import geometric_median
-from bundle.loss import MultiScaleInfoNCELoss
+from bundle.losses.infonce import MultiScaleInfoNCELoss
 from bundle.networks.contrastive import ContrastiveLandmarkNet
 from bundle.networks.landmark_points import LandmarkPointsNet
 from monai.bundle import ckpt_export

@@ -27,9 +27,15 @@ LAYERS = [
         "bundle.checkpoints",
         "bundle.information_groups",
     ],
-    ["bundle.networks", "bundle.transforms", "bundle.metrics", "bundle.mixing", "bundle.information"],
-    ["bundle.oneshot", "bundle.loss", "bundle.training_step", "bundle.template_selection", "bundle.pseudo_labels"],
-    ["bundle.templates", "bundle.export", "bundle.stage2", "bundle.reporting"],
+    ["bundle.networks", "bundle.transforms", "bundle.metrics", "bundle.losses.mixing", "bundle.information"],
+    [
+        "bundle.inferers",
+        "bundle.losses",
+        "bundle.engines",
+        "bundle.templates.selection",
+        "bundle.templates.pseudo_labels",
+    ],
+    ["bundle.templates", "bundle.reporting"],
     ["bundle.handlers", "bundle.configs"],  # engines' glue, read by the configs
 ]
 

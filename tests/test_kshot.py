@@ -1,4 +1,5 @@
-"""k-shot combination (bundle.kshot), datalist `templates`, and pseudo-template selection (bundle.pseudo_labels)."""
+"""k-shot combination (bundle.kshot), datalist `templates`, and pseudo-template selection
+(bundle.templates.pseudo_labels)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import pytest
 import torch
 from bundle.data.datalist import DatalistError, load_datalist, save_datalist
 from bundle.kshot import combine_landmarks, geometric_median
-from bundle.pseudo_labels import reliability, select_pseudo_templates
-from bundle.templates import pseudo_template_pool, template_items
+from bundle.templates.pseudo_labels import reliability, select_pseudo_templates
+from bundle.templates.resolution import pseudo_template_pool, template_items
 from scipy.optimize import minimize
 
 

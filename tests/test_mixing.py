@@ -1,4 +1,4 @@
-"""The paper's comparison methods (bundle.mixing): MoCHi, Zhu et al.'s feature transformation and Un-mix, each
+"""The paper's comparison methods (bundle.losses.mixing): MoCHi, Zhu et al.'s feature transformation and Un-mix, each
 against a hand computation of its defining property, wired through the loss and the training step; and the
 hard-negative diagnostic of the comparison (scripts/hard_negatives.py)."""
 
@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from bundle.configs import bundle_parser
 from bundle.data.synthetic import generate_synthetic_2d
-from bundle.loss import MultiScaleInfoNCELoss
-from bundle.mixing import FeatureTransformation, HardNegativeMixing, unmix_crops, unmix_draw, unmix_loss
+from bundle.engines.contrastive import ContrastiveIterationUpdate
+from bundle.losses.infonce import MultiScaleInfoNCELoss
+from bundle.losses.mixing import FeatureTransformation, HardNegativeMixing, unmix_crops, unmix_draw, unmix_loss
 from bundle.networks.contrastive import ContrastiveLandmarkNet
-from bundle.training_step import ContrastiveIterationUpdate
 from monai.inferers import SimpleInferer
 from scripts.hard_negatives import cell_distances, hard_negative_statistics, scale_statistics
 

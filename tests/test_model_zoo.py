@@ -284,7 +284,7 @@ def test_exported_network_takes_a_plain_torch_image_cephalogram(tmp_path):
 
 
 def test_network_def_verifies_scripts_and_matches_the_python_path(tmp_path, tiny_datalist):
-    from bundle.oneshot import TemplateFeatureInferer
+    from bundle.inferers.oneshot import TemplateFeatureInferer
 
     verify_net_in_out(
         net_id="network_def", meta_file=str(META), config_file=INFERENCE, device="cpu", bundle_root=str(ROOT)
@@ -312,9 +312,9 @@ def test_network_def_verifies_scripts_and_matches_the_python_path(tmp_path, tiny
 
 def test_template_features_give_what_the_template_image_gives(tiny_datalist, tmp_path):
     """A template feature file built from a datalist's template matches as the template image itself does."""
-    from bundle.oneshot import OneShotInferer, TemplateFeatureInferer
+    from bundle.inferers.oneshot import OneShotInferer, TemplateFeatureInferer
     from bundle.template_file import load_template
-    from bundle.templates import with_templates
+    from bundle.templates.resolution import with_templates
     from scripts import build_template
 
     path = build_template.build(str(tiny_datalist), output=str(tmp_path / "t.pt"))

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from bundle.geometry import apply_homogeneous
+from bundle.inferers.oneshot import OneShotInferer
 from bundle.networks.matching import refine_peaks
-from bundle.oneshot import OneShotInferer
 
 
 def gaussian_blur(x: torch.Tensor, sigma: float) -> torch.Tensor:

@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from bundle.handlers import LandmarkReportHandler
+from bundle.handlers.report import LandmarkReportHandler
 from bundle.reporting import (
     read_predictions_csv,
     save_overlay_png,

@@ -14,10 +14,12 @@ import torch
 from bundle.checkpoints import load_weights
 from bundle.data.datalist import load_datalist
 from bundle.data.synthetic import generate_synthetic_2d
+from bundle.inferers.heatmap import HeatmapInferer
+from bundle.losses.heatmap import MaskedHeatmapLoss
 from bundle.networks.contrastive import ContrastiveLandmarkNet
 from bundle.networks.detector import HeatmapDetector
 from bundle.networks.matching import refine_peaks
-from bundle.stage2 import HeatmapInferer, MaskedHeatmapLoss, detector_templates
+from bundle.templates.detector_data import detector_templates
 from bundle.transforms.heatmaps import GaussianHeatmapd, render_gaussian_heatmaps
 from monai.bundle import ConfigParser, run
 from monai.data import MetaTensor

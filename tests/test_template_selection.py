@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from bundle.template_selection import (
+from bundle.templates.selection import (
     grid_points,
     landmark_transfer_errors,
     select_template,

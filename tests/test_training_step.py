@@ -1,4 +1,5 @@
-"""The training step's CPU options (bundle.training_step.ContrastiveIterationUpdate: channels_last, num_threads)."""
+"""The training step's CPU options (bundle.engines.contrastive.ContrastiveIterationUpdate: channels_last,
+num_threads)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from bundle.loss import MultiScaleInfoNCELoss
+from bundle.engines.contrastive import ContrastiveIterationUpdate
+from bundle.losses.infonce import MultiScaleInfoNCELoss
 from bundle.networks.contrastive import ContrastiveLandmarkNet
-from bundle.training_step import ContrastiveIterationUpdate
 from monai.inferers import SimpleInferer
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Hashable, Mapping
+from typing import Any, Hashable, Mapping, Sequence
 
 import monai.transforms
 import numpy as np
@@ -262,3 +262,35 @@ def check_image_file(
         img = XRayDicomd(keys="image")({"image": img})["image"]
     img = check_image(EnsureChannelFirst()(img), spatial_dims, min_size, name=str(path), warn_constant=warn_constant)
     return tuple(int(n) for n in img.shape[1:])
+
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".dcm", ".nii", ".nii.gz", ".mha", ".mhd", ".nrrd")
+
+
+def image_items(images: str | Sequence[str] | None, dataset_dir: str | os.PathLike) -> list[dict]:
+    """Datalist-style items ``{"image": path}`` of ``images`` (a path or a list of paths), or, when None or
+    empty, of every image file directly in ``dataset_dir`` (sorted; none when it does not exist, so that the
+    config builds without data: :func:`require_items` then fails at run time)."""
+    if isinstance(images, (str, os.PathLike)):
+        images = [images]
+    if images:
+        paths = [Path(os.path.expanduser(str(p))) for p in images]
+        missing = [str(p) for p in paths if not p.is_file()]
+        if missing:
+            raise FileNotFoundError(f"images not found: {missing}")
+        return [{"image": str(p)} for p in paths]
+    folder = Path(dataset_dir)
+    if not folder.is_dir():
+        return []
+    return [
+        {"image": str(p)} for p in sorted(folder.iterdir()) if p.is_file() and p.name.lower().endswith(IMAGE_SUFFIXES)
+    ]
+
+
+def require_items(items: Sequence[Any], dataset_dir: str | os.PathLike) -> None:
+    """Raise FileNotFoundError (naming ``dataset_dir``) when there is no image to run on."""
+    if len(items) == 0:
+        raise FileNotFoundError(
+            f"nothing to run on: no --images given and dataset_dir {dataset_dir} holds no image file "
+            f"({', '.join(IMAGE_SUFFIXES)}); pass --images \"['a.png', ...]\" or --dataset_dir FOLDER"
+        )

@@ -1,7 +1,7 @@
 """The two-encoder model of pixel-wise contrastive learning (the CC2D baseline, paper Sec. 3).
 
 One encoder embeds whole images, a second one with the same architecture but its own weights embeds
-augmented crops; the multi-scale InfoNCE loss (``bundle.loss``) ties the two. At inference only the
+augmented crops; the multi-scale InfoNCE loss (``bundle.losses.infonce``) ties the two. At inference only the
 whole-image encoder is used (``forward``). :class:`ContrastiveDDP` is its ``DistributedDataParallel`` wrapper
 (multi-process training, ``configs/multi_gpu_train.yaml``).
 """

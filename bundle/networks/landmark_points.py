@@ -2,7 +2,7 @@
 
 :class:`LandmarkPointsNet` is the ``network_def`` of ``configs/inference.yaml``: the contrastive network followed
 by the bundle's one matching core (:class:`bundle.networks.matching.TemplateMatcher`, as the Python path
-:class:`bundle.oneshot.TemplateFeatureInferer` uses it) against a template feature file
+:class:`bundle.inferers.oneshot.TemplateFeatureInferer` uses it) against a template feature file
 (:mod:`bundle.template_file`), TorchScript-scriptable; :func:`bundle.kshot.geometric_median` combines its
 templates' predictions.
 

@@ -1,8 +1,8 @@
 """The template-matching core (paper Sec. 3.4, CC2D inference), TorchScript-scriptable.
 
 One implementation serves every path that finds landmarks by matching features: the one-shot inferer (template
-images, :class:`bundle.oneshot.OneShotInferer`), the stored-template inferer
-(:class:`bundle.oneshot.TemplateFeatureInferer`), the exported network
+images, :class:`bundle.inferers.oneshot.OneShotInferer`), the stored-template inferer
+(:class:`bundle.inferers.oneshot.TemplateFeatureInferer`), the exported network
 (:class:`bundle.networks.landmark_points.LandmarkPointsNet`) and the template choice.
 
 For a query vector (a template's unit feature at a landmark) and each scale s, the similarity map is the cosine

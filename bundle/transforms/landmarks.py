@@ -22,12 +22,12 @@ value: it could never be predicted, and as a template landmark it would drag eve
 from __future__ import annotations
 
 import warnings
-from typing import Hashable, Mapping, Sequence
+from typing import Any, Hashable, Mapping, Sequence
 
 import numpy as np
 import torch
 from bundle.data.datalist import landmarks_array
-from bundle.geometry import grid_to_physical, world_axis_spacing
+from bundle.geometry import grid_to_physical, physical_to_datalist, world_axis_spacing
 from monai.config import KeysCollection
 from monai.data import MetaTensor
 from monai.transforms import MapTransform, Transform
@@ -206,4 +206,22 @@ class LandmarkTargetsd(MapTransform):
         d[self.landmarks_key], d[self.label_key], d[self.spacing_key], d["grid_to_physical"] = self.targets(
             image, d.get(self.landmarks_key), spacing
         )
+        return d
+
+
+class LandmarkPointsd(MapTransform):
+    """Post-processing: ``points`` = the predictions ``pred`` (physical mm) in the datalist convention
+    (2D: original-image pixels ``[x, y]``; 3D: world mm), from the item's ``spacing``."""
+
+    def __init__(self, keys: KeysCollection = "pred", spacing_key: str = "spacing", output_key: str = "points") -> None:
+        super().__init__(keys)
+        self.spacing_key = spacing_key
+        self.output_key = output_key
+
+    def __call__(self, data: Mapping[Hashable, Any]) -> dict:
+        d = dict(data)
+        key = self.first_key(d)
+        pred = torch.as_tensor(d[key]).detach().cpu().double().numpy()
+        spacing = torch.as_tensor(d[self.spacing_key]).detach().cpu().double().numpy()
+        d[self.output_key] = torch.as_tensor(np.asarray(physical_to_datalist(pred, spacing)), dtype=torch.float64)
         return d

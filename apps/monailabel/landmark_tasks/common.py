@@ -26,10 +26,10 @@ from bundle.configs import bundle_parser, config_files
 from bundle.data.datalist import DatalistError, read_json
 from bundle.data.dicom import dicom_tags
 from bundle.data.markups import ControlPoint, read_markups
+from bundle.inferers.oneshot import TemplateFeatureInferer
 from bundle.io_utils import write_json_atomic
-from bundle.oneshot import TemplateFeatureInferer
 from bundle.template_file import load_template
-from bundle.templates import with_templates
+from bundle.templates.resolution import with_templates
 from bundle.transforms.landmarks import LandmarkTargets
 
 logger = logging.getLogger(__name__)
@@ -266,7 +266,8 @@ class BundleContext:
 
     def new_detector(self, checkpoint: str | Path, image_size: Sequence[int] | None = None):
         """``(network, preprocessing, inferer)`` of a detector checkpoint: ``HeatmapDetector`` with its weights, the
-        evaluation pipeline at ``image_size`` (the grid it was trained on) and ``bundle.stage2.HeatmapInferer``."""
+        evaluation pipeline at ``image_size`` (the grid it was trained on) and
+        ``bundle.inferers.heatmap.HeatmapInferer``."""
         parser = self.detector_parser(image_size)
         with self._lock:
             network = parser.get_parsed_content("network_def", lazy=False)

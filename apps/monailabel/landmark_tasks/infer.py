@@ -7,7 +7,7 @@ template. With no saved label, the bundle's templates (``evaluate#templates`` of
 resolved on the first request and cached). The reply names the templates it used.
 
 Once the train task has published a stage-2 heatmap detector (``model/detector.pt``, trained on the saved labels),
-the detector is served instead: one forward pass (``bundle.stage2.HeatmapInferer``), no template. The reply's
+the detector is served instead: one forward pass (``bundle.inferers.heatmap.HeatmapInferer``), no template. The reply's
 ``predictor`` says which (``"detector"`` | ``"templates"``); the request key ``predictor`` (or the app's conf key
 of that name: ``auto``, the default, ``detector`` or ``templates``) forces one, e.g. template matching beside a
 served detector.

@@ -1,9 +1,5 @@
-"""Inference on new images with the templates of a bundle: their features computed or read, and the images listed.
-
-:func:`resolve_template` gives the template features of the ``inferring`` command (a template feature file,
-:mod:`bundle.template_file`, or a datalist's template images, computed by :func:`compute_template`);
-:func:`image_items` lists the images to run on; :class:`LandmarkPointsd` writes predictions in the datalist's
-convention. Matching: :class:`bundle.oneshot.TemplateFeatureInferer`.
+"""The template features of the ``inferring`` command: read from a template feature file
+(:mod:`bundle.template_file`), or computed from a datalist's template images (and kept in a cache).
 """
 
 from __future__ import annotations
@@ -13,20 +9,15 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Hashable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
-import numpy as np
 import torch
 from bundle.checkpoints import load_weights
 from bundle.data.embedded import open_datalist
-from bundle.geometry import physical_to_datalist, plain_tensor
+from bundle.geometry import plain_tensor
 from bundle.networks.matching import feature_vectors
 from bundle.template_file import TEMPLATE_FORMAT, bundle_path, check_template, file_sha256, load_template, save_template
-from bundle.templates import check_rule, prepare_template, resolve_templates
-from monai.config import KeysCollection
-from monai.transforms import MapTransform
-
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".dcm", ".nii", ".nii.gz", ".mha", ".mhd", ".nrrd")
+from bundle.templates.resolution import check_rule, prepare_template, resolve_templates
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +110,7 @@ def template_cache_key(
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
 
 
-def resolve_template(
+def resolve_template_features(
     template_path: str | os.PathLike,
     template_datalist: str | os.PathLike | None,
     network: torch.nn.Module,
@@ -170,53 +161,3 @@ def resolve_template(
         except OSError as e:  # a read-only or full cache does not stop inference
             logger.warning("template cache %s not written (%s)", cached, e)
     return template
-
-
-# --------------------------------------------------------------------------- inference on new images
-
-
-def image_items(images: str | Sequence[str] | None, dataset_dir: str | os.PathLike) -> list[dict]:
-    """Datalist-style items ``{"image": path}`` of ``images`` (a path or a list of paths), or, when None or
-    empty, of every image file directly in ``dataset_dir`` (sorted; none when it does not exist, so that the
-    config builds without data: :func:`require_items` then fails at run time)."""
-    if isinstance(images, (str, os.PathLike)):
-        images = [images]
-    if images:
-        paths = [Path(os.path.expanduser(str(p))) for p in images]
-        missing = [str(p) for p in paths if not p.is_file()]
-        if missing:
-            raise FileNotFoundError(f"images not found: {missing}")
-        return [{"image": str(p)} for p in paths]
-    folder = Path(dataset_dir)
-    if not folder.is_dir():
-        return []
-    return [
-        {"image": str(p)} for p in sorted(folder.iterdir()) if p.is_file() and p.name.lower().endswith(IMAGE_SUFFIXES)
-    ]
-
-
-def require_items(items: Sequence[Any], dataset_dir: str | os.PathLike) -> None:
-    """Raise FileNotFoundError (naming ``dataset_dir``) when there is no image to run on."""
-    if len(items) == 0:
-        raise FileNotFoundError(
-            f"nothing to run on: no --images given and dataset_dir {dataset_dir} holds no image file "
-            f"({', '.join(IMAGE_SUFFIXES)}); pass --images \"['a.png', ...]\" or --dataset_dir FOLDER"
-        )
-
-
-class LandmarkPointsd(MapTransform):
-    """Post-processing: ``points`` = the predictions ``pred`` (physical mm) in the datalist convention
-    (2D: original-image pixels ``[x, y]``; 3D: world mm), from the item's ``spacing``."""
-
-    def __init__(self, keys: KeysCollection = "pred", spacing_key: str = "spacing", output_key: str = "points") -> None:
-        super().__init__(keys)
-        self.spacing_key = spacing_key
-        self.output_key = output_key
-
-    def __call__(self, data: Mapping[Hashable, Any]) -> dict:
-        d = dict(data)
-        key = self.first_key(d)
-        pred = torch.as_tensor(d[key]).detach().cpu().double().numpy()
-        spacing = torch.as_tensor(d[self.spacing_key]).detach().cpu().double().numpy()
-        d[self.output_key] = torch.as_tensor(np.asarray(physical_to_datalist(pred, spacing)), dtype=torch.float64)
-        return d

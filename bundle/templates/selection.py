@@ -20,8 +20,8 @@ from typing import Sequence
 
 import torch
 from bundle.geometry import apply_homogeneous, plain_tensor
+from bundle.inferers.oneshot import OneShotInferer
 from bundle.networks.matching import feature_vectors
-from bundle.oneshot import OneShotInferer
 
 
 def grid_points(grid_size: Sequence[int], n_points: int, margin: float = 0.1) -> torch.Tensor:

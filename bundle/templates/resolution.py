@@ -1,9 +1,9 @@
 """The templates of one-shot (k-shot) detection, as datalist items, and their preparation for the inferer.
 
 Which items are templates: the datalist's own (``templates`` / ``template``), else one chosen among its
-labelled training items (:func:`resolve_template`, by the criteria of :mod:`bundle.template_selection`),
+labelled training items (:func:`resolve_template`, by the criteria of :mod:`bundle.templates.selection`),
 plus pseudo-templates labelled by matching (:func:`resolve_templates`); :func:`with_templates` gives them,
-prepared by the evaluation pipeline, to a :class:`bundle.oneshot.OneShotInferer`.
+prepared by the evaluation pipeline, to a :class:`bundle.inferers.oneshot.OneShotInferer`.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import os
 
 import torch
 from bundle.geometry import grid_landmarks
-from bundle.oneshot import OneShotInferer
-from bundle.pseudo_labels import pseudo_label, select_pseudo_templates
-from bundle.template_selection import select_template, select_template_by_landmarks
+from bundle.inferers.oneshot import OneShotInferer
+from bundle.templates.pseudo_labels import pseudo_label, select_pseudo_templates
+from bundle.templates.selection import select_template, select_template_by_landmarks
 
 
 def prepare_template(item: dict, preprocessing) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,7 +61,7 @@ def default_templates(datalist: dict) -> list[dict]:
 
 
 def with_templates(inferer, items: list[dict], preprocessing, device: torch.device | str):
-    """Give ``inferer`` (a ``bundle.oneshot.OneShotInferer``) the template ``items`` and return it."""
+    """Give ``inferer`` (a ``bundle.inferers.oneshot.OneShotInferer``) the template ``items`` and return it."""
     prepared = [prepare_template(item, preprocessing) for item in items]
     inferer.set_templates([image.to(device) for image, _ in prepared], [points.to(device) for _, points in prepared])
     return inferer
@@ -90,9 +90,9 @@ def resolve_template(
 
     ``rule``: ``"landmarks"`` picks the item whose landmarks, matched one-shot into each other candidate,
     land closest to that candidate's own landmarks
-    (:func:`bundle.template_selection.select_template_by_landmarks`); ``"features"`` reads no landmark and
+    (:func:`bundle.templates.selection.select_template_by_landmarks`); ``"features"`` reads no landmark and
     picks the candidate whose features match the other training images best
-    (:func:`bundle.template_selection.select_template`, Quan et al. CVPR 2022), the choice of which image
+    (:func:`bundle.templates.selection.select_template`, Quan et al. CVPR 2022), the choice of which image
     to annotate. At most ``max_images`` training images (the labelled ones first) take part, to bound the cost.
     """
     check_rule(rule)
@@ -174,7 +174,7 @@ def resolve_templates(
     Pseudo-templates: the first ``pseudo_candidates`` images of :func:`pseudo_template_pool` are labelled by
     matching from the templates (combined by ``combine``) and the ``pseudo_templates`` most reliable ones by
     forward-backward cycle error are added, each without its landmarks whose cycle error exceeds
-    ``cycle_tolerance`` grid pixels (:func:`bundle.pseudo_labels.select_pseudo_templates`).
+    ``cycle_tolerance`` grid pixels (:func:`bundle.templates.pseudo_labels.select_pseudo_templates`).
     """
     if pseudo_templates < 0 or pseudo_candidates < 0:
         raise ValueError(

@@ -19,8 +19,8 @@ from typing import Sequence
 import numpy as np
 import torch
 from bundle.geometry import apply_homogeneous, physical_to_datalist
+from bundle.inferers.oneshot import OneShotInferer
 from bundle.kshot import combine_landmarks
-from bundle.oneshot import OneShotInferer
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 ``ContrastiveIterationUpdate`` implements the paper's pixel-wise contrastive learning (two encoders,
 multi-scale InfoNCE, Sec. 3.1): the whole image goes through the image encoder, the augmented crop through
 the crop encoder, and the loss compares the crop's query features with the image's. ``mixing="unmix"`` is
-the paper's Un-mix comparison (:func:`bundle.mixing.unmix_crops`, :func:`bundle.mixing.unmix_loss`).
+the paper's Un-mix comparison (:func:`bundle.losses.mixing.unmix_crops`, :func:`bundle.losses.mixing.unmix_loss`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 import torch
-from bundle.mixing import unmix_crops, unmix_draw, unmix_loss
+from bundle.losses.mixing import unmix_crops, unmix_draw, unmix_loss
 from monai.engines import SupervisedTrainer
 from monai.engines.utils import IterationEvents
 from monai.utils.enums import CommonKeys as Keys
@@ -39,7 +39,7 @@ class ContrastiveIterationUpdate:
       The chosen count stays set for the process (the data pipeline and validation run with it too).
 
     ``mixing``: ``"none"`` or ``"unmix"`` (Un-mix, Shen et al. AAAI 2022): each step draws a mixture
-    (:func:`bundle.mixing.unmix_draw`: global mixup with probability ``unmix_global_prob``, else a CutMix box;
+    (:func:`bundle.losses.mixing.unmix_draw`: global mixup with probability ``unmix_global_prob``, else a CutMix box;
     ``lam ~ Beta(unmix_alpha, unmix_alpha)``) from torch's global RNG, mixes the crops with the batch's reverse
     and adds the mixed crops' loss ``lam L_own + (1 - lam) L_partner`` to the plain crops' loss (Un-mix keeps
     both branches). The feature-space methods are the loss's ``mixing``.

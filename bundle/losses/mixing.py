@@ -1,7 +1,7 @@
 """The view-mixing methods the paper compares with (Quan et al. CVPR 2023), on the pixel-wise contrastive loss.
 
 Feature pixels are the instances: for one query q (a crop-encoder pixel feature) the keys are the positive k+
-and the negatives n_i of :class:`bundle.loss.MultiScaleInfoNCELoss` (a local window of cells at the fine
+and the negatives n_i of :class:`bundle.losses.infonce.MultiScaleInfoNCELoss` (a local window of cells at the fine
 scales, every cell at the coarsest). The feature-space methods take a scale's ``query (B, Q, C)``, key vectors
 ``keys (B, Q, K, C)``, cosine ``logits (B, Q, K)`` (``-inf`` = a cell left out) and the positive's column
 ``target (B, Q)`` and return new logits and target:
@@ -21,20 +21,6 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
-
-__all__ = [
-    "FEATURE_MIXING",
-    "MIXING_METHODS",
-    "feature_mixing",
-    "image_mixing",
-    "FeatureTransformation",
-    "HardNegativeMixing",
-    "beta_sample",
-    "UnmixDraw",
-    "unmix_crops",
-    "unmix_draw",
-    "unmix_loss",
-]
 
 
 def beta_sample(alpha: float, shape: Sequence[int] = (), device: torch.device | str | None = None) -> torch.Tensor:
@@ -196,6 +182,8 @@ class FeatureTransformation:
 
 
 FEATURE_MIXING: dict[str, Callable[..., object]] = {"mochi": HardNegativeMixing, "zhu": FeatureTransformation}
+
+
 MIXING_METHODS = ("none", "unmix", *FEATURE_MIXING)  # the values of the training key ``mixing``
 
 

@@ -9,7 +9,7 @@ than to the image's features elsewhere (the negatives)::
 At the coarsest scale the keys are every cell of the whole image's map; at finer scales they are a local
 window around the positive (cells outside the map are left out of the softmax). The total is the
 (optionally weighted) sum over scales of the mean over queries. ``mixing`` applies one of the paper's
-feature-space comparison methods to every scale's key set (:mod:`bundle.mixing`).
+feature-space comparison methods to every scale's key set (:mod:`bundle.losses.mixing`).
 """
 
 from __future__ import annotations
@@ -20,11 +20,9 @@ from typing import Sequence
 
 import torch
 import torch.nn.functional as F
-from bundle.mixing import FEATURE_MIXING
+from bundle.losses.mixing import FEATURE_MIXING
 from bundle.networks.features import points_to_feature_index, sample_features
 from torch.nn.modules.loss import _Loss
-
-__all__ = ["MultiScaleInfoNCELoss"]
 
 
 class MultiScaleInfoNCELoss(_Loss):
@@ -35,8 +33,8 @@ class MultiScaleInfoNCELoss(_Loss):
         local_window: key window size per scale, coarse to fine; ``None`` = every cell of the map. An int
             means ``None`` at the coarsest scale and that odd size at every finer one.
         scale_weights: optional weight per scale (default 1 each).
-        mixing: ``"none"``, ``"mochi"`` (:class:`bundle.mixing.HardNegativeMixing`) or ``"zhu"``
-            (:class:`bundle.mixing.FeatureTransformation`), applied to each query's keys at every scale.
+        mixing: ``"none"``, ``"mochi"`` (:class:`bundle.losses.mixing.HardNegativeMixing`) or ``"zhu"``
+            (:class:`bundle.losses.mixing.FeatureTransformation`), applied to each query's keys at every scale.
         mochi_hardest / mochi_synthetic / mochi_query_synthetic: MoCHi's N, s, s' as fractions of the negatives.
         zhu_pos_alpha / zhu_neg_alpha: Zhu et al.'s Beta parameters of extrapolation and interpolation.
 

@@ -1,0 +1,20 @@
+"""The stage-2 detector's batches for MONAI's ``SupervisedTrainer``: ``(image, (heatmap, mask))``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class HeatmapPrepareBatch:
+    """``prepare_batch`` of the detector's ``SupervisedTrainer``: ``(image, (heatmap, mask))`` on the device."""
+
+    def __init__(self, image_key: str = "image", heatmap_key: str = "heatmap", mask_key: str = "landmark_mask") -> None:
+        self.keys = (image_key, heatmap_key, mask_key)
+
+    def __call__(self, batchdata: dict, device=None, non_blocking: bool = False, **kwargs: Any):
+        image, heatmap, mask = (
+            torch.as_tensor(batchdata[k]).to(device=device, non_blocking=non_blocking, **kwargs) for k in self.keys
+        )
+        return image, (heatmap, mask)

@@ -1,0 +1,25 @@
+"""Ignite handlers of the configs: checkpoints and resuming, the evaluation report, TensorBoard, templates."""
+
+from bundle.handlers.checkpoints import (
+    AtomicCheckpointSaver,
+    AtomicSaveHandler,
+    CheckpointDirReport,
+    LastCheckpointSaver,
+    ResumeCheckpointLoader,
+    resume_handlers,
+)
+from bundle.handlers.report import LandmarkReportHandler
+from bundle.handlers.templates import TemplateHandler
+from bundle.handlers.tensorboard import DeferredSummaryWriter
+
+__all__ = [
+    "AtomicCheckpointSaver",
+    "AtomicSaveHandler",
+    "CheckpointDirReport",
+    "DeferredSummaryWriter",
+    "LandmarkReportHandler",
+    "LastCheckpointSaver",
+    "ResumeCheckpointLoader",
+    "TemplateHandler",
+    "resume_handlers",
+]

@@ -1,0 +1,211 @@
+""":class:`LandmarkReportHandler`: an evaluation's report files (:mod:`bundle.reporting`)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+from bundle.geometry import apply_homogeneous, physical_to_datalist
+from bundle.io_utils import StagedOutputs
+from bundle.metrics import DEFAULT_THRESHOLDS, radial_errors, summarize_errors
+from bundle.reporting import (
+    overlay_png,
+    save_sdr_curve,
+    unique_name,
+    write_markups_per_image,
+    write_metrics_json,
+    write_png,
+    write_predictions_csv,
+)
+from ignite.engine import Engine, Events
+from monai.data import decollate_batch
+from monai.utils import convert_to_numpy
+
+logger = logging.getLogger(__name__)
+
+
+def _items(data: Any) -> list[dict]:
+    """Per-image dicts from an engine's (possibly decollated) ``state.output`` / ``state.batch``."""
+    if data is None:
+        return []
+    if isinstance(data, Mapping):
+        return [dict(d) for d in decollate_batch(dict(data))]
+    if isinstance(data, (list, tuple)) and all(isinstance(d, Mapping) for d in data):
+        return [dict(d) for d in data]
+    raise TypeError(f"expected a dict or a list of dicts per image, got {type(data).__name__}")
+
+
+class LandmarkReportHandler:
+    """Ignite handler writing the evaluation reports of one-shot detection at ``Events.COMPLETED``.
+
+    Contract: for each image, the union of its ``engine.state.batch`` item and ``engine.state.output``
+    item (output wins; batched dicts or decollated lists of dicts both work) provides
+      - ``pred_key`` ("pred"): ``(L, D)`` predicted landmarks in physical mm, NaN for missing;
+      - ``label_key`` ("label"): ``(L, D)`` reference landmarks in physical mm, NaN for missing;
+      - ``spacing_key`` ("spacing"): ``(D,)`` mm per pixel of the original image. In 2D physical mm are
+        original pixels times spacing, so the CSV gets ``pred / spacing``; in 3D the CSV gets world mm.
+        Pixel errors (``mre_px``) are ``|(pred - ref) / spacing|``;
+      - ``path_key`` ("image_path"): the image's path for the CSV, else the ``filename_or_obj`` of
+        the ``image_key`` MetaTensor;
+      - 2D overlays only: ``image_key`` ("image") the ``(1, W, H)`` grid image and ``grid_key``
+        ("grid_to_physical") its ``(3, 3)`` grid-to-mm matrix; items without them get no overlay.
+    At ``EPOCH_STARTED`` the collection is reset; at ``COMPLETED`` it writes ``output_dir``/metrics.json,
+    predictions.csv, sdr_curve.png and overlays/<image stem>.png (2D) or <image stem>.mrk.json (3D, the
+    predictions as a 3D Slicer point list in RAS), and logs MRE and SDR. When no image has
+    a reference landmark (inference on new images), only predictions.csv and the overlays are written.
+    Everything is written at ``COMPLETED`` (the overlays drawn as their images come, kept in memory) into a
+    staging folder beside ``output_dir``, which replaces the previous run's report files only when complete
+    (:class:`bundle.io_utils.StagedOutputs`): after a failure ``output_dir`` is as it was, and files that no
+    run wrote are never touched.
+    """
+
+    def __init__(
+        self,
+        output_dir: str | os.PathLike,
+        landmark_names: Sequence[str],
+        template: str | Sequence[str] = "",
+        checkpoint: str = "",
+        thresholds: Sequence[float] = DEFAULT_THRESHOLDS,
+        overlays: bool = True,
+        pred_key: str = "pred",
+        label_key: str = "label",
+        spacing_key: str = "spacing",
+        path_key: str = "image_path",
+        image_key: str = "image",
+        grid_key: str = "grid_to_physical",
+        logger_name: str = "bundle.reporting",
+    ) -> None:
+        self.output_dir = Path(output_dir)
+        self.landmark_names = [str(n) for n in landmark_names]
+        self.template = template
+        self.checkpoint = checkpoint
+        self.thresholds = tuple(float(t) for t in thresholds)
+        self.overlays = overlays
+        self.pred_key, self.label_key, self.spacing_key = pred_key, label_key, spacing_key
+        self.path_key, self.image_key, self.grid_key = path_key, image_key, grid_key
+        self.logger = logging.getLogger(logger_name)
+        self.records: list[dict] = []
+        self._stems: set[str] = set()
+        self._overlays: dict[str, bytes] = {}  # overlay file name -> PNG, written with the report
+        self._staging = StagedOutputs(self.output_dir)
+
+    def attach(self, engine: Engine) -> None:
+        engine.add_event_handler(Events.EPOCH_STARTED, self.reset)
+        engine.add_event_handler(Events.ITERATION_COMPLETED, self.collect)
+        engine.add_event_handler(Events.COMPLETED, self.write)
+
+    def reset(self, engine: Engine | None = None) -> None:
+        self.records = []
+        self._stems = set()
+        self._overlays = {}
+        self._staging.discard()
+
+    def _array(self, item: Mapping, key: str, shape_hint: str) -> np.ndarray:
+        if key not in item:
+            raise KeyError(
+                f"LandmarkReportHandler: the engine's batch/output has no key {key!r} ({shape_hint}); "
+                f"keys: {sorted(item)}"
+            )
+        return np.asarray(convert_to_numpy(item[key]), dtype=np.float64)
+
+    def _image_name(self, item: Mapping) -> str:
+        if self.path_key in item:
+            return str(item[self.path_key])
+        meta = getattr(item.get(self.image_key), "meta", {})
+        if "filename_or_obj" in meta:
+            return str(meta["filename_or_obj"])
+        raise KeyError(
+            f"LandmarkReportHandler: no {self.path_key!r} key and no filename_or_obj in {self.image_key!r} metadata"
+        )
+
+    def collect(self, engine: Engine) -> None:
+        """Record the predictions of the current iteration (and draw their overlays)."""
+        outputs, batches = _items(engine.state.output), _items(engine.state.batch)
+        if batches and len(batches) != len(outputs):
+            raise ValueError(f"LandmarkReportHandler: {len(batches)} batch items but {len(outputs)} output items")
+        for i, out in enumerate(outputs):
+            item = {**(batches[i] if batches else {}), **out}
+            pred = self._array(item, self.pred_key, "(L, D) predicted mm")
+            ref = self._array(item, self.label_key, "(L, D) reference mm")
+            spacing = self._array(item, self.spacing_key, "(D,) mm per pixel")
+            if pred.shape != ref.shape or pred.shape != (len(self.landmark_names), spacing.size):
+                raise ValueError(
+                    f"LandmarkReportHandler: pred {pred.shape}, label {ref.shape} and spacing {spacing.shape} do not "
+                    f"fit {len(self.landmark_names)} landmarks"
+                )
+            record = {"image": self._image_name(item), "pred": pred, "ref": ref, "spacing": spacing}
+            self.records.append(record)
+            if self.overlays and spacing.size == 2 and self.image_key in item and self.grid_key in item:
+                self._overlay(record, item)
+
+    def _overlay(self, record: dict, item: Mapping) -> None:
+        name = unique_name(Path(record["image"]).stem, self._stems)
+        matrix = np.asarray(convert_to_numpy(item[self.grid_key]), dtype=np.float64)
+        ref_grid = apply_homogeneous(matrix, record["ref"], inverse=True).numpy()
+        pred_grid = apply_homogeneous(matrix, record["pred"], inverse=True).numpy()
+        size_x, size_y = np.linalg.norm(matrix[:2, :2], axis=0)  # mm per grid pixel along x and y
+        self._overlays[f"{name}.png"] = overlay_png(
+            item[self.image_key], ref_grid, pred_grid, self.landmark_names, size_y / size_x, where=f"overlay {name}.png"
+        )
+
+    def write(self, engine: Engine | None = None) -> dict[str, Any]:
+        """Write metrics.json, predictions.csv and sdr_curve.png, then move the report into ``output_dir``;
+        return the summary."""
+        if not self.records:
+            self._staging.discard()
+            raise ValueError(f"LandmarkReportHandler: no predictions were collected for {self.output_dir}")
+        try:
+            summary = self._write(self._staging.folder)
+            self._staging.commit()
+        except BaseException:
+            self._staging.discard()
+            raise
+        if "mre_mm" not in summary:  # inference on unlabelled images: predictions only
+            self.logger.info(
+                "one-shot detection on %d images without reference landmarks: predictions in %s",
+                len(self.records),
+                self.output_dir,
+            )
+            return summary
+        sdr = ", ".join(f"{k} mm {v:.1f}%" for k, v in summary["sdr"].items())
+        self.logger.info(
+            "one-shot detection on %d images: MRE %.3f +/- %.3f mm (%.2f px); SDR %s; reports in %s",
+            summary["n_images"],
+            summary["mre_mm"],
+            summary["mre_std_mm"],
+            summary["mre_px"],
+            sdr,
+            self.output_dir,
+        )
+        return summary
+
+    def _write(self, folder: Path) -> dict[str, Any]:
+        preds = np.stack([r["pred"] for r in self.records])
+        refs = np.stack([r["ref"] for r in self.records])
+        spacings = np.stack([r["spacing"] for r in self.records])[:, None, :]
+        errors_mm = radial_errors(preds, refs)
+        errors_px = radial_errors(preds / spacings, refs / spacings)
+        rows = [
+            {
+                "image": r["image"],
+                "landmark": name,
+                "point": physical_to_datalist(r["pred"][j], r["spacing"]),
+                "error_mm": errors_mm[i, j],
+            }
+            for i, r in enumerate(self.records)
+            for j, name in enumerate(self.landmark_names)
+        ]
+        write_predictions_csv(folder / "predictions.csv", rows)
+        for name, png in self._overlays.items():
+            write_png(folder / "overlays" / name, png)
+        if preds.shape[-1] == 3:
+            write_markups_per_image(folder, self.records, self.landmark_names)
+        if np.isnan(refs).all():  # inference on unlabelled images: predictions only
+            return {"n_images": len(self.records)}
+        summary = summarize_errors(errors_mm, errors_px, self.thresholds, self.landmark_names)
+        write_metrics_json(folder / "metrics.json", summary, self.template, self.checkpoint)
+        save_sdr_curve(folder / "sdr_curve.png", errors_mm, marks=self.thresholds)
+        return summary

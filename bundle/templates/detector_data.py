@@ -1,0 +1,138 @@
+"""The stage-2 detector's training items (CC2D's second stage; the supervised fine-tuning) and their record.
+
+- :func:`pseudo_labelled_items`: the training items labelled by (k-shot) matching from the templates
+  (:func:`bundle.templates.pseudo_labels.pseudo_label`), optionally without their landmarks whose
+  forward-backward cycle error exceeds a tolerance; written as an inspectable datalist;
+- :func:`labelled_items`: the human-labelled training items of a fine-tuning;
+- ``detector_info.json`` beside the detector's checkpoints: the templates that made its pseudo-labels.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import torch
+from bundle.inferers.oneshot import OneShotInferer
+from bundle.io_utils import write_json_atomic
+from bundle.templates.pseudo_labels import pseudo_label, reliable_landmarks
+from bundle.templates.resolution import labelled_training_items, with_templates
+
+logger = logging.getLogger(__name__)
+
+
+INFO_FILE = "detector_info.json"
+
+
+def _held_out_images(datalist: dict) -> set[str]:
+    return {it["image"] for split in ("validation", "test") for it in datalist.get(split) or []}
+
+
+def pseudo_labelled_items(
+    datalist: dict,
+    network: torch.nn.Module,
+    templates: Sequence[dict],
+    preprocessing,
+    device: torch.device | str,
+    combine: str = "geometric_median",
+    cycle_tolerance: float | None = None,
+    output_path: str | Path | None = None,
+    exclude_held_out: bool = True,
+) -> list[dict]:
+    """Every training item labelled by matching from ``templates`` with the stage-1 ``network`` (CC2D stage 2).
+
+    The templates keep their own (human) landmarks; every other training item is labelled by k-shot
+    matching (:func:`bundle.templates.pseudo_labels.pseudo_label`; its own landmarks, if any, are not read). With
+    ``cycle_tolerance`` (grid pixels), a landmark whose forward-backward cycle error exceeds it becomes
+    ``null`` (left out of the loss, :func:`bundle.templates.pseudo_labels.reliable_landmarks`). Images of the
+    validation and test splits are left out (``exclude_held_out``), so that the detector never trains on
+    the images it is measured on. ``output_path``: the pseudo-labelled datalist is written there (atomic),
+    with the per-landmark cycle errors under ``pseudo_labels``.
+    """
+
+    template_images = {t["image"] for t in templates}
+    held_out = _held_out_images(datalist) if exclude_held_out else set()
+    pool = [
+        {k: v for k, v in it.items() if k != "landmarks"}
+        for it in datalist.get("training", [])
+        if it["image"] not in template_images and it["image"] not in held_out
+    ]
+    inferer = with_templates(OneShotInferer(template_combine=combine), list(templates), preprocessing, device)
+    labelled = pseudo_label(network, inferer, pool, preprocessing, device)
+    items = [dict(t) for t in templates]
+    cycle = {}
+    for entry in labelled:
+        item = entry["item"] if cycle_tolerance is None else reliable_landmarks(entry, float(cycle_tolerance))
+        items.append(item)
+        cycle[item["image"]] = [None if not np.isfinite(e) else round(float(e), 4) for e in entry["cycle_error"]]
+    kept = sum(p is not None for it in items for p in it["landmarks"])
+    total = sum(len(it["landmarks"]) for it in items)
+    logger.info(
+        "stage 2: %d training images (%d template(s) + %d pseudo-labelled), %d of %d landmarks kept",
+        len(items),
+        len(templates),
+        len(labelled),
+        kept,
+        total,
+    )
+    if output_path is not None:
+        out = {k: v for k, v in datalist.items() if k not in ("training",)}
+        out["training"] = items
+        out["pseudo_labels"] = {
+            "templates": [t["image"] for t in templates],
+            "cycle_tolerance": cycle_tolerance,
+            "cycle_error": cycle,
+        }
+        write_json_atomic(output_path, out)
+        logger.info("pseudo-label datalist written to %s", output_path)
+    return items
+
+
+def write_detector_info(ckpt_dir: str | Path, templates: Sequence[dict] | None, labels: str, n_items: int) -> Path:
+    """``ckpt_dir/detector_info.json``: which templates made the pseudo-labels (empty for human labels), so
+    that the evaluation of the detector reports them in metrics.json."""
+    return write_json_atomic(
+        Path(ckpt_dir) / INFO_FILE,
+        {"labels": labels, "templates": [t["image"] for t in templates or []], "n_training_items": int(n_items)},
+    )
+
+
+def detector_templates(ckpt_path: str | Path) -> list[str]:
+    """The templates recorded beside a detector checkpoint (:func:`write_detector_info`); ``[]`` when none."""
+    info = Path(ckpt_path).parent / INFO_FILE
+    if not info.is_file():
+        return []
+    return list(json.loads(info.read_text()).get("templates") or [])
+
+
+def labelled_items(datalist: dict, n_labelled: int | None = None) -> list[dict]:
+    """The first ``n_labelled`` (None = all) labelled training items outside the validation and test splits
+    (the human labels of fine-tuning)."""
+
+    held_out = _held_out_images(datalist)
+    items = [dict(it) for it in labelled_training_items(datalist) if it["image"] not in held_out]
+    if n_labelled is not None:
+        if n_labelled < 1:
+            raise ValueError(f"n_labelled must be >= 1 or null, got {n_labelled}")
+        if n_labelled > len(items):
+            raise ValueError(f"n_labelled={n_labelled} but the datalist has only {len(items)} labelled training items")
+        items = items[: int(n_labelled)]
+    return items
+
+
+def read_pseudo_labels(path: str | Path) -> list[dict]:
+    """The training items of a pseudo-label datalist written by :func:`pseudo_labelled_items` (to reuse or
+    edit the pseudo-labels without matching again); image paths as written there."""
+    data = json.loads(Path(path).read_text())
+    if "pseudo_labels" not in data or "training" not in data:
+        raise ValueError(f"{path} is not a pseudo-label datalist (written by stage 2 as output_dir/pseudo_labels.json)")
+    return [dict(it) for it in data["training"]]
+
+
+def pseudo_label_templates(path: str | Path) -> list[dict]:
+    """The template items that made the pseudo-labels of :func:`read_pseudo_labels`'s file."""
+    images = set(json.loads(Path(path).read_text())["pseudo_labels"]["templates"])
+    return [it for it in read_pseudo_labels(path) if it["image"] in images]
