@@ -68,7 +68,7 @@ ROW_TITLES.update(
     full_authors="+ both, the authors' published factor ranges",
     full_pixel="+ both, estimated ranges, groups blended per pixel",
 )
-COMPARISON_ROWS = {  # row: the training's `mixing` (bundle/mixing.py)
+COMPARISON_ROWS = {  # row: the training's `mixing` (bundle/losses/mixing.py)
     "baseline": "none",
     "unmix": "unmix",
     "mochi": "mochi",

@@ -1,4 +1,4 @@
-"""One-shot template matching (bundle/oneshot.py) with a hand-made stand-in network."""
+"""One-shot template matching (bundle/inferers/oneshot.py, bundle/networks/matching.py) with a stand-in network."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Report writers (bundle/reporting.py) and the report handler (bundle/handlers.py): files written and read back."""
+"""Report writers (bundle/reporting.py) and the report handler (bundle/handlers/report.py), read back."""
 
 from __future__ import annotations
 

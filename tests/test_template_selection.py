@@ -1,4 +1,4 @@
-"""Template selection (bundle/template_selection.py) with the stand-in network of test_oneshot."""
+"""Template selection (bundle/templates/selection.py) with the stand-in network of test_oneshot."""
 
 from __future__ import annotations
 
