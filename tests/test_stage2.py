@@ -17,7 +17,7 @@ from bundle.data.synthetic import generate_synthetic_2d
 from bundle.inferers.heatmap import HeatmapInferer
 from bundle.losses.heatmap import MaskedHeatmapLoss
 from bundle.networks.contrastive import ContrastiveLandmarkNet
-from bundle.networks.detector import HeatmapDetector
+from bundle.networks.detector import HeatmapDetector, load_stage1_encoder
 from bundle.networks.matching import refine_peaks
 from bundle.templates.detector_data import detector_templates
 from bundle.transforms.heatmaps import GaussianHeatmapd, render_gaussian_heatmaps
@@ -114,7 +114,7 @@ def test_detector_encoder_loads_the_stage1_weights(tmp_path):
     torch.manual_seed(1)
     stage1 = ContrastiveLandmarkNet(spatial_dims=2)
     torch.save(stage1.state_dict(), tmp_path / "model.pt")
-    detector = HeatmapDetector(spatial_dims=2, n_landmarks=5, init_checkpoint=tmp_path / "model.pt")
+    detector = load_stage1_encoder(HeatmapDetector(spatial_dims=2, n_landmarks=5), tmp_path / "model.pt")
     reference = stage1.image_encoder.state_dict()
     loaded = detector.image_encoder.state_dict()
     assert loaded.keys() == reference.keys()
@@ -125,7 +125,7 @@ def test_detector_encoder_loads_the_stage1_weights(tmp_path):
     assert out.shape == (2, 5, 32, 48)
     torch.save({"something": torch.zeros(1)}, tmp_path / "other.pt")
     with pytest.raises(RuntimeError, match="image_encoder"):
-        HeatmapDetector(spatial_dims=2, n_landmarks=5, init_checkpoint=tmp_path / "other.pt")
+        load_stage1_encoder(HeatmapDetector(spatial_dims=2, n_landmarks=5), tmp_path / "other.pt")
 
 
 def test_heatmap_inferer_returns_physical_landmarks():
@@ -161,10 +161,10 @@ def test_random_init_as_the_command_line_gives_it(random_init, expected):
     parser.update({"bundle_root": str(ROOT), "random_init": random_init})
     if expected is ValueError:
         with pytest.raises(RuntimeError) as info:  # MONAI's config wraps the error; the cause names the key
-            parser.get_parsed_content("network_def#init_checkpoint")
+            parser.get_parsed_content("encoder_checkpoint")
         assert "random_init: expected true or false (yes/no, 1/0, any case), got 'maybe'" in str(info.value.__cause__)
         return
-    init = parser.get_parsed_content("network_def#init_checkpoint")
+    init = parser.get_parsed_content("encoder_checkpoint")
     assert init == (None if expected is None else parser.get_parsed_content("stage1_ckpt"))
 
 

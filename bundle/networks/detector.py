@@ -32,13 +32,18 @@ __all__ = ["HeatmapDetector", "load_stage1_encoder"]
 STAGE1_PREFIX = "image_encoder."
 
 
-def load_stage1_encoder(encoder: nn.Module, path: str | os.PathLike, device: torch.device | str = "cpu") -> nn.Module:
-    """Load the ``image_encoder.*`` weights of a stage-1 checkpoint (a ``ContrastiveLandmarkNet`` state dict,
-    or a dict holding one under ``model``) into ``encoder``, strictly; other entries (the crop encoder) are ignored."""
+def load_stage1_encoder(
+    detector: HeatmapDetector, path: str | os.PathLike | None, device: torch.device | str = "cpu"
+) -> HeatmapDetector:
+    """``detector`` with its ``image_encoder`` loaded from the ``image_encoder.*`` weights of a stage-1 checkpoint
+    (a ``ContrastiveLandmarkNet`` state dict, or a dict holding one under ``model``), strictly; other entries (the
+    crop encoder) are ignored. ``path`` None: ``detector`` unchanged (random initialisation)."""
+    if path is None:
+        return detector
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(
-            f"stage-1 checkpoint not found: {path} (train stage 1 first, or pass --init_checkpoint null)"
+            f"stage-1 checkpoint not found: {path} (train stage 1 first, or pass --random_init true)"
         )
     state = read_state_dict(path, device, what="stage-1 checkpoint")
     encoder_state = {k[len(STAGE1_PREFIX) :]: v for k, v in state.items() if k.startswith(STAGE1_PREFIX)}
@@ -47,11 +52,11 @@ def load_stage1_encoder(encoder: nn.Module, path: str | os.PathLike, device: tor
             f"{path} holds no '{STAGE1_PREFIX}*' weights: not a stage-1 (ContrastiveLandmarkNet) checkpoint"
         )
     try:
-        encoder.load_state_dict(encoder_state, strict=True)
+        detector.image_encoder.load_state_dict(encoder_state, strict=True)
     except RuntimeError as e:
         raise RuntimeError(f"the stage-1 encoder of {path} does not fit the detector's encoder: {e}") from e
     logging.getLogger(__name__).info("detector encoder initialised from the stage-1 checkpoint %s", path)
-    return encoder
+    return detector
 
 
 class HeatmapDetector(nn.Module):
@@ -63,8 +68,8 @@ class HeatmapDetector(nn.Module):
         backbone, in_channels, embed_dim, strides, channels, pretrained_path: as for
             :func:`bundle.networks.contrastive.build_encoder` (must match the stage-1 network to load it).
         head_channels: width of the head's hidden convolutions.
-        init_checkpoint: a stage-1 checkpoint whose image encoder initialises ``image_encoder``
-            (strict); None = random initialisation.
+
+    The encoder starts random; :func:`load_stage1_encoder` gives it a stage-1 checkpoint's weights.
 
     ``forward(x)``: ``(B, in_channels, *S)`` -> ``(B, n_landmarks, *S)`` logits.
     """
@@ -80,7 +85,6 @@ class HeatmapDetector(nn.Module):
         channels: Sequence[int] = (16, 32, 64, 128, 128),
         pretrained_path: str | os.PathLike | None = None,
         head_channels: int = 32,
-        init_checkpoint: str | os.PathLike | None = None,
     ) -> None:
         super().__init__()
         if n_landmarks < 1:
@@ -96,8 +100,6 @@ class HeatmapDetector(nn.Module):
             channels=channels,
             pretrained_path=pretrained_path,
         )
-        if init_checkpoint is not None:
-            load_stage1_encoder(self.image_encoder, init_checkpoint)
         self.strides = self.image_encoder.strides
         features = embed_dim * len(self.strides) + in_channels
         self.head = nn.Sequential(

@@ -258,7 +258,7 @@ class BundleContext:
         key = tuple(image_size) if image_size else None
         with self._lock:
             if key not in self._detector_parsers:
-                overrides: dict[str, Any] = {**self.overrides, "init_checkpoint": None}
+                overrides: dict[str, Any] = dict(self.overrides)
                 if image_size:
                     overrides["image_size"] = [int(v) for v in image_size]
                 self._detector_parsers[key] = bundle_parser(self.detector_configs, self.bundle_root, **overrides)
