@@ -293,6 +293,52 @@ def inference(repeats: int = 3, config: str | list[str] = "configs/train.yaml", 
     print(f"ratio: {per_image / forward_time:.2f}; {_peak_memory_note(device)}")
 
 
+def template_cache(images: int = 2) -> None:
+    """``inferring --datalist``: the first call (templates chosen and their features computed) against the second
+    (features read from the template cache), same images and predictions; the Hamedan protocol datalist when
+    ../shared/data holds it, else the synthetic set."""
+    import tempfile
+
+    from bundle.configs import config_files
+    from bundle.data.embedded import open_datalist
+    from bundle.data.synthetic import generate_synthetic_2d
+    from scripts.bundle_commands import run_command
+    from scripts.prepare_data import labelme
+
+    with tempfile.TemporaryDirectory() as tmp:
+        if (DATA / "hamedan_ceph").is_dir():
+            datalist = f"{tmp}/protocol.json"
+            labelme(
+                str(DATA / "hamedan_ceph"),
+                datalist,
+                names="isbi",
+                spacing=[0.12, 0.12],
+                validation_fraction=0.1,
+                test_fraction=0.3,
+                seed=0,
+                keep_held_out_images=True,
+            )
+        else:
+            datalist = str(generate_synthetic_2d(Path(tmp) / "synthetic"))
+        chosen = [it["image"] for it in open_datalist(datalist)["test"][:images]]
+        runs = []
+        for call in ("first", "second"):
+            overrides = {
+                "datalist": datalist,
+                "images": chosen,
+                "output_dir": f"{tmp}/{call}",
+                "overlays": False,
+                "template_cache": f"{tmp}/cache",
+            }
+            runs.append(run_command("inferring", config_files("inference"), overrides, log=f"{tmp}/{call}.log"))
+        same = runs[0].outputs == runs[1].outputs
+    print(f"inferring --datalist {Path(datalist).name}, {len(chosen)} images (wall time of the command)")
+    print(f"{'call':<42}{'s':>8}")
+    print(f"{'first (templates chosen, features computed)':<42}{runs[0].seconds:>8.1f}")
+    print(f"{'second (features from the cache)':<42}{runs[1].seconds:>8.1f}")
+    print(f"ratio first / second: {runs[0].seconds / runs[1].seconds:.1f}; same predictions: {same}")
+
+
 def all(repeats: int = 3) -> None:  # noqa: A001 - the CLI's name for every section
     """Every section in turn."""
     entropy(repeats=repeats)
@@ -321,6 +367,7 @@ COMMANDS = {
     "all": all,
     "training_3d": training_3d,
     "inference_3d": inference_3d,
+    "template_cache": template_cache,
 }
 
 if __name__ == "__main__":
