@@ -16,8 +16,8 @@ export (``ckpt_export``, scripting) of ``configs/inference``.
 Two checks the zoo leaves to the bundle follow on the staged copy: ``ConfigWorkflow(workflow_type=
 "inference").check_properties()`` (MONAI's inference properties) and ``monai.bundle.load`` of the
 inference and train networks (``configs/<workflow_type>.json``) with ``models/model.pt``, in a fresh Python
-started in ``WORKDIR``, not the bundle's folder (the configs' ``initialize`` puts the bundle's folder on
-``sys.path`` where MONAI does not: ``load`` works from any working directory).
+started in ``WORKDIR``, not the bundle's folder (the configs' ``initialize`` makes the bundle's package
+importable where MONAI does not: ``load`` works from any working directory).
 Exit status 0 when everything passes.
 """
 

@@ -35,12 +35,13 @@ stops the start naming it): where the server infers and scores and the bundle tr
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import sys
 from pathlib import Path
 
-# MONAI Label puts this app's folder on sys.path only while it loads this file (class_utils.module_from_file):
+# MONAI Label makes this app's folder importable only while it loads this file (class_utils.module_from_file):
 # the app's task package is imported now, and its other modules later through the package
 from landmark_tasks.strategy import OrderedStrategy
 from monailabel.config import settings
@@ -51,6 +52,26 @@ APP_DIR = Path(__file__).resolve().parent
 logger = logging.getLogger(__name__)
 
 
+def import_bundle(bundle_root: Path) -> None:
+    """Import the ``bundle`` package of ``bundle_root`` (a conf key MONAI Label knows nothing of) under its name;
+    nothing else of that folder (its ``scripts``, ``tests``) becomes importable. A ``bundle`` package already
+    imported from another folder stops the start, naming both."""
+    init = bundle_root / "bundle" / "__init__.py"
+    loaded = sys.modules.get("bundle")
+    if loaded is not None:
+        if Path(loaded.__file__).resolve() != init.resolve():
+            raise ImportError(f"a bundle package from {loaded.__file__} is loaded already, not {init}")
+        return
+    spec = importlib.util.spec_from_file_location("bundle", init, submodule_search_locations=[str(init.parent)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bundle"] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules["bundle"]
+        raise
+
+
 class LandmarkApp(MONAILabelApp):
     def __init__(self, app_dir: str, studies: str, conf: dict[str, str]) -> None:
         self.bundle_root = Path(conf.get("bundle_root", APP_DIR.parents[1])).resolve()
@@ -58,9 +79,7 @@ class LandmarkApp(MONAILabelApp):
             raise FileNotFoundError(
                 f"bundle_root {self.bundle_root} holds no configs/train.yaml (set --conf bundle_root)"
             )
-        # the bundle package: MONAI Label puts nothing of bundle_root (a conf key) on sys.path
-        if str(self.bundle_root) not in sys.path:
-            sys.path.insert(0, str(self.bundle_root))
+        import_bundle(self.bundle_root)
         from bundle import __version__ as bundle_version
         from landmark_tasks.common import BundleContext
 
