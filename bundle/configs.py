@@ -216,12 +216,15 @@ def _config_ids(config: Any, prefix: str = "") -> set[str]:
     return ids
 
 
-def as_number(value: Any, key: str, minimum: float | None = None, integer: bool = False):
+def as_number(value: Any, key: str, minimum: float | None = None, integer: bool = False, maximum: float | None = None):
     """A numeric config value (an int when ``integer``), refused (``ValueError`` naming ``key`` and the value) when
-    it is not a finite number (a bool, NaN, text) or below ``minimum``."""
+    it is not a finite number (a bool, NaN, text), below ``minimum`` or above ``maximum``."""
     ok = is_finite_number(value) and (not integer or float(value).is_integer())
-    if not ok or (minimum is not None and value < minimum):
+    if not ok or (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
         kind = "an integer" if integer else "a finite number"
-        bound = f" >= {minimum:g}" if minimum is not None else ""
+        if minimum is not None and maximum is not None:
+            bound = f" in [{minimum:g}, {maximum:g}]"
+        else:
+            bound = f" >= {minimum:g}" if minimum is not None else f" <= {maximum:g}" if maximum is not None else ""
         raise ValueError(f"{key}: expected {kind}{bound}, got {value!r}")
     return int(value) if integer else value

@@ -145,13 +145,15 @@ def main(
     pseudo_cycle_tolerance: float = 2.0,
     template_combine: str = "geometric_median",
     retrain: bool = False,
+    contrast_remap_prob: float = 0.0,
 ) -> dict:
     """Prepare the data and train (once per workdir), evaluate one setting, print its MRE table.
 
     ``templates``: k labelled templates (the T1w and k - 1 training warps with their AFIDs);
     ``pseudo_templates``: that many pseudo-templates chosen among the first ``pseudo_candidates`` (default
     all) training warps, labelled by matching, their AFIDs not read (``bundle.templates.resolution.resolve_templates``);
-    ``pseudo_cycle_tolerance`` in network-grid voxels; ``template_combine`` as in ``configs/train.yaml``.
+    ``pseudo_cycle_tolerance`` in network-grid voxels; ``template_combine`` as in ``configs/train.yaml``;
+    ``contrast_remap_prob``: the training's random intensity curves (``configs/train.yaml``), for T1w -> T2w.
     """
     from bundle.configs import config_files
     from bundle.data.datalist import load_datalist
@@ -200,6 +202,7 @@ def main(
             epochs=epochs,
             epoch_length=max(1, iterations // epochs),
             val_interval=10**6,
+            contrast_remap_prob=contrast_remap_prob,
             **common,
         )
         training = {
@@ -209,6 +212,7 @@ def main(
             "spacing_mm": spacing,
             "image_size": list(image_size),
             "seed": seed,
+            "contrast_remap_prob": contrast_remap_prob,
             "train_seconds": time.perf_counter() - prepared,
         }
         write_json_atomic(info_path, training)
@@ -219,6 +223,11 @@ def main(
             raise ValueError(
                 f"{ckpt} was trained at {training['spacing_mm']} mm on grid {training['image_size']}; "
                 f"evaluate with the same --spacing and --image_size, or --retrain true"
+            )
+        if training and training.get("contrast_remap_prob", 0.0) != contrast_remap_prob:
+            raise ValueError(
+                f"{ckpt} was trained with contrast_remap_prob {training.get('contrast_remap_prob', 0.0)}: give the "
+                "same --contrast_remap_prob, or --retrain true"
             )
     trained = time.perf_counter()
     evaluation = [str(ROOT / f) for f in config_files("evaluate", spatial_dims=3)]
