@@ -264,6 +264,15 @@ def test_template_cache_key_follows_the_network_strides_and_the_bundle_version(t
     assert key() != base
 
 
+def test_template_cache_is_off_for_the_command_lines_null():
+    """``--template_cache null`` reaches the config as the string 'null' (``monai.bundle run`` drops ``None``)."""
+    from bundle.templates.features import template_cache_dir
+
+    for off in (None, False, "", "null", "None", " NULL ", "false", "no"):
+        assert template_cache_dir(off) is None, off
+    assert template_cache_dir("cache/x") == Path("cache/x")
+
+
 def test_exported_network_takes_a_plain_torch_image_synthetic(tmp_path, tiny_datalist):
     """The exported network fed (1, 1, rows, columns) from PIL, without MONAI, finds what ``inferring`` finds (on a
     non-square synthetic image, its datalist's template built in) and lands near the true landmarks."""

@@ -85,6 +85,18 @@ def default_template_cache() -> Path:
     return Path(root) / "infoguided-landmarks" / "templates"
 
 
+NO_CACHE_WORDS = ("", "null", "none", "false", "no")
+
+
+def template_cache_dir(value: str | os.PathLike | None) -> Path | None:
+    """The ``template_cache`` folder, or None (no cache) for None / false and for the words a command line can give
+    for them (``--template_cache null``: ``monai.bundle run`` drops a ``None`` override and passes ``null`` as a
+    string): ``""``, ``null``, ``none``, ``false``, ``no`` in any case."""
+    if value is None or value is False or str(value).strip().casefold() in NO_CACHE_WORDS:
+        return None
+    return Path(value)
+
+
 def template_cache_key(
     datalist_path: str | os.PathLike,
     datalist: dict,
@@ -145,13 +157,14 @@ def resolve_template_features(
     if not template_datalist:
         return load_template(template_path, checkpoint)
     datalist = open_datalist(template_datalist)
+    cache_dir = template_cache_dir(cache_dir)
     if checkpoint is not None:
         checkpoint = bundle_path(checkpoint)
     cached = None
     if cache_dir and checkpoint is not None:
         strides = getattr(network, "strides", None)
         key = template_cache_key(template_datalist, datalist, checkpoint, rule, image_size, strides)
-        cached = Path(cache_dir) / f"{key}.pt"
+        cached = cache_dir / f"{key}.pt"
         if cached.is_file():
             try:
                 template = load_template(cached, checkpoint)
