@@ -14,12 +14,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def context(tmp_path):
+    """The app's ``BundleContext`` without ``--conf datalist``; the app's package is forgotten afterwards (other
+    tests load the app as MONAI Label does)."""
     sys.path.insert(0, str(ROOT / "apps" / "monailabel"))
     try:
         from landmark_tasks.common import BundleContext
     finally:
         sys.path.remove(str(ROOT / "apps" / "monailabel"))
-    return BundleContext(ROOT, None, None, tmp_path / "model", "cpu")
+    yield BundleContext(ROOT, None, None, tmp_path / "model", "cpu")
+    for name in [m for m in sys.modules if m == "landmark_tasks" or m.startswith("landmark_tasks.")]:
+        del sys.modules[name]
 
 
 def test_builtin_templates_refused_for_published_weights(context):
