@@ -326,7 +326,7 @@ def dicom(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Entry point: ``prepare_data.py {labelme|isbi2015|hand|nifti|dicom} ...``."""
+    """Entry point: ``python -m scripts.prepare_data {labelme|isbi2015|hand|nifti|dicom} ...``."""
     try:
         fire.Fire(
             {"labelme": labelme, "isbi2015": isbi2015, "hand": hand, "nifti": nifti, "dicom": dicom}, command=argv

@@ -247,6 +247,32 @@ def test_a_datalists_template_features_are_kept_for_the_next_call(tmp_path, tiny
     assert torch.load(kept, weights_only=True)["format"] == "infoguided-landmarks-template/1"
 
 
+def test_template_cache_key_follows_the_network_strides_and_the_bundle_version(tmp_path, monkeypatch):
+    """Features of other strides, or of another version's code, are not read back from the cache."""
+    import bundle.templates.features as features
+
+    datalist_path, checkpoint = tmp_path / "datalist.json", tmp_path / "model.pt"
+    datalist_path.write_text("{}")
+    checkpoint.write_bytes(b"weights")
+
+    def key(strides=(16, 8, 4, 2)):
+        return features.template_cache_key(datalist_path, {}, checkpoint, "landmarks", [192, 192], strides)
+
+    base = key()
+    assert key((8, 4, 2)) != base
+    monkeypatch.setattr(features, "__version__", "0.0.0-other")
+    assert key() != base
+
+
+def test_template_cache_is_off_for_the_command_lines_null():
+    """``--template_cache null`` reaches the config as the string 'null' (``monai.bundle run`` drops ``None``)."""
+    from bundle.templates.features import template_cache_dir
+
+    for off in (None, False, "", "null", "None", " NULL ", "false", "no"):
+        assert template_cache_dir(off) is None, off
+    assert template_cache_dir("cache/x") == Path("cache/x")
+
+
 def test_exported_network_takes_a_plain_torch_image_synthetic(tmp_path, tiny_datalist):
     """The exported network fed (1, 1, rows, columns) from PIL, without MONAI, finds what ``inferring`` finds (on a
     non-square synthetic image, its datalist's template built in) and lands near the true landmarks."""

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
+from bundle import __version__
 from bundle.checkpoints import load_weights
 from bundle.data.embedded import open_datalist
 from bundle.geometry import plain_tensor
@@ -84,12 +85,31 @@ def default_template_cache() -> Path:
     return Path(root) / "infoguided-landmarks" / "templates"
 
 
+NO_CACHE_WORDS = ("", "null", "none", "false", "no")
+
+
+def template_cache_dir(value: str | os.PathLike | None) -> Path | None:
+    """The ``template_cache`` folder, or None (no cache) for None / false and for the words a command line can give
+    for them (``--template_cache null``: ``monai.bundle run`` drops a ``None`` override and passes ``null`` as a
+    string): ``""``, ``null``, ``none``, ``false``, ``no`` in any case."""
+    if value is None or value is False or str(value).strip().casefold() in NO_CACHE_WORDS:
+        return None
+    return Path(value)
+
+
 def template_cache_key(
-    datalist_path: str | os.PathLike, datalist: dict, checkpoint: str | os.PathLike, rule: str, image_size
+    datalist_path: str | os.PathLike,
+    datalist: dict,
+    checkpoint: str | os.PathLike,
+    rule: str,
+    image_size,
+    strides: Sequence[int] | None = None,
 ) -> str:
     """SHA-256 of what a datalist's template features depend on: the datalist's bytes, the identity (path, size,
     modification time) of every image it names as a template or training item, the weights' bytes, the template
-    rule, the network grid and the file format."""
+    rule, the network grid and ``strides``, the file format and the bundle's version (its code: preprocessing and
+    feature sampling). Not in it: a preprocessing pipeline changed by a merged config (clear the cache, or set
+    ``template_cache`` null)."""
     images = [
         str(it["image"])
         for key in ("template", "templates", "training")
@@ -106,6 +126,8 @@ def template_cache_key(
         "checkpoint": file_sha256(checkpoint),
         "rule": rule,
         "image_size": [int(v) for v in image_size] if image_size is not None else None,
+        "strides": [int(v) for v in strides] if strides is not None else None,
+        "version": __version__,
     }
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
 
@@ -128,18 +150,21 @@ def resolve_template_features(
 
     With ``cache_dir`` (and a ``checkpoint``), a datalist's features are kept there as a template feature file named
     by :func:`template_cache_key` (``image_size``: the network grid) and read back by later calls with the same
-    datalist, images, weights and rule instead of choosing and computing the templates again.
+    datalist, images, weights, rule, grid, network strides and bundle version instead of choosing and computing
+    the templates again.
     """
     check_rule(rule)
     if not template_datalist:
         return load_template(template_path, checkpoint)
     datalist = open_datalist(template_datalist)
+    cache_dir = template_cache_dir(cache_dir)
     if checkpoint is not None:
         checkpoint = bundle_path(checkpoint)
     cached = None
     if cache_dir and checkpoint is not None:
-        key = template_cache_key(template_datalist, datalist, checkpoint, rule, image_size)
-        cached = Path(cache_dir) / f"{key}.pt"
+        strides = getattr(network, "strides", None)
+        key = template_cache_key(template_datalist, datalist, checkpoint, rule, image_size, strides)
+        cached = cache_dir / f"{key}.pt"
         if cached.is_file():
             try:
                 template = load_template(cached, checkpoint)

@@ -200,10 +200,15 @@ class BundleContext:
         try:
             return load_template(self.builtin_template_path, checkpoint)
         except ValueError:
+            published = (
+                " (fine-tuned by the train task; remove the app's model/model.pt to serve the shipped weights again)"
+                if self.is_published(checkpoint)
+                else ""
+            )
             raise ValueError(
                 f"the built-in templates ({BUILTIN_TEMPLATES}) hold features of the shipped weights, not of "
-                f"{checkpoint.name}: give the templates' images (--conf datalist) or label images of the datastore "
-                "(they become the templates)"
+                f"{checkpoint.name}{published}: give the templates' images (--conf datalist) or label images of the "
+                "datastore (they become the templates)"
             ) from None
 
     # ---- bundle pieces -------------------------------------------------------------------------------
@@ -292,19 +297,23 @@ class BundleContext:
                 f"cannot read image {name or Path(item['image']).name!r}: {type(cause).__name__}: {cause}"
             ) from e
 
-    def builtin_inferer(self) -> TemplateFeatureInferer:
-        """The inferer of the built-in templates (as ``inferring`` matches them) for the served weights; ValueError
-        once the served weights are no longer the shipped ones (their features would not match)."""
+    def builtin_inferer(self, checkpoint: str | Path | None = None) -> TemplateFeatureInferer:
+        """The inferer of the built-in templates (as ``inferring`` matches them) for ``checkpoint`` (default: the
+        served weights; a caller that then runs the network passes the checkpoint it loads, so that a training
+        publishing new weights in between cannot pair them with these features); ValueError once the weights are
+        no longer the shipped ones (their features would not match)."""
         with self._lock:
-            checkpoint = self.served_checkpoint()
+            checkpoint = Path(checkpoint or self.served_checkpoint())
             key = file_key(checkpoint)
             if self._builtin is None or self._builtin[0] != key:
                 self._builtin = (key, TemplateFeatureInferer(self._check_builtin(checkpoint), self.template_combine))
             return self._builtin[1]
 
-    def builtin_sources(self) -> list[dict]:
-        """The built-in templates as template records ``{"image": file name, "source": "built-in"}``."""
-        return [{"image": name, "source": "built-in"} for name in self.builtin_inferer().template["sources"]]
+    def builtin_sources(self, inferer: TemplateFeatureInferer | None = None) -> list[dict]:
+        """The built-in templates (of ``inferer``, default :meth:`builtin_inferer`'s) as template records
+        ``{"image": file name, "source": "built-in"}``."""
+        inferer = inferer or self.builtin_inferer()
+        return [{"image": name, "source": "built-in"} for name in inferer.template["sources"]]
 
     # ---- frames: pixels <-> LPS mm ---------------------------------------------------------------------
     def frame(self, image: str | Path, data: dict | None = None) -> dict:

@@ -176,15 +176,17 @@ class LandmarkInferTask(InferTask):
                 points_mm = inferer(batch, network, g2p)[0].cpu().numpy()
                 templates, checkpoint = [], detector_path
             else:
+                # one checkpoint for the whole request: the train task may publish new weights meanwhile
+                checkpoint = self.context.served_checkpoint()
                 templates = self._select_templates(request.get("image_id"))
                 if templates:
                     self._update_inferer(templates)
                     inferer = self.inferer
-                else:  # no labelled image and no template image: the built-in templates
-                    inferer, templates = self.context.builtin_inferer(), self.context.builtin_sources()
+                else:  # no labelled image and no template image: the built-in templates (of these weights)
+                    inferer = self.context.builtin_inferer(checkpoint)
+                    templates = self.context.builtin_sources(inferer)
                 batch = torch.as_tensor(data["image"]).unsqueeze(0).to(self.context.device)
                 g2p = torch.as_tensor(data["grid_to_physical"]).unsqueeze(0).to(self.context.device)
-                checkpoint = self.context.served_checkpoint()
                 with self.context.network(checkpoint) as network:
                     points_mm = inferer(batch, network, g2p)[0].cpu().numpy()
         spacing = np.asarray(torch.as_tensor(data["spacing"]).cpu(), dtype=np.float64).reshape(-1)
