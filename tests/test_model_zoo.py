@@ -360,6 +360,25 @@ def test_template_features_give_what_the_template_image_gives(tiny_datalist, tmp
     torch.testing.assert_close(parser.get_parsed_content("template")["queries"], template["queries"])
 
 
+def test_an_image_on_another_grid_than_the_templates_is_refused():
+    """The built-in features were computed on the 192 x 192 grid: another grid is refused by the Python path
+    (``inferring --image_size``) and by the exported network, eager and scripted, instead of matching silently."""
+    from bundle.inferers.oneshot import TemplateFeatureInferer
+    from bundle.networks.contrastive import ContrastiveLandmarkNet
+    from bundle.networks.landmark_points import LandmarkPointsNet
+    from bundle.template_file import load_template
+
+    template = load_template(ROOT / "models" / "template_features.pt")
+    network = ContrastiveLandmarkNet(spatial_dims=2).eval()
+    with pytest.raises(ValueError, match=r"computed on the grid \[192, 192\], the input is on \[128, 160\]"):
+        TemplateFeatureInferer(template)(torch.rand(1, 1, 128, 160), network)
+    exported = LandmarkPointsNet(network, template).eval()
+    for net in (exported, torch.jit.script(exported)):
+        with pytest.raises(Exception, match="not the template features' "):
+            net(torch.rand(1, 1, 160, 128))
+        assert net(torch.rand(1, 1, 192, 192)).shape == (1, 19, 2)
+
+
 def test_scripted_geometric_median_equals_the_eager_one():
     from bundle.kshot import geometric_median
 

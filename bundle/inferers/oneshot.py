@@ -191,6 +191,12 @@ class TemplateFeatureInferer(Inferer):
         k, n_landmarks, n_scales, _ = queries.shape
         if len(grid_size) != int(self.template["spatial_dims"]):
             raise ValueError(f"the template is {self.template['spatial_dims']}D, the input grid {grid_size}")
+        template_grid = [int(s) for s in self.template.get("grid_size") or grid_size]
+        if template_grid != grid_size:
+            raise ValueError(
+                f"the template features were computed on the grid {template_grid}, the input is on {grid_size}: "
+                f"give image_size {template_grid}, or compute the features on this grid"
+            )
         features = [plain_tensor(f) for f in network(inputs)]
         if len(features) != n_scales:
             raise ValueError(f"the template has features of {n_scales} scales, the network gives {len(features)}")

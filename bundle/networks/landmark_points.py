@@ -14,7 +14,7 @@ else. A 3D volume is ``(B, 1, X, Y, Z)`` as MONAI and nibabel index it, unchange
 """
 
 import os
-from typing import Any, Mapping, Union
+from typing import Any, List, Mapping, Union
 
 import torch
 from bundle.kshot import geometric_median
@@ -33,7 +33,10 @@ class LandmarkPointsNet(torch.nn.Module):
     command's settings) and the K templates' positions combined by the geometric median on the grid. It scripts
     (``torch.jit.script``). Its state dict is the wrapped network's, so the bundle's ``model.pt`` loads into it
     unchanged (strict); the template features are non-persistent buffers (they travel inside a TorchScript export).
+    An image on another grid than the template features' is refused.
     """
+
+    grid_size: List[int]
 
     def __init__(self, network: torch.nn.Module, template: Union[Mapping[str, Any], str, os.PathLike]) -> None:
         super().__init__()
@@ -51,6 +54,7 @@ class LandmarkPointsNet(torch.nn.Module):
         valid = ~torch.isnan(queries).any(dim=-1).any(dim=-1)
         self.register_buffer("queries", torch.nan_to_num(queries, nan=0.0), persistent=False)
         self.register_buffer("valid", valid, persistent=False)
+        self.grid_size = [int(s) for s in template.get("grid_size") or []]  # MONAI's [x, y] order in 2D
         self.matcher = TemplateMatcher()
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict:
@@ -63,8 +67,10 @@ class LandmarkPointsNet(torch.nn.Module):
         """Landmark positions of image ``x`` (see the class doc for the axis order)."""
         if x.dim() == 4:  # (B, 1, rows, columns) -> MONAI's (B, 1, columns, rows): peaks come out (column, row)
             x = x.transpose(2, 3)
-        features = [f.float() for f in self.network(x)]
         grid = [int(s) for s in x.shape[2:]]
+        if len(self.grid_size) > 0 and grid != self.grid_size:
+            raise ValueError("the image's grid is not the template features' (network_data_format's spatial_shape)")
+        features = [f.float() for f in self.network(x)]
         b, k, n, d = x.shape[0], self.num_templates, self.num_landmarks, len(grid)
         norms = self.matcher.feature_norms(features, grid)
         peaks = torch.full([k, b, n, d], float("nan"), dtype=torch.float64, device=x.device)

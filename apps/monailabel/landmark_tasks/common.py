@@ -205,10 +205,14 @@ class BundleContext:
                 if self.is_published(checkpoint)
                 else ""
             )
+            remedy = (
+                "or label images of the datastore (they become the templates)"
+                if published
+                else "(these weights need their own templates' images)"
+            )
             raise ValueError(
                 f"the built-in templates ({BUILTIN_TEMPLATES}) hold features of the shipped weights, not of "
-                f"{checkpoint.name}{published}: give the templates' images (--conf datalist) or label images of the "
-                "datastore (they become the templates)"
+                f"{checkpoint.name}{published}: give the templates' images (--conf datalist) {remedy}"
             ) from None
 
     # ---- bundle pieces -------------------------------------------------------------------------------
