@@ -291,8 +291,8 @@ def test_contrast_remap_dictionary_and_bad_values():
 
 
 def test_contrast_remap_is_off_by_default_and_refuses_a_probability_above_one():
-    """contrast_remap_prob 0 (the default) leaves the crop transform the paper's; 0.5 adds the remap after it;
-    1.5 is refused naming the key."""
+    """contrast_remap_prob 0 (the default) leaves the views' transforms the paper's; 0.5 adds the remap after the
+    crop's and gives the whole image its own; 1.5 is refused naming the key."""
     from pathlib import Path
 
     from bundle.configs import bundle_parser
@@ -300,11 +300,13 @@ def test_contrast_remap_is_off_by_default_and_refuses_a_probability_above_one():
     root = Path(__file__).resolve().parents[1]
     parser = bundle_parser("configs/train.yaml", root)
     assert isinstance(parser.get_parsed_content("train#crop_transform"), InfoGuidedIntensityd)
+    assert parser.get_parsed_content("train#image_transform") is None
     parser = bundle_parser("configs/train.yaml", root, contrast_remap_prob=0.5)
     composed = parser.get_parsed_content("train#crop_transform")
     assert isinstance(composed, Compose)
     assert [type(t) for t in composed.transforms] == [InfoGuidedIntensityd, RandContrastRemapd]
     assert composed.transforms[1].remap.prob == 0.5
+    assert parser.get_parsed_content("train#image_transform").remap.prob == 0.5
     parser = bundle_parser("configs/train.yaml", root, contrast_remap_prob=1.5)
     with pytest.raises(RuntimeError) as info:
         parser.get_parsed_content("train#crop_transform")
