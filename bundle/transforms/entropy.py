@@ -5,12 +5,15 @@ it. With the window's bin counts ``c_b`` and population ``n``::
 
     H = -sum_b (c_b / n) log2(c_b / n) = (n log2 n - sum_b c_b log2 c_b) / n
 
-The counts of every bin are box sums of that bin's indicator image. On the CPU the image is processed
-in tiles (plus a halo of ``k - 1``), each with only the bins present in it, on a few threads; the box
-sums are contiguous additions of small integers (two bins per 16-bit word when counts fit a byte) and
-``c log2 c`` comes from a lookup table. On a GPU the same sums run over the whole image, a chunk of
-bins at a time. This replaces the per-pixel sliding histogram of ``skimage.filters.rank.entropy``
-(same result to float32 rounding, several times faster; see ``python -m scripts.benchmark entropy``).
+The counts of every bin are box sums of that bin's indicator image (separable: along each axis in turn,
+by log2(k) doubling additions on the flattened stack). On the CPU the image is cut into small tiles (24 x 24
+in 2D, plus a halo of ``k - 1``), each with only the bins present in it (on a cephalogram some 35 of 256);
+tiles are sorted by their number of bins and processed in batches of similar ones, on a few threads, so
+each numpy call covers many tiles. Counts are small integers (two bins per 16-bit word when they fit a
+byte, so one addition serves two bins) and ``c log2 c`` comes from a lookup table indexed by the word. On
+a GPU the same sums run over the whole image, a chunk of bins at a time. This replaces the per-pixel
+sliding histogram of ``skimage.filters.rank.entropy`` (same result to float32 rounding; the ratio is
+printed by ``python -m scripts.benchmark entropy`` and written in docs/results.md, "Benchmarks").
 """
 
 from __future__ import annotations
