@@ -5,17 +5,19 @@ it. With the window's bin counts ``c_b`` and population ``n``::
 
     H = -sum_b (c_b / n) log2(c_b / n) = (n log2 n - sum_b c_b log2 c_b) / n
 
-The counts of every bin are box sums of that bin's indicator image. On the CPU the image is processed
-in tiles (plus a halo of ``k - 1``), each with only the bins present in it, on a few threads; the box
-sums are contiguous additions of small integers (two bins per 16-bit word when counts fit a byte) and
-``c log2 c`` comes from a lookup table. On a GPU the same sums run over the whole image, a chunk of
-bins at a time. This replaces the per-pixel sliding histogram of ``skimage.filters.rank.entropy``
-(same result to float32 rounding, several times faster; see ``python -m scripts.benchmark entropy``).
+The counts of every bin are box sums of that bin's indicator image (separable: along each axis in turn,
+by log2(k) doubling additions on the flattened stack). On the CPU the image is cut into small tiles (24 x 24
+in 2D, plus a halo of ``k - 1``), each with only the bins present in it (on a cephalogram some 35 of 256);
+tiles are sorted by their number of bins and processed in batches of similar ones, on a few threads, so
+each numpy call covers many tiles. Counts are small integers (two bins per 16-bit word when they fit a
+byte, so one addition serves two bins) and ``c log2 c`` comes from a lookup table indexed by the word. On
+a GPU the same sums run over the whole image, a chunk of bins at a time. This replaces the per-pixel
+sliding histogram of ``skimage.filters.rank.entropy`` (same result to float32 rounding; the ratio is
+printed by ``python -m scripts.benchmark entropy`` and written in docs/results.md, "Benchmarks").
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Hashable, Mapping, Sequence
@@ -29,9 +31,11 @@ from monai.utils import TransformBackends
 
 __all__ = ["local_entropy", "EntropyMap", "EntropyMapd"]
 
-# CPU tile edge per spatial rank (measured on a 2-core CPU: larger tiles hold more distinct bins,
-# smaller ones repeat more halo).
-_TILE = {2: (64, 128), 3: (16, 16, 64)}
+# CPU tile edge per spatial rank (measured on a real cephalogram and a CT-like volume, two shared cores:
+# larger tiles hold more distinct bins, smaller ones repeat more halo).
+_TILE = {2: (24, 24), 3: (16, 16, 64)}
+# Indicator words per CPU batch of tiles (a few MB: stays in cache, amortises the Python calls).
+_BATCH_ELEMENTS = 1 << 20
 # Elements of one bin chunk on the torch path (bounds its memory to a few bytes per element).
 _TORCH_CHUNK_ELEMENTS = 1 << 25
 
@@ -158,45 +162,77 @@ def _packed_table(table: np.ndarray) -> tuple[type, int, np.ndarray]:
 def _entropy_sums_numpy(padded: np.ndarray, window: tuple[int, ...], bins: int, table: np.ndarray) -> np.ndarray:
     """sum_b c_b log2 c_b for every pixel; ``padded`` = uint16 bin indices padded with the value ``bins``.
 
-    Tiles (with a halo of k - 1) are processed on a few threads, each with only the bins present in it.
+    The image is cut into small tiles (plus a halo of k - 1), each with only the bins present in it. Tiles
+    are sorted by their number of count words and processed in batches of similar ones (one set of numpy
+    calls per batch, on a few threads), so tiles can be small (few bins each) without Python overhead.
     """
     ndim = padded.ndim
     shape = tuple(s - k + 1 for s, k in zip(padded.shape, window))
-    tile = _TILE[ndim]
     word, per_word, word_table = _packed_table(table)
-    sums = np.empty(shape, dtype=np.float32)
+    tile = tuple(min(t, n) for t, n in zip(_TILE[ndim], shape))
+    grid = tuple(-(-n // t) for n, t in zip(shape, tile))
+    block = tuple(t + k - 1 for t, k in zip(tile, window))
+    block_size, n_tiles = math.prod(block), math.prod(grid)
+    extra = [(0, g * t + k - 1 - s) for g, t, k, s in zip(grid, tile, window, padded.shape)]
+    padded = np.pad(padded, extra, constant_values=bins)
+    strides = tuple(t * s for t, s in zip(tile, padded.strides)) + padded.strides
+    blocks = np.lib.stride_tricks.as_strided(padded, grid + block, strides, writeable=False)
+    coords = np.unravel_index(np.arange(n_tiles), grid)
 
-    def run(start: tuple[int, ...]) -> None:
-        out = tuple(slice(s, min(s + t, n)) for s, t, n in zip(start, tile, shape))
-        block = np.ascontiguousarray(padded[tuple(slice(o.start, o.stop + k - 1) for o, k in zip(out, window))])
-        present = np.flatnonzero(np.bincount(block.ravel(), minlength=bins + 1)[:bins])
-        n_words = -(-len(present) // per_word)
-        # bin present[i] lives in word i % n_words, byte lane i // n_words; padding (value `bins`) in none
-        word_of = np.full(bins + 1, n_words, dtype=np.uint16)
-        word_of[present] = np.arange(len(present)) % n_words
-        unit = np.zeros(bins + 1, dtype=word)
-        unit[present] = np.left_shift(1, 8 * (np.arange(len(present)) // n_words)).astype(word)
+    def gather(index: np.ndarray) -> np.ndarray:
+        """The blocks of tiles ``index`` (n, block_size) plus (bins + 1) * their position in ``index``."""
+        offsets = np.arange(len(index), dtype=np.int32)[:, None] * np.int32(bins + 1)
+        return blocks[tuple(c[index] for c in coords)].reshape(len(index), -1) + offsets
+
+    present = np.empty((n_tiles, bins + 1), dtype=bool)
+    step = max(1, (1 << 21) // block_size)
+    for first in range(0, n_tiles, step):
+        index = np.arange(first, min(first + step, n_tiles))
+        counts = np.bincount(gather(index).ravel(), minlength=len(index) * (bins + 1))
+        present[index] = counts.reshape(len(index), bins + 1) > 0
+    present[:, bins] = False  # padding
+    rank = np.cumsum(present, axis=1, dtype=np.int32) - 1
+    n_words = -(-present.sum(1) // per_word)
+    # batches of tiles with similar word counts, about _BATCH_ELEMENTS indicator words each
+    order = np.argsort(n_words, kind="stable")
+    batches, first = [], 0
+    while first < n_tiles:
+        last = first + 1
+        while last < n_tiles and int(n_words[order[last]]) * (last + 1 - first) * block_size <= _BATCH_ELEMENTS:
+            last += 1
+        batches.append(order[first:last])
+        first = last
+    sums = np.empty((n_tiles,) + tile, dtype=np.float32)
+
+    def run(index: np.ndarray) -> None:
+        n, n_batch_words = len(index), int(n_words[index[-1]])
+        # present bin of rank r lives in word r // per_word, byte lane r % per_word; others in none
+        word_of = np.where(present[index], rank[index] // per_word, n_batch_words).astype(np.uint16)
+        unit = np.where(present[index], np.left_shift(1, 8 * (rank[index] % per_word)), 0).astype(word)
+        flat = gather(index).reshape(1, -1)
         indicators = np.multiply(
-            np.take(word_of, block).reshape(1, -1) == np.arange(n_words, dtype=np.uint16)[:, None],
-            np.take(unit, block).reshape(1, -1),
+            np.take(word_of, flat) == np.arange(n_batch_words, dtype=np.uint16)[:, None],
+            np.take(unit, flat),
             dtype=word,
         )
-        terms = np.take(word_table, _window_counts(indicators.reshape((n_words,) + block.shape), window))
+        counts = _window_counts(indicators.reshape((n_batch_words * n,) + block), window)
+        terms = np.take(word_table, counts).reshape((n_batch_words, n) + tile)
         while len(terms) > 1:  # pairwise sum over words: float32 rounding grows with log2(#words) only
             half = (len(terms) + 1) // 2
             terms[: len(terms) - half] += terms[half:]
             terms = terms[:half]
-        sums[out] = terms[0]
+        sums[index] = terms[0]
 
-    starts = list(itertools.product(*(range(0, n, t) for n, t in zip(shape, tile))))
-    workers = max(1, min(torch.get_num_threads(), len(starts)))
+    workers = max(1, min(torch.get_num_threads(), len(batches)))
     if workers == 1:
-        for start in starts:
-            run(start)
+        for index in batches:
+            run(index)
     else:
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            list(pool.map(run, starts))
-    return sums
+            list(pool.map(run, batches))
+    interleave = [axis for i in range(ndim) for axis in (i, ndim + i)]
+    image = sums.reshape(grid + tile).transpose(interleave).reshape(tuple(g * t for g, t in zip(grid, tile)))
+    return np.ascontiguousarray(image[tuple(slice(0, n) for n in shape)])
 
 
 def _entropy_sums_torch(padded: torch.Tensor, window: tuple[int, ...], bins: int, table: np.ndarray) -> torch.Tensor:
