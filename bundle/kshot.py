@@ -11,8 +11,16 @@ simply does not vote for it.
 from __future__ import annotations
 
 import torch
+from bundle.geometry import apply_homogeneous
 
 COMBINE_RULES = ("geometric_median", "median", "mean")
+
+
+def check_combine_rule(rule: str) -> str:
+    """``rule`` when it is one of :data:`COMBINE_RULES`, else ValueError naming it."""
+    if rule not in COMBINE_RULES:
+        raise ValueError(f"template combination rule (template_combine) must be one of {COMBINE_RULES}, got {rule!r}")
+    return rule
 
 
 def geometric_median(
@@ -60,8 +68,7 @@ def combine_landmarks(predictions, rule: str = "geometric_median") -> torch.Tens
     ``rule``: ``"geometric_median"`` (default), ``"median"`` (per coordinate) or ``"mean"``. NaN marks a
     landmark a template does not give; a landmark that no template gives stays NaN.
     """
-    if rule not in COMBINE_RULES:
-        raise ValueError(f"template combination rule must be one of {COMBINE_RULES}, got {rule!r}")
+    check_combine_rule(rule)
     p = torch.as_tensor(predictions, dtype=torch.float64)
     if p.ndim < 3:
         raise ValueError(f"predictions must be (K, ..., L, D), got shape {tuple(p.shape)}")
@@ -72,3 +79,11 @@ def combine_landmarks(predictions, rule: str = "geometric_median") -> torch.Tens
     missing = torch.isnan(p).any(dim=-1, keepdim=True).expand_as(p)
     p = p.masked_fill(missing, float("nan"))
     return torch.nanmedian(p, dim=0).values if rule == "median" else torch.nanmean(p, dim=0)
+
+
+def combine_templates(per_template, grid_to_physical=None, rule: str = "geometric_median") -> torch.Tensor:
+    """K templates' grid predictions ``(K, ..., L, D)`` combined per landmark by ``rule``
+    (:func:`combine_landmarks`): in physical mm when ``grid_to_physical`` is given (mapped first), else on the grid."""
+    if grid_to_physical is not None:
+        per_template = apply_homogeneous(grid_to_physical, per_template)
+    return combine_landmarks(per_template, rule)

@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 import torch
-from bundle.geometry import apply_homogeneous, plain_tensor
-from bundle.kshot import COMBINE_RULES, combine_landmarks
+from bundle.geometry import plain_tensor
+from bundle.kshot import check_combine_rule, combine_templates
 from bundle.networks.matching import TemplateMatcher, feature_vectors
 from bundle.template_file import check_template
 from monai.inferers import Inferer
@@ -44,8 +44,7 @@ class OneShotInferer(Inferer):
         template_combine: str = "geometric_median",
     ) -> None:
         super().__init__()
-        if template_combine not in COMBINE_RULES:
-            raise ValueError(f"template_combine must be one of {COMBINE_RULES}, got {template_combine!r}")
+        check_combine_rule(template_combine)
         self.matcher = TemplateMatcher(combine, scale_weights, refine_radius, refine_resolution, max_map_elements)
         self.template_combine = template_combine
         self.templates: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -144,10 +143,7 @@ class OneShotInferer(Inferer):
 
         Several templates' predictions are combined by ``template_combine`` (in the space returned).
         """
-        per_template, _ = self.predict_per_template(inputs, network)
-        if grid_to_physical is not None:
-            per_template = apply_homogeneous(grid_to_physical, per_template)
-        return combine_landmarks(per_template, self.template_combine)
+        return combine_templates(self.predict_per_template(inputs, network)[0], grid_to_physical, self.template_combine)
 
 
 class TemplateFeatureInferer(Inferer):
@@ -175,8 +171,7 @@ class TemplateFeatureInferer(Inferer):
         scale_weights: Sequence[float] | None = None,
     ) -> None:
         super().__init__()
-        if template_combine not in COMBINE_RULES:
-            raise ValueError(f"template_combine must be one of {COMBINE_RULES}, got {template_combine!r}")
+        check_combine_rule(template_combine)
         self.template = check_template(template)
         self.landmark_names = self.template["landmark_names"]
         self.template_combine = template_combine
@@ -213,7 +208,4 @@ class TemplateFeatureInferer(Inferer):
 
     def __call__(self, inputs: torch.Tensor, network, grid_to_physical=None) -> torch.Tensor:  # type: ignore[override]
         """Predicted landmarks ``(B, L, D)`` (float64): grid pixels, or physical mm with ``grid_to_physical``."""
-        per_template = self.predict_per_template(inputs, network)
-        if grid_to_physical is not None:
-            per_template = apply_homogeneous(grid_to_physical, per_template)
-        return combine_landmarks(per_template, self.template_combine)
+        return combine_templates(self.predict_per_template(inputs, network), grid_to_physical, self.template_combine)

@@ -18,9 +18,9 @@ from typing import Sequence
 
 import numpy as np
 import torch
-from bundle.geometry import apply_homogeneous, physical_to_datalist
+from bundle.geometry import physical_to_datalist
 from bundle.inferers.oneshot import OneShotInferer
-from bundle.kshot import combine_landmarks
+from bundle.kshot import combine_templates
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def pseudo_label(
         image = torch.as_tensor(data["image"])[None].float().to(device)
         per_template, cycle = inferer.predict_per_template(image, network, cycle=True)
         matrix = torch.as_tensor(data["grid_to_physical"], dtype=torch.float64)
-        physical = combine_landmarks(apply_homogeneous(matrix, per_template[:, 0].cpu()), inferer.template_combine)
+        physical = combine_templates(per_template[:, 0].cpu(), matrix, inferer.template_combine)
         points = physical_to_datalist(physical.numpy(), torch.as_tensor(data["spacing"]).numpy())
         landmarks = [None if not np.isfinite(p).all() else [float(v) for v in p] for p in points]
         errors = cycle[:, 0].cpu()
