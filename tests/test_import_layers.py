@@ -18,8 +18,9 @@ PACKAGE = ROOT / "bundle"
 # lowest first; a module belongs to the layer of its longest listed prefix
 LAYERS = [
     ["bundle", "bundle.io_utils", "bundle.command_errors", "bundle.geometry"],  # coordinates, files, messages
-    [  # data, the matching core and the template file format: torch, MONAI and the layer below only
+    [  # data, config values, the matching core and the template file format: torch, MONAI and the layer below only
         "bundle.data",
+        "bundle.configs",
         "bundle.networks.features",
         "bundle.networks.matching",
         "bundle.kshot",
@@ -36,7 +37,7 @@ LAYERS = [
         "bundle.templates.pseudo_labels",
     ],
     ["bundle.templates", "bundle.reporting"],
-    ["bundle.handlers", "bundle.configs"],  # engines' glue, read by the configs
+    ["bundle.handlers"],  # engines' glue, read by the configs
 ]
 
 

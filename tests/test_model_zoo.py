@@ -266,11 +266,12 @@ def test_template_cache_key_follows_the_network_strides_and_the_bundle_version(t
 
 def test_template_cache_is_off_for_the_command_lines_null():
     """``--template_cache null`` reaches the config as the string 'null' (``monai.bundle run`` drops ``None``)."""
-    from bundle.templates.features import template_cache_dir
+    from bundle.templates.features import default_template_cache, template_cache_dir
 
     for off in (None, False, "", "null", "None", " NULL ", "false", "no"):
         assert template_cache_dir(off) is None, off
     assert template_cache_dir("cache/x") == Path("cache/x")
+    assert template_cache_dir("Yes") == template_cache_dir(True) == default_template_cache()
 
 
 def test_exported_network_takes_a_plain_torch_image_synthetic(tmp_path, tiny_datalist):

@@ -14,6 +14,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from bundle import __version__
 from bundle.checkpoints import load_weights
+from bundle.configs import as_flag
 from bundle.data.embedded import open_datalist
 from bundle.geometry import plain_tensor
 from bundle.networks.matching import feature_vectors
@@ -85,16 +86,16 @@ def default_template_cache() -> Path:
     return Path(root) / "infoguided-landmarks" / "templates"
 
 
-NO_CACHE_WORDS = ("", "null", "none", "false", "no")
-
-
-def template_cache_dir(value: str | os.PathLike | None) -> Path | None:
-    """The ``template_cache`` folder, or None (no cache) for None / false and for the words a command line can give
-    for them (``--template_cache null``: ``monai.bundle run`` drops a ``None`` override and passes ``null`` as a
-    string): ``""``, ``null``, ``none``, ``false``, ``no`` in any case."""
-    if value is None or value is False or str(value).strip().casefold() in NO_CACHE_WORDS:
+def template_cache_dir(value: str | os.PathLike | bool | None) -> Path | None:
+    """The ``template_cache`` folder: a path, or a yes/no word of :func:`bundle.configs.as_flag` (yes: the default
+    folder, no: no cache); None too, and what a command line gives for it (``--template_cache null``:
+    ``monai.bundle run`` drops a ``None`` override, so ``null`` / ``none`` / ``""`` arrive as strings)."""
+    if value is None or str(value).strip().casefold() in ("", "null", "none"):
         return None
-    return Path(value)
+    flag = as_flag(value, "template_cache", path=True)
+    if isinstance(flag, bool):
+        return default_template_cache() if flag else None
+    return Path(flag)
 
 
 def template_cache_key(
