@@ -165,12 +165,10 @@ class BundleContext:
         # inference.yaml is standalone); the stage-2 heatmap detector fine-tuned on human labels (`finetune.yaml`)
         self.train_configs = config_files("train", self.spatial_dims)
         self.detector_configs = config_files("finetune", self.spatial_dims)
-        # what every parser of the app sets: the device, and the datalist or the built-in templates' names
+        # what every parser of the app sets: the device, and the datalist or (below) the built-in templates' names
         self.overrides: dict[str, Any] = {"device": device_expression(self.device)}
         if self.datalist:
             self.overrides["datalist"] = str(self.datalist)
-        else:
-            self.overrides["landmark_names"] = load_template(self.builtin_template_path)["landmark_names"]
         overrides = dict(self.overrides)
         if shipped_ckpt is not None:
             overrides["ckpt_path"] = str(shipped_ckpt)
@@ -183,8 +181,9 @@ class BundleContext:
             )
         if self.datalist:
             self.parser.get_parsed_content("ensure_data")  # as the commands: the embedded data set when missing
-        else:
-            self._check_builtin(self.shipped_ckpt)
+        else:  # the built-in templates' names, read once and refused for other weights
+            self.overrides["landmark_names"] = self._check_builtin(self.shipped_ckpt)["landmark_names"]
+            self.parser["landmark_names"] = self.overrides["landmark_names"]
         self.names: list[str] = list(self.parser.get_parsed_content("landmark_names"))
         self.template_combine = str(self.parser.get_parsed_content("template_combine"))
         self._preprocessing = None
