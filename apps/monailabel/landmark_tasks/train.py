@@ -204,27 +204,32 @@ def validate_options(
     return options
 
 
-def check_detector_labels(n_labelled: int) -> None:
-    """Refuse detector training with fewer than ``MIN_DETECTOR_LABELS`` labelled images
-    (ValueError naming the count)."""
-    if n_labelled < MIN_DETECTOR_LABELS:
+def check_labelled(n_labelled: int, needed: int, what: str, why: str) -> None:
+    """Refuse a training (``what``) with fewer than ``needed`` labelled images (ValueError naming the count and
+    ``why`` they are needed)."""
+    if n_labelled < needed:
         raise ValueError(
-            f"train request: the detector needs at least {MIN_DETECTOR_LABELS} labelled images (one to train on, one "
-            f"held out to score on); the datastore has {n_labelled} labelled image{'' if n_labelled == 1 else 's'} "
-            "(save labels with tag 'final')"
+            f"train request: {what} needs at least {needed} labelled images ({why}); the datastore has {n_labelled} "
+            f"labelled image{'' if n_labelled == 1 else 's'} (save labels with tag 'final')"
         )
 
 
+def check_detector_labels(n_labelled: int) -> None:
+    """The detector trains on labelled images and is scored on others held out."""
+    check_labelled(n_labelled, MIN_DETECTOR_LABELS, "the detector", "one to train on, one held out to score on")
+
+
 def check_contrastive_labels(n_labelled: int, builtin_templates: bool) -> None:
-    """With the built-in templates, refuse fine-tuning the stage-1 network on fewer than 2 labelled images
-    (ValueError naming the count): the built-in features belong to the shipped weights, so new weights can only be
-    scored, and served, from the datastore's labelled images (each predicted from the others)."""
-    if builtin_templates and n_labelled < 2:
-        raise ValueError(
-            "train request: with the built-in templates, fine-tuning needs at least 2 labelled images (new weights "
-            "are scored on them, each from the others; the built-in template features belong to the shipped "
-            f"weights); the datastore has {n_labelled} labelled image{'' if n_labelled == 1 else 's'} "
-            "(save labels with tag 'final')"
+    """With the built-in templates, the stage-1 network is fine-tuned only with 2 labelled images or more: the
+    built-in features belong to the shipped weights, so new weights can only be scored, and served, from the
+    datastore's labelled images (each predicted from the others)."""
+    if builtin_templates:
+        check_labelled(
+            n_labelled,
+            2,
+            "with the built-in templates, fine-tuning",
+            "new weights are scored on them, each from the others; the built-in template features belong to the "
+            "shipped weights",
         )
 
 
