@@ -312,10 +312,10 @@ class BundleContext:
                 self._builtin = (key, TemplateFeatureInferer(self._check_builtin(checkpoint), self.template_combine))
             return self._builtin[1]
 
-    def builtin_sources(self, inferer: TemplateFeatureInferer | None = None) -> list[dict]:
-        """The built-in templates (of ``inferer``, default :meth:`builtin_inferer`'s) as template records
+    @staticmethod
+    def builtin_sources(inferer: TemplateFeatureInferer) -> list[dict]:
+        """The built-in templates of ``inferer`` (:meth:`builtin_inferer`'s) as template records
         ``{"image": file name, "source": "built-in"}``."""
-        inferer = inferer or self.builtin_inferer()
         return [{"image": name, "source": "built-in"} for name in inferer.template["sources"]]
 
     # ---- frames: pixels <-> LPS mm ---------------------------------------------------------------------
