@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 from bundle.io_utils import atomic_path
@@ -72,6 +72,30 @@ def check_template(template: Mapping[str, Any], where: str = "template") -> dict
     if not bool(valid.any()):
         raise ValueError(f"{where}: no template carries any landmark")
     return {**dict(template), "landmark_names": names, "queries": queries.float()}
+
+
+def join_templates(templates: Sequence[Mapping[str, Any]]) -> dict:
+    """One template feature dict holding the K templates of each of ``templates`` (checked dicts of the same
+    landmark names, strides, dimensionality, grid and weights), in order."""
+    if not templates:
+        raise ValueError("join_templates needs at least one template")
+    first = templates[0]
+    for i, other in enumerate(templates[1:], 1):
+        for key in ("landmark_names", "strides", "spatial_dims", "grid_size", "checkpoint_sha256"):
+            if _plain(other.get(key)) != _plain(first.get(key)):
+                raise ValueError(f"template {i} has other {key} than template 0: {other.get(key)} != {first.get(key)}")
+    return check_template(
+        {
+            **dict(first),
+            "queries": torch.cat([t["queries"] for t in templates]),
+            "sources": [s for t in templates for s in t["sources"]],
+        }
+    )
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with tuples as lists (a grid may be stored as either)."""
+    return list(value) if isinstance(value, tuple) else value
 
 
 def bundle_path(path: str | os.PathLike) -> Path:

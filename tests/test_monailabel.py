@@ -23,8 +23,6 @@ import json
 import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -40,10 +38,11 @@ import numpy as np
 import pytest
 from bundle.configs import config_files
 from PIL import Image
+from scripts.monailabel_server import MONAILABEL_PYTHON, client_classes, serving
 
 pytestmark = pytest.mark.slow  # a MONAI Label server per module, trainings through it
 ROOT = Path(__file__).resolve().parents[1]
-PYTHON = Path(os.environ.get("MONAILABEL_PYTHON", ROOT / ".venv-monailabel" / "bin" / "python"))
+PYTHON = MONAILABEL_PYTHON
 START_TIMEOUT_S = 120
 TRAIN_TIMEOUT_S = 180
 TINY_TRAIN = {
@@ -61,29 +60,7 @@ if not PYTHON.is_file():
     pytest.skip(f"no MONAI Label environment at {PYTHON} (make monailabel)", allow_module_level=True)
 
 
-def _client_class():
-    """``MONAILabelClient`` from the server's environment (its ``requests`` is not in the project's .venv)."""
-    purelib = subprocess.run(
-        [str(PYTHON), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    sys.path.append(purelib)  # after the project's packages: only what .venv lacks comes from there
-    try:
-        from monailabel.client.client import MONAILabelClient, MONAILabelClientException
-    finally:
-        sys.path.remove(purelib)
-    return MONAILabelClient, MONAILabelClientException
-
-
-MONAILabelClient, MONAILabelClientException = _client_class()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+MONAILabelClient, MONAILabelClientException = client_classes(PYTHON)
 
 
 def _request(
@@ -157,71 +134,14 @@ def _mrk_json(path: Path, names: list[str], points: list) -> Path:
 
 @contextmanager
 def _serving(tmp_path: Path, studies: Path, *conf: str) -> Iterator[dict]:
-    """A MONAI Label server of a copy of the app (in ``tmp_path``, its own temp dir to watch uploads) over
-    ``studies`` with ``--conf`` pairs ``conf``: ``{"base", "client", "info", "app", "tmp", "log", "start_s"}``."""
-    app = tmp_path / "app"
-    shutil.copytree(
-        ROOT / "apps/monailabel", app, ignore=shutil.ignore_patterns("__pycache__", "bin", "lib", "logs", "model")
-    )
-    server_tmp = tmp_path / "server_tmp"
-    server_tmp.mkdir()
-    port = _free_port()
-    command = [
-        str(PYTHON),
-        "-m",
-        "monailabel.main",
-        "start_server",
-        "--app",
-        str(app),
-        "--studies",
-        str(studies),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--conf",
-        "bundle_root",
-        str(ROOT),
-        "--conf",
-        "device",
-        "cpu",
-    ]
-    for key, value in zip(conf[::2], conf[1::2]):
-        command += ["--conf", key, value]
-    log = open(tmp_path / "server.log", "w")
-    env = dict(os.environ, OMP_NUM_THREADS="1", MONAI_LABEL_DATASTORE_AUTO_RELOAD="false", TMPDIR=str(server_tmp))
-    started = time.monotonic()
-    process = subprocess.Popen(
-        command, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-    )
-    base = f"http://127.0.0.1:{port}"
-    client = MONAILabelClient(base, tmpdir=str(tmp_path / "client"))
+    """``scripts.monailabel_server.serving`` (one thread), a start that fails being the test's failure."""
     try:
-        while True:
-            try:
-                info = client.info()
-                break
-            except (OSError, MONAILabelClientException):
-                if process.poll() is not None or time.monotonic() > started + START_TIMEOUT_S:
-                    pytest.fail(f"server did not start:\n{(tmp_path / 'server.log').read_text()[-4000:]}")
-                time.sleep(0.5)
-        yield {
-            "base": base,
-            "client": client,
-            "info": info,
-            "app": app,
-            "tmp": server_tmp,
-            "log": tmp_path / "server.log",
-            "start_s": time.monotonic() - started,
-        }
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=20)
-        log.close()
+        with serving(tmp_path, studies, conf, PYTHON, threads=1, start_timeout_s=START_TIMEOUT_S) as running:
+            yield running
+    except RuntimeError as e:
+        if "did not start" not in str(e):
+            raise
+        pytest.fail(str(e))
 
 
 @pytest.fixture(scope="module")
@@ -285,7 +205,7 @@ def test_upload_suggests_the_bundle_command_line_landmarks(server):
     for name in names:
         assert result["landmarks"][name] == pytest.approx(reference[name], abs=1e-3), name
     # no saved label yet: the bundle's template(s); the result file is the Slicer point list
-    assert result["template_source"] == "bundle" and all(t["source"] == "bundle" for t in result["templates"])
+    assert result["templates"] and all(t["source"] == "bundle" for t in result["templates"])
     assert json.loads(Path(out).read_text()) == result["markups"]
     for i, name in enumerate(names):  # OHIF-style centroids: 1-based index, then rounded pixel indices
         x, y = result["landmarks"][name]
@@ -506,7 +426,7 @@ def test_a_bad_stored_label_is_skipped_naming_it(server, tmp_path):
     try:
         reply, status = _infer_id(server, "test_001")
         assert status == 200, reply
-        assert reply["template_source"] == "bundle"  # the only saved label is skipped
+        assert [t["source"] for t in reply["templates"]] == ["bundle"]  # the only saved label is skipped
         assert "saved label skipped: label of image 'test_002'" in server["log"].read_text()
     finally:
         reply, status = _request(f"{server['base']}/datastore/label?id=test_002&tag=final", method="DELETE")
@@ -683,7 +603,7 @@ def test_saved_labels_become_the_templates(server):
         {"image": "test_000", "source": "datastore"},
         {"image": "test_003", "source": "datastore"},
     ]
-    assert reply["template_source"] == "datastore" and reply["template_combine"] == "geometric_median"
+    assert reply["template_combine"] == "geometric_median"
     # an image is never its own template (leave-one-out)
     reply, _ = _infer_id(server, "test_000")
     assert reply["templates"] == [{"image": "test_003", "source": "datastore"}]
@@ -1080,7 +1000,7 @@ def test_default_serves_the_shipped_cephalometric_model(tmp_path):
         assert len(builtin["landmark_names"]) == 19
         _, reply = running["client"].infer("landmarks", image.stem, {})
         assert reply["landmark_names"] == builtin["landmark_names"]
-        assert reply["template_source"] == "built-in" and reply["checkpoint"] == "model.pt", reply
+        assert {t["source"] for t in reply["templates"]} == {"built-in"} and reply["checkpoint"] == "model.pt", reply
         assert reply["checkpoint_source"] == "shipped"
         assert reply["template"] == [Path(s).name for s in builtin["sources"]]
         expected = _cli_predictions(image, None, tmp_path / "cli")
@@ -1092,3 +1012,11 @@ def test_default_serves_the_shipped_cephalometric_model(tmp_path):
             {"Content-Type": "application/json"},
         )
         assert status == 422 and "at least 2 labelled images" in reply["detail"] and "has 0 labelled" in reply["detail"]
+        # a saved label joins the built-in templates (they fit the served shipped weights): matched from an upload
+        # (a datastore image is never its own template), the label first, then the built-in ones
+        label = _mrk_json(tmp_path / "label.mrk.json", builtin["landmark_names"], [expected[n] for n in expected])
+        running["client"].save_label(image.stem, str(label), tag="final")
+        _, joined = running["client"].infer("landmarks", "", {}, file=str(image))
+        assert joined["templates"] == [{"image": image.stem, "source": "datastore"}] + [
+            {"image": Path(s).name, "source": "built-in"} for s in builtin["sources"]
+        ]

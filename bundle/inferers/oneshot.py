@@ -79,6 +79,13 @@ class OneShotInferer(Inferer):
             templates.append((image.detach().float(), pts))
         self.templates = templates
 
+    def feature_inferer(self, template: Mapping[str, Any]) -> "TemplateFeatureInferer":
+        """A :class:`TemplateFeatureInferer` of stored ``template`` features with this inferer's matcher and combine
+        rule: this inferer's predictions with those templates' images, their features computed once."""
+        inferer = TemplateFeatureInferer(template, self.template_combine)
+        inferer.matcher = self.matcher
+        return inferer
+
     @property
     def template_image(self) -> torch.Tensor | None:
         """The first (or only) template's grid image."""

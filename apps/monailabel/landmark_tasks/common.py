@@ -26,10 +26,10 @@ from bundle.configs import bundle_parser, config_files
 from bundle.data.datalist import DatalistError, read_json
 from bundle.data.dicom import dicom_tags
 from bundle.data.markups import ControlPoint, read_markups
-from bundle.inferers.oneshot import TemplateFeatureInferer
+from bundle.inferers.oneshot import OneShotInferer, TemplateFeatureInferer
 from bundle.io_utils import write_json_atomic
-from bundle.template_file import load_template
-from bundle.templates.resolution import with_templates
+from bundle.template_file import join_templates, load_template
+from bundle.templates.features import compute_template
 from bundle.transforms.landmarks import LandmarkTargets
 
 logger = logging.getLogger(__name__)
@@ -190,7 +190,10 @@ class BundleContext:
         self._network = None  # the stage-1 network of the device, and the file whose weights it holds
         self._network_key = None
         self._bundle_templates: list[dict] | None = None
-        self._builtin: tuple[tuple, TemplateFeatureInferer] | None = None
+        self._builtin: tuple[tuple, dict | None] | None = None  # (checkpoint key, built-in features fitting it)
+        self._oneshot: OneShotInferer | None = None
+        self._item_features: dict[tuple, dict] = {}  # (image, landmarks) -> its template features
+        self._features_checkpoint: tuple | None = None  # the weights that computed them
         self._frames: dict[tuple, dict] = {}
         self._detector_parsers: dict[tuple, Any] = {}
 
@@ -283,12 +286,6 @@ class BundleContext:
             inferer = parser.get_parsed_content("stage2#inferer", lazy=False)
         return load_weights(network, checkpoint, self.device).eval(), preprocessing, inferer
 
-    def new_inferer(self, items: Sequence[dict]):
-        """A fresh one-shot / k-shot inferer (``evaluate#inferer``) holding the template ``items``."""
-        return with_templates(
-            self.parser.get_parsed_content("evaluate#inferer", lazy=False), list(items), self.preprocessing, self.device
-        )
-
     def prepare(self, item: dict, name: str | None = None, preprocessing=None) -> dict:
         """The evaluation pipeline (or ``preprocessing``) on ``item``;
         unreadable images raise :class:`ImageError` naming ``name``."""
@@ -300,25 +297,69 @@ class BundleContext:
                 f"cannot read image {name or Path(item['image']).name!r}: {type(cause).__name__}: {cause}"
             ) from e
 
-    def builtin_inferer(self, checkpoint: str | Path | None = None) -> TemplateFeatureInferer:
-        """The inferer of the built-in templates (as ``inferring`` matches them) for ``checkpoint`` (default: the
-        served weights; a caller that then runs the network passes the checkpoint it loads, so that a training
-        publishing new weights in between cannot pair them with these features); ValueError once the weights are
-        no longer the shipped ones (their features would not match)."""
+    def builtin_template(self, checkpoint: str | Path) -> dict | None:
+        """The built-in template features when they fit ``checkpoint`` (no ``--conf datalist``, the shipped weights),
+        else None."""
+        if self.builtin_template_path is None:
+            return None
         with self._lock:
-            checkpoint = Path(checkpoint or self.served_checkpoint())
             key = file_key(checkpoint)
             if self._builtin is None or self._builtin[0] != key:
-                self._builtin = (key, TemplateFeatureInferer(self._check_builtin(checkpoint), self.template_combine))
+                try:
+                    self._builtin = (key, self._check_builtin(Path(checkpoint)))
+                except ValueError:
+                    self._builtin = (key, None)
             return self._builtin[1]
 
-    @staticmethod
-    def builtin_sources(inferer: TemplateFeatureInferer) -> list[dict]:
-        """The built-in templates of ``inferer`` (:meth:`builtin_inferer`'s) as template records
-        ``{"image": file name, "source": "built-in"}``."""
-        return [{"image": name, "source": "built-in"} for name in inferer.template["sources"]]
+    def templates(self, labelled: Sequence[dict], exclude: str | None = None) -> list[dict]:
+        """The template images of a suggestion, each with its ``source``: the labelled datastore items but the image
+        ``exclude`` (an id; an image is never its own template) as ``"datastore"``, else the bundle datalist's
+        templates as ``"bundle"`` (they stand in until an image is labelled). The built-in features, which stay
+        while the shipped weights are served, join them in :meth:`template_inferer`."""
+        items = [dict(it, source="datastore") for it in labelled if it.get("id") != exclude]
+        return items or [dict(it, source="bundle") for it in self.bundle_templates()]
 
-    # ---- frames: pixels <-> LPS mm ---------------------------------------------------------------------
+    def template_inferer(
+        self, items: Sequence[dict], checkpoint: str | Path, network: torch.nn.Module
+    ) -> tuple[TemplateFeatureInferer, list[dict]]:
+        """The k-shot inferer of template ``items`` (:meth:`templates`) and, while they fit ``checkpoint``, the
+        built-in templates, with the template records ``{"image": id or file name, "source"}`` it holds.
+
+        ``network`` holds ``checkpoint``'s weights. An item's features are computed once per checkpoint and label,
+        so a request matches stored features only (``OneShotInferer.feature_inferer``: the same predictions).
+        No template at all (the built-in features do not fit published weights and no image is labelled):
+        ValueError saying so.
+        """
+        parts, sources = [], []
+        checkpoint_key = file_key(checkpoint)
+        with self._lock:
+            if self._features_checkpoint != checkpoint_key:
+                self._item_features, self._features_checkpoint = {}, checkpoint_key
+            for item in items:
+                key = (item["image"], json.dumps(item["landmarks"]))
+                if key not in self._item_features:
+                    plain = {k: v for k, v in item.items() if k in ("image", "landmarks", "spacing")}
+                    self._item_features[key] = compute_template(
+                        network, [plain], self.preprocessing, self.names, self.device, checkpoint
+                    )
+                parts.append(self._item_features[key])
+                sources.append({"image": item.get("id") or Path(item["image"]).name, "source": item["source"]})
+        builtin = self.builtin_template(checkpoint)
+        if builtin is not None:
+            parts.append(builtin)
+            sources += [{"image": Path(name).name, "source": "built-in"} for name in builtin["sources"]]
+        if not parts:
+            self._check_builtin(Path(checkpoint))  # raises, naming the way back
+        return self.oneshot.feature_inferer(join_templates(parts)), sources
+
+    @property
+    def oneshot(self) -> OneShotInferer:
+        """The evaluation's one-shot inferer (``evaluate#inferer``): its matcher and combine rule."""
+        with self._lock:
+            if self._oneshot is None:
+                self._oneshot = self.parser.get_parsed_content("evaluate#inferer", lazy=False)
+            return self._oneshot
+
     def frame(self, image: str | Path, data: dict | None = None) -> dict:
         """``{"spacing", "spacing_known", "affine", "grid_to_physical", "grid_shape"}`` of an image: 2D pixel -> LPS mm
         (``affine`` 3x3 or None = pixel * spacing; ``spacing_known``: its header gives one, else it is 1), and the

@@ -1,10 +1,11 @@
 """MONAI Label infer task: landmarks suggested on an image by one-shot / k-shot matching (paper Sec. 3.4).
 
-No input from the user. Templates (k-shot): every image of the datastore with a saved label (tag ``final``,
-a 3D Slicer ``.mrk.json`` / ``.fcsv``), their predictions combined per landmark by the bundle's
-``template_combine`` rule (the geometric median by default); the image being inferred is never its own
-template. With no saved label, the bundle's templates (``evaluate#templates`` of the configured datalist,
-resolved on the first request and cached). The reply names the templates it used.
+No input from the user. Templates (k-shot), their predictions combined per landmark by the bundle's
+``template_combine`` rule (the geometric median by default): the datastore's images with a saved label (tag
+``final``, a 3D Slicer ``.mrk.json`` / ``.fcsv``) but the image being inferred, else the bundle's templates
+(``evaluate#templates`` of the configured datalist, resolved on the first request and cached); without a datalist,
+the built-in template features join them while the shipped weights are served. Template features are computed
+once per weights and label. The reply names the templates it used.
 
 Once the train task has published a stage-2 heatmap detector (``model/detector.pt``, trained on the saved labels),
 the detector is served instead: one forward pass (``bundle.inferers.heatmap.HeatmapInferer``), no template. The reply's
@@ -98,8 +99,6 @@ class LandmarkInferTask(InferTask):
         )
         self._lock = threading.Lock()
         # loaded on the first request (start-up stays fast); the network is the context's (one per device)
-        self.inferer = None
-        self.template_key = None
         self.detector = None  # (network, preprocessing, inferer) of the served detector
         self.detector_key = None
 
@@ -133,30 +132,11 @@ class LandmarkInferTask(InferTask):
             )
         return wanted
 
-    def _select_templates(self, exclude: str | None) -> list[dict]:
-        """Labelled datastore images except ``exclude`` (a datastore id), else the bundle's template images (none with
-        the built-in templates)."""
-        items = []
-        if self.datastore is not None:
-            items = [
-                it
-                for it in self.context.datastore_items(self.datastore(), with_labels_only=True)
-                if it["id"] != exclude
-            ]
-        if items:
-            return [dict(it, source="datastore") for it in items]
-        return [dict(it, source="bundle") for it in self.context.bundle_templates()]
-
-    def _update_inferer(self, templates: list[dict]) -> None:
-        key = tuple(
-            (t["image"], json.dumps(t.get("landmarks")), t.get("label") and file_key(t["label"])) for t in templates
-        )
-        if key == self.template_key:
-            return
-        items = [{k: v for k, v in t.items() if k in ("image", "landmarks", "spacing")} for t in templates]
-        self.inferer = self.context.new_inferer(items)
-        self.template_key = key
-        logger.info(f"templates: {[t.get('id', t['image']) for t in templates]}")
+    def _labelled(self) -> list[dict]:
+        """The datastore's images with a saved label."""
+        if self.datastore is None:
+            return []
+        return self.context.datastore_items(self.datastore(), with_labels_only=True)
 
     def __call__(self, request: dict) -> tuple[str, dict]:
         image = request.get("image")
@@ -178,16 +158,11 @@ class LandmarkInferTask(InferTask):
             else:
                 # one checkpoint for the whole request: the train task may publish new weights meanwhile
                 checkpoint = self.context.served_checkpoint()
-                templates = self._select_templates(request.get("image_id"))
-                if templates:
-                    self._update_inferer(templates)
-                    inferer = self.inferer
-                else:  # no labelled image and no template image: the built-in templates (of these weights)
-                    inferer = self.context.builtin_inferer(checkpoint)
-                    templates = self.context.builtin_sources(inferer)
+                items = self.context.templates(self._labelled(), exclude=request.get("image_id"))
                 batch = torch.as_tensor(data["image"]).unsqueeze(0).to(self.context.device)
                 g2p = torch.as_tensor(data["grid_to_physical"]).unsqueeze(0).to(self.context.device)
                 with self.context.network(checkpoint) as network:
+                    inferer, templates = self.context.template_inferer(items, checkpoint, network)
                     points_mm = inferer(batch, network, g2p)[0].cpu().numpy()
         spacing = np.asarray(torch.as_tensor(data["spacing"]).cpu(), dtype=np.float64).reshape(-1)
         result = landmark_result(self.names, points_mm, spacing)
@@ -206,10 +181,8 @@ class LandmarkInferTask(InferTask):
             Path(path).unlink(missing_ok=True)
             raise
         # names, not server paths: datastore ids, the bundle templates' file names, the checkpoint's file name
-        names = [t.get("id") or Path(t["image"]).name for t in templates]
-        result["templates"] = [{"image": n, "source": t["source"]} for n, t in zip(names, templates)]
-        result["template"] = names
-        result["template_source"] = templates[0]["source"] if templates else None
+        result["templates"] = templates
+        result["template"] = [t["image"] for t in templates]
         result["template_combine"] = self.context.template_combine
         result["checkpoint"] = checkpoint.name
         result["checkpoint_source"] = "published" if self.context.is_published(checkpoint) else "shipped"

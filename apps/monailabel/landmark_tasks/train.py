@@ -297,11 +297,13 @@ def _mean(errors: list[float]) -> float:
 
 
 def score_checkpoint(context: BundleContext, checkpoint: str | Path, cases: list[tuple[dict, list[dict]]]) -> float:
-    """Mean radial error (mm, or pixels without spacing) of ``checkpoint`` over ``cases`` (item, its templates)."""
+    """Mean radial error (mm, or pixels without spacing) of ``checkpoint`` over ``cases`` (item, its templates:
+    :meth:`BundleContext.templates`), matched as the infer task matches with those weights."""
     errors: list[float] = []
     with torch.no_grad(), context.network(checkpoint) as network:
         for item, templates in cases:
-            errors += _radial_errors(context, item, network, context.new_inferer(templates))
+            inferer, _ = context.template_inferer(templates, checkpoint, network)
+            errors += _radial_errors(context, item, network, inferer)
     return _mean(errors)
 
 
@@ -318,16 +320,16 @@ def score_detector(
 
 
 def scoring_cases(context: BundleContext, labelled: list[dict]) -> tuple[list[tuple[dict, list[dict]]], str]:
-    """(item, templates) pairs of the publication rule and a sentence saying what they are."""
-    if len(labelled) >= 2:
-        cases = [(it, [t for t in labelled if t is not it]) for it in labelled]
+    """(item, templates) pairs of the publication rule and a sentence saying what they are: each labelled image
+    from the templates the infer task would use for it (leave-one-out), else the bundle datalist's validation
+    images from its templates."""
+    if labelled:
+        cases = [(it, context.templates(labelled, exclude=it["id"])) for it in labelled]
         return (
             cases,
-            f"{len(labelled)} labelled datastore images, each from the other {len(labelled) - 1} (leave-one-out)",
+            f"{len(labelled)} labelled datastore images, each from the other templates (leave-one-out)",
         )
-    templates = context.bundle_templates()
-    if labelled:
-        return [(labelled[0], templates)], "the one labelled datastore image, from the bundle's templates"
+    templates = context.templates([])
     template_images = {t["image"] for t in templates}
     validation = [
         it
@@ -573,12 +575,12 @@ class BundleTrainTask(TrainTask):
             scored_on = f"{len(held)} held-out labelled images, the served detector and the new one"
         else:
             served_predictor = "templates"
-            cases = [(it, [t for t in labelled.values() if t is not it]) for it in held]
+            cases = [(it, context.templates(list(labelled.values()), exclude=it["id"])) for it in held]
             old = score_checkpoint(context, stage1, cases)
             kept = f"template matching ({stage1})"
             scored_on = (
                 f"{len(held)} held-out labelled images: the new detector, and template matching from the other "
-                f"{len(labelled) - 1} labelled images (leave-one-out)"
+                "templates (leave-one-out)"
             )
         published, decision = publication(new, old, kept, **rule)
         kept_previous = {}

@@ -1,0 +1,222 @@
+"""The annotation loop of the MONAI Label app, measured: suggestion accuracy against the number of saved labels.
+
+Run from the repository root (needs ``make monailabel``)::
+
+    python -m scripts.labels_loop --datalist runs/hamedan/protocol.json --out runs/labels_loop \\
+        [--steps "[1,3,5,10]"] [--heldout 30] [--train "{}"] [--threads null]
+
+A MONAI Label server of the app as a user starts it (no ``--conf``: the shipped weights and their built-in
+templates) over copies of the datalist's labelled training images that are not among the built-in templates is
+driven by MONAI Label's own client, as a clinician runs the loop: at each step the next images (datalist order)
+get a saved label (their reference landmarks, standing for corrected suggestions); from 2 labels on the server is
+asked to train the detector (``{"network": "detector"}`` and the ``--train`` keys; the app's defaults otherwise),
+which it publishes only when it scores better on its held-out labels. Before the first label, after saving the
+labels of a step and after its training, every held-out image (the datalist's ``test`` items, uploaded: the server
+never sees their labels) is suggested and scored against its reference in mm (the datalist's spacing).
+
+Writes ``OUT/learning_curve.json`` (after every evaluation, so a stopped run keeps what it measured) and
+``OUT/learning_curve.png``, and prints the table: labels, what the server served (predictor, templates), MRE,
+SDR 2 mm, errors above 10 mm, the step's time (saving + training), a suggestion's time during the training.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import fire
+import numpy as np
+from bundle.data.datalist import load_datalist
+from bundle.data.markups import ControlPoint, write_mrk_json
+from bundle.io_utils import atomic_path, write_json_atomic
+from bundle.template_file import load_template
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from scripts.monailabel_server import ROOT, serving
+
+GROSS_MM = 10.0
+
+
+def point_list(path: Path, names: Sequence[str], landmarks: Sequence) -> Path:
+    """A 3D Slicer point list of pixel landmarks over a PNG (pixel ``(x, y)`` is LPS ``(x, y, 0)``), as Slicer saves
+    a corrected suggestion."""
+    points = [
+        ControlPoint(n, None if p is None else (-float(p[0]), -float(p[1]), 0.0)) for n, p in zip(names, landmarks)
+    ]
+    return write_mrk_json(path, points, coordinate_system="LPS")
+
+
+def score(client, items: Sequence[dict], names: Sequence[str]) -> dict[str, Any]:
+    """Suggestions for uploaded ``items`` scored against their landmarks (mm through their spacing)."""
+    errors, seconds, replies = [], [], []
+    for item in items:
+        started = time.monotonic()
+        _, reply = client.infer("landmarks", "", {}, file=item["image"])
+        seconds.append(time.monotonic() - started)
+        replies.append(reply)
+        spacing = np.asarray(item.get("spacing") or [1.0, 1.0], dtype=float)
+        for name, truth in zip(names, item["landmarks"]):
+            found = reply["landmarks"].get(name)
+            if truth is None or found is None:
+                continue
+            errors.append(float(np.linalg.norm((np.asarray(found) - np.asarray(truth)) * spacing)))
+    e = np.asarray(errors)
+    return {
+        "mre_mm": float(e.mean()),
+        "median_mm": float(np.median(e)),
+        "sdr_2mm": float((e <= 2.0).mean()),
+        "sdr_4mm": float((e <= 4.0).mean()),
+        "gross_10mm": float((e > GROSS_MM).mean()),
+        "landmarks_scored": int(e.size),
+        "suggestion_s_median": float(np.median(seconds)),
+        "predictor": replies[-1]["predictor"],
+        "templates": [t["image"] for t in replies[-1]["templates"]],
+        "checkpoint": replies[-1]["checkpoint"],
+    }
+
+
+def _suggestion_during(client, image: str, delay_s: float, out: dict) -> None:
+    time.sleep(delay_s)
+    started = time.monotonic()
+    client.infer("landmarks", "", {}, file=image)
+    out["suggestion_during_training_s"] = time.monotonic() - started
+
+
+def train_detector(client, request: dict, probe_image: str, timeout_s: float = 7200) -> dict[str, Any]:
+    """One detector training of the server, timed, with a suggestion requested while it runs; its ``train_stats``."""
+    probe: dict[str, float] = {}
+    started = time.monotonic()
+    client.train_start("landmarks", {"network": "detector", **request})
+    thread = threading.Thread(target=_suggestion_during, args=(client, probe_image, 20.0, probe))
+    thread.start()
+    while True:
+        status = client.train_status()
+        if isinstance(status, dict) and status.get("status") in ("DONE", "ERROR"):
+            break
+        if time.monotonic() > started + timeout_s:
+            raise RuntimeError(f"the training did not end in {timeout_s} s")
+        time.sleep(2)
+    seconds = time.monotonic() - started
+    thread.join()
+    if status["status"] != "DONE":
+        raise RuntimeError(f"the server's training failed: {status}")
+    stats = client.info()["train_stats"]["landmarks"]
+    return {
+        "train_s": seconds,
+        **probe,
+        "published": stats["published"],
+        "decision": stats["decision"],
+        "trained_on": stats["train"]["trained_on"],
+        "held_out": stats["train"]["held_out"],
+        "mre_served": stats["eval"]["metrics"]["mre_served"],
+        "mre_trained": stats["eval"]["metrics"]["mre_trained"],
+        "units": stats["eval"]["units"],
+    }
+
+
+def plot(rows: Sequence[dict], path: Path) -> Path:
+    """MRE of the suggestions against the number of saved labels (after each step's training)."""
+    last = {}
+    for row in rows:
+        last[row["labels"]] = row
+    labels = sorted(last)
+    figure = Figure(figsize=(5, 3.2), dpi=120)
+    FigureCanvasAgg(figure)
+    ax = figure.add_subplot()
+    ax.plot(labels, [last[n]["mre_mm"] for n in labels], "o-", color="tab:blue")
+    for n in labels:
+        ax.annotate(last[n]["predictor"][0], (n, last[n]["mre_mm"]), textcoords="offset points", xytext=(4, 4))
+    ax.set_xlabel("labels saved in MONAI Label")
+    ax.set_ylabel("MRE of the suggestions (mm)")
+    ax.set_title("held-out images; t = templates, d = detector", fontsize=9)
+    ax.grid(alpha=0.3)
+    figure.tight_layout()
+    with atomic_path(path) as tmp:
+        figure.savefig(tmp, format="png")
+    return path
+
+
+def run(
+    datalist: str,
+    out: str = "runs/labels_loop",
+    steps: Sequence[int] = (1, 3, 5, 10),
+    heldout: int | None = None,
+    train: dict | None = None,
+    threads: int | None = None,
+) -> Path:
+    """The loop (module doc); returns the path of ``learning_curve.json``."""
+    data = load_datalist(datalist)
+    names = list(data["landmark_names"])
+    builtin = {Path(s).stem for s in load_template(ROOT / "models/template_features.pt")["sources"]}
+    pool = [it for it in data["training"] if it.get("landmarks") and Path(it["image"]).stem not in builtin]
+    steps = sorted(int(n) for n in steps)
+    if len(pool) < steps[-1]:
+        raise ValueError(
+            f"{datalist}: {len(pool)} labelled training images outside the built-in templates, {steps[-1]} needed"
+        )
+    held = list(data["test"])[: heldout or None]
+    if not held:
+        raise ValueError(f"{datalist}: no test items to score the suggestions on")
+    work = Path(out)
+    shutil.rmtree(work / "server", ignore_errors=True)
+    studies = work / "server" / "studies"
+    studies.mkdir(parents=True)
+    for item in pool[: steps[-1]]:
+        shutil.copy(item["image"], studies)
+    (work / "labels").mkdir(exist_ok=True)
+    rows: list[dict] = []
+    result_path = work / "learning_curve.json"
+
+    def record(row: dict) -> None:
+        rows.append(row)
+        write_json_atomic(result_path, {"datalist": str(datalist), "heldout": len(held), "rows": rows})
+        print(
+            f"{row['labels']:>3} labels  {row['stage']:<14} {row['predictor']:<9} "
+            f"{len(row['templates']):>2} templates  "
+            f"MRE {row['mre_mm']:.2f} mm  SDR2 {100 * row['sdr_2mm']:.1f} %  >10 mm {100 * row['gross_10mm']:.1f} %  "
+            f"step {row.get('step_s', 0):.0f} s",
+            flush=True,
+        )
+
+    with serving(work / "server", studies, threads=threads) as server:
+        client = server["client"]
+        served_names = list(server["info"]["models"]["landmarks"]["labels"])
+        if served_names != names:
+            raise ValueError(f"{datalist}: landmark names {names} differ from the server's {served_names}")
+        record({"labels": 0, "stage": "start", "step_s": server["start_s"], **score(client, held, names)})
+        saved = 0
+        for n in steps:
+            started = time.monotonic()
+            for item in pool[saved:n]:
+                stem = Path(item["image"]).stem
+                label = point_list(work / "labels" / f"{stem}.mrk.json", names, item["landmarks"])
+                client.save_label(stem, str(label), tag="final")
+            saved = n
+            record(
+                {
+                    "labels": n,
+                    "stage": "labels saved",
+                    "step_s": time.monotonic() - started,
+                    **score(client, held, names),
+                }
+            )
+            if n >= 2:
+                trained = train_detector(client, dict(train or {}), held[0]["image"])
+                record(
+                    {
+                        "labels": n,
+                        "stage": "trained",
+                        "step_s": trained["train_s"],
+                        **trained,
+                        **score(client, held, names),
+                    }
+                )
+    plot(rows, work / "learning_curve.png")
+    return result_path
+
+
+if __name__ == "__main__":
+    fire.Fire(run)
