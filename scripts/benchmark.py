@@ -355,6 +355,80 @@ def template_cache(images: int = 2) -> None:
     print(f"ratio first / second: {runs[0].seconds / runs[1].seconds:.1f}; predictions differ by {difference:g} px")
 
 
+ENGINE_PASSES = """
+import csv, json, sys, tempfile, time
+import torch
+from bundle.configs import bundle_parser
+files, passes, out = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+with tempfile.TemporaryDirectory() as tmp:
+    parser = bundle_parser(["configs/inference.yaml"], images=files, output_dir=tmp, overlays=False)
+    evaluator = parser.get_parsed_content("evaluator")
+    seconds = []
+    for _ in range(passes):
+        start = time.perf_counter()
+        evaluator.run()
+        seconds.append(time.perf_counter() - start)
+    with open(tmp + "/predictions.csv") as f:
+        points = [[float(r["x"]), float(r["y"])] for r in csv.DictReader(f)]
+json.dump({"seconds": seconds, "points": points, "threads": torch.get_num_threads()}, open(out, "w"))
+"""
+
+
+def inferring(reference: str, images: int = 20, rounds: int = 3, passes: int = 2) -> None:
+    """The ``inferring`` command's engine with the built-in templates (the first ``images`` real cephalograms when
+    ../shared/data holds them, else synthetic images): ms per image of this tree against the ``reference`` tree (a
+    checkout of an earlier version, e.g. ``git worktree add /tmp/reference v0.8.0``), each in its own process,
+    alternating for ``rounds`` rounds of ``passes`` engine passes (best pass of each), with the predictions' largest
+    difference; then where this tree's time goes (cProfile of one pass)."""
+    import cProfile
+    import json
+    import os
+    import pstats
+    import subprocess
+    import sys
+    import tempfile
+
+    from bundle.configs import bundle_parser
+    from bundle.data.embedded import open_datalist
+    from bundle.data.synthetic import generate_synthetic_2d
+
+    trees = {"reference": Path(reference).resolve(), "this tree": ROOT}
+    if not (trees["reference"] / "configs" / "inference.yaml").is_file():
+        raise FileNotFoundError(f"reference tree {reference}: no configs/inference.yaml")
+    with tempfile.TemporaryDirectory() as tmp:
+        if (DATA / "hamedan_ceph").is_dir():
+            files = sorted(str(f) for f in (DATA / "hamedan_ceph" / "images").glob("*.png"))[:images]
+        else:
+            files = [it["image"] for it in open_datalist(generate_synthetic_2d(Path(tmp) / "data"))["test"][:images]]
+        best = {name: float("inf") for name in trees}
+        results = {}
+        for r in range(rounds):
+            for name, tree in trees.items():
+                out = f"{tmp}/{r}_{name}.json"
+                command = [sys.executable, "-c", ENGINE_PASSES, json.dumps(files), str(passes), out]
+                env = dict(os.environ, PYTHONPATH=str(tree))
+                subprocess.run(command, cwd=tree, env=env, check=True, capture_output=True)
+                results[name] = json.loads(Path(out).read_text())
+                best[name] = min(best[name], min(results[name]["seconds"]) / len(files))
+        parser = bundle_parser(["configs/inference.yaml"], images=files, output_dir=tmp, overlays=False)
+        evaluator = parser.get_parsed_content("evaluator")
+        evaluator.run()
+        profile = cProfile.Profile()
+        profile.enable()
+        evaluator.run()
+        profile.disable()
+    difference = float(
+        np.abs(np.asarray(results["reference"]["points"]) - np.asarray(results["this tree"]["points"])).max()
+    )
+    print(f"inferring engine, built-in templates, {len(files)} images, {results['this tree']['threads']} threads")
+    print(f"{'tree':<34}{'ms/image':>10}")
+    for name in trees:
+        print(f"{name:<34}{1000 * best[name]:>10.1f}")
+    print(f"ratio reference / this tree: {best['reference'] / best['this tree']:.2f}")
+    print(f"predictions differ by at most {difference:.3g} px of the original images")
+    pstats.Stats(profile).sort_stats("tottime").print_stats(12)
+
+
 def all(repeats: int = 3) -> None:  # noqa: A001 - the CLI's name for every section
     """Every section in turn."""
     entropy(repeats=repeats)
@@ -384,6 +458,7 @@ COMMANDS = {
     "training_3d": training_3d,
     "inference_3d": inference_3d,
     "template_cache": template_cache,
+    "inferring": inferring,
 }
 
 if __name__ == "__main__":

@@ -204,14 +204,13 @@ class TemplateFeatureInferer(Inferer):
             raise ValueError(f"the template has features of {n_scales} scales, the network gives {len(features)}")
         b = inputs.shape[0]
         norms = self.matcher.feature_norms(features, grid_size)
-        out = torch.full((k, b, n_landmarks, len(grid_size)), float("nan"), dtype=torch.float64, device=inputs.device)
-        for t in range(k):
-            valid = ~torch.isnan(queries[t]).any(dim=-1).any(dim=-1)
-            if not bool(valid.any()):
-                continue
-            per_scale = [queries[t, valid, s][None].expand(b, -1, -1) for s in range(n_scales)]
-            out[t][:, valid] = self.matcher(per_scale, features, grid_size, norms)[0]
-        return out
+        # every template's landmarks matched in one call (each query's match is its own)
+        flat = queries.reshape(k * n_landmarks, n_scales, -1)
+        valid = ~torch.isnan(flat).any(dim=-1).any(dim=-1)
+        out = torch.full((b, k * n_landmarks, len(grid_size)), float("nan"), dtype=torch.float64, device=inputs.device)
+        per_scale = [flat[valid, s][None].expand(b, -1, -1) for s in range(n_scales)]
+        out[:, valid] = self.matcher(per_scale, features, grid_size, norms)[0]
+        return out.reshape(b, k, n_landmarks, -1).transpose(0, 1)
 
     def __call__(self, inputs: torch.Tensor, network, grid_to_physical=None) -> torch.Tensor:  # type: ignore[override]
         """Predicted landmarks ``(B, L, D)`` (float64): grid pixels, or physical mm with ``grid_to_physical``."""

@@ -122,29 +122,72 @@ class TemplateMatcher(torch.nn.Module):
         self.refine_resolution = float(refine_resolution)
         self.max_map_elements = int(max_map_elements)
 
-    def combine_scales(self, cosines: List[torch.Tensor]) -> torch.Tensor:
-        """Combine per-scale cosine maps (same shape) into one score map."""
-        if self.has_weights and len(self.scale_weights) != len(cosines):
+    def _weights(self, n_scales: int) -> List[float]:
+        if self.has_weights and len(self.scale_weights) != n_scales:
             raise ValueError(
-                f"scale_weights has {len(self.scale_weights)} values but the network gives {len(cosines)} scales"
+                f"scale_weights has {len(self.scale_weights)} values but the network gives {n_scales} scales"
             )
-        weights = self.scale_weights if self.has_weights else [1.0] * len(cosines)
-        if self.combine == "product":
-            score = torch.ones([1], dtype=cosines[0].dtype, device=cosines[0].device)
-            for c, w in zip(cosines, weights):
-                t = ((c + 1.0) * 0.5).clamp(0.0, 1.0)
-                score = score * (t if w == 1.0 else t**w)
-            return score
-        total = torch.zeros([1], dtype=cosines[0].dtype, device=cosines[0].device)
-        for c, w in zip(cosines, weights):
-            total = total + (c if w == 1.0 else w * c)
-        return total
+        return self.scale_weights if self.has_weights else [1.0] * n_scales
 
-    def _chunk(self, batch: int, grid_size: List[int]) -> int:
+    def _affine(self, w: float) -> Tuple[float, float]:
+        """``(a, b)`` of a scale term's affine part ``a * cos + b``: "product" ``(cos + 1) / 2`` (then clamped to
+        [0, 1] and raised to the power w by :meth:`_finish`), "sum" ``w * cos``."""
+        return (0.5, 0.5) if self.combine == "product" else (w, 0.0)
+
+    def _finish(self, term: torch.Tensor, w: float) -> torch.Tensor:
+        if self.combine == "product":
+            term = term.clamp_(0.0, 1.0)
+            if w != 1.0:
+                term = term.pow_(w)
+        return term
+
+    def _accumulate(self, score: Optional[torch.Tensor], term: torch.Tensor) -> torch.Tensor:
+        if score is None:
+            return term
+        return score.mul_(term) if self.combine == "product" else score.add_(term)
+
+    def combine_scales(
+        self, values: List[torch.Tensor], inverse_norms: Optional[List[torch.Tensor]] = None
+    ) -> torch.Tensor:
+        """Combine per-scale cosine maps (same shape) into one score map: the cosines ``values``, or dot products
+        ``values`` times ``inverse_norms`` (per scale, broadcast). Each scale's term is computed in place on one new
+        tensor."""
+        weights = self._weights(len(values))
+        score: Optional[torch.Tensor] = None
+        for s in range(len(values)):
+            a, b = self._affine(weights[s])
+            if inverse_norms is None:
+                term = values[s].mul(a)
+            else:
+                term = values[s].mul(inverse_norms[s] * a)
+            score = self._accumulate(score, self._finish(term.add_(b), weights[s]))
+        assert score is not None
+        return score
+
+    def _combined_unit_map(self, queries: List[torch.Tensor], unit_maps: List[torch.Tensor]) -> torch.Tensor:
+        """:meth:`combined_map` from the feature maps interpolated to the grid and scaled to unit length at each
+        position (``(B, C, *G)`` per scale): each scale's affine term in one batched matrix product."""
+        weights = self._weights(len(queries))
+        b, n = queries[0].shape[0], queries[0].shape[1]
+        grid = [int(v) for v in unit_maps[0].shape[2:]]
+        score: Optional[torch.Tensor] = None
+        for s in range(len(queries)):
+            a, bias = self._affine(weights[s])
+            flat = unit_maps[s].reshape(b, unit_maps[s].shape[1], -1)
+            term = torch.bmm(queries[s] * a, flat).add_(bias).reshape([b, n] + grid)
+            score = self._accumulate(score, self._finish(term, weights[s]))
+        assert score is not None
+        return score
+
+    @staticmethod
+    def _voxels(grid_size: List[int]) -> int:
         voxels = 1
         for s in grid_size:
             voxels *= s
-        return max(1, self.max_map_elements // max(1, batch * voxels))
+        return voxels
+
+    def _chunk(self, batch: int, grid_size: List[int]) -> int:
+        return max(1, self.max_map_elements // max(1, batch * self._voxels(grid_size)))
 
     def feature_norms(self, features: List[torch.Tensor], grid_size: List[int]) -> List[torch.Tensor]:
         """Per scale, the norm ``(B, 1, *G)`` of the features interpolated on the grid (reusable across
@@ -160,11 +203,11 @@ class TemplateMatcher(torch.nn.Module):
         features' norm (:meth:`feature_norms`), i.e. the cosine; then :meth:`combine_scales`.
         """
         mode = "bilinear" if len(grid_size) == 2 else "trilinear"
-        cosines: List[torch.Tensor] = []
+        dots: List[torch.Tensor] = []
         for s in range(len(queries)):
-            dots = torch.einsum("bnc,bc...->bn...", queries[s], maps[s])
-            cosines.append(F.interpolate(dots, size=grid_size, mode=mode, align_corners=False) / norms[s])
-        return self.combine_scales(cosines)
+            dot = torch.einsum("bnc,bc...->bn...", queries[s], maps[s])
+            dots.append(F.interpolate(dot, size=grid_size, mode=mode, align_corners=False))
+        return self.combine_scales(dots, [1.0 / n for n in norms])
 
     def _lattice(self, spatial_dims: int, device: torch.device) -> torch.Tensor:
         """Offsets ``(K**D, D)`` of the sub-pixel search lattice."""
@@ -211,15 +254,33 @@ class TemplateMatcher(torch.nn.Module):
         b, n = queries[0].shape[0], queries[0].shape[1]
         chunk = self._chunk(b, grid_size)
         maps = [f.float() for f in features]
-        if norms is None:
-            norms = self.feature_norms(maps, grid_size)
         refine = self.refine_radius > 0
         lattice = self._lattice(len(grid_size), maps[0].device)
+        # more queries than channels: the features are interpolated to the grid and scaled to unit length once, and
+        # each query's map is one matrix product with them (interpolation is linear: the same cosines), within the
+        # memory bound of max_map_elements
+        unit_maps: Optional[List[torch.Tensor]] = None
+        channels = 0
+        for m in maps:
+            channels += m.shape[1]
+        if n * len(maps) > channels and b * channels * self._voxels(grid_size) <= self.max_map_elements:
+            mode = "bilinear" if len(grid_size) == 2 else "trilinear"
+            unit_maps = []
+            for m in maps:
+                up = F.interpolate(m, size=grid_size, mode=mode, align_corners=False)
+                unit_maps.append(up / up.square().sum(dim=1, keepdim=True).sqrt().clamp_min(1e-8))
+        elif norms is None:
+            norms = self.feature_norms(maps, grid_size)
         positions: List[torch.Tensor] = []
         scores: List[torch.Tensor] = []
         for start in range(0, n, chunk):
             q_chunk = [q[:, start : start + chunk].float() for q in queries]
-            pos, score = refine_peaks(self.combined_map(q_chunk, maps, norms, grid_size), step=0)
+            if unit_maps is not None:
+                combined = self._combined_unit_map(q_chunk, unit_maps)
+            else:
+                assert norms is not None
+                combined = self.combined_map(q_chunk, maps, norms, grid_size)
+            pos, score = refine_peaks(combined, step=0)
             if refine:
                 pos, score = self._refine(q_chunk, maps, pos, lattice, grid_size)
             positions.append(pos)
