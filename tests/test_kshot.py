@@ -132,3 +132,38 @@ def test_select_pseudo_templates_ranks_by_closed_cycles_and_drops_unreliable_lan
     assert chosen[1]["landmarks"] == [[0.0, 0.0], [1.0, 0.0], None]
     with pytest.raises(ValueError, match="keep"):
         select_pseudo_templates(labelled, keep=-1)
+
+
+def test_max_templates_takes_the_labelled_items_the_rule_ranks_best(tmp_path):
+    """With no template named, ``max_templates`` > 1 makes the best-ranked labelled training items the templates
+    (k-shot), in the rule's order: by the one-shot transfer errors that ``select_template_by_landmarks`` reports."""
+    from bundle.configs import bundle_parser
+    from bundle.data.synthetic import generate_synthetic_2d
+    from bundle.geometry import grid_landmarks
+    from bundle.templates.resolution import ranked_templates, resolve_template, resolve_templates
+    from bundle.templates.selection import select_template_by_landmarks
+
+    datalist_path = generate_synthetic_2d(tmp_path / "data")
+    parser = bundle_parser(
+        ["configs/train.yaml", "configs/evaluate.yaml"], datalist=str(datalist_path), output_dir=str(tmp_path / "o")
+    )
+    torch.manual_seed(0)
+    network = parser.get_parsed_content("network").eval()
+    preprocessing = parser.get_parsed_content("validate#preprocessing")
+    datalist = dict(parser.get_parsed_content("dataset"))
+    datalist.pop("template")  # nothing named: the rule chooses
+    datalist["training"] = datalist["training"][:6]
+    three = resolve_templates(datalist, network, preprocessing, "cpu", max_templates=3)
+    prepared = [preprocessing(dict(it)) for it in datalist["training"]]
+    points, matrices = zip(*(grid_landmarks(d) for d in prepared))
+    with torch.no_grad():
+        _, errors = select_template_by_landmarks(
+            network, [torch.as_tensor(d["image"]) for d in prepared], points, matrices
+        )
+    expected = [datalist["training"][i]["image"] for i in np.argsort(errors, kind="stable")[:3]]
+    assert [t["image"] for t in three] == expected
+    assert [t["image"] for t in ranked_templates(datalist, network, preprocessing, "cpu")][:3] == expected
+    assert resolve_template(datalist, network, preprocessing, "cpu")["image"] == expected[0]
+    assert [t["image"] for t in resolve_templates(datalist, network, preprocessing, "cpu")] == expected[:1]
+    with pytest.raises(ValueError, match="max_templates must be >= 1, got 0"):
+        resolve_templates(datalist, network, preprocessing, "cpu", max_templates=0)

@@ -230,3 +230,42 @@ def test_cycle_error_is_small_for_true_matches_and_large_on_an_unrelated_image(s
     assert torch.isnan(cycle[0, :, 4]).all()
     assert cycle[0, 0, :4].max() < 1.0
     assert cycle[0, 1, :4].mean() > 5.0
+
+
+class TwoScaleEncoder(torch.nn.Module):
+    """A small trainable encoder with the network's interface (feature maps at strides 4 and 2), counting its
+    forward passes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, 8, 3, padding=1)
+        self.strides = (4, 2)
+        self.passes = 0
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        self.passes += 1
+        y = torch.tanh(self.conv(x))
+        return [F.avg_pool2d(y, 4), F.avg_pool2d(y, 2)]
+
+
+def test_template_features_are_computed_once_until_the_weights_change():
+    """The templates' feature maps are kept between calls and computed again after an in-place weight update (what
+    an optimizer step or a loaded checkpoint does); the predictions are those of a fresh inferer either way."""
+    torch.manual_seed(0)
+    network = TwoScaleEncoder().eval()
+    image, template = smooth_random_image((48, 48), seed=1), smooth_random_image((48, 48), seed=2)
+    points = torch.tensor([[10.0, 12.0], [30.0, 20.0]])
+    inferer = OneShotInferer()
+    inferer.set_template(template, points)
+    first = inferer(image, network)
+    assert network.passes == 2  # the input and the template
+    inferer(image, network)
+    assert network.passes == 3  # the input alone
+    with torch.no_grad():
+        network.conv.weight.mul_(-0.5)  # new weights, in place
+    changed = inferer(image, network)
+    assert network.passes == 5  # the template's features follow the weights
+    fresh = OneShotInferer()
+    fresh.set_template(template, points)
+    torch.testing.assert_close(changed, fresh(image, network))
+    assert not torch.equal(changed, first)

@@ -22,11 +22,11 @@ class OneShotInferer(Inferer):
     """One-shot (k-shot) inference: landmarks of annotated templates found in each input by feature matching.
 
     The template image's features at its landmarks are the queries of :class:`TemplateMatcher` (multi-scale
-    cosine similarity, sub-pixel refinement). The template features are recomputed at each call with the network
-    given, so the template follows training. The caller sets eval mode; no gradients are kept. With K templates
-    (:meth:`set_templates`) each is matched on its own and the K predictions of a landmark are combined by
-    ``template_combine`` (:func:`bundle.kshot.combine_landmarks`), in physical mm when a grid-to-physical map is
-    given; a template that lacks a landmark does not vote for it.
+    cosine similarity, sub-pixel refinement). The template features follow the network given: they are computed
+    again when it or its weights change (training), else kept between calls. The caller sets eval mode; no
+    gradients are kept. With K templates (:meth:`set_templates`) each is matched on its own and the K predictions
+    of a landmark are combined by ``template_combine`` (:func:`bundle.kshot.combine_landmarks`), in physical mm
+    when a grid-to-physical map is given; a template that lacks a landmark does not vote for it.
 
     Args:
         combine, scale_weights, refine_radius, refine_resolution, max_map_elements: the matcher's
@@ -48,6 +48,9 @@ class OneShotInferer(Inferer):
         self.matcher = TemplateMatcher(combine, scale_weights, refine_radius, refine_resolution, max_map_elements)
         self.template_combine = template_combine
         self.templates: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._cache: list[list[torch.Tensor]] = []  # the templates' feature maps (_template_features)
+        self._cache_network = None  # the network that computed them (held: its id cannot be reused meanwhile)
+        self._cache_key: tuple | None = None
 
     def set_template(self, image: torch.Tensor, points) -> None:
         """Use one template: its grid image ``(1, 1, *spatial)``
@@ -78,6 +81,7 @@ class OneShotInferer(Inferer):
                 )
             templates.append((image.detach().float(), pts))
         self.templates = templates
+        self._cache, self._cache_network, self._cache_key = [], None, None
 
     def feature_inferer(self, template: Mapping[str, Any]) -> "TemplateFeatureInferer":
         """A :class:`TemplateFeatureInferer` of stored ``template`` features with this inferer's matcher and combine
@@ -85,6 +89,19 @@ class OneShotInferer(Inferer):
         inferer = TemplateFeatureInferer(template, self.template_combine)
         inferer.matcher = self.matcher
         return inferer
+
+    def _template_features(self, network, device: torch.device, dtype: torch.dtype) -> list[list[torch.Tensor]]:
+        """Each template's feature maps from ``network``, computed again only when the network or its weights
+        changed (a training step, a batch-norm update or a loaded checkpoint bumps the tensors' in-place version
+        counters)."""
+        versions = tuple(t._version for t in [*network.parameters(), *network.buffers()])
+        key = (versions, bool(network.training), device, dtype)
+        if self._cache_network is not network or self._cache_key != key:
+            self._cache = [
+                [plain_tensor(f) for f in network(image.to(device=device, dtype=dtype))] for image, _ in self.templates
+            ]
+            self._cache_network, self._cache_key = network, key
+        return self._cache
 
     @property
     def template_image(self) -> torch.Tensor | None:
@@ -124,13 +141,12 @@ class OneShotInferer(Inferer):
         errors = torch.full(out.shape[:-1], float("nan"), dtype=torch.float64, device=inputs.device) if cycle else None
         features = [plain_tensor(f) for f in network(inputs)]
         norms = self.matcher.feature_norms(features, list(grid_size))
-        for k, (template_image, template_points) in enumerate(self.templates):
+        all_template_features = self._template_features(network, inputs.device, inputs.dtype)
+        for k, (_, template_points) in enumerate(self.templates):
             valid = ~torch.isnan(template_points).any(dim=1)
             if not bool(valid.any()):
                 continue
-            template_features = [
-                plain_tensor(f) for f in network(template_image.to(device=inputs.device, dtype=inputs.dtype))
-            ]
+            template_features = all_template_features[k]
             if len(template_features) != len(features):
                 raise ValueError("the network returned a different number of scales for the template and the input")
             points = template_points[valid].to(inputs.device)[None]

@@ -105,12 +105,13 @@ def template_cache_key(
     rule: str,
     image_size,
     strides: Sequence[int] | None = None,
+    max_templates: int = 1,
 ) -> str:
     """SHA-256 of what a datalist's template features depend on: the datalist's bytes, the identity (path, size,
     modification time) of every image it names as a template or training item, the weights' bytes, the template
-    rule, the network grid and ``strides``, the file format and the bundle's version (its code: preprocessing and
-    feature sampling). Not in it: a preprocessing pipeline changed by a merged config (clear the cache, or set
-    ``template_cache`` null)."""
+    rule and ``max_templates``, the network grid and ``strides``, the file format and the bundle's version (its
+    code: preprocessing and feature sampling). Not in it: a preprocessing pipeline changed by a merged config
+    (clear the cache, or set ``template_cache`` null)."""
     images = [
         str(it["image"])
         for key in ("template", "templates", "training")
@@ -126,6 +127,7 @@ def template_cache_key(
         "images": stats,
         "checkpoint": file_sha256(checkpoint),
         "rule": rule,
+        "max_templates": int(max_templates),
         "image_size": [int(v) for v in image_size] if image_size is not None else None,
         "strides": [int(v) for v in strides] if strides is not None else None,
         "version": __version__,
@@ -143,9 +145,11 @@ def resolve_template_features(
     rule: str = "landmarks",
     cache_dir: str | os.PathLike | None = None,
     image_size=None,
+    max_templates: int = 1,
 ) -> dict:
     """The template features of inference: from ``template_datalist`` when given (its ``templates`` /
-    ``template`` items, else one chosen among its labelled training items by ``rule``, computed with ``network``
+    ``template`` items, else the ``max_templates`` of its labelled training items ranked best by ``rule``, computed
+    with ``network``
     after loading ``checkpoint`` into it), else read from the feature file ``template_path`` (``network`` is then
     not used, so that building the export network needs no weights).
 
@@ -164,7 +168,7 @@ def resolve_template_features(
     cached = None
     if cache_dir and checkpoint is not None:
         strides = getattr(network, "strides", None)
-        key = template_cache_key(template_datalist, datalist, checkpoint, rule, image_size, strides)
+        key = template_cache_key(template_datalist, datalist, checkpoint, rule, image_size, strides, max_templates)
         cached = cache_dir / f"{key}.pt"
         if cached.is_file():
             try:
@@ -177,7 +181,7 @@ def resolve_template_features(
     if checkpoint is not None:
         network = load_weights(network, checkpoint, device)
     network.eval()
-    items = resolve_templates(datalist, network, preprocessing, device, rule=rule)
+    items = resolve_templates(datalist, network, preprocessing, device, rule=rule, max_templates=max_templates)
     logger.info("template(s) from %s: %s", template_datalist, [it["image"] for it in items])
     template = compute_template(network, items, preprocessing, datalist["landmark_names"], device, checkpoint)
     if cached is not None:

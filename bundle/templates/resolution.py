@@ -1,7 +1,7 @@
 """The templates of one-shot (k-shot) detection, as datalist items, and their preparation for the inferer.
 
-Which items are templates: the datalist's own (``templates`` / ``template``), else one chosen among its
-labelled training items (:func:`resolve_template`, by the criteria of :mod:`bundle.templates.selection`),
+Which items are templates: the datalist's own (``templates`` / ``template``), else the best-ranked of its
+labelled training items (:func:`ranked_templates`, by the criteria of :mod:`bundle.templates.selection`),
 plus pseudo-templates labelled by matching (:func:`resolve_templates`); :func:`with_templates` gives them,
 prepared by the evaluation pipeline, to a :class:`bundle.inferers.oneshot.OneShotInferer`.
 """
@@ -78,29 +78,24 @@ def check_rule(rule: str) -> str:
     return rule
 
 
-def resolve_template(
+def ranked_templates(
     datalist: dict,
     network: torch.nn.Module,
     preprocessing,
     device: torch.device | str,
     max_images: int = 32,
     rule: str = "landmarks",
-) -> dict:
-    """The evaluation template: the datalist's ``template``, else one chosen among its labelled training items.
+) -> list[dict]:
+    """The datalist's labelled training items that may be templates, best first by ``rule`` (at least 2 of them).
 
-    ``rule``: ``"landmarks"`` picks the item whose landmarks, matched one-shot into each other candidate,
-    land closest to that candidate's own landmarks
-    (:func:`bundle.templates.selection.select_template_by_landmarks`); ``"features"`` reads no landmark and
-    picks the candidate whose features match the other training images best
-    (:func:`bundle.templates.selection.select_template`, Quan et al. CVPR 2022), the choice of which image
-    to annotate. At most ``max_images`` training images (the labelled ones first) take part, to bound the cost.
+    ``rule``: ``"landmarks"`` ranks by how close an item's landmarks, matched one-shot into each other candidate,
+    land to that candidate's own landmarks (:func:`bundle.templates.selection.select_template_by_landmarks`);
+    ``"features"`` reads no landmark and ranks by how well an item's features match the other training images
+    (:func:`bundle.templates.selection.select_template`, Quan et al. CVPR 2022), the choice of which image to
+    annotate. At most ``max_images`` training images (the labelled ones first) take part, to bound the cost.
     """
     check_rule(rule)
     labelled = labelled_training_items(datalist)
-    if datalist.get("template") is not None:
-        return dict(datalist["template"])
-    if len(labelled) < 2:
-        return default_template(datalist)
     unlabelled = [it for it in datalist["training"] if it not in labelled]
     pool = (labelled if rule == "landmarks" else labelled + unlabelled)[: max(max_images, 2)]
     candidates = [i for i, it in enumerate(pool) if it in labelled]
@@ -110,19 +105,39 @@ def resolve_template(
     with torch.no_grad():
         if rule == "landmarks":
             points, matrices = zip(*(grid_landmarks(d) for d in prepared))
-            index, scores = select_template_by_landmarks(network, images, points, matrices)
-            how = f"mean one-shot error {scores[index]:.2f} mm over the other {len(pool) - 1} candidates"
+            _, errors = select_template_by_landmarks(network, images, points, matrices)
+            order = sorted(candidates, key=lambda i: errors[i] if errors[i] == errors[i] else float("inf"))
+            how = f"mean one-shot error {errors[order[0]]:.2f} mm over the other {len(pool) - 1} candidates"
         else:
-            index, scores = select_template(network, images, candidates=candidates)
-            how = f"score {scores[candidates.index(index)]:.3f}, no landmark read"
+            _, scores = select_template(network, images, candidates=candidates)
+            order = [candidates[j] for j in sorted(range(len(candidates)), key=lambda j: -scores[j])]
+            how = f"score {scores[candidates.index(order[0])]:.3f}, no landmark read"
     logging.getLogger(__name__).info(
-        "template chosen among %d labelled training items (rule %r): %s (%s)",
+        "templates ranked among %d labelled training items (rule %r): first %s (%s)",
         len(candidates),
         rule,
-        pool[index]["image"],
+        pool[order[0]]["image"],
         how,
     )
-    return dict(pool[index])
+    return [dict(pool[i]) for i in order]
+
+
+def resolve_template(
+    datalist: dict,
+    network: torch.nn.Module,
+    preprocessing,
+    device: torch.device | str,
+    max_images: int = 32,
+    rule: str = "landmarks",
+) -> dict:
+    """The evaluation template: the datalist's ``template``, else the labelled training item that
+    :func:`ranked_templates` ranks first by ``rule``."""
+    check_rule(rule)
+    if datalist.get("template") is not None:
+        return dict(datalist["template"])
+    if len(labelled_training_items(datalist)) < 2:
+        return default_template(datalist)
+    return ranked_templates(datalist, network, preprocessing, device, max_images, rule)[0]
 
 
 def pseudo_template_pool(datalist: dict, templates: list[dict]) -> list[dict]:
@@ -163,13 +178,15 @@ def resolve_templates(
     device: torch.device | str,
     rule: str = "landmarks",
     max_images: int = 32,
+    max_templates: int = 1,
     pseudo_candidates: int = 0,
     pseudo_templates: int = 0,
     cycle_tolerance: float = 2.0,
     combine: str = "geometric_median",
 ) -> list[dict]:
-    """The evaluation templates: the datalist's ``templates`` / ``template`` (k-shot), else one chosen by
-    :func:`resolve_template`; then, when ``pseudo_templates`` > 0, that many pseudo-templates.
+    """The evaluation templates: the datalist's ``templates`` / ``template`` (k-shot), else the ``max_templates``
+    labelled training items that :func:`ranked_templates` ranks best by ``rule`` (one: :func:`resolve_template`);
+    then, when ``pseudo_templates`` > 0, that many pseudo-templates.
 
     Pseudo-templates: the first ``pseudo_candidates`` images of :func:`pseudo_template_pool` are labelled by
     matching from the templates (combined by ``combine``) and the ``pseudo_templates`` most reliable ones by
@@ -180,9 +197,13 @@ def resolve_templates(
         raise ValueError(
             f"pseudo_candidates and pseudo_templates must be >= 0, got {pseudo_candidates}, {pseudo_templates}"
         )
+    if max_templates < 1:
+        raise ValueError(f"max_templates must be >= 1, got {max_templates}")
     check_rule(rule)
     templates = template_items(datalist)
-    if not templates:
+    if not templates and max_templates > 1 and len(labelled_training_items(datalist)) >= 2:
+        templates = ranked_templates(datalist, network, preprocessing, device, max_images, rule)[:max_templates]
+    elif not templates:
         templates = [resolve_template(datalist, network, preprocessing, device, max_images, rule)]
     templates = without_test_images(templates, datalist)
     if pseudo_templates == 0:
