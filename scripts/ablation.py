@@ -246,6 +246,7 @@ def run_one(
             output_dir=run_dir / "eval",
             ckpt_path=run_dir / "models" / "model.pt",
             template_rule=template_rule,
+            max_templates=1,  # the paper's one-shot protocol: one template
             **(settings or {}),
         ),
         run_dir / "eval.log",

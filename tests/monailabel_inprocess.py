@@ -16,6 +16,8 @@ epoch through the train task, then saves ``TARGET_LABEL`` as the target's label,
 (published whatever its score) and infers with it. Prints ``{"bundle", "saved_label", "detector": suggestions,
 "train", "detector_train": stats, "missing_weights": the start-up error of an app given no weights}``.
 
+``split WORK``: the detector's held-out split (``landmark_tasks.train.detector_split``) for 2 to 20 labelled ids.
+
 ``device WORK DATALIST STUDIES TEMPLATE_ID TEMPLATE_LABEL``: apps given devices this machine lacks (their start-up
 errors), then an app on ``--conf device cpu``: infers the first study with the bundle's templates, saves
 ``TEMPLATE_LABEL`` as the final label of ``TEMPLATE_ID``, infers again and fine-tunes one tiny epoch (scored in
@@ -135,6 +137,21 @@ def device(work: str, datalist: str, studies: str, template_id: str, template_la
     return out
 
 
+def split(work: str) -> dict:
+    """The detector's held-out split of n labelled ids: ``{n: [trained, held out]}`` and whether a split grown from
+    a served detector's keeps its held-out images held out and its training images in training."""
+    sys.path[:0] = [str(ROOT), str(ROOT / "apps" / "monailabel")]
+    from landmark_tasks.train import detector_split
+
+    ids = [f"img{k:02d}" for k in range(20)]
+    out: dict = {n: [len(part) for part in detector_split(ids[:n])] for n in (2, 3, 4, 5, 10, 12, 20)}
+    trained, held = detector_split(ids[:5])
+    _, grown = detector_split(ids[:10], {"trained_on": trained, "held_out": held})
+    out["sticky"] = set(held) <= set(grown) and not set(trained) & set(grown)
+    return out
+
+
 if __name__ == "__main__":
     scenario, *args = sys.argv[1:]
-    print("RESULT " + json.dumps({"dicomweb": dicomweb, "ct": ct, "device": device}[scenario](*args), default=str))
+    scenarios = {"dicomweb": dicomweb, "ct": ct, "device": device, "split": split}
+    print("RESULT " + json.dumps(scenarios[scenario](*args), default=str))

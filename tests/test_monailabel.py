@@ -818,9 +818,10 @@ def test_detector_retrains_from_the_served_one_on_the_same_held_out_images(serve
     stats = _detector_stats(server, {"min_improvement": 1e9})
     assert stats["train"]["init_weights"] == str(model / "detector.pt") and stats["train"]["init_checkpoint"] is None
     assert stats["eval"]["served_predictor"] == "detector" and "kept the served detector" in stats["decision"]
-    # the served detector is scored only on images it never trained on: its held-out image stays held out
-    assert stats["train"]["held_out"] == before["held_out"]
-    assert sorted(stats["train"]["trained_on"]) == sorted(before["trained_on"] + ["test_001"])
+    # the served detector is scored only on images it never trained on: its held-out image stays held out, its
+    # training image stays in training, and the new one fills the held-out set (2 of 3: min_held_out 3, capped)
+    assert sorted(stats["train"]["held_out"]) == sorted(before["held_out"] + ["test_001"])
+    assert stats["train"]["trained_on"] == before["trained_on"]
     assert stats["published"] is False and stats["predictor"] == "detector"
     assert json.loads((model / "detector.json").read_text()) == before
 
@@ -840,6 +841,22 @@ def _in_process(tmp_path: Path, scenario: str, *args) -> dict:
     )
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
+
+
+def test_the_detector_is_scored_on_at_least_three_held_out_images(tmp_path):
+    """The held-out split grows to 3 images as soon as 4 are labelled (1 then 2 before), then a quarter, and stays
+    sticky; a detector is published only when scored on at least ``min_held_out`` (3) of them."""
+    split = _in_process(tmp_path, "split")
+    assert split == {
+        "2": [1, 1],
+        "3": [1, 2],
+        "4": [1, 3],
+        "5": [2, 3],
+        "10": [7, 3],
+        "12": [9, 3],
+        "20": [15, 5],
+        "sticky": True,
+    }
 
 
 def test_dicomweb_series_gives_the_png_landmarks(tmp_path):

@@ -27,8 +27,9 @@ Detector (the bundle's fine-tuning on human labels, ``configs/train.yaml`` + ``t
    candidate never trains on and both predictors are scored on, the rest the training items. The held-out
    set is sticky: images held out for the served detector stay held out, images it was trained on are never
    held out (so the served detector is not scored on its own training images either), and newly labelled
-   images fill the held-out set up to ``max(1, round(holdout * n_labelled))`` (request key ``holdout``,
-   default 0.25) in a fixed order (SHA-1 of the image id); at least one image is always trained on.
+   images fill the held-out set up to ``max(1, round(holdout * n_labelled), min(min_held_out, n_labelled - 1))``
+   (request keys ``holdout``, default 0.25, and ``min_held_out``, default 3) in a fixed order (SHA-1 of the image
+   id); at least one image is always trained on.
 2. The child trains the detector from the served detector (``init_weights = model/detector.pt``) if there is
    one, else with its encoder from the served stage-1 weights (``init_checkpoint`` = the served ``model.pt``),
    into ``model/candidate_detector/`` (``model_final.pt``; no validation: ``val_interval`` > ``epochs``).
@@ -36,7 +37,8 @@ Detector (the bundle's fine-tuning on human labels, ``configs/train.yaml`` + ``t
    the served predictor: the served detector, or, when none, template matching with the served stage-1
    weights from every OTHER labelled image (leave-one-out, as the infer task would answer). Published to
    ``model/detector.pt`` (with ``model/detector.json``: its grid, trained-on and held-out ids) only when
-   ``mre_new < mre_served - min_improvement``; the infer task then serves the detector.
+   ``mre_new < mre_served - min_improvement`` on at least ``min_held_out`` held-out images; the infer task then
+   serves the detector.
 
 Request values are checked before the task is queued (422 naming the key and the value): numbers must be finite
 JSON numbers of their kind (no booleans, strings, NaN or infinities), ``min_improvement`` non-negative (a negative
@@ -120,6 +122,9 @@ def _size(value: Any) -> list[int]:
 NETWORKS = ("contrastive", "detector")
 PUBLISH = ("if_better", "always")
 DETECTOR_HOLDOUT = 0.25  # default fraction of the labelled images held out of the detector's training, to score on
+# default number of held-out images below which a new detector is not published: the 5-label step of the annotation
+# loop published a detector that won on its one held-out image and lost on 30 others (docs/results.md)
+DETECTOR_MIN_HELD_OUT = 3
 MIN_DETECTOR_LABELS = 2
 
 
@@ -154,6 +159,7 @@ APP_OPTIONS = {
     "min_improvement": _margin,
     "network": _choice(NETWORKS, "the stage-1 network or the stage-2 heatmap detector"),
     "holdout": _fraction,
+    "min_held_out": _positive_int,
     "publish": _choice(PUBLISH, "publish when better, or whatever its score"),
 }
 
@@ -238,7 +244,10 @@ def _hash(image_id: str) -> str:
 
 
 def detector_split(
-    labelled_ids: list[str], previous: dict | None = None, holdout: float = DETECTOR_HOLDOUT
+    labelled_ids: list[str],
+    previous: dict | None = None,
+    holdout: float = DETECTOR_HOLDOUT,
+    min_held_out: int = DETECTOR_MIN_HELD_OUT,
 ) -> tuple[list[str], list[str]]:
     """``(trained_on, held_out)`` ids of the labelled images (see the module docstring, detector step 1).
 
@@ -250,7 +259,7 @@ def detector_split(
     seen_train, seen_held = set(previous.get("trained_on") or []), set(previous.get("held_out") or [])
     held = [i for i in ids if i in seen_held]
     new = sorted((i for i in ids if i not in seen_train and i not in seen_held), key=_hash)
-    target = max(1, round(holdout * len(ids)))
+    target = max(1, round(holdout * len(ids)), min(min_held_out, len(ids) - 1))
     held += new[: max(0, target - len(held))]
     trained = [i for i in ids if i not in held]
     if not trained:  # every labelled image was held out before: train on one of them (it is then not scored on)
@@ -416,6 +425,7 @@ class BundleTrainTask(TrainTask):
             "min_improvement": 0.0,
             "network": "contrastive",
             "holdout": DETECTOR_HOLDOUT,
+            "min_held_out": DETECTOR_MIN_HELD_OUT,
             "publish": "if_better",
         }
 
@@ -444,10 +454,11 @@ class BundleTrainTask(TrainTask):
         rule = {"min_improvement": options.pop("min_improvement", 0.0), "publish": options.pop("publish", "if_better")}
         network = options.pop("network", "contrastive")
         holdout = options.pop("holdout", DETECTOR_HOLDOUT)
+        min_held_out = options.pop("min_held_out", DETECTOR_MIN_HELD_OUT)
         items = self.context.datastore_items(datastore)
         try:
             if network == "detector":
-                stats = self._train_detector(items, options, rule, holdout)
+                stats = self._train_detector(items, options, rule, holdout, min_held_out)
             else:
                 stats = self._train_contrastive(items, options, rule)
         finally:
@@ -525,12 +536,14 @@ class BundleTrainTask(TrainTask):
         }
 
     # ---- the stage-2 heatmap detector ------------------------------------------------------------------
-    def _train_detector(self, items: list[dict], options: dict, rule: dict, holdout: float) -> dict[str, Any]:
+    def _train_detector(
+        self, items: list[dict], options: dict, rule: dict, holdout: float, min_held_out: int
+    ) -> dict[str, Any]:
         context = self.context
         labelled = {it["id"]: it for it in items if it.get("landmarks")}
         served_detector = context.served_detector()
         previous = context.detector_info() if served_detector else {}
-        trained_ids, held_ids = detector_split(list(labelled), previous, holdout)
+        trained_ids, held_ids = detector_split(list(labelled), previous, holdout, min_held_out)
         trained, held = [labelled[i] for i in trained_ids], [labelled[i] for i in held_ids]
         work = self.model_dir / "train_detector"
         datalist_path = write_json_atomic(
@@ -583,6 +596,12 @@ class BundleTrainTask(TrainTask):
                 "templates (leave-one-out)"
             )
         published, decision = publication(new, old, kept, **rule)
+        if published and rule["publish"] != "always" and len(held) < min_held_out:
+            published = False
+            decision = (
+                f"kept {kept}: the new detector was scored on {len(held)} held-out image(s), fewer than min_held_out "
+                f"({min_held_out}); {decision}"
+            )
         kept_previous = {}
         if published:
             kept_previous = keep_previous(context.detector_path, context.detector_info_path)
