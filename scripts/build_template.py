@@ -1,7 +1,7 @@
 """Write a template feature file (``bundle.template_file``): the network's feature vectors at K templates' landmarks.
 
     python -m scripts.build_template --datalist runs/hamedan/protocol.json --output models/template_features.pt \
-        --templates "['019']" --first_labelled 5 [--ckpt_path models/model.pt]
+        [--templates "['019']"] [--first_labelled 5] [--ckpt_path models/model.pt]
 
 Without ``--output`` the file goes to ``output/template_features.pt``: the shipped one is only replaced when named.
 The shipped ``models/template_features.pt`` is built this way from the Hamedan protocol datalist, made by
@@ -9,13 +9,14 @@ The shipped ``models/template_features.pt`` is built this way from the Hamedan p
     python -m scripts.prepare_data labelme HAMEDAN_DIR runs/hamedan/protocol.json --names isbi \
         --spacing "[0.12,0.12]" --validation_fraction 0.1 --test_fraction 0.3 --seed 0 --keep_held_out_images true
 
-with K = 6 templates: image 019 (the evaluation's template, chosen by the default rule ``landmarks``, see
-docs/README.md) and the first 5 labelled training items. The file holds (K, L, S, C) feature vectors and the
+with no ``--templates``: the K = 32 labelled training items that the default rule ``landmarks`` ranks best (what
+the evaluation takes by default, see docs/README.md). The file holds (K, L, S, C) feature vectors and the
 landmark names, no pixel data, so it can ship where the images may not.
 
 Templates: ``--templates`` names images (file stem or path) among the datalist's items with landmarks, and
 ``--first_labelled N`` adds the first N labelled training items; with neither, the datalist's own
-``templates`` / ``template`` items, else one chosen among its labelled training items by ``--rule``. The
+``templates`` / ``template`` items, else the ``--max_templates`` (32) of its labelled training items that ``--rule``
+ranks best, as the evaluation chooses them. The
 features are computed with ``configs/inference.yaml``'s network and preprocessing and the weights
 ``--ckpt_path``, whose SHA-256 the file records (the features fit only those weights).
 """
@@ -71,6 +72,7 @@ def build(
     first_labelled: int = 0,
     ckpt_path: str | None = None,
     rule: str = "landmarks",
+    max_templates: int = 32,
     device: str | None = None,
 ) -> str:
     """Compute the template features of the chosen items of ``datalist`` and write them to ``output``."""
@@ -91,7 +93,7 @@ def build(
     if not items:
         from bundle.templates.resolution import resolve_templates
 
-        items = resolve_templates(data, network, preprocessing, device_, rule=rule)
+        items = resolve_templates(data, network, preprocessing, device_, rule=rule, max_templates=max_templates)
     template = compute_template(network, items, preprocessing, data["landmark_names"], device_, checkpoint)
     template["sources"] = [f"{data.get('name', Path(datalist).stem)}/{Path(it['image']).name}" for it in items]
     path = save_template(output, template)
