@@ -359,9 +359,10 @@ ENGINE_PASSES = """
 import csv, json, sys, tempfile, time
 import torch
 from bundle.configs import bundle_parser
-files, passes, out = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+files, passes, out, template = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 with tempfile.TemporaryDirectory() as tmp:
-    parser = bundle_parser(["configs/inference.yaml"], images=files, output_dir=tmp, overlays=False)
+    settings = dict(images=files, output_dir=tmp, overlays=False, template_path=template)
+    parser = bundle_parser(["configs/inference.yaml"], **settings)
     evaluator = parser.get_parsed_content("evaluator")
     seconds = []
     for _ in range(passes):
@@ -378,8 +379,8 @@ def inferring(reference: str, images: int = 20, rounds: int = 3, passes: int = 2
     """The ``inferring`` command's engine with the built-in templates (the first ``images`` real cephalograms when
     ../shared/data holds them, else synthetic images): ms per image of this tree against the ``reference`` tree (a
     checkout of an earlier version, e.g. ``git worktree add /tmp/reference v0.8.0``), each in its own process,
-    alternating for ``rounds`` rounds of ``passes`` engine passes (best pass of each), with the predictions' largest
-    difference; then where this tree's time goes (cProfile of one pass)."""
+    alternating for ``rounds`` rounds of ``passes`` engine passes (best pass of each), both with this tree's built-in
+    templates, with the predictions' largest difference; then where this tree's time goes (cProfile of one pass)."""
     import cProfile
     import json
     import os
@@ -393,6 +394,7 @@ def inferring(reference: str, images: int = 20, rounds: int = 3, passes: int = 2
     from bundle.data.synthetic import generate_synthetic_2d
 
     trees = {"reference": Path(reference).resolve(), "this tree": ROOT}
+    template = str(ROOT / "models" / "template_features.pt")  # the same templates for both trees
     if not (trees["reference"] / "configs" / "inference.yaml").is_file():
         raise FileNotFoundError(f"reference tree {reference}: no configs/inference.yaml")
     with tempfile.TemporaryDirectory() as tmp:
@@ -405,7 +407,7 @@ def inferring(reference: str, images: int = 20, rounds: int = 3, passes: int = 2
         for r in range(rounds):
             for name, tree in trees.items():
                 out = f"{tmp}/{r}_{name}.json"
-                command = [sys.executable, "-c", ENGINE_PASSES, json.dumps(files), str(passes), out]
+                command = [sys.executable, "-c", ENGINE_PASSES, json.dumps(files), str(passes), out, template]
                 env = dict(os.environ, PYTHONPATH=str(tree))
                 subprocess.run(command, cwd=tree, env=env, check=True, capture_output=True)
                 results[name] = json.loads(Path(out).read_text())

@@ -206,10 +206,11 @@ def test_parsing_writes_nothing_and_runs_no_network(tmp_path, monkeypatch, caplo
             evaluator.run()
     finally:
         hook.remove()
-    assert forwards and "template chosen among 4 labelled training items (rule 'features')" in caplog.text
+    assert forwards and "templates ranked among 4 labelled training items (rule 'features')" in caplog.text
     metrics = json.loads((root / "output" / "metrics.json").read_text())
-    labelled = {it["image"] for it in content["training"] if it.get("landmarks")}
-    assert Path(metrics["template"]).name in {Path(i).name for i in labelled}
+    labelled = {Path(it["image"]).name for it in content["training"] if it.get("landmarks")}
+    # k-shot by default (max_templates 32): every labelled training item, the best-ranked first
+    assert {Path(t).name for t in metrics["templates"]} == labelled and metrics["template"] == metrics["templates"][0]
 
 
 def test_loading_the_bundle_as_monai_does_writes_nothing(tmp_path):
