@@ -71,15 +71,16 @@ def geometric_median(
     floor = torch.where(spread > 0, tolerance * spread, torch.ones_like(spread))
     slack = 1e-9 * p.shape[0]  # rounding of a sum of unit vectors
 
-    # a minimum on a kink: the coordinate-wise median, then each point in order
+    # a minimum on a kink: the coordinate-wise median, else the first point (in order) that passes the test, all
+    # points tested at once (point k against every point: the leading axis of the tests)
     _, pull, ties, _ = _pull_and_ties(filled, valid, start, floor)
     found = pull <= ties + slack
-    estimate = start
-    for k in range(p.shape[0]):
-        _, pull, ties, _ = _pull_and_ties(filled, valid, filled[k], floor)
-        optimal = valid[k] & ~found & (pull <= ties + slack)
-        estimate = torch.where(optimal, filled[k], estimate)
-        found = found | optimal
+    _, pulls, ties_k, _ = _pull_and_ties(filled.unsqueeze(1), valid.unsqueeze(1), filled, floor)  # (K, ..., 1)
+    optimal = valid & (pulls <= ties_k + slack)
+    first = optimal.to(torch.int8).argmax(0, keepdim=True)  # (1, ..., 1)
+    at_point = optimal.any(0) & ~found
+    estimate = torch.where(at_point, filled.gather(0, first.expand((1,) + start.shape))[0], start)
+    found = found | at_point
 
     # a smooth minimum: safeguarded Newton steps
     eye = torch.eye(p.shape[-1], dtype=p.dtype, device=p.device)

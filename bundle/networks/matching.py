@@ -227,11 +227,13 @@ class TemplateMatcher(torch.nn.Module):
         b, n, d = peaks.shape[0], peaks.shape[1], peaks.shape[2]
         k = int(round(lattice.shape[0] ** (1.0 / d)))
         points = (peaks.float()[:, :, None, :] + lattice).reshape(b, -1, d)
-        cosines: List[torch.Tensor] = []
+        dots: List[torch.Tensor] = []
+        inverse_norms: List[torch.Tensor] = []
         for q, f in zip(queries, maps):
-            sampled = F.normalize(sample_features(f, points, grid_size), dim=-1).reshape(b, n, -1, f.shape[1])
-            cosines.append(torch.einsum("bnmc,bnc->bnm", sampled, q))
-        index, value = refine_peaks(self.combine_scales(cosines).reshape([b, n] + [k] * d), step=1)
+            sampled = sample_features(f, points, grid_size).reshape(b, n, -1, f.shape[1])
+            dots.append(torch.einsum("bnmc,bnc->bnm", sampled, q))
+            inverse_norms.append(1.0 / torch.linalg.vector_norm(sampled, dim=-1).clamp_min(1e-12))
+        index, value = refine_peaks(self.combine_scales(dots, inverse_norms).reshape([b, n] + [k] * d), step=1)
         refined = peaks + (index - (k - 1) / 2) * self.refine_resolution
         upper = torch.tensor([s - 1 for s in grid_size], dtype=refined.dtype, device=refined.device)
         return torch.minimum(refined.clamp_min(0.0), upper), value
