@@ -1037,3 +1037,39 @@ def test_default_serves_the_shipped_cephalometric_model(tmp_path):
         assert joined["templates"] == [{"image": image.stem, "source": "datastore"}] + [
             {"image": Path(s).name, "source": "built-in"} for s in builtin["sources"]
         ]
+
+
+def test_labels_loop_drives_the_server_through_the_annotation_loop(tmp_path):
+    """``python -m scripts.labels_loop`` on the real cephalograms (skipped without ../shared/data): the default
+    server, two labels saved one step at a time, a detector training, the held-out uploads scored; the saved labels
+    join the built-in templates and the results file holds every step."""
+    if not CEPHALOGRAM.is_file():
+        pytest.skip("no ../shared/data/hamedan_ceph")
+    from bundle.template_file import load_template
+    from scripts.labels_loop import run
+    from scripts.prepare_data import labelme
+
+    datalist = tmp_path / "protocol.json"
+    labelme(
+        str(CEPHALOGRAM.parents[1]),
+        str(datalist),
+        names="isbi",
+        spacing=[0.12, 0.12],
+        validation_fraction=0.1,
+        test_fraction=0.3,
+        seed=0,
+        keep_held_out_images=True,
+    )
+    result = run(str(datalist), str(tmp_path / "loop"), steps=[1, 2], heldout=1, train=TINY_TRAIN, threads=1)
+    rows = json.loads(Path(result).read_text())["rows"]
+    assert [(r["labels"], r["stage"]) for r in rows] == [
+        (0, "start"),
+        (1, "labels saved"),
+        (2, "labels saved"),
+        (2, "trained"),
+    ]
+    builtin = len(load_template(ROOT / "models" / "template_features.pt")["sources"])
+    assert [len(r["templates"]) for r in rows[:3]] == [builtin, builtin + 1, builtin + 2]
+    assert all(0 < r["mre_mm"] < 10 and r["landmarks_scored"] == 19 for r in rows)
+    assert rows[3]["published"] is False and rows[3]["held_out"] and rows[3]["predictor"] == "templates"
+    assert (tmp_path / "loop" / "learning_curve.png").stat().st_size > 0
