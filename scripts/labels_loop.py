@@ -117,22 +117,24 @@ def train_detector(client, request: dict, probe_image: str, timeout_s: float = 7
     }
 
 
-def plot(rows: Sequence[dict], path: Path) -> Path:
-    """MRE of the suggestions against the number of saved labels (after each step's training)."""
-    last = {}
-    for row in rows:
-        last[row["labels"]] = row
-    labels = sorted(last)
-    figure = Figure(figsize=(5, 3.2), dpi=120)
+def plot(runs: dict[str, Sequence[dict]], path: Path) -> Path:
+    """MRE of the suggestions against the number of saved labels (after each step's training), one line per named
+    run's rows; t / d mark what the server served (templates, detector)."""
+    figure = Figure(figsize=(5.5, 3.4), dpi=120)
     FigureCanvasAgg(figure)
     ax = figure.add_subplot()
-    ax.plot(labels, [last[n]["mre_mm"] for n in labels], "o-", color="tab:blue")
-    for n in labels:
-        ax.annotate(last[n]["predictor"][0], (n, last[n]["mre_mm"]), textcoords="offset points", xytext=(4, 4))
+    for name, rows in runs.items():
+        last = {row["labels"]: row for row in rows}  # the last row of each step: after its training
+        labels = sorted(last)
+        ax.plot(labels, [last[n]["mre_mm"] for n in labels], "o-", label=name)
+        for n in labels:
+            ax.annotate(last[n]["predictor"][0], (n, last[n]["mre_mm"]), textcoords="offset points", xytext=(4, 4))
+    ax.set_ylim(bottom=0)
     ax.set_xlabel("labels saved in MONAI Label")
     ax.set_ylabel("MRE of the suggestions (mm)")
-    ax.set_title("held-out images; t = templates, d = detector", fontsize=9)
+    ax.set_title("held-out images; t = templates, d = detector served", fontsize=9)
     ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower left")
     figure.tight_layout()
     with atomic_path(path) as tmp:
         figure.savefig(tmp, format="png")
@@ -214,7 +216,7 @@ def run(
                         **score(client, held, names),
                     }
                 )
-    plot(rows, work / "learning_curve.png")
+    plot({Path(out).name: rows}, work / "learning_curve.png")
     return result_path
 
 
