@@ -318,21 +318,11 @@ def template_cache(images: int = 2) -> None:
     from bundle.data.embedded import open_datalist
     from bundle.data.synthetic import generate_synthetic_2d
     from scripts.bundle_commands import run_command
-    from scripts.prepare_data import labelme
+    from scripts.prepare_data import hamedan_protocol
 
     with tempfile.TemporaryDirectory() as tmp:
         if (DATA / "hamedan_ceph").is_dir():
-            datalist = f"{tmp}/protocol.json"
-            labelme(
-                str(DATA / "hamedan_ceph"),
-                datalist,
-                names="isbi",
-                spacing=[0.12, 0.12],
-                validation_fraction=0.1,
-                test_fraction=0.3,
-                seed=0,
-                keep_held_out_images=True,
-            )
+            datalist = hamedan_protocol(DATA / "hamedan_ceph", f"{tmp}/protocol.json")
         else:
             datalist = str(generate_synthetic_2d(Path(tmp) / "synthetic"))
         chosen = [it["image"] for it in open_datalist(datalist)["test"][:images]]

@@ -325,6 +325,22 @@ def dicom(
     write(read, out, validation_fraction, test_fraction, seed, template, keep_held_out_images)
 
 
+def hamedan_protocol(root: str | Path, out: str | Path) -> str:
+    """The datalist of docs/results.md's protocol from the Hamedan set at ``root`` (labelme, ISBI names, 0.12 mm,
+    seeded 60 / 10 / 30 split, the held-out images kept unlabelled in ``training``), written to ``out``."""
+    labelme(
+        str(root),
+        str(out),
+        names="isbi",
+        spacing=[0.12, 0.12],
+        validation_fraction=0.1,
+        test_fraction=0.3,
+        seed=0,
+        keep_held_out_images=True,
+    )
+    return str(out)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point: ``python -m scripts.prepare_data {labelme|isbi2015|hand|nifti|dicom} ...``."""
     try:

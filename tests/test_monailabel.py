@@ -1047,20 +1047,10 @@ def test_labels_loop_drives_the_server_through_the_annotation_loop(tmp_path):
         pytest.skip("no ../shared/data/hamedan_ceph")
     from bundle.template_file import load_template
     from scripts.labels_loop import run
-    from scripts.prepare_data import labelme
+    from scripts.prepare_data import hamedan_protocol
 
-    datalist = tmp_path / "protocol.json"
-    labelme(
-        str(CEPHALOGRAM.parents[1]),
-        str(datalist),
-        names="isbi",
-        spacing=[0.12, 0.12],
-        validation_fraction=0.1,
-        test_fraction=0.3,
-        seed=0,
-        keep_held_out_images=True,
-    )
-    result = run(str(datalist), str(tmp_path / "loop"), steps=[1, 2], heldout=1, train=TINY_TRAIN, threads=1)
+    datalist = hamedan_protocol(CEPHALOGRAM.parents[1], tmp_path / "protocol.json")
+    result = run(datalist, str(tmp_path / "loop"), steps=[1, 2], heldout=1, train=TINY_TRAIN, threads=1)
     rows = json.loads(Path(result).read_text())["rows"]
     assert [(r["labels"], r["stage"]) for r in rows] == [
         (0, "start"),
