@@ -74,15 +74,25 @@ def refine_peaks(maps: torch.Tensor, step: int = 1) -> Tuple[torch.Tensor, torch
     return positions, values
 
 
+def _to_grid(maps: torch.Tensor, grid_size: List[int]) -> torch.Tensor:
+    """Maps ``(B, N, *S)`` linearly interpolated to the grid ``(B, N, *G)`` (pixel centres aligned)."""
+    mode = "bilinear" if len(grid_size) == 2 else "trilinear"
+    return F.interpolate(maps, size=grid_size, mode=mode, align_corners=False)
+
+
+def _norm_on_grid(squares: torch.Tensor) -> torch.Tensor:
+    """The feature norm ``(B, 1, *G)`` from the channels' summed squares, floored (no division by zero)."""
+    return squares.sqrt().clamp_min(1e-8)
+
+
 def _upsampled_norm(features: torch.Tensor, grid_size: List[int], chunk: int) -> torch.Tensor:
     """Norm ``(B, 1, *G)`` of the features linearly interpolated at every grid position, channels in chunks."""
-    mode = "bilinear" if len(grid_size) == 2 else "trilinear"
     total = torch.zeros(0)
     for start in range(0, features.shape[1], chunk):
-        up = F.interpolate(features[:, start : start + chunk], size=grid_size, mode=mode, align_corners=False)
+        up = _to_grid(features[:, start : start + chunk], grid_size)
         part = up.square().sum(dim=1, keepdim=True)
         total = part if start == 0 else total + part
-    return total.sqrt().clamp_min(1e-8)
+    return _norm_on_grid(total)
 
 
 class TemplateMatcher(torch.nn.Module):
@@ -202,11 +212,10 @@ class TemplateMatcher(torch.nn.Module):
         Per scale: the dot product with the map, interpolated to the grid and divided by the interpolated
         features' norm (:meth:`feature_norms`), i.e. the cosine; then :meth:`combine_scales`.
         """
-        mode = "bilinear" if len(grid_size) == 2 else "trilinear"
         dots: List[torch.Tensor] = []
         for s in range(len(queries)):
             dot = torch.einsum("bnc,bc...->bn...", queries[s], maps[s])
-            dots.append(F.interpolate(dot, size=grid_size, mode=mode, align_corners=False))
+            dots.append(_to_grid(dot, grid_size))
         return self.combine_scales(dots, [1.0 / n for n in norms])
 
     def _lattice(self, spatial_dims: int, device: torch.device) -> torch.Tensor:
@@ -266,11 +275,10 @@ class TemplateMatcher(torch.nn.Module):
         for m in maps:
             channels += m.shape[1]
         if n * len(maps) > channels and b * channels * self._voxels(grid_size) <= self.max_map_elements:
-            mode = "bilinear" if len(grid_size) == 2 else "trilinear"
             unit_maps = []
             for m in maps:
-                up = F.interpolate(m, size=grid_size, mode=mode, align_corners=False)
-                unit_maps.append(up / up.square().sum(dim=1, keepdim=True).sqrt().clamp_min(1e-8))
+                up = _to_grid(m, grid_size)
+                unit_maps.append(up / _norm_on_grid(up.square().sum(dim=1, keepdim=True)))
         elif norms is None:
             norms = self.feature_norms(maps, grid_size)
         positions: List[torch.Tensor] = []
