@@ -8,14 +8,17 @@ images, :class:`bundle.inferers.oneshot.OneShotInferer`), the stored-template in
 For a query vector (a template's unit feature at a landmark) and each scale s, the similarity map is the cosine
 between the query and the input's features linearly interpolated at each grid position. The scales are combined as
 the product of ``((cos + 1) / 2) ** w_s`` (``combine="product"``, CC2D) or the sum of ``w_s * cos`` (``"sum"``),
-and the argmax is taken on the grid. Sub-pixel refinement: the same combined similarity is evaluated on a lattice of
-step ``refine_resolution`` within ``refine_radius`` pixels of the peak and its maximum refined by
-:func:`refine_peaks`.
+and the argmax is taken on the grid (many queries: a tile of grid positions at a time, never the whole maps).
+Sub-pixel refinement: the same combined similarity is evaluated on a lattice of step ``refine_resolution`` within
+``refine_radius`` pixels of the peak and its maximum refined by :func:`refine_peaks`; the lattice's features are
+interpolated from the few map cells it covers, so its cosines come from those cells' dot products with the query and
+their Gram matrix instead of sampling every lattice point.
 
 Coordinates: points are float positions on the network's input grid, components in the order of the tensor's
 spatial axes, the centre of the first pixel at 0 (:mod:`bundle.networks.features`).
 """
 
+import math
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -95,6 +98,66 @@ def _upsampled_norm(features: torch.Tensor, grid_size: List[int], chunk: int) ->
     return _norm_on_grid(total)
 
 
+def _lattice_weights(
+    centres: torch.Tensor, offsets: torch.Tensor, span: float, grid_size: List[int], map_size: List[int]
+) -> Tuple[List[torch.Tensor], torch.Tensor, List[int]]:
+    """Per-axis linear-interpolation weights of the lattice ``centres + offsets`` (each axis) in a feature map.
+
+    ``centres`` ``(B, N, D)`` on the input grid, ``offsets`` ``(K,)`` spanning ``span`` grid pixels. Returns, per
+    axis, the weights ``(B, N, K, P)`` of each lattice coordinate on the P map cells from ``starts[..., axis]``
+    (``starts`` ``(B, N, D)`` long), and P per axis: the coordinates and border clamp of :func:`sample_features`.
+    """
+    weights: List[torch.Tensor] = []
+    starts: List[torch.Tensor] = []
+    patch: List[int] = []
+    for axis in range(len(grid_size)):
+        cells = map_size[axis]
+        # a lattice spanning x map cells meets ceil(x) + 2 of them (linear interpolation reads the next cell)
+        size = min(cells, math.ceil(span * cells / grid_size[axis] - 1e-9) + 2)
+        g = 2.0 * (centres[..., axis, None] + offsets + 0.5) / float(grid_size[axis]) - 1.0
+        u = (((g + 1.0) * cells - 1.0) / 2.0).clamp(0.0, float(cells - 1))
+        lower = u.floor()
+        upper_weight = u - lower
+        first = lower.long()
+        start = first[..., :1].clamp(max=cells - size)
+        cols = torch.arange(size, device=centres.device)
+        low = (first - start).clamp(max=size - 1).unsqueeze(-1) == cols
+        high = (first + 1 - start).clamp(max=size - 1).unsqueeze(-1) == cols
+        axis_weights = (1.0 - upper_weight).unsqueeze(-1) * low + upper_weight.unsqueeze(-1) * high
+        weights.append(axis_weights)
+        starts.append(start.squeeze(-1))
+        patch.append(size)
+    return weights, torch.stack(starts, dim=-1), patch
+
+
+def _gather_patches(features: torch.Tensor, starts: torch.Tensor, patch: List[int]) -> torch.Tensor:
+    """The feature vectors ``(B, N, prod(patch), C)`` of the map cells ``starts + [0, patch)`` (row-major)."""
+    b, c = features.shape[0], features.shape[1]
+    size = [int(v) for v in features.shape[2:]]
+    n = starts.shape[1]
+    index = torch.zeros([b, n, 1], dtype=torch.long, device=features.device)
+    for axis in range(len(size)):
+        cells = starts[..., axis, None] + torch.arange(patch[axis], device=features.device)
+        index = (index * size[axis]).unsqueeze(-1) + cells.unsqueeze(-2)
+        index = index.reshape(b, n, -1)
+    vectors = features.reshape(b, c, -1).transpose(1, 2)
+    flat = index.reshape(b, -1, 1).expand(-1, -1, c)
+    return vectors.gather(1, flat).reshape(b, n, -1, c)
+
+
+def _contract_axes(values: torch.Tensor, weights: List[torch.Tensor]) -> torch.Tensor:
+    """``(B, N, P_1, .., P_D)`` contracted along each axis with ``weights[a]`` ``(B, N, K_a, P_a)`` -> ``(B, N, K_1, ..,
+    K_D)``."""
+    b, n = values.shape[0], values.shape[1]
+    shape = [int(v) for v in values.shape[2:]]
+    for w in weights:
+        rest = shape[1:]
+        values = torch.matmul(w, values.reshape(b, n, shape[0], -1)).reshape([b, n, w.shape[2]] + rest)
+        values = values.movedim(2, -1)
+        shape = rest + [int(w.shape[2])]
+    return values
+
+
 class TemplateMatcher(torch.nn.Module):
     """Best match on the input grid of unit query vectors, per scale, in multi-scale feature maps (module doc).
 
@@ -131,6 +194,10 @@ class TemplateMatcher(torch.nn.Module):
         self.refine_radius = float(refine_radius)
         self.refine_resolution = float(refine_resolution)
         self.max_map_elements = int(max_map_elements)
+        # the dense search of many queries (_unit_map_peaks): queries per chunk and scores per tile of grid positions
+        # (1 MB of float32: a tile stays in the processor's cache between the scales' terms)
+        self.tile_queries = 256
+        self.tile_scores = 1 << 18
 
     def _weights(self, n_scales: int) -> List[float]:
         if self.has_weights and len(self.scale_weights) != n_scales:
@@ -175,16 +242,14 @@ class TemplateMatcher(torch.nn.Module):
         return score
 
     def _combined_unit_map(self, queries: List[torch.Tensor], unit_maps: List[torch.Tensor]) -> torch.Tensor:
-        """:meth:`combined_map` from the feature maps interpolated to the grid and scaled to unit length at each
-        position (``(B, C, *G)`` per scale): each scale's affine term in one batched matrix product."""
+        """The combined score ``(B, N, V)`` from feature maps interpolated to (V positions of) the grid and scaled to
+        unit length at each position (``(B, C, V)`` per scale): each scale's affine term one batched matrix
+        product."""
         weights = self._weights(len(queries))
-        b, n = queries[0].shape[0], queries[0].shape[1]
-        grid = [int(v) for v in unit_maps[0].shape[2:]]
         score: Optional[torch.Tensor] = None
         for s in range(len(queries)):
             a, bias = self._affine(weights[s])
-            flat = unit_maps[s].reshape(b, unit_maps[s].shape[1], -1)
-            term = torch.bmm(queries[s] * a, flat).add_(bias).reshape([b, n] + grid)
+            term = torch.bmm(queries[s] * a, unit_maps[s]).add_(bias)
             score = self._accumulate(score, self._finish(term, weights[s]))
         assert score is not None
         return score
@@ -218,34 +283,70 @@ class TemplateMatcher(torch.nn.Module):
             dots.append(_to_grid(dot, grid_size))
         return self.combine_scales(dots, [1.0 / n for n in norms])
 
-    def _lattice(self, spatial_dims: int, device: torch.device) -> torch.Tensor:
-        """Offsets ``(K**D, D)`` of the sub-pixel search lattice."""
+    def _lattice_axis(self, device: torch.device) -> Tuple[torch.Tensor, float]:
+        """Offsets ``(K,)`` of the sub-pixel search lattice along one axis (the lattice is their product) and the
+        distance from the first to the last."""
         half = int(round(self.refine_radius / self.refine_resolution))
-        axis = torch.arange(-half, half + 1, device=device, dtype=torch.float32) * self.refine_resolution
-        return torch.stack(torch.meshgrid([axis] * spatial_dims, indexing="ij"), dim=-1).reshape(-1, spatial_dims)
+        offsets = torch.arange(-half, half + 1, device=device, dtype=torch.float32) * self.refine_resolution
+        return offsets, 2 * half * self.refine_resolution
 
     def _refine(
-        self,
-        queries: List[torch.Tensor],
-        maps: List[torch.Tensor],
-        peaks: torch.Tensor,
-        lattice: torch.Tensor,
-        grid_size: List[int],
+        self, queries: List[torch.Tensor], maps: List[torch.Tensor], peaks: torch.Tensor, grid_size: List[int]
     ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Maximise the combined similarity on the lattice around each integer peak (then a parabola fit)."""
+        """Maximise the combined similarity on the lattice around each integer peak (then a parabola fit).
+
+        The features at the lattice points are linear in the few feature-map cells the lattice covers (a patch of
+        P cells per axis), so each point's dot product with the query and squared norm follow from the patch's
+        dot products and Gram matrix and the per-axis interpolation weights (:func:`_lattice_weights`): the cosines
+        of sampling every point's features (:func:`sample_features`) without sampling them.
+        """
         b, n, d = peaks.shape[0], peaks.shape[1], peaks.shape[2]
-        k = int(round(lattice.shape[0] ** (1.0 / d)))
-        points = (peaks.float()[:, :, None, :] + lattice).reshape(b, -1, d)
+        offsets, span = self._lattice_axis(peaks.device)
+        k = offsets.shape[0]
+        centres = peaks.float()
         dots: List[torch.Tensor] = []
         inverse_norms: List[torch.Tensor] = []
         for q, f in zip(queries, maps):
-            sampled = sample_features(f, points, grid_size).reshape(b, n, -1, f.shape[1])
-            dots.append(torch.einsum("bnmc,bnc->bnm", sampled, q))
-            inverse_norms.append(1.0 / torch.linalg.vector_norm(sampled, dim=-1).clamp_min(1e-12))
+            weights, starts, patch = _lattice_weights(centres, offsets, span, grid_size, [int(v) for v in f.shape[2:]])
+            cells = _gather_patches(f, starts, patch)  # (B, N, P**D, C)
+            dot = torch.einsum("bnpc,bnc->bnp", cells, q).reshape([b, n] + patch)
+            gram = torch.matmul(cells, cells.transpose(-1, -2)).reshape([b, n] + patch + patch)
+            pairs: List[int] = []
+            for a in range(d):
+                pairs += [a, d + a]
+            squares = [p * p for p in patch]
+            gram = gram.permute([0, 1] + [2 + a for a in pairs]).reshape([b, n] + squares)
+            outer = [(w[..., :, None] * w[..., None, :]).reshape(b, n, k, -1) for w in weights]
+            dots.append(_contract_axes(dot, weights).reshape(b, n, -1))
+            squared = _contract_axes(gram, outer).reshape(b, n, -1)
+            inverse_norms.append(1.0 / squared.clamp_min(0.0).sqrt().clamp_min(1e-12))
         index, value = refine_peaks(self.combine_scales(dots, inverse_norms).reshape([b, n] + [k] * d), step=1)
         refined = peaks + (index - (k - 1) / 2) * self.refine_resolution
         upper = torch.tensor([s - 1 for s in grid_size], dtype=refined.dtype, device=refined.device)
         return torch.minimum(refined.clamp_min(0.0), upper), value
+
+    def _unit_map_peaks(
+        self, queries: List[torch.Tensor], unit_maps: List[torch.Tensor]
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Integer argmax (positions ``(B, N, D)`` float64, values) of :meth:`_combined_unit_map`, computed a tile of
+        grid positions at a time (a tile of scores stays in the processor's cache) and never held whole."""
+        b, n = queries[0].shape[0], queries[0].shape[1]
+        grid = [int(v) for v in unit_maps[0].shape[2:]]
+        voxels = self._voxels(grid)
+        flats = [m.reshape(b, m.shape[1], voxels) for m in unit_maps]
+        tile = max(1, self.tile_scores // max(1, b * n))
+        best = torch.zeros(0)
+        where = torch.zeros(0, dtype=torch.long)
+        for start in range(0, voxels, tile):
+            part = [f[:, :, start : start + tile] for f in flats]
+            values, index = self._combined_unit_map(queries, part).max(dim=-1)
+            if start == 0:
+                best, where = values, index
+            else:
+                better = values > best
+                best = torch.where(better, values, best)
+                where = torch.where(better, index + start, where)
+        return _unravel(where, grid).to(torch.float64), best
 
     def forward(
         self,
@@ -266,7 +367,6 @@ class TemplateMatcher(torch.nn.Module):
         chunk = self._chunk(b, grid_size)
         maps = [f.float() for f in features]
         refine = self.refine_radius > 0
-        lattice = self._lattice(len(grid_size), maps[0].device)
         # more queries than channels: the features are interpolated to the grid and scaled to unit length once, and
         # each query's map is one matrix product with them (interpolation is linear: the same cosines), within the
         # memory bound of max_map_elements
@@ -279,6 +379,7 @@ class TemplateMatcher(torch.nn.Module):
             for m in maps:
                 up = _to_grid(m, grid_size)
                 unit_maps.append(up / _norm_on_grid(up.square().sum(dim=1, keepdim=True)))
+            chunk = min(chunk, self.tile_queries)
         elif norms is None:
             norms = self.feature_norms(maps, grid_size)
         positions: List[torch.Tensor] = []
@@ -286,13 +387,12 @@ class TemplateMatcher(torch.nn.Module):
         for start in range(0, n, chunk):
             q_chunk = [q[:, start : start + chunk].float() for q in queries]
             if unit_maps is not None:
-                combined = self._combined_unit_map(q_chunk, unit_maps)
+                pos, score = self._unit_map_peaks(q_chunk, unit_maps)
             else:
                 assert norms is not None
-                combined = self.combined_map(q_chunk, maps, norms, grid_size)
-            pos, score = refine_peaks(combined, step=0)
+                pos, score = refine_peaks(self.combined_map(q_chunk, maps, norms, grid_size), step=0)
             if refine:
-                pos, score = self._refine(q_chunk, maps, pos, lattice, grid_size)
+                pos, score = self._refine(q_chunk, maps, pos, grid_size)
             positions.append(pos)
             scores.append(score)
         return torch.cat(positions, dim=1), torch.cat(scores, dim=1)
