@@ -18,6 +18,24 @@ from bundle.template_file import check_template
 from monai.inferers import Inferer
 
 
+def match_queries(
+    matcher: TemplateMatcher, queries: list[torch.Tensor], features: list[torch.Tensor], grid_size: list[int]
+) -> torch.Tensor:
+    """Every template's landmarks found in one call of ``matcher`` (each query's match is its own).
+
+    ``queries``: per scale, unit vectors ``(K, L, C)`` per template and landmark (NaN where a template lacks the
+    landmark); ``features``: the input's maps per scale ``(B, C, *spatial)``. Returns grid positions ``(K, B, L, D)``
+    (float64, NaN where the template lacks the landmark)."""
+    k, n_landmarks = queries[0].shape[0], queries[0].shape[1]
+    b = features[0].shape[0]
+    flat = [q.reshape(k * n_landmarks, -1) for q in queries]
+    valid = ~torch.stack([torch.isnan(q).any(dim=-1) for q in flat]).any(dim=0)
+    out = torch.full((b, k * n_landmarks, len(grid_size)), float("nan"), dtype=torch.float64, device=flat[0].device)
+    if bool(valid.any()):
+        out[:, valid] = matcher([q[valid][None].expand(b, -1, -1) for q in flat], features, grid_size)[0]
+    return out.reshape(b, k, n_landmarks, -1).transpose(0, 1)
+
+
 class OneShotInferer(Inferer):
     """One-shot (k-shot) inference: landmarks of annotated templates found in each input by feature matching.
 
@@ -135,30 +153,34 @@ class OneShotInferer(Inferer):
             )
         b = inputs.shape[0]
         n_landmarks, spatial_dims = self.template_points.shape
-        out = torch.full(
-            (len(self.templates), b, n_landmarks, spatial_dims), float("nan"), dtype=torch.float64, device=inputs.device
-        )
-        errors = torch.full(out.shape[:-1], float("nan"), dtype=torch.float64, device=inputs.device) if cycle else None
         features = [plain_tensor(f) for f in network(inputs)]
-        norms = self.matcher.feature_norms(features, list(grid_size))
         all_template_features = self._template_features(network, inputs.device, inputs.dtype)
+        queries = [
+            torch.full((len(self.templates), n_landmarks, f.shape[1]), float("nan"), device=inputs.device)
+            for f in features
+        ]
         for k, (_, template_points) in enumerate(self.templates):
-            valid = ~torch.isnan(template_points).any(dim=1)
-            if not bool(valid.any()):
-                continue
-            template_features = all_template_features[k]
-            if len(template_features) != len(features):
+            if len(all_template_features[k]) != len(features):
                 raise ValueError("the network returned a different number of scales for the template and the input")
-            points = template_points[valid].to(inputs.device)[None]
-            queries = [v.expand(b, -1, -1) for v in feature_vectors(template_features, points, list(grid_size))]
-            found = self.matcher(queries, features, list(grid_size), norms)[0]
-            out[k][:, valid] = found
-            if cycle:
+            valid = ~torch.isnan(template_points).any(dim=1)
+            if bool(valid.any()):
+                points = template_points[valid].to(inputs.device)[None]
+                for q, v in zip(queries, feature_vectors(all_template_features[k], points, list(grid_size))):
+                    q[k, valid.to(inputs.device)] = v[0]
+        out = match_queries(self.matcher, queries, features, list(grid_size))
+        errors = torch.full(out.shape[:-1], float("nan"), dtype=torch.float64, device=inputs.device) if cycle else None
+        if errors is not None:
+            for k, (_, template_points) in enumerate(self.templates):
+                valid = ~torch.isnan(template_points).any(dim=1)
+                if not bool(valid.any()):
+                    continue
+                found = out[k][:, valid]
                 back_queries = [
                     v.reshape(1, -1, v.shape[-1]) for v in feature_vectors(features, found.float(), list(grid_size))
                 ]
+                template_features = all_template_features[k]
                 back = self.matcher(back_queries, template_features, list(grid_size))[0].reshape(b, -1, spatial_dims)
-                errors[k][:, valid] = (back - points.double()).norm(dim=-1)
+                errors[k][:, valid] = (back - template_points[valid].to(inputs.device).double()).norm(dim=-1)
         return out, errors
 
     def __call__(self, inputs: torch.Tensor, network, grid_to_physical=None) -> torch.Tensor:  # type: ignore[override]
@@ -206,7 +228,7 @@ class TemplateFeatureInferer(Inferer):
         inputs = plain_tensor(inputs)
         grid_size = [int(s) for s in inputs.shape[2:]]
         queries = self.template["queries"].to(inputs.device)
-        k, n_landmarks, n_scales, _ = queries.shape
+        n_scales = queries.shape[2]
         if len(grid_size) != int(self.template["spatial_dims"]):
             raise ValueError(f"the template is {self.template['spatial_dims']}D, the input grid {grid_size}")
         template_grid = [int(s) for s in self.template.get("grid_size") or grid_size]
@@ -218,15 +240,7 @@ class TemplateFeatureInferer(Inferer):
         features = [plain_tensor(f) for f in network(inputs)]
         if len(features) != n_scales:
             raise ValueError(f"the template has features of {n_scales} scales, the network gives {len(features)}")
-        b = inputs.shape[0]
-        norms = self.matcher.feature_norms(features, grid_size)
-        # every template's landmarks matched in one call (each query's match is its own)
-        flat = queries.reshape(k * n_landmarks, n_scales, -1)
-        valid = ~torch.isnan(flat).any(dim=-1).any(dim=-1)
-        out = torch.full((b, k * n_landmarks, len(grid_size)), float("nan"), dtype=torch.float64, device=inputs.device)
-        per_scale = [flat[valid, s][None].expand(b, -1, -1) for s in range(n_scales)]
-        out[:, valid] = self.matcher(per_scale, features, grid_size, norms)[0]
-        return out.reshape(b, k, n_landmarks, -1).transpose(0, 1)
+        return match_queries(self.matcher, list(queries.unbind(2)), features, grid_size)
 
     def __call__(self, inputs: torch.Tensor, network, grid_to_physical=None) -> torch.Tensor:  # type: ignore[override]
         """Predicted landmarks ``(B, L, D)`` (float64): grid pixels, or physical mm with ``grid_to_physical``."""
