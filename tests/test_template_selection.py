@@ -78,6 +78,7 @@ def test_landmark_rule_avoids_a_misannotated_template(images):
     best, scores = select_template_by_landmarks(net, crops, points, to_mm)
     assert best != 2 and scores[2] == max(scores)
     only = landmark_transfer_errors(net, crops, points, to_mm, templates=[1])
-    assert torch.isnan(only[[0, 2, 3, 4]]).all() and torch.allclose(only[1], errors[1], equal_nan=True)
+    # a row alone or beside the others: the same matches (the matcher's path, so its rounding, follows the query count)
+    assert torch.isnan(only[[0, 2, 3, 4]]).all() and torch.allclose(only[1], errors[1], atol=1e-4, equal_nan=True)
     with pytest.raises(ValueError, match="at least 2 images"):
         landmark_transfer_errors(net, crops, points[:2], to_mm)

@@ -149,16 +149,18 @@ def landmark_transfer_errors(
     pts = [torch.as_tensor(p, dtype=torch.float32, device=device) for p in points]
     physical = [apply_homogeneous(m, p) for m, p in zip(grid_to_physical, pts)]
     errors = torch.full((n_images, n_images), float("nan"), dtype=torch.float64)
-    for c in range(n_images) if templates is None else [int(t) for t in templates]:
-        known = ~torch.isnan(pts[c]).any(dim=1)
-        if not bool(known.any()):
+    rows = range(n_images) if templates is None else [int(t) for t in templates]
+    known = {c: ~torch.isnan(pts[c]).any(dim=1) for c in rows}
+    queries = {c: feature_vectors(features[c], pts[c][known[c]][None], grid_size) for c in rows if known[c].any()}
+    for j in range(n_images):
+        # every template's landmarks found in image j in one matcher call (each query's match is its own)
+        sources = [c for c in queries if c != j]
+        if not sources:
             continue
-        queries = feature_vectors(features[c], pts[c][known][None], grid_size)
-        for j in range(n_images):
-            if j == c:
-                continue
-            found, _ = inferer.matcher(queries, features[j], grid_size, norms[j])
-            distance = (apply_homogeneous(grid_to_physical[j], found[0]) - physical[j][known].to(found)).norm(dim=-1)
+        stacked = [torch.cat([queries[c][s] for c in sources], dim=1) for s in range(len(features[j]))]
+        found, _ = inferer.matcher(stacked, features[j], grid_size, norms[j])
+        for c, part in zip(sources, found[0].split([int(known[c].sum()) for c in sources])):
+            distance = (apply_homogeneous(grid_to_physical[j], part) - physical[j][known[c]].to(part)).norm(dim=-1)
             if bool(torch.isfinite(distance).any()):
                 errors[c, j] = distance.nanmean().cpu()
     return errors
