@@ -4,13 +4,18 @@
     python -m scripts.kshot_study test --datalist runs/hamedan/protocol.json --out runs/kshot \
         --runs "[{'name': 'one', 'template': '019'}, {'name': 'five', 'first_labelled': 5}]"
 
-``selection`` chooses the pseudo-template settings without the test images: the template's labels are the
-only ones used; the first ``pool`` other labelled training images are stripped of their landmarks and serve
-as the pseudo-template candidates, and every labelled image outside the test split that is neither the
-template nor a candidate (the validation split and the remaining labelled training images) is evaluated,
-for each setting of ``pseudo_templates`` (M, kept) x ``pseudo_cycle_tolerance``. ``test`` runs the given
-settings on the test split. Each run writes ``OUT/<name>/metrics.json`` (the bundle's evaluating command)
-and the script prints MRE, SDR 2 mm, the share of errors above 10 mm and the wall time.
+    python -m scripts.kshot_study vote_weights --datalist runs/hamedan/protocol.json --split validation \
+        --template_rule landmarks --pseudo_templates 0
+
+``selection`` chooses the pseudo-template settings without the test images: the template's labels are the only ones
+used; the first ``pool`` other labelled training images are stripped of their landmarks and serve as the
+pseudo-template candidates, and every labelled image outside the test split that is neither the template nor a
+candidate (the validation split and the remaining labelled training images) is evaluated, for each setting of
+``pseudo_templates`` (M, kept) x ``pseudo_cycle_tolerance``. ``test`` runs the given settings on the test split.
+``vote_weights`` matches the evaluation's templates once per image of a split and combines the votes of subsets of
+them weighted by their match scores (the choice of ``bundle.kshot.vote_weights``' power). Each run of the
+first two writes ``OUT/<name>/metrics.json`` (the bundle's evaluating command) and the script prints MRE, SDR 2 mm,
+the share of errors above 10 mm and the wall time.
 """
 
 from __future__ import annotations
@@ -153,5 +158,73 @@ def test(datalist: str, runs: list, out: str = "runs/kshot", ckpt_path: str = "m
     return results
 
 
+def vote_weights(
+    datalist: str,
+    split: str = "validation",
+    powers_per_vote=(0.0, 0.125, 0.25, 1 / 3),
+    counts=(3, 5, 10, 20, 32),
+    draws: int = 8,
+    out: str = "runs/kshot",
+    ckpt_path: str = "models/model.pt",
+    **overrides,
+) -> list[dict]:
+    """The evaluation's templates (``evaluating``'s choice with ``overrides``) matched once in each labelled image of
+    ``split``; for each template count in ``counts`` (``draws`` seeded random subsets of them, all of them once) their
+    votes combined by the geometric median weighted by :func:`bundle.kshot.vote_weights` with each power per vote
+    (0: every vote alike). MRE and the share of errors above 10 mm, averaged over the draws, are printed and written
+    to ``OUT/vote_weights_<split>.json``."""
+    import torch
+    from bundle.configs import bundle_parser
+    from bundle.data.datalist import section_items
+    from bundle.geometry import apply_homogeneous, plain_tensor
+    from bundle.inferers.oneshot import OneShotInferer
+    from bundle.kshot import geometric_median
+    from bundle.kshot import vote_weights as weights_of
+    from bundle.templates.resolution import with_templates
+
+    settings = dict(datalist=datalist, ckpt_path=ckpt_path, output_dir=out, overlays=False, **overrides)
+    parser = bundle_parser(config_files("evaluate"), **settings)
+    network = parser.get_parsed_content("network").eval()
+    preprocessing = parser.get_parsed_content("validate#preprocessing")
+    device = parser.get_parsed_content("device")
+    inferer = with_templates(OneShotInferer(), parser.get_parsed_content("evaluate#templates"), preprocessing, device)
+    matches = []
+    for item in section_items(parser.get_parsed_content("dataset"), split, datalist, labelled=True):
+        data = preprocessing(item)
+        found = inferer.match_templates(data["image"][None].to(device), network)
+        physical = apply_homogeneous(plain_tensor(data["grid_to_physical"]).double(), found.positions[:, 0].cpu())
+        matches.append((physical, found.scores[:, 0].cpu(), plain_tensor(data["label"]).double()))
+    generator = torch.Generator().manual_seed(0)
+    n_templates = len(inferer.templates)
+    results = []
+    for count in counts:
+        whole = count >= n_templates
+        subsets = [torch.arange(n_templates)] if whole else [torch.randperm(n_templates, generator=generator)[:count]]
+        subsets += [] if whole else [torch.randperm(n_templates, generator=generator)[:count] for _ in range(draws - 1)]
+        for power in powers_per_vote:
+            mre, gross = [], []
+            for subset in subsets:
+                errors = []
+                for physical, scores, label in matches:
+                    votes = physical[subset]
+                    weights = weights_of(scores[subset], votes, power) if power else None
+                    errors.append((geometric_median(votes, weights) - label).norm(dim=-1))
+                e = torch.cat(errors)
+                e = e[torch.isfinite(e)]
+                mre.append(float(e.mean()))
+                gross.append(float(100 * (e > 10.0).double().mean()))
+            result = {"templates": len(subsets[0]), "power_per_vote": power, "draws": len(subsets)}
+            result.update(mre_mm=sum(mre) / len(mre), over_10mm_percent=sum(gross) / len(gross))
+            results.append(result)
+            print(
+                f"{split}: {result['templates']} templates, power {power:.3g} per vote: MRE {result['mre_mm']:.3f} mm, "
+                f"> 10 mm {result['over_10mm_percent']:.2f} % ({len(subsets)} draws, {len(matches)} images)",
+                flush=True,
+            )
+    Path(out).mkdir(parents=True, exist_ok=True)
+    write_json_atomic(Path(out) / f"vote_weights_{split}.json", results)
+    return results
+
+
 if __name__ == "__main__":
-    fire.Fire({"selection": selection, "test": test})
+    fire.Fire({"selection": selection, "test": test, "vote_weights": vote_weights})

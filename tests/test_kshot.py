@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 from bundle.data.datalist import DatalistError, load_datalist, save_datalist
-from bundle.kshot import combine_landmarks, geometric_median
+from bundle.kshot import combine_landmarks, geometric_median, vote_weights
 from bundle.templates.pseudo_labels import reliability, select_pseudo_templates
 from bundle.templates.resolution import pseudo_template_pool, template_items
 from scipy.optimize import minimize
@@ -34,6 +34,69 @@ def test_geometric_median_matches_a_numerical_minimiser_of_summed_distances():
             < 25.0
             < np.linalg.norm(points.mean(0) - points[1:].mean(0))
         )
+
+
+def test_weighted_geometric_median_minimises_weighted_distances_and_equals_repeated_points():
+    rng = np.random.default_rng(1)
+    points = rng.normal(size=(6, 40, 2)) * 4.0
+    points[0] += 60.0  # an outlier that the scores give little weight
+    weights = rng.integers(1, 5, size=(6, 40)).astype(np.float64)
+    weights[0] = 0.05
+    ours = geometric_median(torch.as_tensor(points), torch.as_tensor(weights)).numpy()
+    for j in (0, 7, 39):
+        reference = minimize(
+            lambda c: (weights[:, j] * np.linalg.norm(points[:, j] - c, axis=1)).sum(),
+            points[:, j].mean(0),
+            method="Nelder-Mead",
+            options={"xatol": 1e-9, "fatol": 1e-12, "maxiter": 20000},
+        ).x
+        assert np.allclose(ours[j], reference, atol=1e-4)
+    # integer weights: each point counted that many times
+    integer = weights.copy()
+    integer[0] = 1.0
+    repeated = np.full((int(integer.sum(0).max()), 40, 2), np.nan)
+    for j in range(40):
+        rows = np.repeat(points[:, j], integer[:, j].astype(int), axis=0)
+        repeated[: len(rows), j] = rows
+    torch.testing.assert_close(
+        geometric_median(torch.as_tensor(points), torch.as_tensor(integer)),
+        geometric_median(torch.as_tensor(repeated)),
+        rtol=0,
+        atol=1e-7,
+    )
+    # weights 0 or NaN drop a vote; a landmark whose votes all weigh 0 counts them alike
+    dropped = weights.copy()
+    dropped[1] = 0.0
+    dropped[2] = np.nan
+    kept = points.copy()
+    kept[1:3] = np.nan
+    torch.testing.assert_close(
+        geometric_median(torch.as_tensor(points), torch.as_tensor(dropped)),
+        geometric_median(torch.as_tensor(kept), torch.as_tensor(weights)),
+        rtol=0,
+        atol=1e-9,
+    )
+    torch.testing.assert_close(
+        geometric_median(torch.as_tensor(points), torch.zeros(6, 40)), geometric_median(torch.as_tensor(points))
+    )
+
+
+def test_vote_weights_sharpen_with_the_number_of_votes_and_the_rule_needs_scores():
+    nan = float("nan")
+    points = torch.tensor([[[0.0, 0.0], [1.0, 1.0]], [[9.0, 0.0], [nan, nan]], [[9.0, 0.0], [2.0, 2.0]]])
+    scores = torch.tensor([[0.9, 0.5], [0.6, 0.3], [0.6, 0.8]], dtype=torch.float64)
+    # landmark 0 has 3 votes (power 0.75), landmark 1 has 2 (power 0.5)
+    expected = torch.stack([scores[:, 0] ** 0.75, scores[:, 1] ** 0.5], dim=1)
+    torch.testing.assert_close(vote_weights(scores, points), expected)
+    with pytest.raises(ValueError, match="one match score per prediction"):
+        combine_landmarks(points, "weighted_geometric_median")
+    # three votes: the two that agree outweigh the confident one (0.6 ** 0.75 = 0.68 each against 0.92)
+    assert torch.allclose(combine_landmarks(points, "weighted_geometric_median", scores)[0], points[1, 0].double())
+    # forty votes: 16 confident ones at (0, 0) outweigh 24 less confident ones at (9, 0) (power 10)
+    many = torch.tensor([[[0.0, 0.0]]] * 16 + [[[9.0, 0.0]]] * 24, dtype=torch.float64)
+    confident = torch.tensor([[0.95]] * 16 + [[0.8]] * 24, dtype=torch.float64)
+    assert torch.allclose(combine_landmarks(many, "weighted_geometric_median", confident), many[0])
+    assert torch.allclose(combine_landmarks(many, "geometric_median"), many[-1])
 
 
 def test_geometric_median_on_a_tied_point_is_exact_and_scales_with_the_points():

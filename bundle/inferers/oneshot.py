@@ -8,7 +8,7 @@ predictions are combined per landmark by a robust estimator (``bundle.kshot``). 
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import torch
 from bundle.geometry import plain_tensor
@@ -18,22 +18,35 @@ from bundle.template_file import check_template
 from monai.inferers import Inferer
 
 
+class TemplateMatches(NamedTuple):
+    """Each template's matches in a batch: grid ``positions`` ``(K, B, L, D)`` (float64), the matcher's ``scores``
+    ``(K, B, L)`` and, when asked for, the forward-backward ``cycle_errors`` ``(K, B, L)`` in grid pixels (NaN where a
+    template lacks the landmark)."""
+
+    positions: torch.Tensor
+    scores: torch.Tensor
+    cycle_errors: torch.Tensor | None = None
+
+
 def match_queries(
     matcher: TemplateMatcher, queries: list[torch.Tensor], features: list[torch.Tensor], grid_size: list[int]
-) -> torch.Tensor:
+) -> TemplateMatches:
     """Every template's landmarks found in one call of ``matcher`` (each query's match is its own).
 
     ``queries``: per scale, unit vectors ``(K, L, C)`` per template and landmark (NaN where a template lacks the
-    landmark); ``features``: the input's maps per scale ``(B, C, *spatial)``. Returns grid positions ``(K, B, L, D)``
-    (float64, NaN where the template lacks the landmark)."""
+    landmark); ``features``: the input's maps per scale ``(B, C, *spatial)``."""
     k, n_landmarks = queries[0].shape[0], queries[0].shape[1]
     b = features[0].shape[0]
     flat = [q.reshape(k * n_landmarks, -1) for q in queries]
     valid = ~torch.stack([torch.isnan(q).any(dim=-1) for q in flat]).any(dim=0)
     out = torch.full((b, k * n_landmarks, len(grid_size)), float("nan"), dtype=torch.float64, device=flat[0].device)
+    scores = torch.full(out.shape[:-1], float("nan"), dtype=torch.float64, device=flat[0].device)
     if bool(valid.any()):
-        out[:, valid] = matcher([q[valid][None].expand(b, -1, -1) for q in flat], features, grid_size)[0]
-    return out.reshape(b, k, n_landmarks, -1).transpose(0, 1)
+        found, score = matcher([q[valid][None].expand(b, -1, -1) for q in flat], features, grid_size)
+        out[:, valid], scores[:, valid] = found, score.double()
+    return TemplateMatches(
+        out.reshape(b, k, n_landmarks, -1).transpose(0, 1), scores.reshape(b, k, n_landmarks).transpose(0, 1)
+    )
 
 
 class OneShotInferer(Inferer):
@@ -59,7 +72,7 @@ class OneShotInferer(Inferer):
         refine_radius: float = 1.0,
         refine_resolution: float = 0.1,
         max_map_elements: int = 2**25,
-        template_combine: str = "geometric_median",
+        template_combine: str = "weighted_geometric_median",
     ) -> None:
         super().__init__()
         check_combine_rule(template_combine)
@@ -131,15 +144,21 @@ class OneShotInferer(Inferer):
         """The first (or only) template's grid landmarks."""
         return self.templates[0][1] if self.templates else None
 
-    @torch.no_grad()
     def predict_per_template(
         self, inputs: torch.Tensor, network, cycle: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Each template's predictions ``(K, B, L, D)`` on the grid (float64, NaN where a template lacks a landmark).
+        """Each template's predictions ``(K, B, L, D)`` on the grid and, with ``cycle``, their cycle errors
+        (:meth:`match_templates`)."""
+        matches = self.match_templates(inputs, network, cycle)
+        return matches.positions, matches.cycle_errors
 
-        With ``cycle``, also the forward-backward cycle error ``(K, B, L)`` in grid pixels: the input's feature
-        at the match is matched back into the template, and the distance to the template's landmark is taken
-        (a label-free reliability of the match; NaN where the landmark is missing).
+    @torch.no_grad()
+    def match_templates(self, inputs: torch.Tensor, network, cycle: bool = False) -> TemplateMatches:
+        """Each template's matches in ``inputs`` (grid positions, NaN where a template lacks a landmark, and scores).
+
+        With ``cycle``, also the forward-backward cycle error in grid pixels: the input's feature at the match is
+        matched back into the template, and the distance to the template's landmark is taken (a label-free
+        reliability of the match; NaN where the landmark is missing).
         """
         if not self.templates:
             raise RuntimeError(
@@ -167,9 +186,10 @@ class OneShotInferer(Inferer):
                 points = template_points[valid].to(inputs.device)[None]
                 for q, v in zip(queries, feature_vectors(all_template_features[k], points, list(grid_size))):
                     q[k, valid.to(inputs.device)] = v[0]
-        out = match_queries(self.matcher, queries, features, list(grid_size))
-        errors = torch.full(out.shape[:-1], float("nan"), dtype=torch.float64, device=inputs.device) if cycle else None
-        if errors is not None:
+        matches = match_queries(self.matcher, queries, features, list(grid_size))
+        out = matches.positions
+        if cycle:
+            errors = torch.full(out.shape[:-1], float("nan"), dtype=torch.float64, device=inputs.device)
             for k, (_, template_points) in enumerate(self.templates):
                 valid = ~torch.isnan(template_points).any(dim=1)
                 if not bool(valid.any()):
@@ -181,14 +201,16 @@ class OneShotInferer(Inferer):
                 template_features = all_template_features[k]
                 back = self.matcher(back_queries, template_features, list(grid_size))[0].reshape(b, -1, spatial_dims)
                 errors[k][:, valid] = (back - template_points[valid].to(inputs.device).double()).norm(dim=-1)
-        return out, errors
+            matches = matches._replace(cycle_errors=errors)
+        return matches
 
     def __call__(self, inputs: torch.Tensor, network, grid_to_physical=None) -> torch.Tensor:  # type: ignore[override]
         """Predicted landmarks ``(B, L, D)`` (float64): grid pixels, or physical mm when ``grid_to_physical`` is given.
 
         Several templates' predictions are combined by ``template_combine`` (in the space returned).
         """
-        return combine_templates(self.predict_per_template(inputs, network)[0], grid_to_physical, self.template_combine)
+        matches = self.match_templates(inputs, network)
+        return combine_templates(matches.positions, grid_to_physical, self.template_combine, matches.scores)
 
 
 class TemplateFeatureInferer(Inferer):
@@ -202,14 +224,14 @@ class TemplateFeatureInferer(Inferer):
 
     Args:
         template: a template feature dict (:func:`bundle.template_file.load_template`).
-        template_combine: ``geometric_median`` | ``median`` | ``mean``.
+        template_combine: one of ``bundle.kshot.COMBINE_RULES``.
         refine_radius, refine_resolution, combine, scale_weights: the matcher's (:class:`TemplateMatcher`).
     """
 
     def __init__(
         self,
         template: Mapping[str, Any],
-        template_combine: str = "geometric_median",
+        template_combine: str = "weighted_geometric_median",
         refine_radius: float = 1.0,
         refine_resolution: float = 0.1,
         combine: str = "product",
@@ -222,9 +244,13 @@ class TemplateFeatureInferer(Inferer):
         self.template_combine = template_combine
         self.matcher = TemplateMatcher(combine, scale_weights, refine_radius, refine_resolution)
 
-    @torch.no_grad()
     def predict_per_template(self, inputs: torch.Tensor, network) -> torch.Tensor:
         """Each template's predictions ``(K, B, L, D)`` on the grid (float64, NaN where a template lacks a landmark)."""
+        return self.match_templates(inputs, network).positions
+
+    @torch.no_grad()
+    def match_templates(self, inputs: torch.Tensor, network) -> TemplateMatches:
+        """Each template's matches in ``inputs`` (grid positions, NaN where a template lacks a landmark, and scores)."""
         inputs = plain_tensor(inputs)
         grid_size = [int(s) for s in inputs.shape[2:]]
         queries = self.template["queries"].to(inputs.device)
@@ -244,4 +270,5 @@ class TemplateFeatureInferer(Inferer):
 
     def __call__(self, inputs: torch.Tensor, network, grid_to_physical=None) -> torch.Tensor:  # type: ignore[override]
         """Predicted landmarks ``(B, L, D)`` (float64): grid pixels, or physical mm with ``grid_to_physical``."""
-        return combine_templates(self.predict_per_template(inputs, network), grid_to_physical, self.template_combine)
+        matches = self.match_templates(inputs, network)
+        return combine_templates(matches.positions, grid_to_physical, self.template_combine, matches.scores)

@@ -17,7 +17,7 @@ import os
 from typing import Any, List, Mapping, Union
 
 import torch
-from bundle.kshot import geometric_median
+from bundle.kshot import geometric_median, vote_weights
 from bundle.networks.matching import TemplateMatcher
 from bundle.template_file import check_template, load_template
 
@@ -30,7 +30,8 @@ class LandmarkPointsNet(torch.nn.Module):
 
     The contrastive network, then each built-in template's landmarks found by the matcher (multi-scale cosine
     similarity, sub-pixel refinement; :class:`bundle.networks.matching.TemplateMatcher` with the inferring
-    command's settings) and the K templates' positions combined by the geometric median on the grid. It scripts
+    command's settings) and the K templates' positions combined on the grid as ``inferring`` does by default (the
+    geometric median of votes weighted by their match scores, :func:`bundle.kshot.vote_weights`). It scripts
     (``torch.jit.script``). Its state dict is the wrapped network's, so the bundle's ``model.pt`` loads into it
     unchanged (strict); the template features are non-persistent buffers (they travel inside a TorchScript export).
     An image on another grid than the template features' is refused.
@@ -52,8 +53,9 @@ class LandmarkPointsNet(torch.nn.Module):
         self.num_templates = int(queries.shape[0])
         self.num_landmarks = int(queries.shape[1])
         valid = ~torch.isnan(queries).any(dim=-1).any(dim=-1)
-        self.register_buffer("queries", torch.nan_to_num(queries, nan=0.0), persistent=False)
-        self.register_buffer("valid", valid, persistent=False)
+        # the landmarks the templates give, one row each (K x L flattened), matched in one matcher call
+        self.register_buffer("queries", queries[valid], persistent=False)
+        self.register_buffer("valid", valid.reshape(-1), persistent=False)
         self.grid_size = [int(s) for s in template.get("grid_size") or []]  # MONAI's [x, y] order in 2D
         self.matcher = TemplateMatcher()
 
@@ -72,10 +74,10 @@ class LandmarkPointsNet(torch.nn.Module):
             raise ValueError("the image's grid is not the template features' (network_data_format's spatial_shape)")
         features = [f.float() for f in self.network(x)]
         b, k, n, d = x.shape[0], self.num_templates, self.num_landmarks, len(grid)
-        norms = self.matcher.feature_norms(features, grid)
-        peaks = torch.full([k, b, n, d], float("nan"), dtype=torch.float64, device=x.device)
-        for t in range(k):
-            queries = [self.queries[t, :, s].unsqueeze(0).expand(b, -1, -1) for s in range(len(features))]
-            peaks[t] = self.matcher(queries, features, grid, norms)[0]
-        missing = ~self.valid[:, None, :, None].expand(k, b, n, d)
-        return geometric_median(peaks.masked_fill(missing, float("nan"))).to(torch.float32)
+        found, scores = self.matcher([q.unsqueeze(0).expand(b, -1, -1) for q in self.queries.unbind(1)], features, grid)
+        peaks = torch.full([b, k * n, d], float("nan"), dtype=torch.float64, device=x.device)
+        votes = torch.zeros([b, k * n], dtype=torch.float64, device=x.device)
+        peaks[:, self.valid] = found
+        votes[:, self.valid] = scores.double()
+        peaks = peaks.reshape(b, k, n, d).transpose(0, 1)
+        return geometric_median(peaks, vote_weights(votes.reshape(b, k, n).transpose(0, 1), peaks)).to(torch.float32)

@@ -41,12 +41,14 @@ def pseudo_label(
     for item in items:
         data = preprocessing({k: v for k, v in item.items() if k != "landmarks"})
         image = torch.as_tensor(data["image"])[None].float().to(device)
-        per_template, cycle = inferer.predict_per_template(image, network, cycle=True)
+        matches = inferer.match_templates(image, network, cycle=True)
         matrix = torch.as_tensor(data["grid_to_physical"], dtype=torch.float64)
-        physical = combine_templates(per_template[:, 0].cpu(), matrix, inferer.template_combine)
+        physical = combine_templates(
+            matches.positions[:, 0].cpu(), matrix, inferer.template_combine, matches.scores[:, 0].cpu()
+        )
         points = physical_to_datalist(physical.numpy(), torch.as_tensor(data["spacing"]).numpy())
         landmarks = [None if not np.isfinite(p).all() else [float(v) for v in p] for p in points]
-        errors = cycle[:, 0].cpu()
+        errors = matches.cycle_errors[:, 0].cpu()
         median = torch.where(torch.isnan(errors).all(0), float("nan"), errors.nanmedian(dim=0).values)
         labelled.append({"item": {**item, "landmarks": landmarks}, "cycle_error": median.numpy()})
     return labelled

@@ -182,7 +182,7 @@ def resolve_templates(
     pseudo_candidates: int = 0,
     pseudo_templates: int = 0,
     cycle_tolerance: float = 2.0,
-    combine: str = "geometric_median",
+    combine: str = "weighted_geometric_median",
 ) -> list[dict]:
     """The evaluation templates: the datalist's ``templates`` / ``template`` (k-shot), else the ``max_templates``
     labelled training items that :func:`ranked_templates` ranks best by ``rule`` (one: :func:`resolve_template`);

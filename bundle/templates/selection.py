@@ -98,20 +98,28 @@ def select_template(
 
     cached = {c: encode(c) for c in candidates}
     queries = {c: feature_vectors(cached[c][0], points, grid_size) for c in candidates}
-    totals = dict.fromkeys(candidates, 0.0)
+    # forward: every candidate's points found in image j in one matcher call; the features there are the queries
+    # of the backward match into the candidate, every image's in one call per candidate
+    similarities: dict[int, dict[int, torch.Tensor]] = {c: {} for c in candidates}
+    back_queries: dict[int, dict[int, list[torch.Tensor]]] = {c: {} for c in candidates}
     for j in range(n_images):
         others = [c for c in candidates if c != j]
         if not others:
             continue
         features_j, norms_j = cached[j] if j in cached else encode(j)
-        for c in others:
-            features_c, norms_c = cached[c]
-            forward, similarity = inferer.matcher(queries[c], features_j, grid_size, norms_j)
-            backward, _ = inferer.matcher(
-                feature_vectors(features_j, forward.float(), grid_size), features_c, grid_size, norms_c
-            )
-            closes = (backward - points.double()).norm(dim=-1) <= cycle_tolerance
-            totals[c] += float((similarity.double() * closes).mean())
+        stacked = [torch.cat([queries[c][s] for c in others], dim=1) for s in range(len(features_j))]
+        forward, similarity = inferer.matcher(stacked, features_j, grid_size, norms_j)
+        for c, found, score in zip(others, forward.split(points.shape[1], dim=1), similarity.split(points.shape[1], 1)):
+            similarities[c][j] = score
+            back_queries[c][j] = feature_vectors(features_j, found.float(), grid_size)
+    totals = dict.fromkeys(candidates, 0.0)
+    for c in candidates:
+        sources = list(back_queries[c])
+        stacked = [torch.cat([back_queries[c][j][s] for j in sources], dim=1) for s in range(len(cached[c][0]))]
+        backward, _ = inferer.matcher(stacked, cached[c][0], grid_size, cached[c][1])
+        for j, back in zip(sources, backward.split(points.shape[1], dim=1)):
+            closes = (back - points.double()).norm(dim=-1) <= cycle_tolerance
+            totals[c] += float((similarities[c][j].double() * closes).mean())
     scores = [totals[c] / (n_images - 1) for c in candidates]
     best = candidates[max(range(len(candidates)), key=scores.__getitem__)]
     return best, scores
