@@ -1,6 +1,7 @@
 """Benchmarks of the bundle's heavy pieces, one command per section.
 
-Run from the repository root, e.g. ``python -m scripts.benchmark entropy --repeats 3``.
+Run from the repository root, e.g. ``python -m scripts.benchmark entropy --repeats 3``; ``inferring`` and
+``suggestion`` compare this tree with a checkout of an earlier version (``git worktree add /tmp/reference v0.9.0``).
 """
 
 from __future__ import annotations
@@ -421,6 +422,64 @@ def inferring(reference: str, images: int = 20, rounds: int = 3, passes: int = 2
     pstats.Stats(profile).sort_stats("tottime").print_stats(12)
 
 
+SUGGESTIONS = """
+import json, shutil, statistics, sys, tempfile, time
+from pathlib import Path
+from scripts.monailabel_server import serving
+files, repeats, out = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+with tempfile.TemporaryDirectory() as tmp:
+    studies = Path(tmp) / "studies"
+    studies.mkdir()
+    with serving(Path(tmp) / "work", studies) as server:
+        client, seconds = server["client"], []
+        client.infer("landmarks", "", {}, file=files[0])  # warm-up: weights and built-in templates loaded
+        for _ in range(repeats):
+            for image in files:
+                start = time.perf_counter()
+                client.infer("landmarks", "", {}, file=image)
+                seconds.append(time.perf_counter() - start)
+json.dump({"seconds": seconds, "median": statistics.median(seconds)}, open(out, "w"))
+"""
+
+
+def suggestion(reference: str, images: int = 5, repeats: int = 2, rounds: int = 2) -> None:
+    """A warm MONAI Label suggestion (the app with no ``--conf``: shipped weights, built-in templates), uploaded real
+    cephalograms (synthetic images without ../shared/data): median seconds per request of a server of this tree
+    against one of the ``reference`` tree (a checkout with ``scripts/monailabel_server.py``, 0.9.0 or later), each
+    started by its own tree, alternating for ``rounds`` rounds (the best median of each kept)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    from bundle.data.embedded import open_datalist
+    from bundle.data.synthetic import generate_synthetic_2d
+
+    trees = {"reference": Path(reference).resolve(), "this tree": ROOT}
+    if not (trees["reference"] / "scripts" / "monailabel_server.py").is_file():
+        raise FileNotFoundError(f"reference tree {reference}: no scripts/monailabel_server.py (0.9.0 or later)")
+    with tempfile.TemporaryDirectory() as tmp:
+        if (DATA / "hamedan_ceph").is_dir():
+            files = sorted(str(f) for f in (DATA / "hamedan_ceph" / "images").glob("*.png"))[-images:]
+        else:
+            files = [it["image"] for it in open_datalist(generate_synthetic_2d(Path(tmp) / "data"))["test"][:images]]
+        best = {name: float("inf") for name in trees}
+        for r in range(rounds):
+            for name, tree in trees.items():
+                out = f"{tmp}/{r}_{name.replace(' ', '_')}.json"
+                command = [sys.executable, "-c", SUGGESTIONS, json.dumps(files), str(repeats), out]
+                env = dict(os.environ, PYTHONPATH=str(tree))
+                env.setdefault("MONAILABEL_PYTHON", str(ROOT / ".venv-monailabel" / "bin" / "python"))
+                subprocess.run(command, cwd=tree, env=env, check=True, capture_output=True)
+                best[name] = min(best[name], json.loads(Path(out).read_text())["median"])
+    print(f"warm MONAI Label suggestion, built-in templates, {len(files)} uploaded images x {repeats}, {rounds} rounds")
+    print(f"{'tree':<34}{'s/request':>10}")
+    for name in trees:
+        print(f"{name:<34}{best[name]:>10.3f}")
+    print(f"ratio reference / this tree: {best['reference'] / best['this tree']:.2f}")
+
+
 def all(repeats: int = 3) -> None:  # noqa: A001 - the CLI's name for every section
     """Every section in turn."""
     entropy(repeats=repeats)
@@ -451,6 +510,7 @@ COMMANDS = {
     "inference_3d": inference_3d,
     "template_cache": template_cache,
     "inferring": inferring,
+    "suggestion": suggestion,
 }
 
 if __name__ == "__main__":

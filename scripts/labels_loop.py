@@ -29,6 +29,7 @@ from typing import Any, Sequence
 
 import fire
 import numpy as np
+from bundle.configs import as_flag
 from bundle.data.datalist import load_datalist
 from bundle.data.markups import ControlPoint, write_mrk_json
 from bundle.io_utils import atomic_path, write_json_atomic
@@ -148,8 +149,11 @@ def run(
     heldout: int | None = None,
     train: dict | None = None,
     threads: int | None = None,
+    detector: bool = True,
 ) -> Path:
-    """The loop (module doc); returns the path of ``learning_curve.json``."""
+    """The loop (module doc); returns the path of ``learning_curve.json``. ``detector=False`` requests no detector
+    training (the suggestions of template matching alone, minutes instead of hours)."""
+    detector = as_flag(detector, "detector")  # the command line gives "false" as a string
     data = load_datalist(datalist)
     names = list(data["landmark_names"])
     builtin = {Path(s).stem for s in load_template(ROOT / "models/template_features.pt")["sources"]}
@@ -205,7 +209,7 @@ def run(
                     **score(client, held, names),
                 }
             )
-            if n >= 2:
+            if detector and n >= 2:
                 trained = train_detector(client, dict(train or {}), held[0]["image"])
                 record(
                     {
