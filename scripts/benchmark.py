@@ -350,9 +350,9 @@ ENGINE_PASSES = """
 import csv, json, sys, tempfile, time
 import torch
 from bundle.configs import bundle_parser
-files, passes, out, template = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+files, passes, out, template, combine = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
 with tempfile.TemporaryDirectory() as tmp:
-    settings = dict(images=files, output_dir=tmp, overlays=False, template_path=template)
+    settings = dict(images=files, output_dir=tmp, overlays=False, template_path=template, template_combine=combine)
     parser = bundle_parser(["configs/inference.yaml"], **settings)
     evaluator = parser.get_parsed_content("evaluator")
     seconds = []
@@ -366,12 +366,16 @@ json.dump({"seconds": seconds, "points": points, "threads": torch.get_num_thread
 """
 
 
-def inferring(reference: str, images: int = 20, rounds: int = 3, passes: int = 2) -> None:
+def inferring(
+    reference: str, images: int = 20, rounds: int = 3, passes: int = 2, combine: str = "geometric_median"
+) -> None:
     """The ``inferring`` command's engine with the built-in templates (the first ``images`` real cephalograms when
     ../shared/data holds them, else synthetic images): ms per image of this tree against the ``reference`` tree (a
     checkout of an earlier version, e.g. ``git worktree add /tmp/reference v0.8.0``), each in its own process,
     alternating for ``rounds`` rounds of ``passes`` engine passes (best pass of each), both with this tree's built-in
-    templates, with the predictions' largest difference; then where this tree's time goes (cProfile of one pass)."""
+    templates and the rule ``combine`` (``template_combine``; the default is one every version knows, so that both
+    compute the same), with the predictions' largest difference; then where this tree's time goes (cProfile of one
+    pass, with this tree's default rule)."""
     import cProfile
     import json
     import os
@@ -398,7 +402,7 @@ def inferring(reference: str, images: int = 20, rounds: int = 3, passes: int = 2
         for r in range(rounds):
             for name, tree in trees.items():
                 out = f"{tmp}/{r}_{name}.json"
-                command = [sys.executable, "-c", ENGINE_PASSES, json.dumps(files), str(passes), out, template]
+                command = [sys.executable, "-c", ENGINE_PASSES, json.dumps(files), str(passes), out, template, combine]
                 env = dict(os.environ, PYTHONPATH=str(tree))
                 subprocess.run(command, cwd=tree, env=env, check=True, capture_output=True)
                 results[name] = json.loads(Path(out).read_text())
@@ -413,7 +417,10 @@ def inferring(reference: str, images: int = 20, rounds: int = 3, passes: int = 2
     difference = float(
         np.abs(np.asarray(results["reference"]["points"]) - np.asarray(results["this tree"]["points"])).max()
     )
-    print(f"inferring engine, built-in templates, {len(files)} images, {results['this tree']['threads']} threads")
+    print(
+        f"inferring engine, built-in templates combined by {combine}, {len(files)} images, "
+        f"{results['this tree']['threads']} threads"
+    )
     print(f"{'tree':<34}{'ms/image':>10}")
     for name in trees:
         print(f"{name:<34}{1000 * best[name]:>10.1f}")
