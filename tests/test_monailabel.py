@@ -603,7 +603,7 @@ def test_saved_labels_become_the_templates(server):
         {"image": "test_000", "source": "datastore"},
         {"image": "test_003", "source": "datastore"},
     ]
-    assert reply["template_combine"] == "geometric_median"
+    assert reply["template_combine"] == "weighted_geometric_median"
     # an image is never its own template (leave-one-out)
     reply, _ = _infer_id(server, "test_000")
     assert reply["templates"] == [{"image": "test_003", "source": "datastore"}]
