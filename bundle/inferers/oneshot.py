@@ -178,29 +178,27 @@ class OneShotInferer(Inferer):
             torch.full((len(self.templates), n_landmarks, f.shape[1]), float("nan"), device=inputs.device)
             for f in features
         ]
+        given = []  # (template, its landmarks' mask, those landmarks) of the templates that give any
         for k, (_, template_points) in enumerate(self.templates):
             if len(all_template_features[k]) != len(features):
                 raise ValueError("the network returned a different number of scales for the template and the input")
-            valid = ~torch.isnan(template_points).any(dim=1)
+            points = template_points.to(inputs.device)
+            valid = ~torch.isnan(points).any(dim=1)
             if bool(valid.any()):
-                points = template_points[valid].to(inputs.device)[None]
-                for q, v in zip(queries, feature_vectors(all_template_features[k], points, list(grid_size))):
-                    q[k, valid.to(inputs.device)] = v[0]
+                given.append((k, valid, points[valid]))
+                vectors = feature_vectors(all_template_features[k], points[valid][None], list(grid_size))
+                for q, v in zip(queries, vectors):
+                    q[k, valid] = v[0]
         matches = match_queries(self.matcher, queries, features, list(grid_size))
-        out = matches.positions
         if cycle:
-            errors = torch.full(out.shape[:-1], float("nan"), dtype=torch.float64, device=inputs.device)
-            for k, (_, template_points) in enumerate(self.templates):
-                valid = ~torch.isnan(template_points).any(dim=1)
-                if not bool(valid.any()):
-                    continue
-                found = out[k][:, valid]
+            errors = torch.full(matches.scores.shape, float("nan"), dtype=torch.float64, device=inputs.device)
+            for k, valid, points in given:
+                found = matches.positions[k][:, valid]
                 back_queries = [
                     v.reshape(1, -1, v.shape[-1]) for v in feature_vectors(features, found.float(), list(grid_size))
                 ]
-                template_features = all_template_features[k]
-                back = self.matcher(back_queries, template_features, list(grid_size))[0].reshape(b, -1, spatial_dims)
-                errors[k][:, valid] = (back - template_points[valid].to(inputs.device).double()).norm(dim=-1)
+                back = self.matcher(back_queries, all_template_features[k], list(grid_size))[0]
+                errors[k][:, valid] = (back.reshape(b, -1, spatial_dims) - points.double()).norm(dim=-1)
             matches = matches._replace(cycle_errors=errors)
         return matches
 

@@ -304,6 +304,9 @@ class TemplateMatcher(torch.nn.Module):
         offsets, span = self._lattice_axis(peaks.device)
         k = offsets.shape[0]
         centres = peaks.float()
+        pairs: List[int] = []  # the Gram matrix's axes (p_1 .. p_D, p'_1 .. p'_D) reordered as (p_1, p'_1, ..)
+        for a in range(d):
+            pairs += [2 + a, 2 + d + a]
         dots: List[torch.Tensor] = []
         inverse_norms: List[torch.Tensor] = []
         for q, f in zip(queries, maps):
@@ -311,11 +314,8 @@ class TemplateMatcher(torch.nn.Module):
             cells = _gather_patches(f, starts, patch)  # (B, N, P**D, C)
             dot = torch.einsum("bnpc,bnc->bnp", cells, q).reshape([b, n] + patch)
             gram = torch.matmul(cells, cells.transpose(-1, -2)).reshape([b, n] + patch + patch)
-            pairs: List[int] = []
-            for a in range(d):
-                pairs += [a, d + a]
             squares = [p * p for p in patch]
-            gram = gram.permute([0, 1] + [2 + a for a in pairs]).reshape([b, n] + squares)
+            gram = gram.permute([0, 1] + pairs).reshape([b, n] + squares)
             outer = [(w[..., :, None] * w[..., None, :]).reshape(b, n, k, -1) for w in weights]
             dots.append(_contract_axes(dot, weights).reshape(b, n, -1))
             squared = _contract_axes(gram, outer).reshape(b, n, -1)

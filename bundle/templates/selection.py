@@ -44,12 +44,10 @@ def _as_batch(image: torch.Tensor, index: int, grid_size: tuple[int, ...], devic
     return x[None].float().to(device)
 
 
-def _encode(
-    network, inferer: OneShotInferer, image: torch.Tensor, index: int, grid_size: tuple[int, ...], device: torch.device
-):
-    """The network's feature maps of ``images[index]`` and their grid norms (:meth:`TemplateMatcher.feature_norms`)."""
-    features = [plain_tensor(f) for f in network(_as_batch(image, index, grid_size, device))]
-    return features, inferer.matcher.feature_norms(features, grid_size)
+def _encode(network, image: torch.Tensor, index: int, grid_size: tuple[int, ...], device: torch.device):
+    """The network's feature maps of ``images[index]`` (the matcher computes their grid norms when its path needs
+    them: every call below matches many images' or templates' queries at once)."""
+    return [plain_tensor(f) for f in network(_as_batch(image, index, grid_size, device))]
 
 
 def _device(network, default: torch.device) -> torch.device:
@@ -93,11 +91,11 @@ def select_template(
     device = _device(network, first.device)
     points = grid_points(grid_size, points_per_candidate, margin).to(device)[None]
 
-    def encode(index: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        return _encode(network, inferer, images[index], index, grid_size, device)
+    def encode(index: int) -> list[torch.Tensor]:
+        return _encode(network, images[index], index, grid_size, device)
 
     cached = {c: encode(c) for c in candidates}
-    queries = {c: feature_vectors(cached[c][0], points, grid_size) for c in candidates}
+    queries = {c: feature_vectors(cached[c], points, grid_size) for c in candidates}
     # forward: every candidate's points found in image j in one matcher call; the features there are the queries
     # of the backward match into the candidate, every image's in one call per candidate
     similarities: dict[int, dict[int, torch.Tensor]] = {c: {} for c in candidates}
@@ -106,17 +104,17 @@ def select_template(
         others = [c for c in candidates if c != j]
         if not others:
             continue
-        features_j, norms_j = cached[j] if j in cached else encode(j)
+        features_j = cached[j] if j in cached else encode(j)
         stacked = [torch.cat([queries[c][s] for c in others], dim=1) for s in range(len(features_j))]
-        forward, similarity = inferer.matcher(stacked, features_j, grid_size, norms_j)
+        forward, similarity = inferer.matcher(stacked, features_j, grid_size)
         for c, found, score in zip(others, forward.split(points.shape[1], dim=1), similarity.split(points.shape[1], 1)):
             similarities[c][j] = score
             back_queries[c][j] = feature_vectors(features_j, found.float(), grid_size)
     totals = dict.fromkeys(candidates, 0.0)
     for c in candidates:
         sources = list(back_queries[c])
-        stacked = [torch.cat([back_queries[c][j][s] for j in sources], dim=1) for s in range(len(cached[c][0]))]
-        backward, _ = inferer.matcher(stacked, cached[c][0], grid_size, cached[c][1])
+        stacked = [torch.cat([back_queries[c][j][s] for j in sources], dim=1) for s in range(len(cached[c]))]
+        backward, _ = inferer.matcher(stacked, cached[c], grid_size)
         for j, back in zip(sources, backward.split(points.shape[1], dim=1)):
             closes = (back - points.double()).norm(dim=-1) <= cycle_tolerance
             totals[c] += float((similarities[c][j].double() * closes).mean())
@@ -153,7 +151,7 @@ def landmark_transfer_errors(
     inferer = OneShotInferer() if inferer is None else inferer
     grid_size = tuple(torch.as_tensor(images[0]).shape[1:])
     device = _device(network, torch.as_tensor(images[0]).device)
-    features, norms = zip(*(_encode(network, inferer, image, i, grid_size, device) for i, image in enumerate(images)))
+    features = [_encode(network, image, i, grid_size, device) for i, image in enumerate(images)]
     pts = [torch.as_tensor(p, dtype=torch.float32, device=device) for p in points]
     physical = [apply_homogeneous(m, p) for m, p in zip(grid_to_physical, pts)]
     errors = torch.full((n_images, n_images), float("nan"), dtype=torch.float64)
@@ -166,7 +164,7 @@ def landmark_transfer_errors(
         if not sources:
             continue
         stacked = [torch.cat([queries[c][s] for c in sources], dim=1) for s in range(len(features[j]))]
-        found, _ = inferer.matcher(stacked, features[j], grid_size, norms[j])
+        found, _ = inferer.matcher(stacked, features[j], grid_size)
         for c, part in zip(sources, found[0].split([int(known[c].sum()) for c in sources])):
             distance = (apply_homogeneous(grid_to_physical[j], part) - physical[j][known[c]].to(part)).norm(dim=-1)
             if bool(torch.isfinite(distance).any()):

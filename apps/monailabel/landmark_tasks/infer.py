@@ -1,20 +1,24 @@
 """MONAI Label infer task: landmarks suggested on an image by one-shot / k-shot matching (paper Sec. 3.4).
 
 No input from the user. Templates (k-shot), their predictions combined per landmark by the bundle's
-``template_combine`` rule (by default the geometric median of votes weighted by their match scores): the datastore's
-images with a saved label (tag ``final``, a 3D Slicer ``.mrk.json`` / ``.fcsv``) but the image being inferred, else the
-bundle's templates (``evaluate#templates`` of the configured datalist, resolved on the first request and cached);
-without a datalist, the built-in template features join them while the shipped weights are served. Template features
-are computed once per weights and label. The reply names the templates it used.  Once the train task has published a
-stage-2 heatmap detector (``model/detector.pt``, trained on the saved labels), the detector is served instead: one
-forward pass (``bundle.inferers.heatmap.HeatmapInferer``), no template. The reply's ``predictor`` says which
-(``"detector"`` | ``"templates"``); the request key ``predictor`` (or the app's conf key of that name: ``auto``, the
-default, ``detector`` or ``templates``) forces one, e.g. template matching beside a served detector.  The result is
-returned in the forms viewers read: a 3D Slicer markups file (``.mrk.json``, also under ``markups`` in the result JSON,
-in the image's own LPS frame so that Slicer shows it over the image), the points as ``landmarks`` (image pixels in 2D /
-world mm in 3D) and OHIF-style ``centroids`` (``{name: [index, i, j, k]}``). The reply names things, never a server
-path: ``templates`` by datastore id (the bundle's by file name), ``checkpoint`` by file name with ``checkpoint_source``
-(``shipped`` | ``published``); ``device`` is the app's.
+``template_combine`` rule (by default the geometric median of votes weighted by their match scores): the
+datastore's images with a saved label (tag ``final``, a 3D Slicer ``.mrk.json`` / ``.fcsv``) but the image being
+inferred, else the bundle's templates (``evaluate#templates`` of the configured datalist, resolved on the first
+request and cached); without a datalist, the built-in template features join them while the shipped weights are
+served. Template features are computed once per weights and label. The reply names the templates it used.
+
+Once the train task has published a stage-2 heatmap detector (``model/detector.pt``, trained on the saved labels),
+the detector is served instead: one forward pass (``bundle.inferers.heatmap.HeatmapInferer``), no template. The reply's
+``predictor`` says which (``"detector"`` | ``"templates"``); the request key ``predictor`` (or the app's conf key
+of that name: ``auto``, the default, ``detector`` or ``templates``) forces one, e.g. template matching beside a
+served detector.
+
+The result is returned in the forms viewers read: a 3D Slicer markups file (``.mrk.json``, also under
+``markups`` in the result JSON, in the image's own LPS frame so that Slicer shows it over the image), the
+points as ``landmarks`` (image pixels in 2D / world mm in 3D) and OHIF-style ``centroids``
+(``{name: [index, i, j, k]}``). The reply names things, never a server path: ``templates`` by datastore id (the
+bundle's by file name), ``checkpoint`` by file name with ``checkpoint_source`` (``shipped`` | ``published``);
+``device`` is the app's.
 """
 
 from __future__ import annotations
