@@ -59,7 +59,8 @@ def test_two_gloo_processes_train_and_rank0_writes_one_checkpoint(tmp_path):
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rank_output = "".join(f"\n--- {p}:\n{p.read_text()[-3000:]}" for p in sorted(logs.rglob("*.log")))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:] + rank_output
 
     # both ranks trained both epochs (torchrun keeps one log folder per rank)
     rank_logs = {p.parent.name: p.read_text() + (p.parent / "stdout.log").read_text() for p in logs.rglob("stderr.log")}
