@@ -28,18 +28,25 @@ AXES = ("x", "y", "z")
 
 
 def write_metrics_json(
-    path: str | os.PathLike, summary: Mapping[str, Any], template: str | Sequence[str], checkpoint: str
+    path: str | os.PathLike,
+    summary: Mapping[str, Any],
+    template: str | Sequence[str],
+    checkpoint: str,
+    pseudo_templates: Sequence[str] = (),
 ) -> Path:
     """Write metrics.json: the :func:`bundle.metrics.summarize_errors` keys plus ``template`` and ``checkpoint``.
 
     ``template`` is one image or a list of them (k-shot): ``template`` gets the first, and ``templates`` the
-    whole list when it holds more than one.
+    whole list when it holds more than one; ``pseudo_templates``, when any, lists those of them whose landmarks
+    were labelled by matching.
     """
     missing = [k for k in SUMMARY_KEYS if k not in summary]
     if missing:
         raise KeyError(f"summary for {path} lacks keys {missing}")
     templates = [str(template)] if isinstance(template, (str, os.PathLike)) else [str(t) for t in template]
     extra = {"templates": templates} if len(templates) > 1 else {}
+    if pseudo_templates:
+        extra["pseudo_templates"] = [str(t) for t in pseudo_templates]
     return write_json_atomic(
         path,
         {

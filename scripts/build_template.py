@@ -16,7 +16,8 @@ landmark names, no pixel data, so it can ship where the images may not.
 Templates: ``--templates`` names images (file stem or path) among the datalist's items with landmarks, and
 ``--first_labelled N`` adds the first N labelled training items; with neither, the datalist's own
 ``templates`` / ``template`` items, else the ``--max_templates`` (32) of its labelled training items that ``--rule``
-ranks best, as the evaluation chooses them. The
+ranks best, plus pseudo-templates when those are few, as ``inferring --datalist`` chooses them (its
+``template_choice``). The
 features are computed with ``configs/inference.yaml``'s network and preprocessing and the weights
 ``--ckpt_path``, whose SHA-256 the file records (the features fit only those weights).
 """
@@ -93,7 +94,8 @@ def build(
     if not items:
         from bundle.templates.resolution import resolve_templates
 
-        items = resolve_templates(data, network, preprocessing, device_, rule=rule, max_templates=max_templates)
+        choice = dict(parser.get_parsed_content("template_choice"), rule=rule, max_templates=max_templates)
+        items = resolve_templates(data, network, preprocessing, device_, **choice)
     template = compute_template(network, items, preprocessing, data["landmark_names"], device_, checkpoint)
     template["sources"] = [f"{data.get('name', Path(datalist).stem)}/{Path(it['image']).name}" for it in items]
     path = save_template(output, template)

@@ -100,6 +100,9 @@ def test_tiny_training_learns_better_than_chance_and_than_untrained(tmp_path):
         kshot_path, tmp_path / "eval_kshot", models / "model.pt", pseudo_candidates=4, pseudo_templates=2
     )
     assert len(combined["templates"]) == 5 and combined["template"] == kshot["templates"][0]["image"]
+    assert (
+        combined["pseudo_templates"] == combined["templates"][3:]
+    )  # metrics.json says which were labelled by matching
     held_out = {it["image"] for it in datalist["test"] + datalist["validation"]}
     assert not held_out & set(combined["templates"])
     assert combined["mre_mm"] < chance / 8, (combined["mre_mm"], chance)

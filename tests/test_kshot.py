@@ -10,8 +10,9 @@ import pytest
 import torch
 from bundle.data.datalist import DatalistError, load_datalist, save_datalist
 from bundle.kshot import combine_landmarks, geometric_median, vote_weights
+from bundle.templates import resolution
 from bundle.templates.pseudo_labels import reliability, select_pseudo_templates
-from bundle.templates.resolution import pseudo_template_pool, template_items
+from bundle.templates.resolution import pseudo_template_pool, resolve_templates, template_items
 from scipy.optimize import minimize
 
 
@@ -195,6 +196,40 @@ def test_select_pseudo_templates_ranks_by_closed_cycles_and_drops_unreliable_lan
     assert chosen[1]["landmarks"] == [[0.0, 0.0], [1.0, 0.0], None]
     with pytest.raises(ValueError, match="keep"):
         select_pseudo_templates(labelled, keep=-1)
+
+
+def test_pseudo_templates_are_added_only_to_few_labelled_templates_and_marked(monkeypatch):
+    def datalist(n_labelled):
+        labelled = [{"image": f"t{i}.png", "landmarks": [[1.0, 1.0]]} for i in range(n_labelled)]
+        return {"templates": labelled, "training": [{"image": f"{i}.png"} for i in range(5)], "test": []}
+
+    calls = []
+
+    def fake_label(network, templates, items, preprocessing, device):
+        calls.append(([t["image"] for t in templates], [it["image"] for it in items]))
+        # the later an image in the pool, the more reliable it looks
+        return [
+            {"item": {**it, "landmarks": [[0.0, 0.0]]}, "cycle_error": np.array([10.0 - int(it["image"][0])])}
+            for it in items
+        ]
+
+    monkeypatch.setattr(resolution, "with_templates", lambda inferer, items, *args: items)
+    monkeypatch.setattr(resolution, "pseudo_label", fake_label)
+    settings = dict(pseudo_candidates=4, pseudo_templates=2, cycle_tolerance=20.0, pseudo_max_labelled=2)
+    chosen = resolve_templates(datalist(2), None, None, "cpu", **settings)
+    assert [t["image"] for t in chosen] == ["t0.png", "t1.png", "3.png", "2.png"]
+    assert [bool(t.get("pseudo_label")) for t in chosen] == [False, False, True, True]
+    assert calls == [(["t0.png", "t1.png"], ["0.png", "1.png", "2.png", "3.png"])]
+    # more labelled templates than pseudo_max_labelled: they alone, no matching
+    assert [t["image"] for t in resolve_templates(datalist(3), None, None, "cpu", **settings)] == [
+        "t0.png",
+        "t1.png",
+        "t2.png",
+    ]
+    assert len(calls) == 1
+    # None: pseudo-templates at any number of labelled templates
+    unbounded = resolve_templates(datalist(3), None, None, "cpu", **dict(settings, pseudo_max_labelled=None))
+    assert len(unbounded) == 5 and len(calls) == 2
 
 
 def test_max_templates_takes_the_labelled_items_the_rule_ranks_best(tmp_path):

@@ -256,10 +256,12 @@ def test_template_cache_key_follows_the_network_strides_and_the_bundle_version(t
     checkpoint.write_bytes(b"weights")
 
     def key(strides=(16, 8, 4, 2)):
-        return features.template_cache_key(datalist_path, {}, checkpoint, "landmarks", [192, 192], strides)
+        return features.template_cache_key(datalist_path, {}, checkpoint, [192, 192], strides, {"rule": "landmarks"})
 
     base = key()
     assert key((8, 4, 2)) != base
+    choice = {"rule": "landmarks", "pseudo_templates": 10}
+    assert features.template_cache_key(datalist_path, {}, checkpoint, [192, 192], (16, 8, 4, 2), choice) != base
     monkeypatch.setattr(features, "__version__", "0.0.0-other")
     assert key() != base
 
@@ -344,9 +346,10 @@ def test_template_features_give_what_the_template_image_gives(tiny_datalist, tmp
     from bundle.templates.resolution import with_templates
     from scripts import build_template
 
-    path = build_template.build(str(tiny_datalist), output=str(tmp_path / "t.pt"))
-    template = load_template(path, ROOT / "models" / "model.pt")
     datalist = json.loads(Path(tiny_datalist).read_text())
+    named = Path(datalist["template"]["image"]).stem
+    path = build_template.build(str(tiny_datalist), output=str(tmp_path / "t.pt"), templates=[named])
+    template = load_template(path, ROOT / "models" / "model.pt")
     assert template["queries"].shape[:2] == (1, len(datalist["landmark_names"]))
     parser = bundle_parser("configs/inference.yaml", datalist=str(tiny_datalist))
     network = parser.get_parsed_content("encoder").eval()
@@ -357,8 +360,13 @@ def test_template_features_give_what_the_template_image_gives(tiny_datalist, tmp
     template_item = {**datalist["template"], "image": str(Path(tiny_datalist).parent / datalist["template"]["image"])}
     reference = with_templates(OneShotInferer(), [template_item], preprocessing, "cpu")(image, network, g2p)
     torch.testing.assert_close(TemplateFeatureInferer(template)(image, network, g2p), reference)
-    # the config computes the same features itself when given the datalist
-    torch.testing.assert_close(parser.get_parsed_content("template")["queries"], template["queries"])
+    # with no template named, the script and the config given the datalist choose alike: its template plus
+    # pseudo-templates from its unlabelled training images (one labelled template is few), the same features
+    chosen = load_template(build_template.build(str(tiny_datalist), output=str(tmp_path / "c.pt")))
+    computed = parser.get_parsed_content("template")
+    assert len(chosen["sources"]) == len(computed["sources"]) > 1
+    torch.testing.assert_close(computed["queries"], chosen["queries"], equal_nan=True)  # NaN: unreliable landmarks
+    torch.testing.assert_close(computed["queries"][:1], template["queries"])
 
 
 def test_an_image_on_another_grid_than_the_templates_is_refused():

@@ -81,6 +81,7 @@ class LandmarkReportHandler:
         self.output_dir = Path(output_dir)
         self.landmark_names = [str(n) for n in landmark_names]
         self.template = template
+        self.pseudo_templates: list[str] = []  # those of the templates labelled by matching (TemplateHandler)
         self.checkpoint = checkpoint
         self.thresholds = tuple(float(t) for t in thresholds)
         self.overlays = overlays
@@ -206,6 +207,6 @@ class LandmarkReportHandler:
         if np.isnan(refs).all():  # inference on unlabelled images: predictions only
             return {"n_images": len(self.records)}
         summary = summarize_errors(errors_mm, errors_px, self.thresholds, self.landmark_names)
-        write_metrics_json(folder / "metrics.json", summary, self.template, self.checkpoint)
+        write_metrics_json(folder / "metrics.json", summary, self.template, self.checkpoint, self.pseudo_templates)
         save_sdr_curve(folder / "sdr_curve.png", errors_mm, marks=self.thresholds)
         return summary

@@ -16,7 +16,8 @@ class TemplateHandler:
     ``templates`` returns the template items (the configs' ``evaluate#choose_templates``: choosing one may take
     many network passes, so it runs when the evaluation starts, not when the config is parsed). They are set,
     prepared by ``preprocessing``, on ``inferer`` (:func:`bundle.templates.resolution.with_templates`) and, as the
-    list of their images, on ``report`` (a :class:`LandmarkReportHandler`, for metrics.json) when given.
+    list of their images (and of the pseudo-templates' images), on ``report`` (a :class:`LandmarkReportHandler`,
+    for metrics.json) when given.
     """
 
     def __init__(
@@ -41,3 +42,4 @@ class TemplateHandler:
         with_templates(self.inferer, self.items, self.preprocessing, self.device)
         if self.report is not None:
             self.report.template = [t["image"] for t in self.items]
+            self.report.pseudo_templates = [t["image"] for t in self.items if t.get("pseudo_label")]

@@ -102,16 +102,16 @@ def template_cache_key(
     datalist_path: str | os.PathLike,
     datalist: dict,
     checkpoint: str | os.PathLike,
-    rule: str,
     image_size,
     strides: Sequence[int] | None = None,
-    max_templates: int = 1,
+    choice: Mapping[str, Any] | None = None,
 ) -> str:
     """SHA-256 of what a datalist's template features depend on: the datalist's bytes, the identity (path, size,
     modification time) of every image it names as a template or training item, the weights' bytes, the template
-    rule and ``max_templates``, the network grid and ``strides``, the file format and the bundle's version (its
-    code: preprocessing and feature sampling). Not in it: a preprocessing pipeline changed by a merged config
-    (clear the cache, or set ``template_cache`` null)."""
+    ``choice`` (the keyword arguments of :func:`bundle.templates.resolution.resolve_templates`: rule, count,
+    pseudo-templates), the network grid and ``strides``, the file format and the bundle's version (its code:
+    preprocessing and feature sampling). Not in it: a preprocessing pipeline changed by a merged config (clear the
+    cache, or set ``template_cache`` null)."""
     images = [
         str(it["image"])
         for key in ("template", "templates", "training")
@@ -126,8 +126,7 @@ def template_cache_key(
         "datalist": file_sha256(datalist_path),
         "images": stats,
         "checkpoint": file_sha256(checkpoint),
-        "rule": rule,
-        "max_templates": int(max_templates),
+        "choice": {k: choice[k] for k in sorted(choice or {})},
         "image_size": [int(v) for v in image_size] if image_size is not None else None,
         "strides": [int(v) for v in strides] if strides is not None else None,
         "version": __version__,
@@ -142,23 +141,23 @@ def resolve_template_features(
     preprocessing,
     device: torch.device | str = "cpu",
     checkpoint: str | os.PathLike | None = None,
-    rule: str = "landmarks",
     cache_dir: str | os.PathLike | None = None,
     image_size=None,
-    max_templates: int = 1,
+    **choice,
 ) -> dict:
-    """The template features of inference: from ``template_datalist`` when given (its ``templates`` /
-    ``template`` items, else the ``max_templates`` of its labelled training items ranked best by ``rule``, computed
-    with ``network``
-    after loading ``checkpoint`` into it), else read from the feature file ``template_path`` (``network`` is then
-    not used, so that building the export network needs no weights).
+    """The template features of inference: from ``template_datalist`` when given (the templates that
+    :func:`bundle.templates.resolution.resolve_templates` chooses with the keyword arguments ``choice``: the
+    datalist's ``templates`` / ``template`` items, else its labelled training items ranked best by ``rule``, plus
+    pseudo-templates when they are few), computed with ``network`` after loading ``checkpoint`` into it, else read
+    from the feature file ``template_path`` (``network`` is then not used, so that building the export network needs
+    no weights).
 
     With ``cache_dir`` (and a ``checkpoint``), a datalist's features are kept there as a template feature file named
     by :func:`template_cache_key` (``image_size``: the network grid) and read back by later calls with the same
-    datalist, images, weights, rule, grid, network strides and bundle version instead of choosing and computing
-    the templates again.
+    datalist, images, weights, template choice, grid, network strides and bundle version instead of choosing and
+    computing the templates again.
     """
-    check_rule(rule)
+    check_rule(choice.setdefault("rule", "landmarks"))
     if not template_datalist:
         return load_template(template_path, checkpoint)
     datalist = open_datalist(template_datalist)
@@ -168,7 +167,7 @@ def resolve_template_features(
     cached = None
     if cache_dir and checkpoint is not None:
         strides = getattr(network, "strides", None)
-        key = template_cache_key(template_datalist, datalist, checkpoint, rule, image_size, strides, max_templates)
+        key = template_cache_key(template_datalist, datalist, checkpoint, image_size, strides, choice)
         cached = cache_dir / f"{key}.pt"
         if cached.is_file():
             try:
@@ -181,8 +180,11 @@ def resolve_template_features(
     if checkpoint is not None:
         network = load_weights(network, checkpoint, device)
     network.eval()
-    items = resolve_templates(datalist, network, preprocessing, device, rule=rule, max_templates=max_templates)
-    logger.info("template(s) from %s: %s", template_datalist, [it["image"] for it in items])
+    items = resolve_templates(datalist, network, preprocessing, device, **choice)
+    pseudo = [it["image"] for it in items if it.get("pseudo_label")]
+    logger.info(
+        "template(s) from %s: %s (pseudo-templates: %s)", template_datalist, [it["image"] for it in items], pseudo
+    )
     template = compute_template(network, items, preprocessing, datalist["landmark_names"], device, checkpoint)
     if cached is not None:
         try:

@@ -183,14 +183,16 @@ def resolve_templates(
     pseudo_templates: int = 0,
     cycle_tolerance: float = 2.0,
     combine: str = "weighted_geometric_median",
+    pseudo_max_labelled: int | None = None,
 ) -> list[dict]:
     """The evaluation templates: the datalist's ``templates`` / ``template`` (k-shot), else the ``max_templates``
     labelled training items that :func:`ranked_templates` ranks best by ``rule`` (one: :func:`resolve_template`);
-    then, when ``pseudo_templates`` > 0, that many pseudo-templates.
+    then, when ``pseudo_templates`` > 0 and those labelled templates number at most ``pseudo_max_labelled`` (None:
+    any number), that many pseudo-templates, each marked ``"pseudo_label": True``.
 
     Pseudo-templates: the first ``pseudo_candidates`` images of :func:`pseudo_template_pool` are labelled by
-    matching from the templates (combined by ``combine``) and the ``pseudo_templates`` most reliable ones by
-    forward-backward cycle error are added, each without its landmarks whose cycle error exceeds
+    matching from the templates (combined by ``combine``) and the ``pseudo_templates`` most reliable ones are
+    added by forward-backward cycle error, each without its landmarks whose cycle error exceeds
     ``cycle_tolerance`` grid pixels (:func:`bundle.templates.pseudo_labels.select_pseudo_templates`).
     """
     if pseudo_templates < 0 or pseudo_candidates < 0:
@@ -206,7 +208,7 @@ def resolve_templates(
     elif not templates:
         templates = [resolve_template(datalist, network, preprocessing, device, max_images, rule)]
     templates = without_test_images(templates, datalist)
-    if pseudo_templates == 0:
+    if pseudo_templates == 0 or (pseudo_max_labelled is not None and len(templates) > pseudo_max_labelled):
         return templates
     pool = pseudo_template_pool(datalist, templates)[:pseudo_candidates]
     if len(pool) < pseudo_templates:
@@ -221,4 +223,5 @@ def resolve_templates(
         return templates
     inferer = with_templates(OneShotInferer(template_combine=combine), templates, preprocessing, device)
     labelled = pseudo_label(network, inferer, pool, preprocessing, device)
-    return templates + select_pseudo_templates(labelled, min(pseudo_templates, len(pool)), cycle_tolerance)
+    chosen = select_pseudo_templates(labelled, min(pseudo_templates, len(pool)), cycle_tolerance)
+    return templates + [dict(item, pseudo_label=True) for item in chosen]
