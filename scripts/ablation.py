@@ -246,7 +246,8 @@ def run_one(
             output_dir=run_dir / "eval",
             ckpt_path=run_dir / "models" / "model.pt",
             template_rule=template_rule,
-            max_templates=1,  # the paper's one-shot protocol: one template
+            max_templates=1,  # the paper's one-shot protocol: one template, no pseudo-template
+            pseudo_templates=0,
             **(settings or {}),
         ),
         run_dir / "eval.log",
@@ -359,6 +360,7 @@ def _evaluate_runs(datalist: str, out: str, key: str, make_datalist, describe: s
                 output_dir=run_dir / key,
                 ckpt_path=run_dir / "models" / "model.pt",
                 overlays=False,
+                pseudo_templates=0,  # the paper's one-shot protocol
             ),
             run_dir / f"{key}.log",
         ).outputs

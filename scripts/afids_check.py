@@ -254,6 +254,7 @@ def main(
         output_dir=str(eval_dir),
         ckpt_path=str(ckpt),
         template_combine=template_combine,
+        pseudo_templates=0,  # the setting's templates only: pseudo-templates are chosen above, when asked for
         **common,
     )
     evaluated = time.perf_counter()

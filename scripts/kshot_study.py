@@ -6,6 +6,7 @@
 
     python -m scripts.kshot_study vote_weights --datalist runs/hamedan/protocol.json --split validation \
         --template_rule landmarks --pseudo_templates 0
+    python -m scripts.kshot_study few_labels --datalist runs/hamedan/protocol.json --named "[['046'], ['018']]"
 
 ``selection`` chooses the pseudo-template settings without the test images: the template's labels are the only ones
 used; the first ``pool`` other labelled training images are stripped of their landmarks and serve as the
@@ -13,7 +14,9 @@ pseudo-template candidates, and every labelled image outside the test split that
 candidate (the validation split and the remaining labelled training images) is evaluated, for each setting of
 ``pseudo_templates`` (M, kept) x ``pseudo_cycle_tolerance``. ``test`` runs the given settings on the test split.
 ``vote_weights`` matches the evaluation's templates once per image of a split and combines the votes of subsets of
-them weighted by their match scores (the choice of ``bundle.kshot.vote_weights``' power). Each run of the
+them weighted by their match scores (the choice of ``bundle.kshot.vote_weights``' power). ``few_labels`` scores
+pseudo-templates against the number of labelled templates on labelled non-test images (the choice of the
+``pseudo_*`` defaults). Each run of the
 first two writes ``OUT/<name>/metrics.json`` (the bundle's evaluating command) and the script prints MRE, SDR 2 mm,
 the share of errors above 10 mm and the wall time.
 """
@@ -226,5 +229,51 @@ def vote_weights(
     return results
 
 
+def few_labels(
+    datalist: str,
+    counts=(3, 5, 10),
+    seeds=(0, 1),
+    named=(),
+    pseudo=(0, 10, 20),
+    pool: int = 31,
+    out: str = "runs/kshot",
+    ckpt_path: str = "models/model.pt",
+) -> list[dict]:
+    """Pseudo-templates against the number of labelled templates, scored on labelled non-test images.
+
+    The first ``pool`` labelled training images are the labelled templates' source; the other labelled training
+    images and the validation split are scored (the test split is not read). For each count K in ``counts`` and
+    each seed, K of the pool are drawn (``random.Random(seed)``; ``named``: lists of image stems taken as they
+    are) as ``templates``, and the rest of the pool, without landmarks, are the pseudo-template candidates; each
+    M in ``pseudo`` adds M pseudo-templates. Writes ``OUT/few_labels.json``."""
+    import random
+
+    full = load_datalist(datalist)
+    labelled = labelled_training_items(full)
+    source = labelled[:pool]
+    scored = [dict(it) for it in labelled[pool:]] + [dict(it) for it in full["validation"]]
+    template_sets = [(f"{'-'.join(stems)}", [_find(source, stem) for stem in stems]) for stems in named]
+    template_sets += [(f"k{k}_s{seed}", random.Random(seed).sample(source, k)) for k in counts for seed in seeds]
+    results = []
+    for name, templates in template_sets:
+        chosen = {it["image"] for it in templates}
+        candidates = [{"image": it["image"]} for it in source if it["image"] not in chosen]
+        study = {
+            "name": f"{full.get('name', 'datalist')} few labels",
+            "spatial_dims": full["spatial_dims"],
+            "landmark_names": full["landmark_names"],
+            "training": candidates,
+            "validation": [],
+            "test": scored,
+            "templates": templates,
+        }
+        for m in pseudo:
+            settings = dict(pseudo_candidates=len(candidates), pseudo_templates=m, pseudo_max_labelled=len(templates))
+            result = _evaluate(study, Path(out) / f"{name}_m{m}", ckpt_path, **settings)
+            results.append({"run": name, "labelled": sorted(Path(it["image"]).stem for it in templates), **result})
+    write_json_atomic(Path(out) / "few_labels.json", results)
+    return results
+
+
 if __name__ == "__main__":
-    fire.Fire({"selection": selection, "test": test, "vote_weights": vote_weights})
+    fire.Fire({"selection": selection, "test": test, "vote_weights": vote_weights, "few_labels": few_labels})

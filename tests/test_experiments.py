@@ -232,6 +232,40 @@ def test_selection_datalist_scores_on_labelled_items_outside_test(tmp_path, monk
         ablation.selection_datalist(datalist, "img/u0.png")
 
 
+def test_few_labels_draws_templates_from_the_pool_and_scores_outside_it(tmp_path, monkeypatch):
+    from bundle.data.datalist import save_datalist
+    from scripts import kshot_study
+
+    monkeypatch.chdir(tmp_path)
+    training = [item(f"t{i}", True) for i in range(5)] + [item("u0", False), item("t5", True)]
+    path = save_datalist(small_datalist(training, [item("x0", True)]), tmp_path / "d.json")
+    (tmp_path / "img").mkdir()
+    for name in ["v0", "x0", "u0"] + [f"t{i}" for i in range(6)]:
+        Image.fromarray(np.zeros((8, 8), np.uint8)).save(tmp_path / "img" / f"{name}.png")
+    runs = []
+
+    def evaluate(study, out, ckpt_path, **settings):
+        runs.append((study, out.name, settings))
+        return {"mre_mm": 1.0}
+
+    monkeypatch.setattr(kshot_study, "_evaluate", evaluate)
+    results = kshot_study.few_labels(str(path), counts=[2], seeds=[0], named=[["t3"]], pseudo=[0, 3], pool=4, out="o")
+    assert [name for _, name, _ in runs] == ["t3_m0", "t3_m3", "k2_s0_m0", "k2_s0_m3"]
+    pool = {f"t{i}.png" for i in range(4)}
+    for study, name, settings in runs:
+        templates = {Path(it["image"]).name for it in study["templates"]}
+        candidates = {Path(it["image"]).name for it in study["training"]}
+        assert all("landmarks" not in it for it in study["training"])
+        # scored: the labelled training items outside the pool and the validation split, never the test split
+        assert {Path(it["image"]).name for it in study["test"]} == {"t4.png", "t5.png", "v0.png"}
+        assert candidates == pool - templates and len(templates) == (1 if name.startswith("t3") else 2)
+        assert settings == dict(
+            pseudo_candidates=len(candidates), pseudo_templates=int(name[-1]), pseudo_max_labelled=len(templates)
+        )
+    assert runs[2][0]["templates"] == runs[3][0]["templates"] and len(results) == 4
+    assert json.loads((tmp_path / "o" / "few_labels.json").read_text())[0]["labelled"] == ["t3"]
+
+
 def test_template_rules_score_both_choices_outside_the_pool(tmp_path):
     import torch
     from bundle.configs import bundle_parser
