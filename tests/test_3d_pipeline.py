@@ -249,7 +249,10 @@ def test_3d_kshot_and_pseudo_template_evaluation_list_their_templates(tmp_path):
     kshot["templates"] = [it for it in datalist["training"] if it.get("landmarks")][:2]
     kshot_path = save_datalist(kshot, tmp_path / "data" / "kshot.json")
     two = _evaluate(kshot_path, tmp_path / "eval_k2", ckpt)
-    assert two["templates"] == [it["image"] for it in kshot["templates"]] and two["template"] == two["templates"][0]
+    assert two["templates"][:2] == [it["image"] for it in kshot["templates"]] and two["template"] == two["templates"][0]
+    # two labelled templates are few: the default adds pseudo-templates from the other training volumes
+    assert two["pseudo_templates"] == two["templates"][2:] and len(two["pseudo_templates"]) == 3
+    assert not held_out & set(two["pseudo_templates"])
 
     pseudo = _evaluate(datalist_path, tmp_path / "eval_pseudo", ckpt, pseudo_candidates=3, pseudo_templates=2)
     assert len(pseudo["templates"]) == 3 and pseudo["template"] == datalist["template"]["image"]

@@ -426,7 +426,8 @@ def test_a_bad_stored_label_is_skipped_naming_it(server, tmp_path):
     try:
         reply, status = _infer_id(server, "test_001")
         assert status == 200, reply
-        assert [t["source"] for t in reply["templates"]] == ["bundle"]  # the only saved label is skipped
+        # the only saved label is skipped: the bundle's templates alone (its template and pseudo-templates)
+        assert {t["source"] for t in reply["templates"]} == {"bundle"}
         assert "saved label skipped: label of image 'test_002'" in server["log"].read_text()
     finally:
         reply, status = _request(f"{server['base']}/datastore/label?id=test_002&tag=final", method="DELETE")
@@ -904,13 +905,15 @@ def test_one_network_on_the_configured_device(tmp_path):
     assert result["networks_after_infer"] == result["networks_after_train"] == 1
 
 
-def _cli_evaluate_3d(datalist: dict, ckpt: Path, out: Path) -> dict[str, list[float]]:
-    """The bundle's 3D evaluation (one test image) from the command line: {landmark: [x, y, z] world mm}."""
+def _cli_evaluate_3d(datalist: dict, ckpt: Path, out: Path, *options: str) -> dict[str, list[float]]:
+    """The bundle's 3D evaluation (one test image) from the command line, with ``options``: {landmark: [x, y, z]
+    world mm}."""
     out.mkdir(parents=True)
     (out / "datalist.json").write_text(json.dumps(datalist))
     configs = config_files("evaluate", spatial_dims=3)
     command = [sys.executable, "-m", "monai.bundle", "run", "evaluating", "--config_file", json.dumps(configs)]
     command += ["--datalist", str(out / "datalist.json"), "--ckpt_path", str(ckpt), "--output_dir", str(out / "eval")]
+    command += list(options)
     done = subprocess.run(
         command, cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1")
     )
@@ -955,7 +958,10 @@ def test_ct_volumes_are_served_with_the_3d_configs(tmp_path):
 
     references = {
         "bundle": _cli_evaluate_3d(dict(content, test=[target]), ckpt, tmp_path / "cli_bundle"),
-        "saved_label": _cli_evaluate_3d(dict(content, test=[target], template=template), ckpt, tmp_path / "cli_label"),
+        # the app matches from its saved labels as they are: no pseudo-templates from the datastore's images
+        "saved_label": _cli_evaluate_3d(
+            dict(content, test=[target], template=template), ckpt, tmp_path / "cli_label", "--pseudo_templates", "0"
+        ),
     }
     assert result["saved_label"]["templates"] == [{"image": template_id, "source": "datastore"}]
     assert result["bundle"]["templates"][0]["source"] == "bundle"
