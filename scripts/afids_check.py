@@ -124,9 +124,10 @@ def pseudo_template_datalist(
     return save_datalist(out, path), report
 
 
-def setting_name(templates: int, pseudo_templates: int) -> str:
-    """``k1``, ``k5``, ``k1_pseudo5``: the key of an evaluation setting."""
-    return f"k{templates}" + (f"_pseudo{pseudo_templates}" if pseudo_templates else "")
+def setting_name(templates: int, pseudo_templates: int, contrast_adaptation: bool = False) -> str:
+    """``k1``, ``k5``, ``k1_pseudo5``, ``k1_adapted``: the key of an evaluation setting."""
+    name = f"k{templates}" + (f"_pseudo{pseudo_templates}" if pseudo_templates else "")
+    return name + ("_adapted" if contrast_adaptation else "")
 
 
 def main(
@@ -146,6 +147,7 @@ def main(
     template_combine: str = "geometric_median",
     retrain: bool = False,
     contrast_remap_prob: float = 0.0,
+    contrast_adaptation: bool = False,
 ) -> dict:
     """Prepare the data and train (once per workdir), evaluate one setting, print its MRE table.
 
@@ -153,9 +155,11 @@ def main(
     ``pseudo_templates``: that many pseudo-templates chosen among the first ``pseudo_candidates`` (default
     all) training warps, labelled by matching, their AFIDs not read (``bundle.templates.resolution.resolve_templates``);
     ``pseudo_cycle_tolerance`` in network-grid voxels; ``template_combine`` as in ``configs/train.yaml``;
-    ``contrast_remap_prob``: the training's random intensity curves (``configs/train.yaml``), for T1w -> T2w.
+    ``contrast_remap_prob``: the training's random intensity curves (``configs/train.yaml``), for T1w -> T2w;
+    ``contrast_adaptation``: each test volume mapped to the template's contrast before matching when they differ
+    (``configs/evaluate.yaml``).
     """
-    from bundle.configs import config_files
+    from bundle.configs import as_flag, config_files
     from bundle.data.datalist import load_datalist
     from bundle.io_utils import write_json_atomic
     from monai.bundle import run
@@ -170,7 +174,8 @@ def main(
         )
     prepared = time.perf_counter()
     datalist = load_datalist(datalist_path)
-    setting = setting_name(templates, pseudo_templates)
+    contrast_adaptation = as_flag(contrast_adaptation, "contrast_adaptation")
+    setting = setting_name(templates, pseudo_templates, contrast_adaptation)
     eval_datalist = (
         datalist_path
         if templates == 1
@@ -255,6 +260,7 @@ def main(
         ckpt_path=str(ckpt),
         template_combine=template_combine,
         pseudo_templates=0,  # the setting's templates only: pseudo-templates are chosen above, when asked for
+        contrast_adaptation=contrast_adaptation,
         **common,
     )
     evaluated = time.perf_counter()
@@ -280,7 +286,10 @@ def main(
             f"(cycle <= {pseudo_cycle_tolerance} "
             f"voxels), their error against the AFIDs carried through its warp: {entry['kept_mre_mm']:.2f} mm"
         )
-    print(f"{'test group':<22}{'volumes':>8}{'MRE mm':>9}{'SD mm':>8}{'SDR 4mm %':>11}{'no-matching MRE mm':>20}")
+    print(
+        f"{'test group':<22}{'volumes':>8}{'MRE mm':>9}{'SD mm':>8}{'SDR 4mm %':>11}{'> 10 mm':>9}"
+        f"{'no-matching MRE mm':>20}"
+    )
     table = {}
     for group, entry in sorted(groups.items()):
         e, b = np.asarray(entry["matched"]), np.asarray(entry["baseline"])
@@ -289,11 +298,13 @@ def main(
             "mre_mm": float(e.mean()),
             "sd_mm": float(e.std()),
             "sdr_4mm": float((e <= 4.0).mean() * 100),
+            "over_10mm": int((e > 10.0).sum()),
             "baseline_mre_mm": float(b.mean()),
         }
         t = table[group]
         print(
-            f"{group:<22}{t['volumes']:>8d}{t['mre_mm']:>9.2f}{t['sd_mm']:>8.2f}{t['sdr_4mm']:>11.1f}{t['baseline_mre_mm']:>20.2f}"
+            f"{group:<22}{t['volumes']:>8d}{t['mre_mm']:>9.2f}{t['sd_mm']:>8.2f}{t['sdr_4mm']:>11.1f}"
+            f"{t['over_10mm']:>9d}{t['baseline_mre_mm']:>20.2f}"
         )
     summary = {
         "spacing_mm": spacing,
@@ -301,6 +312,7 @@ def main(
         "training": training,
         "templates": used,
         "template_combine": template_combine,
+        "contrast_adaptation": contrast_adaptation,
         "pseudo_candidates": candidates if pseudo_templates else 0,
         "pseudo_cycle_tolerance": pseudo_cycle_tolerance,
         "pseudo_labels": pseudo,

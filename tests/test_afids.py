@@ -112,6 +112,7 @@ def test_prepare_afids_datalist(tmp_path):
     ]
     np.testing.assert_allclose(kshot["templates"][2]["landmarks"], datalist["training"][1]["landmarks"])
     assert kshot["test"] == datalist["test"] and afids_check.setting_name(1, 5) == "k1_pseudo5"
+    assert afids_check.setting_name(1, 0, contrast_adaptation=True) == "k1_adapted"
     with pytest.raises(ValueError, match="at most 3 templates"):
         afids_check.kshot_datalist(datalist, 4, tmp_path / "datalist_k4.json")
 

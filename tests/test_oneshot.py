@@ -269,3 +269,38 @@ def test_template_features_are_computed_once_until_the_weights_change():
     fresh.set_template(template, points)
     torch.testing.assert_close(changed, fresh(image, network))
     assert not torch.equal(changed, first)
+
+
+def tissues(image: torch.Tensor, levels: tuple[float, ...]) -> torch.Tensor:
+    """A head-like phantom of ``image`` ``(1, 1, H, W)``: a disc cut at its texture's quartiles into four regions,
+    each given its grey value in ``levels``, on a background of 0."""
+    edges = torch.quantile(image.flatten(), torch.tensor([0.25, 0.5, 0.75]))
+    ii, jj = torch.meshgrid(*[torch.arange(n, dtype=torch.float32) for n in image.shape[2:]], indexing="ij")
+    disc = (ii - image.shape[2] / 2) ** 2 + (jj - image.shape[3] / 2) ** 2 < (0.3 * min(image.shape[2:])) ** 2
+    return torch.where(disc, torch.tensor(levels)[torch.bucketize(image, edges)], 0.0)
+
+
+def test_contrast_adaptation_finds_the_landmarks_in_another_contrast(scene):
+    """A template of one contrast (four regions, grey values rising) and inputs of another (the same regions in a
+    non-monotone order, as T1w / T2w): the inputs are mapped to the template's contrast and matched as if they had
+    it; an input of the template's own contrast maps to itself."""
+    from bundle.inferers.contrast import template_contrast
+
+    big, _, net = scene
+    first, second = (0.1, 0.4, 0.7, 1.0), (0.8, 0.1, 1.0, 0.4)
+    template = crop(tissues(big, first), (16, 16), (128, 128))
+    shifts = torch.tensor([[3, -2], [-5, 4]])
+    same, other = (
+        torch.cat([crop(tissues(big, levels), (16 - int(sx), 16 - int(sy)), (128, 128)) for sx, sy in shifts])
+        for levels in (first, second)
+    )
+    expected = POINTS_2D[None].double() + shifts[:, None].double()
+    plain, adapted = OneShotInferer(), OneShotInferer(contrast_adaptation=True)
+    for inferer in (plain, adapted):
+        inferer.set_template(template, POINTS_2D)
+    assert (plain(other, net) - expected).norm(dim=-1).max() > 5.0  # matching across contrasts fails
+    assert (plain(same, net) - expected).norm(dim=-1).max() < 1.5  # flat regions: less precise than texture
+    torch.testing.assert_close(template_contrast(other, template), same, atol=0.02, rtol=0)
+    torch.testing.assert_close(adapted(other, net), plain(same, net), atol=0.05, rtol=0)
+    torch.testing.assert_close(template_contrast(same, template), same, atol=0.02, rtol=0)  # the same contrast
+    torch.testing.assert_close(adapted(same, net), plain(same, net), atol=0.05, rtol=0)

@@ -8,14 +8,18 @@ predictions are combined per landmark by a robust estimator (``bundle.kshot``). 
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Mapping, NamedTuple, Sequence
 
 import torch
 from bundle.geometry import plain_tensor
+from bundle.inferers.contrast import template_contrast
 from bundle.kshot import check_combine_rule, combine_templates
 from bundle.networks.matching import TemplateMatcher, feature_vectors
 from bundle.template_file import check_template
 from monai.inferers import Inferer
+
+logger = logging.getLogger(__name__)
 
 
 class TemplateMatches(NamedTuple):
@@ -63,6 +67,9 @@ class OneShotInferer(Inferer):
         combine, scale_weights, refine_radius, refine_resolution, max_map_elements: the matcher's
             (:class:`TemplateMatcher`).
         template_combine: how several templates' predictions are combined, one of ``bundle.kshot.COMBINE_RULES``.
+        contrast_adaptation: also match each input mapped to the first template's contrast
+            (:func:`bundle.inferers.contrast.template_contrast`) and keep the matches that score higher (not in the
+            paper).
     """
 
     def __init__(
@@ -73,11 +80,13 @@ class OneShotInferer(Inferer):
         refine_resolution: float = 0.1,
         max_map_elements: int = 2**25,
         template_combine: str = "weighted_geometric_median",
+        contrast_adaptation: bool = False,
     ) -> None:
         super().__init__()
         check_combine_rule(template_combine)
         self.matcher = TemplateMatcher(combine, scale_weights, refine_radius, refine_resolution, max_map_elements)
         self.template_combine = template_combine
+        self.contrast_adaptation = contrast_adaptation
         self.templates: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._cache: list[list[torch.Tensor]] = []  # the templates' feature maps (_template_features)
         self._cache_network = None  # the network that computed them (held: its id cannot be reused meanwhile)
@@ -158,7 +167,9 @@ class OneShotInferer(Inferer):
 
         With ``cycle``, also the forward-backward cycle error in grid pixels: the input's feature at the match is
         matched back into the template, and the distance to the template's landmark is taken (a label-free
-        reliability of the match; NaN where the landmark is missing).
+        reliability of the match; NaN where the landmark is missing). With ``contrast_adaptation``, each input is
+        also matched after :func:`bundle.inferers.contrast.template_contrast`, and the matches with the higher mean
+        score are kept.
         """
         if not self.templates:
             raise RuntimeError(
@@ -170,6 +181,22 @@ class OneShotInferer(Inferer):
             raise ValueError(
                 f"template grid {tuple(self.template_image.shape[2:])} differs from the input grid {grid_size}"
             )
+        matches = self._match(inputs, network, cycle)
+        if not self.contrast_adaptation:
+            return matches
+        mapped = self._match(template_contrast(inputs, self.template_image.to(inputs.device)), network, cycle)
+        better = mapped.scores.nanmean(dim=(0, 2)) > matches.scores.nanmean(dim=(0, 2))  # (B,)
+        logger.info("contrast adaptation: %s", ["mapped" if m else "kept" for m in better.tolist()])
+        return TemplateMatches(
+            *[
+                None if a is None else torch.where(better.view(1, -1, *[1] * (a.ndim - 2)), m, a)
+                for a, m in zip(matches, mapped)
+            ]
+        )
+
+    def _match(self, inputs: torch.Tensor, network, cycle: bool) -> TemplateMatches:
+        """:meth:`match_templates` on checked ``inputs``, as they are."""
+        grid_size = tuple(inputs.shape[2:])
         b = inputs.shape[0]
         n_landmarks, spatial_dims = self.template_points.shape
         features = [plain_tensor(f) for f in network(inputs)]
