@@ -230,6 +230,9 @@ def test_pseudo_templates_are_added_only_to_few_labelled_templates_and_marked(mo
     # None: pseudo-templates at any number of labelled templates
     unbounded = resolve_templates(datalist(3), None, None, "cpu", **dict(settings, pseudo_max_labelled=None))
     assert len(unbounded) == 5 and len(calls) == 2
+    for bad in (-1, 2.5, "null"):  # the command line's "null" reaches the config as text
+        with pytest.raises(ValueError, match="pseudo_max_labelled: expected an integer >= 0"):
+            resolve_templates(datalist(3), None, None, "cpu", **dict(settings, pseudo_max_labelled=bad))
 
 
 def test_max_templates_takes_the_labelled_items_the_rule_ranks_best(tmp_path):

@@ -12,6 +12,7 @@ import logging
 import os
 
 import torch
+from bundle.configs import as_number
 from bundle.geometry import grid_landmarks
 from bundle.inferers.oneshot import OneShotInferer
 from bundle.templates.pseudo_labels import pseudo_label, select_pseudo_templates
@@ -199,6 +200,8 @@ def resolve_templates(
         raise ValueError(
             f"pseudo_candidates and pseudo_templates must be >= 0, got {pseudo_candidates}, {pseudo_templates}"
         )
+    if pseudo_max_labelled is not None:
+        pseudo_max_labelled = as_number(pseudo_max_labelled, "pseudo_max_labelled", minimum=0, integer=True)
     if max_templates < 1:
         raise ValueError(f"max_templates must be >= 1, got {max_templates}")
     check_rule(rule)
