@@ -47,6 +47,20 @@ def _absolute(item: dict) -> dict:
     return {**item, "image": str(Path(item["image"]).resolve())}
 
 
+def _study(full: dict, purpose: str, candidates: list[dict], scored: list[dict], **templates) -> dict:
+    """A datalist of ``full``'s landmarks whose training items are the pseudo-template ``candidates``, whose test
+    items are the ``scored`` labelled images (no validation split), with the ``template`` / ``templates`` given."""
+    return {
+        "name": f"{full.get('name', 'datalist')} {purpose}",
+        "spatial_dims": full["spatial_dims"],
+        "landmark_names": full["landmark_names"],
+        "training": candidates,
+        "validation": [],
+        "test": scored,
+        **templates,
+    }
+
+
 def _evaluate(datalist: dict, out: Path, ckpt_path: str, **overrides) -> dict:
     """Run the bundle's evaluating command on ``datalist``; return its metrics plus gross-error share and seconds."""
     out = out.resolve()
@@ -111,15 +125,7 @@ def selection(
     others = [it for it in labelled if it is not chosen]
     candidates = [{"image": it["image"]} for it in others[:pool]]
     scored = [dict(it) for it in others[pool:]] + [dict(it) for it in full["validation"]]
-    study = {
-        "name": f"{full.get('name', 'datalist')} selection",
-        "spatial_dims": full["spatial_dims"],
-        "landmark_names": full["landmark_names"],
-        "training": candidates,
-        "validation": [],
-        "test": scored,
-        "template": chosen,
-    }
+    study = _study(full, "selection", candidates, scored, template=chosen)
     results = []
     for m in keep:
         for tol in tolerances if m else tolerances[:1]:
@@ -258,15 +264,7 @@ def few_labels(
     for name, templates in template_sets:
         chosen = {it["image"] for it in templates}
         candidates = [{"image": it["image"]} for it in source if it["image"] not in chosen]
-        study = {
-            "name": f"{full.get('name', 'datalist')} few labels",
-            "spatial_dims": full["spatial_dims"],
-            "landmark_names": full["landmark_names"],
-            "training": candidates,
-            "validation": [],
-            "test": scored,
-            "templates": templates,
-        }
+        study = _study(full, "few labels", candidates, scored, templates=templates)
         for m in pseudo:
             settings = dict(pseudo_candidates=len(candidates), pseudo_templates=m, pseudo_max_labelled=len(templates))
             result = _evaluate(study, Path(out) / f"{name}_m{m}", ckpt_path, **settings)

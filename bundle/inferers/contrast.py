@@ -45,12 +45,13 @@ def template_contrast(inputs: torch.Tensor, template: torch.Tensor, bins: int = 
     """
     out = inputs.clone()
     reference = template[0, 0].to(inputs)
+    reference_centre = _centroid(reference)
     for b in range(inputs.shape[0]):
         image = inputs[b, 0]
         lo, hi = image.min(), image.max()
         if not bool(hi > lo):
             continue
-        aligned = _shifted(reference, _centroid(reference) - _centroid(image))
+        aligned = _shifted(reference, reference_centre - _centroid(image))
         position = (image - lo).double() / float(hi - lo) * bins
         index = position.long().clamp(0, bins - 1).flatten()
         counts = torch.bincount(index, minlength=bins).double()
