@@ -1,4 +1,5 @@
-"""Evaluation report files: metrics.json, predictions.csv, overlay PNGs (2D), 3D Slicer markups (3D) and the SDR curve.
+"""Evaluation report files: metrics.json (provenance.json without references), predictions.csv, overlay PNGs (2D),
+3D Slicer markups (3D) and the SDR curve.
 
 Writers (and the reader of predictions.csv) only; :class:`bundle.handlers.report.LandmarkReportHandler` assembles a
 run's report from them. Every file is written atomically (``bundle.io_utils``). Figures use matplotlib's Agg
@@ -27,35 +28,35 @@ SUMMARY_KEYS = ("n_images", "n_landmarks", "mre_mm", "mre_std_mm", "mre_px", "sd
 AXES = ("x", "y", "z")
 
 
-def write_metrics_json(
-    path: str | os.PathLike,
-    summary: Mapping[str, Any],
-    template: str | Sequence[str],
-    checkpoint: str,
-    pseudo_templates: Sequence[str] = (),
-) -> Path:
-    """Write metrics.json: the :func:`bundle.metrics.summarize_errors` keys plus ``template`` and ``checkpoint``.
+PIPELINES = ("templates", "detector")
 
-    ``template`` is one image or a list of them (k-shot): ``template`` gets the first, and ``templates`` the
-    whole list when it holds more than one; ``pseudo_templates``, when any, lists those of them whose landmarks
-    were labelled by matching.
-    """
+
+def run_provenance(
+    pipeline: str, template: str | Sequence[str], checkpoint: str, pseudo_templates: Sequence[str] = ()
+) -> dict[str, Any]:
+    """What made a run's predictions: ``pipeline`` (``templates``: one-/k-shot template matching, ``detector``: a
+    heatmap detector), ``template`` (the first template image; for a detector the stage-1 template(s) that made its
+    pseudo-labels, "" for human labels), ``templates`` (the whole list, when it holds more than one),
+    ``pseudo_templates`` (those of them whose landmarks were labelled by matching, when any) and ``checkpoint``."""
+    if pipeline not in PIPELINES:
+        raise ValueError(f"pipeline must be one of {PIPELINES}, got {pipeline!r}")
+    templates = [str(template)] if isinstance(template, (str, os.PathLike)) else [str(t) for t in template]
+    templates = [t for t in templates if t]
+    return {
+        "pipeline": pipeline,
+        "template": templates[0] if templates else "",
+        **({"templates": templates} if len(templates) > 1 else {}),
+        **({"pseudo_templates": [str(t) for t in pseudo_templates]} if pseudo_templates else {}),
+        "checkpoint": str(checkpoint),
+    }
+
+
+def write_metrics_json(path: str | os.PathLike, summary: Mapping[str, Any], provenance: Mapping[str, Any]) -> Path:
+    """Write metrics.json: the :func:`bundle.metrics.summarize_errors` keys plus the run's :func:`run_provenance`."""
     missing = [k for k in SUMMARY_KEYS if k not in summary]
     if missing:
         raise KeyError(f"summary for {path} lacks keys {missing}")
-    templates = [str(template)] if isinstance(template, (str, os.PathLike)) else [str(t) for t in template]
-    extra = {"templates": templates} if len(templates) > 1 else {}
-    if pseudo_templates:
-        extra["pseudo_templates"] = [str(t) for t in pseudo_templates]
-    return write_json_atomic(
-        path,
-        {
-            **{k: summary[k] for k in SUMMARY_KEYS},
-            "template": templates[0] if templates else "",
-            **extra,
-            "checkpoint": str(checkpoint),
-        },
-    )
+    return write_json_atomic(path, {**{k: summary[k] for k in SUMMARY_KEYS}, **provenance})
 
 
 def _number(value) -> str:

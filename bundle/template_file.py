@@ -13,7 +13,8 @@ cephalogram templates are Hamedan images, which may not be redistributed). It is
 - ``strides``: the S output strides of the network that computed them; ``spatial_dims``; ``grid_size``:
   the network grid the template images were resized to;
 - ``sources``: K short descriptions of the template images (no pixel data); ``checkpoint_sha256``: the
-  SHA-256 of the weights that computed the features (they only fit those weights).
+  SHA-256 of the weights that computed the features (they only fit those weights); ``pseudo_sources`` (optional):
+  those of the sources that are pseudo-templates (landmarks labelled by matching).
 
 Matched by :class:`bundle.inferers.oneshot.TemplateFeatureInferer` (the Python path) and
 :class:`bundle.networks.landmark_points.LandmarkPointsNet` (the exported network); computed by
@@ -89,6 +90,7 @@ def join_templates(templates: Sequence[Mapping[str, Any]]) -> dict:
             **dict(first),
             "queries": torch.cat([t["queries"] for t in templates]),
             "sources": [s for t in templates for s in t["sources"]],
+            "pseudo_sources": [s for t in templates for s in t.get("pseudo_sources", [])],
         }
     )
 

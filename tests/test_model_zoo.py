@@ -237,6 +237,20 @@ def test_a_datalists_template_features_are_kept_for_the_next_call(tmp_path, tiny
     second = _inferring(image, tmp_path / "b", datalist=str(tiny_datalist), template_cache=str(cache))
     np.testing.assert_array_equal(second, first)
     assert kept.stat().st_mtime_ns == stamp
+    # provenance.json says what made the predictions, the cached templates as the computed ones
+    provenance = json.loads((tmp_path / "a" / "provenance.json").read_text())
+    training = sorted(Path(it["image"]).name for it in datalist["training"])
+    pseudo = provenance["pseudo_templates"]
+    assert sorted(pseudo) == training  # one labelled template: the training images labelled by matching join it
+    assert provenance == {
+        "pipeline": "templates",
+        "template": "template.png",
+        "templates": ["template.png", *pseudo],
+        "pseudo_templates": pseudo,
+        "checkpoint": str(ROOT / "models" / "model.pt"),
+        "n_images": 1,
+    }
+    assert json.loads((tmp_path / "b" / "provenance.json").read_text()) == provenance
     other = Path(tiny_datalist).with_name("other.json")
     other.write_text(json.dumps({**datalist, "template": datalist["training"][1]}))
     _inferring(image, tmp_path / "c", datalist=str(other), template_cache=str(cache))

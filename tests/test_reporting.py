@@ -13,6 +13,7 @@ import torch
 from bundle.handlers.report import LandmarkReportHandler
 from bundle.reporting import (
     read_predictions_csv,
+    run_provenance,
     save_overlay_png,
     save_sdr_curve,
     write_metrics_json,
@@ -45,11 +46,34 @@ def test_write_metrics_json_round_trip(tmp_path):
         "sdr": {"2.0": 75.0},
         "per_landmark_mre_mm": {"sella": 1.0, "nasion": None},
     }
-    path = write_metrics_json(tmp_path / "out" / "metrics.json", summary, template="t.png", checkpoint="m.pt")
-    assert json.loads(path.read_text()) == {**summary, "template": "t.png", "checkpoint": "m.pt"}
+    provenance = run_provenance("templates", "t.png", "m.pt")
+    path = write_metrics_json(tmp_path / "out" / "metrics.json", summary, provenance)
+    assert json.loads(path.read_text()) == {
+        **summary,
+        "pipeline": "templates",
+        "template": "t.png",
+        "checkpoint": "m.pt",
+    }
     with pytest.raises(KeyError, match="mre_px"):
-        write_metrics_json(tmp_path / "bad.json", {k: v for k, v in summary.items() if k != "mre_px"}, "t", "c")
+        write_metrics_json(tmp_path / "bad.json", {k: v for k, v in summary.items() if k != "mre_px"}, provenance)
     assert not (tmp_path / "bad.json").exists()
+
+
+def test_run_provenance_templates_pseudo_templates_and_pipeline():
+    kshot = run_provenance("templates", ["a.png", "b.png", "c.png"], "m.pt", pseudo_templates=["c.png"])
+    assert kshot == {
+        "pipeline": "templates",
+        "template": "a.png",
+        "templates": ["a.png", "b.png", "c.png"],
+        "pseudo_templates": ["c.png"],
+        "checkpoint": "m.pt",
+    }
+    # a detector trained on human labels has no template
+    assert run_provenance("detector", "", "d.pt") == {"pipeline": "detector", "template": "", "checkpoint": "d.pt"}
+    with pytest.raises(ValueError, match="'matching'"):
+        run_provenance("matching", "a.png", "m.pt")
+    with pytest.raises(ValueError, match="pipeline"):
+        LandmarkReportHandler("unused", NAMES, pipeline="heatmap")
 
 
 def test_write_predictions_csv_2d_3d_and_missing(tmp_path):
@@ -139,6 +163,7 @@ def test_report_handler_2d_through_an_engine(tmp_path, caplog):
     assert metrics["sdr"] == {"2.0": 100.0, "2.5": 100.0, "3.0": 100.0, "4.0": 100.0}
     assert metrics["per_landmark_mre_mm"]["nasion"] == pytest.approx(0.2)
     assert metrics["template"] == "/d/tmpl.png" and metrics["checkpoint"] == "models/model.pt"
+    assert metrics["pipeline"] == "templates" and not (tmp_path / "eval" / "provenance.json").exists()
 
     table = _read_csv(tmp_path / "eval" / "predictions.csv")
     assert table[0] == ["image", "landmark", "x", "y", "error_mm"] and len(table) == 7

@@ -245,6 +245,7 @@ def test_tiny_stage2_training_and_evaluation_beat_chance(tmp_path):
     ):
         assert key in metrics
     assert metrics["n_images"] == 2 and metrics["template"] == pseudo["pseudo_labels"]["templates"][0]
+    assert metrics["pipeline"] == "detector"
     with open(out / "predictions.csv") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 2 * len(datalist["landmark_names"])

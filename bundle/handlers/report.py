@@ -9,10 +9,11 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 from bundle.geometry import apply_homogeneous, physical_to_datalist
-from bundle.io_utils import StagedOutputs
+from bundle.io_utils import StagedOutputs, write_json_atomic
 from bundle.metrics import DEFAULT_THRESHOLDS, radial_errors, summarize_errors
 from bundle.reporting import (
     overlay_png,
+    run_provenance,
     save_sdr_curve,
     unique_name,
     write_markups_per_image,
@@ -54,8 +55,11 @@ class LandmarkReportHandler:
         ("grid_to_physical") its ``(3, 3)`` grid-to-mm matrix; items without them get no overlay.
     At ``EPOCH_STARTED`` the collection is reset; at ``COMPLETED`` it writes ``output_dir``/metrics.json,
     predictions.csv, sdr_curve.png and overlays/<image stem>.png (2D) or <image stem>.mrk.json (3D, the
-    predictions as a 3D Slicer point list in RAS), and logs MRE and SDR. When no image has
-    a reference landmark (inference on new images), only predictions.csv and the overlays are written.
+    predictions as a 3D Slicer point list in RAS), and logs MRE and SDR. When no image has a reference landmark
+    (inference on new images), predictions.csv, the overlays (markups) and provenance.json are written.
+    metrics.json and provenance.json say what made the predictions (:func:`bundle.reporting.run_provenance`):
+    ``pipeline``, the ``template`` images (set by :class:`bundle.handlers.templates.TemplateHandler` when the
+    templates are chosen as the run starts), ``pseudo_templates`` and ``checkpoint``.
     Everything is written at ``COMPLETED`` (the overlays drawn as their images come, kept in memory) into a
     staging folder beside ``output_dir``, which replaces the previous run's report files only when complete
     (:class:`bundle.io_utils.StagedOutputs`): after a failure ``output_dir`` is as it was, and files that no
@@ -68,6 +72,8 @@ class LandmarkReportHandler:
         landmark_names: Sequence[str],
         template: str | Sequence[str] = "",
         checkpoint: str = "",
+        pipeline: str = "templates",
+        pseudo_templates: Sequence[str] = (),
         thresholds: Sequence[float] = DEFAULT_THRESHOLDS,
         overlays: bool = True,
         pred_key: str = "pred",
@@ -81,8 +87,10 @@ class LandmarkReportHandler:
         self.output_dir = Path(output_dir)
         self.landmark_names = [str(n) for n in landmark_names]
         self.template = template
-        self.pseudo_templates: list[str] = []  # those of the templates labelled by matching (TemplateHandler)
+        self.pseudo_templates = list(pseudo_templates)  # those of the templates labelled by matching
         self.checkpoint = checkpoint
+        self.pipeline = pipeline
+        run_provenance(pipeline, template, checkpoint)  # a pipeline name no report knows fails now, not at the end
         self.thresholds = tuple(float(t) for t in thresholds)
         self.overlays = overlays
         self.pred_key, self.label_key, self.spacing_key = pred_key, label_key, spacing_key
@@ -204,9 +212,11 @@ class LandmarkReportHandler:
             write_png(folder / "overlays" / name, png)
         if preds.shape[-1] == 3:
             write_markups_per_image(folder, self.records, self.landmark_names)
+        provenance = run_provenance(self.pipeline, self.template, self.checkpoint, self.pseudo_templates)
         if np.isnan(refs).all():  # inference on unlabelled images: predictions only
+            write_json_atomic(folder / "provenance.json", {**provenance, "n_images": len(self.records)})
             return {"n_images": len(self.records)}
         summary = summarize_errors(errors_mm, errors_px, self.thresholds, self.landmark_names)
-        write_metrics_json(folder / "metrics.json", summary, self.template, self.checkpoint, self.pseudo_templates)
+        write_metrics_json(folder / "metrics.json", summary, provenance)
         save_sdr_curve(folder / "sdr_curve.png", errors_mm, marks=self.thresholds)
         return summary

@@ -37,7 +37,8 @@ def compute_template(
 
     ``preprocessing`` is the inference pipeline (it must end with ``LandmarkTargetsd``, as the configs'
     do), so the features are those the inference sees; ``network`` gives multi-scale features (eval mode
-    is set here). A landmark an item lacks is NaN in ``queries``.
+    is set here). A landmark an item lacks is NaN in ``queries``. ``pseudo_sources`` names the items marked
+    ``pseudo_label`` (pseudo-templates).
     """
     if not items:
         raise ValueError("compute_template needs at least one annotated item")
@@ -65,6 +66,7 @@ def compute_template(
             "spatial_dims": len(grid_size),
             "grid_size": list(grid_size),
             "sources": [Path(str(it["image"])).name for it in items],
+            "pseudo_sources": [Path(str(it["image"])).name for it in items if it.get("pseudo_label")],
             "checkpoint_sha256": file_sha256(checkpoint) if checkpoint is not None else "",
         }
     )
