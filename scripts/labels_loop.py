@@ -3,7 +3,8 @@
 Run from the repository root (needs ``make monailabel``)::
 
     python -m scripts.labels_loop --datalist runs/hamedan/protocol.json --out runs/labels_loop \\
-        [--steps "[1,3,5,10]"] [--heldout 30] [--train "{}"] [--threads null]
+        [--steps "[1,3,5,10]"] [--heldout 30] [--train "{}"] [--threads null] \\
+        [--server_datalist D --unlabelled 30 --detector false]
 
 A MONAI Label server of the app as a user starts it (no ``--conf``: the shipped weights and their built-in
 templates) over copies of the datalist's labelled training images that are not among the built-in templates is
@@ -13,6 +14,9 @@ asked to train the detector (``{"network": "detector"}`` and the ``--train`` key
 which it publishes only when it scores better on its held-out labels. Before the first label, after saving the
 labels of a step and after its training, every held-out image (the datalist's ``test`` items, uploaded: the server
 never sees their labels) is suggested and scored against its reference in mm (the datalist's spacing).
+``--server_datalist D`` starts the server with ``--conf datalist D`` instead (a new anatomy's loop: D's template
+before the first label, the saved labels alone after it), and ``--unlabelled N`` adds N unlabelled images to the
+studies folder, of which the app makes pseudo-templates while the saved labels are few (``run``).
 
 Writes ``OUT/learning_curve.json`` (after every evaluation, so a stopped run keeps what it measured) and
 ``OUT/learning_curve.png``, and prints the table: labels, what the server served (predictor, templates), MRE,
@@ -142,6 +146,18 @@ def plot(runs: dict[str, Sequence[dict]], path: Path) -> Path:
     return path
 
 
+def wait_for_pseudo_templates(client, image: str, timeout_s: float) -> float | None:
+    """Seconds until a suggestion for ``image`` names pseudo-templates (the app computes them in the background after
+    the labels change), None when none came within ``timeout_s`` (they do not apply, or are slow)."""
+    started = time.monotonic()
+    while time.monotonic() < started + timeout_s:
+        _, reply = client.infer("landmarks", "", {}, file=image)
+        if any(t["source"] == "pseudo" for t in reply["templates"]):
+            return time.monotonic() - started
+        time.sleep(2)
+    return None
+
+
 def run(
     datalist: str,
     out: str = "runs/labels_loop",
@@ -150,13 +166,24 @@ def run(
     train: dict | None = None,
     threads: int | None = None,
     detector: bool = True,
+    server_datalist: str | None = None,
+    unlabelled: int = 0,
+    pseudo_wait_s: float = 600,
 ) -> Path:
     """The loop (module doc); returns the path of ``learning_curve.json``. ``detector=False`` requests no detector
-    training (the suggestions of template matching alone, minutes instead of hours)."""
+    training (the suggestions of template matching alone, minutes instead of hours).
+
+    ``server_datalist``: the server's ``--conf datalist`` (its templates stand in before the first label, and no
+    built-in template joins the saved labels: the loop of a new anatomy). ``unlabelled``: that many of the datalist's
+    training images that the loop never labels are copied into the studies folder too, unlabelled: with few saved
+    labels the app makes pseudo-templates of them, and each step waits for them (up to ``pseudo_wait_s``) before it
+    scores (``pseudo_ready_s`` in the row)."""
     detector = as_flag(detector, "detector")  # the command line gives "false" as a string
     data = load_datalist(datalist)
     names = list(data["landmark_names"])
-    builtin = {Path(s).stem for s in load_template(ROOT / "models/template_features.pt")["sources"]}
+    builtin = set()
+    if not server_datalist:
+        builtin = {Path(s).stem for s in load_template(ROOT / "models/template_features.pt")["sources"]}
     pool = [it for it in data["training"] if it.get("landmarks") and Path(it["image"]).stem not in builtin]
     steps = sorted(int(n) for n in steps)
     if len(pool) < steps[-1]:
@@ -170,7 +197,9 @@ def run(
     shutil.rmtree(work / "server", ignore_errors=True)
     studies = work / "server" / "studies"
     studies.mkdir(parents=True)
-    for item in pool[: steps[-1]]:
+    labelled = {it["image"] for it in pool[: steps[-1]]}
+    extra = [it for it in data["training"] if it["image"] not in labelled][: int(unlabelled)]
+    for item in pool[: steps[-1]] + extra:
         shutil.copy(item["image"], studies)
     (work / "labels").mkdir(exist_ok=True)
     rows: list[dict] = []
@@ -187,7 +216,8 @@ def run(
             flush=True,
         )
 
-    with serving(work / "server", studies, threads=threads) as server:
+    conf = ("datalist", str(Path(server_datalist).resolve())) if server_datalist else ()
+    with serving(work / "server", studies, conf, threads=threads) as server:
         client = server["client"]
         served_names = list(server["info"]["models"]["landmarks"]["labels"])
         if served_names != names:
@@ -201,14 +231,11 @@ def run(
                 label = point_list(work / "labels" / f"{stem}.mrk.json", names, item["landmarks"])
                 client.save_label(stem, str(label), tag="final")
             saved = n
-            record(
-                {
-                    "labels": n,
-                    "stage": "labels saved",
-                    "step_s": time.monotonic() - started,
-                    **score(client, held, names),
-                }
-            )
+            step_s = time.monotonic() - started
+            pseudo = {}
+            if extra:
+                pseudo["pseudo_ready_s"] = wait_for_pseudo_templates(client, held[0]["image"], pseudo_wait_s)
+            record({"labels": n, "stage": "labels saved", "step_s": step_s, **pseudo, **score(client, held, names)})
             if detector and n >= 2:
                 trained = train_detector(client, dict(train or {}), held[0]["image"])
                 record(

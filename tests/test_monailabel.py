@@ -160,7 +160,8 @@ def server(tmp_path_factory):
     for item in datalist["test"][:4]:
         shutil.copy(item["image"], studies)
         truth[Path(item["image"]).stem] = item["landmarks"]
-    with _serving(tmp_path, studies, "datalist", str(datalist_path)) as running:
+    # pseudo-templates off: the tests below see the saved labels alone as templates (they are tested on their own)
+    with _serving(tmp_path, studies, "datalist", str(datalist_path), "pseudo_templates", "0") as running:
         yield {
             **running,
             "studies": studies,
@@ -1043,6 +1044,55 @@ def test_default_serves_the_shipped_cephalometric_model(tmp_path):
         assert joined["templates"] == [{"image": image.stem, "source": "datastore"}] + [
             {"image": Path(s).name, "source": "built-in"} for s in builtin["sources"]
         ]
+
+
+def test_one_saved_label_gets_pseudo_templates_as_the_inferring_command(tmp_path):
+    """With the app's default keys, one saved label and unlabelled datastore images: the first suggestion matches the
+    label alone and starts the pseudo-templates in the background; once they are ready, an upload's suggestion and
+    its pseudo-templates are those of ``inferring --datalist`` on the same label and unlabelled images."""
+    from bundle.data.embedded import open_datalist
+    from bundle.data.synthetic import generate_synthetic_2d
+
+    datalist_path = generate_synthetic_2d(tmp_path / "data", n_training=4, n_validation=0, n_test=1, seed=5)
+    datalist = open_datalist(datalist_path)
+    studies = tmp_path / "studies"
+    studies.mkdir()
+    for item in [datalist["template"], *datalist["training"]]:
+        shutil.copy(item["image"], studies)
+    template, upload = datalist["template"], Path(datalist["test"][0]["image"])  # the upload is not in the datastore
+    unlabelled = sorted(Path(it["image"]).stem for it in datalist["training"])
+    names = list(datalist["landmark_names"])
+    with _serving(tmp_path, studies, "datalist", str(datalist_path)) as running:
+        label = _mrk_json(tmp_path / "label.mrk.json", names, template["landmarks"])
+        running["client"].save_label(Path(template["image"]).stem, str(label), tag="final")
+        _, first = running["client"].infer("landmarks", "", {}, file=str(upload))
+        assert first["templates"] == [{"image": "template", "source": "datastore"}], first["templates"]
+        deadline = time.monotonic() + 120
+        while True:
+            _, reply = running["client"].infer("landmarks", "", {}, file=str(upload))
+            if any(t["source"] == "pseudo" for t in reply["templates"]) or time.monotonic() > deadline:
+                break
+            time.sleep(2)
+        pseudo = [t["image"] for t in reply["templates"] if t["source"] == "pseudo"]
+        assert reply["templates"][0] == {"image": "template", "source": "datastore"}
+        assert sorted(pseudo) == unlabelled, (reply["templates"], running["log"].read_text()[-3000:])
+    # the same label and unlabelled images as a datalist, for the command line
+    command_datalist = tmp_path / "command.json"
+    command_datalist.write_text(
+        json.dumps(
+            {
+                "spatial_dims": 2,
+                "landmark_names": names,
+                "templates": [{"image": str(studies / "template.png"), "landmarks": template["landmarks"]}],
+                "training": [{"image": str(studies / f"{stem}.png")} for stem in unlabelled],
+            }
+        )
+    )
+    expected = _cli_predictions(upload, command_datalist, tmp_path / "cli")
+    provenance = json.loads((tmp_path / "cli" / "provenance.json").read_text())
+    assert [Path(p).stem for p in provenance["pseudo_templates"]] == pseudo
+    for name in names:
+        np.testing.assert_allclose(reply["landmarks"][name], expected[name], atol=1e-3, err_msg=name)
 
 
 def test_labels_loop_drives_the_server_through_the_annotation_loop(tmp_path):

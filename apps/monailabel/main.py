@@ -29,6 +29,8 @@ shipped weights, 19 cephalometric landmarks, as the ``inferring`` command uses t
 ``ckpt_path`` (default: the shipped 2D weights; 3D: ``output/models/ct3d/model.pt``, where the default 3D
 training writes), ``epochs``,
 ``predictor`` (``auto``: the detector once one is published, else template matching; ``detector``; ``templates``),
+``pseudo_templates`` (default: the bundle's, 20; 0: none): how many pseudo-templates join few saved labels (the
+infer task computes them in the background after the labels change),
 ``device`` (``cpu``, ``cuda``, ``cuda:N``; default ``cuda`` when available, else ``cpu``; one this machine lacks
 stops the start naming it): where the server infers and scores and the bundle trains, one stage-1 network on it.
 """
@@ -90,6 +92,7 @@ class LandmarkApp(MONAILabelApp):
             conf.get("ckpt_path"),
             self.model_dir,
             conf.get("device"),
+            conf.get("pseudo_templates"),
         )
         self.train_defaults = {"epochs": int(conf.get("epochs", 10))}
         self.predictor = conf.get("predictor", "auto")

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from bundle.checkpoints import load_weights
 from bundle.command_errors import root_cause
-from bundle.configs import bundle_parser, config_files
+from bundle.configs import as_number, bundle_parser, config_files
 from bundle.data.datalist import DatalistError, read_json
 from bundle.data.dicom import dicom_tags
 from bundle.data.markups import ControlPoint, read_markups
@@ -30,6 +30,7 @@ from bundle.inferers.oneshot import OneShotInferer, TemplateFeatureInferer
 from bundle.io_utils import write_json_atomic
 from bundle.template_file import join_templates, load_template
 from bundle.templates.features import compute_template
+from bundle.templates.resolution import resolve_templates
 from bundle.transforms.landmarks import LandmarkTargets
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ IMAGE_EXTENSIONS = (
 # ".json" first: the datastore keeps the LAST matching extension, so "a.mrk.json" gets ".mrk.json"
 LABEL_EXTENSIONS = ("*.json", "*.mrk.json", "*.fcsv")
 FINAL_TAG = "final"
+ITEM_KEYS = ("image", "landmarks", "spacing", "id")  # what of a datastore item a template needs (not its label file)
 BUILTIN_TEMPLATES = "models/template_features.pt"  # the shipped weights' cephalometric templates (inference.yaml)
 # how corrected landmarks reach the server from 3D Slicer: its MONAILabel module's "Submit Label" sends only ROI boxes
 # for a detection model (MONAILabelWidget.onGenerateJSONFromMulipltROIs), never a point list (docs/monailabel.md)
@@ -143,13 +145,15 @@ class BundleContext:
         shipped_ckpt: Path | None,
         model_dir: Path,
         device: str | None = None,
+        pseudo_templates: str | int | None = None,
     ) -> None:
         """``datalist``: the bundle's templates and landmark names come from it; None: the built-in templates
         (``models/template_features.pt``, the shipped weights' features of the cephalometric templates, with their
         19 names), as the ``inferring`` command uses them. ``shipped_ckpt``: the weights served until a training
         publishes others; None: the evaluation config's ``ckpt_path`` (2D: the shipped ``models/model.pt``; 3D:
         ``output/models/ct3d/model.pt``, where the default 3D training writes). ``device``: see
-        :func:`resolve_device`."""
+        :func:`resolve_device`. ``pseudo_templates``: how many pseudo-templates join few saved labels
+        (:meth:`pseudo_templates`; None: the evaluation config's ``pseudo_templates``, 0: none)."""
         self.device = resolve_device(device)
         self.bundle_root = Path(bundle_root)
         self.datalist = Path(datalist).resolve() if datalist else None
@@ -169,6 +173,13 @@ class BundleContext:
         self.overrides: dict[str, Any] = {"device": device_expression(self.device)}
         if self.datalist:
             self.overrides["datalist"] = str(self.datalist)
+        if pseudo_templates is not None:
+            self.overrides["pseudo_templates"] = as_number(
+                int(pseudo_templates) if str(pseudo_templates).strip().isdigit() else pseudo_templates,
+                "conf pseudo_templates",
+                minimum=0,
+                integer=True,
+            )
         overrides = dict(self.overrides)
         if shipped_ckpt is not None:
             overrides["ckpt_path"] = str(shipped_ckpt)
@@ -186,6 +197,17 @@ class BundleContext:
             self.parser["landmark_names"] = self.overrides["landmark_names"]
         self.names: list[str] = list(self.parser.get_parsed_content("landmark_names"))
         self.template_combine = str(self.parser.get_parsed_content("template_combine"))
+        # the keyword arguments of bundle.templates.resolution.resolve_templates that make pseudo-templates
+        self.pseudo_choice = {
+            "rule": self.parser.get_parsed_content("template_rule"),
+            "pseudo_candidates": self.parser.get_parsed_content("pseudo_candidates"),
+            "pseudo_templates": self.parser.get_parsed_content("pseudo_templates"),
+            "pseudo_max_labelled": self.parser.get_parsed_content("pseudo_max_labelled"),
+            "cycle_tolerance": self.parser.get_parsed_content("pseudo_cycle_tolerance"),
+            "combine": self.template_combine,
+        }
+        self._pseudo: tuple[tuple, list[dict]] | None = None  # (weights and labels, their pseudo-templates)
+        self._pseudo_running: tuple | None = None  # the weights and labels whose pseudo-templates are being computed
         self._preprocessing = None
         self._network = None  # the stage-1 network of the device, and the file whose weights it holds
         self._network_key = None
@@ -319,6 +341,57 @@ class BundleContext:
         items = [dict(it, source="datastore") for it in labelled if it.get("id") != exclude]
         return items or [dict(it, source="bundle") for it in self.bundle_templates()]
 
+    def pseudo_templates(
+        self, labelled: Sequence[dict], unlabelled: Sequence[dict], checkpoint: str | Path
+    ) -> list[dict]:
+        """Pseudo-templates that join few saved labels, as the evaluating command adds them: the unlabelled datastore
+        images (the first ``pseudo_candidates``, sorted ids) labelled by matching from the ``labelled`` ones, the
+        ``pseudo_templates`` most reliable kept (:func:`bundle.templates.resolution.resolve_templates` with the
+        evaluation config's keys), each with ``source`` ``"pseudo"``.
+
+        They take many network passes, so they are computed in a background thread, on a network of their own, once
+        per weights and label set; until they are ready this returns [] and suggestions match the saved labels
+        alone. Also [] where they do not apply: ``pseudo_templates`` 0, no saved label or more than
+        ``pseudo_max_labelled``, no unlabelled image, or the built-in templates joining the saved labels.
+        """
+        choice = self.pseudo_choice
+        limit = choice["pseudo_max_labelled"]
+        if (
+            not labelled
+            or not unlabelled
+            or choice["pseudo_templates"] == 0
+            or (limit is not None and len(labelled) > as_number(limit, "pseudo_max_labelled", 0, integer=True))
+            or self.builtin_template(checkpoint) is not None
+        ):
+            return []
+        key = (file_key(checkpoint), tuple((it["id"], json.dumps(it["landmarks"])) for it in labelled))
+        with self._lock:
+            if self._pseudo is not None and self._pseudo[0] == key:
+                return self._pseudo[1]
+            if self._pseudo_running != key:
+                self._pseudo_running = key
+                plain = [[{k: it[k] for k in ITEM_KEYS if k in it} for it in part] for part in (labelled, unlabelled)]
+                args = (key, *plain, Path(checkpoint))
+                threading.Thread(target=self._compute_pseudo, args=args, name="pseudo-templates", daemon=True).start()
+        return []
+
+    def _compute_pseudo(self, key: tuple, labelled: list[dict], unlabelled: list[dict], checkpoint: Path) -> None:
+        """The body of :meth:`pseudo_templates`' thread; its result is kept only while ``key`` is still wanted."""
+        try:
+            with self._lock:
+                network = self.parser.get_parsed_content("network_def", lazy=False)
+            network = load_weights(network, checkpoint, self.device).eval()
+            datalist = {"templates": labelled, "training": unlabelled}
+            items = resolve_templates(datalist, network, self.preprocessing, self.device, **self.pseudo_choice)
+            pseudo = [dict(it, source="pseudo") for it in items if it.get("pseudo_label")]
+            logger.info(f"pseudo-templates of {len(labelled)} saved label(s): {[it['id'] for it in pseudo]}")
+        except Exception:  # a failure leaves the saved labels alone as templates
+            logger.exception("pseudo-templates not computed")
+            pseudo = []
+        with self._lock:
+            if self._pseudo_running == key:
+                self._pseudo, self._pseudo_running = (key, pseudo), None
+
     def template_inferer(
         self, items: Sequence[dict], checkpoint: str | Path, network: torch.nn.Module
     ) -> tuple[TemplateFeatureInferer, list[dict]]:
@@ -338,7 +411,7 @@ class BundleContext:
             for item in items:
                 key = (item["image"], json.dumps(item["landmarks"]))
                 if key not in self._item_features:
-                    plain = {k: v for k, v in item.items() if k in ("image", "landmarks", "spacing")}
+                    plain = {k: v for k, v in item.items() if k in ITEM_KEYS}
                     self._item_features[key] = compute_template(
                         network, [plain], self.preprocessing, self.names, self.device, checkpoint
                     )

@@ -5,7 +5,11 @@ No input from the user. Templates (k-shot), their predictions combined per landm
 datastore's images with a saved label (tag ``final``, a 3D Slicer ``.mrk.json`` / ``.fcsv``) but the image being
 inferred, else the bundle's templates (``evaluate#templates`` of the configured datalist, resolved on the first
 request and cached); without a datalist, the built-in template features join them while the shipped weights are
-served. Template features are computed once per weights and label. The reply names the templates it used.
+served. With few saved labels (at most the bundle's ``pseudo_max_labelled``) and no built-in template joining them,
+pseudo-templates join them as in the evaluating command: unlabelled datastore images labelled by matching
+(``BundleContext.pseudo_templates``), computed in the background after the labels change, so the first suggestions
+after a save match the saved labels alone. Template features are computed once per weights and label. The reply
+names the templates it used, each with its ``source`` (``datastore``, ``pseudo``, ``bundle``, ``built-in``).
 
 Once the train task has published a stage-2 heatmap detector (``model/detector.pt``, trained on the saved labels),
 the detector is served instead: one forward pass (``bundle.inferers.heatmap.HeatmapInferer``), no template. The reply's
@@ -132,11 +136,12 @@ class LandmarkInferTask(InferTask):
             )
         return wanted
 
-    def _labelled(self) -> list[dict]:
-        """The datastore's images with a saved label."""
+    def _datastore_items(self) -> tuple[list[dict], list[dict]]:
+        """The datastore's images with a saved label, and those without."""
         if self.datastore is None:
-            return []
-        return self.context.datastore_items(self.datastore(), with_labels_only=True)
+            return [], []
+        items = self.context.datastore_items(self.datastore())
+        return [it for it in items if it.get("landmarks")], [it for it in items if not it.get("landmarks")]
 
     def __call__(self, request: dict) -> tuple[str, dict]:
         image = request.get("image")
@@ -158,7 +163,11 @@ class LandmarkInferTask(InferTask):
             else:
                 # one checkpoint for the whole request: the train task may publish new weights meanwhile
                 checkpoint = self.context.served_checkpoint()
-                items = self.context.templates(self._labelled(), exclude=request.get("image_id"))
+                labelled, unlabelled = self._datastore_items()
+                items = self.context.templates(labelled, exclude=request.get("image_id"))
+                if items and items[0]["source"] == "datastore":  # few saved labels: pseudo-templates join them
+                    pseudo = self.context.pseudo_templates(labelled, unlabelled, checkpoint)
+                    items += [it for it in pseudo if it["id"] != request.get("image_id")]
                 batch = torch.as_tensor(data["image"]).unsqueeze(0).to(self.context.device)
                 g2p = torch.as_tensor(data["grid_to_physical"]).unsqueeze(0).to(self.context.device)
                 with self.context.network(checkpoint) as network:
