@@ -121,6 +121,22 @@ def _cli_predictions(image: Path, datalist: Path | None, out: Path) -> dict[str,
         return {r["landmark"]: (float(r["x"]), float(r["y"])) for r in csv.DictReader(f)}
 
 
+def _cli_evaluation(datalist: Path, out: Path) -> dict:
+    """The bundle's evaluating command on ``datalist`` (its defaults): its metrics.json."""
+    command = [sys.executable, "-m", "monai.bundle", "run", "evaluating", "--config_file"]
+    command += [json.dumps(config_files("evaluate")), "--datalist", str(datalist), "--output_dir", str(out)]
+    done = subprocess.run(
+        [*command, "--overlays", "false"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads((out / "metrics.json").read_text())
+
+
 def _mrk_json(path: Path, names: list[str], points: list) -> Path:
     """A Slicer point list over a PNG: pixel (x, y) at LPS (x, y, 0)."""
     from bundle.data.markups import ControlPoint, write_mrk_json
@@ -1046,10 +1062,20 @@ def test_default_serves_the_shipped_cephalometric_model(tmp_path):
         ]
 
 
-def test_one_saved_label_gets_pseudo_templates_as_the_inferring_command(tmp_path):
-    """With the app's default keys, one saved label and unlabelled datastore images: the first suggestion matches the
-    label alone and starts the pseudo-templates in the background; once they are ready, an upload's suggestion and
-    its pseudo-templates are those of ``inferring --datalist`` on the same label and unlabelled images."""
+def _command_datalist(path: Path, names: list, templates: list, unlabelled: list, test: list = ()) -> Path:
+    """A datalist of saved labels as ``templates`` and the unlabelled datastore images as ``training`` (the
+    command line's view of the app's datastore)."""
+    content = {"spatial_dims": 2, "landmark_names": names, "templates": templates, "training": unlabelled}
+    path.write_text(json.dumps({**content, "test": list(test)} if test else content))
+    return path
+
+
+def test_few_saved_labels_get_pseudo_templates_as_the_commands_make_them(tmp_path):
+    """With the app's default keys and unlabelled datastore images: the first suggestion after a saved label matches
+    the label alone and starts the pseudo-templates in the background; once they are ready, an upload's suggestion
+    and its pseudo-templates are those of ``inferring --datalist`` on the same label and unlabelled images. With two
+    labels, the detector training scores template matching on its held-out label as the evaluating command scores
+    it from the other label and its pseudo-templates."""
     from bundle.data.embedded import open_datalist
     from bundle.data.synthetic import generate_synthetic_2d
 
@@ -1059,40 +1085,55 @@ def test_one_saved_label_gets_pseudo_templates_as_the_inferring_command(tmp_path
     studies.mkdir()
     for item in [datalist["template"], *datalist["training"]]:
         shutil.copy(item["image"], studies)
-    template, upload = datalist["template"], Path(datalist["test"][0]["image"])  # the upload is not in the datastore
-    unlabelled = sorted(Path(it["image"]).stem for it in datalist["training"])
     names = list(datalist["landmark_names"])
+    # the saved labels: the template, then a training image; the upload is not in the datastore
+    saved = [(Path(it["image"]).stem, it["landmarks"]) for it in (datalist["template"], datalist["training"][0])]
+    upload = Path(datalist["test"][0]["image"])
+    unlabelled = sorted(Path(it["image"]).stem for it in datalist["training"])
+
+    def item(stem: str, landmarks: list | None = None) -> dict:
+        return {"image": str(studies / f"{stem}.png"), **({"landmarks": landmarks} if landmarks else {})}
+
     with _serving(tmp_path, studies, "datalist", str(datalist_path)) as running:
-        label = _mrk_json(tmp_path / "label.mrk.json", names, template["landmarks"])
-        running["client"].save_label(Path(template["image"]).stem, str(label), tag="final")
-        _, first = running["client"].infer("landmarks", "", {}, file=str(upload))
+        client = running["client"]
+        client.save_label(saved[0][0], str(_mrk_json(tmp_path / "label0.mrk.json", names, saved[0][1])), tag="final")
+        _, first = client.infer("landmarks", "", {}, file=str(upload))
         assert first["templates"] == [{"image": "template", "source": "datastore"}], first["templates"]
         deadline = time.monotonic() + 120
         while True:
-            _, reply = running["client"].infer("landmarks", "", {}, file=str(upload))
+            _, reply = client.infer("landmarks", "", {}, file=str(upload))
             if any(t["source"] == "pseudo" for t in reply["templates"]) or time.monotonic() > deadline:
                 break
             time.sleep(2)
         pseudo = [t["image"] for t in reply["templates"] if t["source"] == "pseudo"]
         assert reply["templates"][0] == {"image": "template", "source": "datastore"}
         assert sorted(pseudo) == unlabelled, (reply["templates"], running["log"].read_text()[-3000:])
-    # the same label and unlabelled images as a datalist, for the command line
-    command_datalist = tmp_path / "command.json"
-    command_datalist.write_text(
-        json.dumps(
-            {
-                "spatial_dims": 2,
-                "landmark_names": names,
-                "templates": [{"image": str(studies / "template.png"), "landmarks": template["landmarks"]}],
-                "training": [{"image": str(studies / f"{stem}.png")} for stem in unlabelled],
-            }
+        one_label = _command_datalist(
+            tmp_path / "one.json", names, [item(*saved[0])], [item(stem) for stem in unlabelled]
         )
+        expected = _cli_predictions(upload, one_label, tmp_path / "cli")
+        provenance = json.loads((tmp_path / "cli" / "provenance.json").read_text())
+        assert [Path(p).stem for p in provenance["pseudo_templates"]] == pseudo
+        for name in names:
+            np.testing.assert_allclose(reply["landmarks"][name], expected[name], atol=1e-3, err_msg=name)
+
+        client.save_label(saved[1][0], str(_mrk_json(tmp_path / "label1.mrk.json", names, saved[1][1])), tag="final")
+        client.train_start("landmarks", {**DETECTOR_TRAIN, "min_improvement": 1e9})
+        status = _wait_training(running)
+        assert status["status"] == "DONE", f"{status}\n{running['log'].read_text()[-4000:]}"
+        stats = client.info()["train_stats"]["landmarks"]
+    (held,) = stats["train"]["held_out"]
+    (other,) = [label for label in saved if label[0] != held]
+    two_labels = _command_datalist(
+        tmp_path / "two.json",
+        names,
+        [item(*other)],
+        [item(stem) for stem in unlabelled if stem != saved[1][0]],
+        test=[item(held, dict(saved)[held])],
     )
-    expected = _cli_predictions(upload, command_datalist, tmp_path / "cli")
-    provenance = json.loads((tmp_path / "cli" / "provenance.json").read_text())
-    assert [Path(p).stem for p in provenance["pseudo_templates"]] == pseudo
-    for name in names:
-        np.testing.assert_allclose(reply["landmarks"][name], expected[name], atol=1e-3, err_msg=name)
+    metrics = _cli_evaluation(two_labels, tmp_path / "evaluation")
+    assert len(metrics["pseudo_templates"]) == len(unlabelled) - 1  # every unlabelled image (fewer than 20)
+    assert stats["eval"]["metrics"]["mre_served"] == pytest.approx(metrics["mre_mm"], abs=1e-3)  # spacing 1: pixels
 
 
 def test_labels_loop_drives_the_server_through_the_annotation_loop(tmp_path):

@@ -341,42 +341,67 @@ class BundleContext:
         items = [dict(it, source="datastore") for it in labelled if it.get("id") != exclude]
         return items or [dict(it, source="bundle") for it in self.bundle_templates()]
 
-    def pseudo_templates(
-        self, labelled: Sequence[dict], unlabelled: Sequence[dict], checkpoint: str | Path
+    def suggestion_templates(
+        self,
+        labelled: Sequence[dict],
+        unlabelled: Sequence[dict],
+        checkpoint: str | Path,
+        exclude: str | None = None,
+        wait: bool = False,
     ) -> list[dict]:
-        """Pseudo-templates that join few saved labels, as the evaluating command adds them: the unlabelled datastore
-        images (the first ``pseudo_candidates``, sorted ids) labelled by matching from the ``labelled`` ones, the
-        ``pseudo_templates`` most reliable kept (:func:`bundle.templates.resolution.resolve_templates` with the
-        evaluation config's keys), each with ``source`` ``"pseudo"``.
+        """The templates of a suggestion with ``checkpoint``'s weights: :meth:`templates` (the saved labels but the
+        image ``exclude``, else the bundle's), and while the saved labels are few, their pseudo-templates but
+        ``exclude`` (:meth:`pseudo_templates`; ``wait``: computed now when not ready, as the train task's scoring
+        needs them, else only once the background thread has them)."""
+        items = self.templates(labelled, exclude)
+        if items and items[0]["source"] == "datastore" and self._pseudo_apply(labelled, unlabelled, checkpoint):
+            pseudo = self.pseudo_templates(labelled, unlabelled, checkpoint, wait)
+            items += [it for it in pseudo if it["id"] != exclude]
+        return items
 
-        They take many network passes, so they are computed in a background thread, on a network of their own, once
-        per weights and label set; until they are ready this returns [] and suggestions match the saved labels
-        alone. Also [] where they do not apply: ``pseudo_templates`` 0, no saved label or more than
-        ``pseudo_max_labelled``, no unlabelled image, or the built-in templates joining the saved labels.
+    def _pseudo_apply(self, labelled: Sequence[dict], unlabelled: Sequence[dict], checkpoint: str | Path) -> bool:
+        """Whether pseudo-templates join ``labelled``: ``pseudo_templates`` > 0, some saved labels but no more than
+        ``pseudo_max_labelled``, some unlabelled image, and no built-in template joining the saved labels."""
+        limit = self.pseudo_choice["pseudo_max_labelled"]
+        return bool(
+            labelled
+            and unlabelled
+            and self.pseudo_choice["pseudo_templates"] > 0
+            and (limit is None or len(labelled) <= as_number(limit, "pseudo_max_labelled", 0, integer=True))
+            and self.builtin_template(checkpoint) is None
+        )
+
+    def pseudo_templates(
+        self, labelled: Sequence[dict], unlabelled: Sequence[dict], checkpoint: str | Path, wait: bool = False
+    ) -> list[dict]:
+        """Pseudo-templates of the saved labels, as the evaluating command adds them: the unlabelled datastore images
+        (the first ``pseudo_candidates``, sorted ids) labelled by matching from ``labelled``, the ``pseudo_templates``
+        most reliable kept (:func:`bundle.templates.resolution.resolve_templates` with the evaluation config's keys),
+        each with ``source`` ``"pseudo"``; computed on a network of their own, once per weights and label set.
+
+        They take many network passes, so unless ``wait`` they are computed in a background thread: [] until they
+        are ready (suggestions meanwhile match the saved labels alone).
         """
-        choice = self.pseudo_choice
-        limit = choice["pseudo_max_labelled"]
-        if (
-            not labelled
-            or not unlabelled
-            or choice["pseudo_templates"] == 0
-            or (limit is not None and len(labelled) > as_number(limit, "pseudo_max_labelled", 0, integer=True))
-            or self.builtin_template(checkpoint) is not None
-        ):
-            return []
         key = (file_key(checkpoint), tuple((it["id"], json.dumps(it["landmarks"])) for it in labelled))
+        plain = [[{k: it[k] for k in ITEM_KEYS if k in it} for it in part] for part in (labelled, unlabelled)]
+        if wait:
+            return self._kept_pseudo(key) or self._compute_pseudo(key, *plain, Path(checkpoint))
         with self._lock:
             if self._pseudo is not None and self._pseudo[0] == key:
                 return self._pseudo[1]
             if self._pseudo_running != key:
                 self._pseudo_running = key
-                plain = [[{k: it[k] for k in ITEM_KEYS if k in it} for it in part] for part in (labelled, unlabelled)]
                 args = (key, *plain, Path(checkpoint))
                 threading.Thread(target=self._compute_pseudo, args=args, name="pseudo-templates", daemon=True).start()
         return []
 
-    def _compute_pseudo(self, key: tuple, labelled: list[dict], unlabelled: list[dict], checkpoint: Path) -> None:
-        """The body of :meth:`pseudo_templates`' thread; its result is kept only while ``key`` is still wanted."""
+    def _kept_pseudo(self, key: tuple) -> list[dict]:
+        with self._lock:
+            return self._pseudo[1] if self._pseudo is not None and self._pseudo[0] == key else []
+
+    def _compute_pseudo(self, key: tuple, labelled: list[dict], unlabelled: list[dict], checkpoint: Path) -> list[dict]:
+        """The pseudo-templates of :meth:`pseudo_templates`, kept for ``key`` unless another label set is wanted
+        meanwhile; a failure is logged and gives none (the saved labels alone stay the templates)."""
         try:
             with self._lock:
                 network = self.parser.get_parsed_content("network_def", lazy=False)
@@ -385,12 +410,13 @@ class BundleContext:
             items = resolve_templates(datalist, network, self.preprocessing, self.device, **self.pseudo_choice)
             pseudo = [dict(it, source="pseudo") for it in items if it.get("pseudo_label")]
             logger.info(f"pseudo-templates of {len(labelled)} saved label(s): {[it['id'] for it in pseudo]}")
-        except Exception:  # a failure leaves the saved labels alone as templates
+        except Exception:
             logger.exception("pseudo-templates not computed")
             pseudo = []
         with self._lock:
-            if self._pseudo_running == key:
+            if self._pseudo_running in (key, None):
                 self._pseudo, self._pseudo_running = (key, pseudo), None
+        return pseudo
 
     def template_inferer(
         self, items: Sequence[dict], checkpoint: str | Path, network: torch.nn.Module

@@ -7,7 +7,7 @@ inferred, else the bundle's templates (``evaluate#templates`` of the configured 
 request and cached); without a datalist, the built-in template features join them while the shipped weights are
 served. With few saved labels (at most the bundle's ``pseudo_max_labelled``) and no built-in template joining them,
 pseudo-templates join them as in the evaluating command: unlabelled datastore images labelled by matching
-(``BundleContext.pseudo_templates``), computed in the background after the labels change, so the first suggestions
+(``BundleContext.suggestion_templates``), computed in the background after the labels change, so the first suggestions
 after a save match the saved labels alone. Template features are computed once per weights and label. The reply
 names the templates it used, each with its ``source`` (``datastore``, ``pseudo``, ``bundle``, ``built-in``).
 
@@ -164,10 +164,7 @@ class LandmarkInferTask(InferTask):
                 # one checkpoint for the whole request: the train task may publish new weights meanwhile
                 checkpoint = self.context.served_checkpoint()
                 labelled, unlabelled = self._datastore_items()
-                items = self.context.templates(labelled, exclude=request.get("image_id"))
-                if items and items[0]["source"] == "datastore":  # few saved labels: pseudo-templates join them
-                    pseudo = self.context.pseudo_templates(labelled, unlabelled, checkpoint)
-                    items += [it for it in pseudo if it["id"] != request.get("image_id")]
+                items = self.context.suggestion_templates(labelled, unlabelled, checkpoint, request.get("image_id"))
                 batch = torch.as_tensor(data["image"]).unsqueeze(0).to(self.context.device)
                 g2p = torch.as_tensor(data["grid_to_physical"]).unsqueeze(0).to(self.context.device)
                 with self.context.network(checkpoint) as network:

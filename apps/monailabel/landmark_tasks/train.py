@@ -588,12 +588,23 @@ class BundleTrainTask(TrainTask):
             scored_on = f"{len(held)} held-out labelled images, the served detector and the new one"
         else:
             served_predictor = "templates"
-            cases = [(it, context.templates(list(labelled.values()), exclude=it["id"])) for it in held]
+            # each held-out image from what the infer task would match it with, had it not been labelled: the other
+            # saved labels and, while they are few, their pseudo-templates
+            unlabelled = [it for it in items if not it.get("landmarks")]
+            cases = [
+                (
+                    it,
+                    context.suggestion_templates(
+                        [o for o in labelled.values() if o is not it], unlabelled, stage1, wait=True
+                    ),
+                )
+                for it in held
+            ]
             old = score_checkpoint(context, stage1, cases)
             kept = f"template matching ({stage1})"
             scored_on = (
                 f"{len(held)} held-out labelled images: the new detector, and template matching from the other "
-                "templates (leave-one-out)"
+                "templates (leave-one-out; with their pseudo-templates while the labels are few)"
             )
         published, decision = publication(new, old, kept, **rule)
         if published and rule["publish"] != "always" and len(held) < min_held_out:
