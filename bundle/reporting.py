@@ -31,6 +31,13 @@ AXES = ("x", "y", "z")
 PIPELINES = ("templates", "detector")
 
 
+def check_pipeline(pipeline: str) -> str:
+    """``pipeline`` when it is one of :data:`PIPELINES`, else ValueError naming it."""
+    if pipeline not in PIPELINES:
+        raise ValueError(f"pipeline must be one of {PIPELINES}, got {pipeline!r}")
+    return pipeline
+
+
 def run_provenance(
     pipeline: str, template: str | Sequence[str], checkpoint: str, pseudo_templates: Sequence[str] = ()
 ) -> dict[str, Any]:
@@ -38,8 +45,7 @@ def run_provenance(
     heatmap detector), ``template`` (the first template image; for a detector the stage-1 template(s) that made its
     pseudo-labels, "" for human labels), ``templates`` (the whole list, when it holds more than one),
     ``pseudo_templates`` (those of them whose landmarks were labelled by matching, when any) and ``checkpoint``."""
-    if pipeline not in PIPELINES:
-        raise ValueError(f"pipeline must be one of {PIPELINES}, got {pipeline!r}")
+    check_pipeline(pipeline)
     templates = [str(template)] if isinstance(template, (str, os.PathLike)) else [str(t) for t in template]
     templates = [t for t in templates if t]
     return {

@@ -97,7 +97,9 @@ def build(
         choice = dict(parser.get_parsed_content("template_choice"), rule=rule, max_templates=max_templates)
         items = resolve_templates(data, network, preprocessing, device_, **choice)
     template = compute_template(network, items, preprocessing, data["landmark_names"], device_, checkpoint)
-    template["sources"] = [f"{data.get('name', Path(datalist).stem)}/{Path(it['image']).name}" for it in items]
+    prefix = data.get("name", Path(datalist).stem)
+    for key in ("sources", "pseudo_sources"):  # named by the datalist too, the pseudo-templates among them
+        template[key] = [f"{prefix}/{Path(name).name}" for name in template.get(key, [])]
     path = save_template(output, template)
     valid = (~torch.isnan(template["queries"]).any(-1).any(-1)).sum(1).tolist()
     print(

@@ -33,7 +33,7 @@ from typing import Any, Sequence
 
 import fire
 import numpy as np
-from bundle.configs import as_flag
+from bundle.configs import as_flag, bundle_parser, config_files
 from bundle.data.datalist import load_datalist
 from bundle.data.markups import ControlPoint, write_mrk_json
 from bundle.io_utils import atomic_path, write_json_atomic
@@ -176,9 +176,13 @@ def run(
     ``server_datalist``: the server's ``--conf datalist`` (its templates stand in before the first label, and no
     built-in template joins the saved labels: the loop of a new anatomy). ``unlabelled``: that many of the datalist's
     training images that the loop never labels are copied into the studies folder too, unlabelled: with few saved
-    labels the app makes pseudo-templates of them, and each step waits for them (up to ``pseudo_wait_s``) before it
-    scores (``pseudo_ready_s`` in the row)."""
+    labels (at most the bundle's ``pseudo_max_labelled``) the app makes pseudo-templates of them, and each such step
+    waits for them (up to ``pseudo_wait_s``) before it scores (``pseudo_ready_s`` in the row)."""
     detector = as_flag(detector, "detector")  # the command line gives "false" as a string
+    if unlabelled and not server_datalist:
+        raise ValueError(
+            "--unlabelled needs --server_datalist: beside the built-in templates no pseudo-template is made"
+        )
     data = load_datalist(datalist)
     names = list(data["landmark_names"])
     builtin = set()
@@ -217,6 +221,7 @@ def run(
         )
 
     conf = ("datalist", str(Path(server_datalist).resolve())) if server_datalist else ()
+    pseudo_max_labelled = bundle_parser(config_files("evaluate"), ROOT).get_parsed_content("pseudo_max_labelled")
     with serving(work / "server", studies, conf, threads=threads) as server:
         client = server["client"]
         served_names = list(server["info"]["models"]["landmarks"]["labels"])
@@ -233,7 +238,7 @@ def run(
             saved = n
             step_s = time.monotonic() - started
             pseudo = {}
-            if extra:
+            if extra and (pseudo_max_labelled is None or n <= pseudo_max_labelled):
                 pseudo["pseudo_ready_s"] = wait_for_pseudo_templates(client, held[0]["image"], pseudo_wait_s)
             record({"labels": n, "stage": "labels saved", "step_s": step_s, **pseudo, **score(client, held, names)})
             if detector and n >= 2:

@@ -31,6 +31,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -131,6 +132,10 @@ def device(work: str, datalist: str, studies: str, template_id: str, template_la
     out["networks_after_infer"] = networks()  # the bundle's template choice and the inference
     app.datastore().save_label(template_id, template_label, "final", {})
     app.infer({"model": "landmarks", "image": target})
+    # that suggestion started the pseudo-templates of the saved label, on the background worker's own network,
+    # which is gone with the worker
+    while app.context._pseudo_worker is not None:
+        time.sleep(0.1)
     tiny = {"epochs": 1, "epoch_length": 1, "batch_size": 1, "image_size": [64, 64], "crop_size": [32, 32]}
     out["train_device"] = app.train({"model": "landmarks", **tiny, "num_queries": 4})["device"]
     out["networks_after_train"] = networks()  # the old and new weights scored here too

@@ -94,9 +94,23 @@ def _multipart(field: str, path: Path, filename: str | None = None) -> tuple[byt
     return body, {"Content-Type": f"multipart/form-data; boundary={boundary}"}
 
 
-def _cli_predictions(image: Path, datalist: Path | None, out: Path) -> dict[str, tuple[float, float]]:
+def _checked(command: list, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``command`` run to its end with one OpenMP thread; its failure is the test's, with its stderr's tail."""
+    done = subprocess.run(
+        [str(c) for c in command],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done
+
+
+def _cli_predictions(image: Path, datalist: Path | None, out: Path, *args: str) -> dict[str, tuple[float, float]]:
     """The bundle's own command-line inference on ``image`` (the reference the server must match), with the
-    templates of ``datalist`` (None: the built-in ones)."""
+    templates of ``datalist`` (None: the built-in ones) and the further command-line ``args``."""
     command = [
         sys.executable,
         "-m",
@@ -112,11 +126,9 @@ def _cli_predictions(image: Path, datalist: Path | None, out: Path) -> dict[str,
         str(out),
         "--overlays",
         "False",
+        *args,
     ]
-    done = subprocess.run(
-        command, cwd=ROOT, capture_output=True, text=True, timeout=180, env=dict(os.environ, OMP_NUM_THREADS="1")
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    _checked(command, ROOT, timeout=180)
     with open(out / "predictions.csv") as f:
         return {r["landmark"]: (float(r["x"]), float(r["y"])) for r in csv.DictReader(f)}
 
@@ -124,16 +136,16 @@ def _cli_predictions(image: Path, datalist: Path | None, out: Path) -> dict[str,
 def _cli_evaluation(datalist: Path, out: Path) -> dict:
     """The bundle's evaluating command on ``datalist`` (its defaults): its metrics.json."""
     command = [sys.executable, "-m", "monai.bundle", "run", "evaluating", "--config_file"]
-    command += [json.dumps(config_files("evaluate")), "--datalist", str(datalist), "--output_dir", str(out)]
-    done = subprocess.run(
-        [*command, "--overlays", "false"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
+    command += [
+        json.dumps(config_files("evaluate")),
+        "--datalist",
+        datalist,
+        "--output_dir",
+        out,
+        "--overlays",
+        "false",
+    ]
+    _checked(command, ROOT, timeout=300)
     return json.loads((out / "metrics.json").read_text())
 
 
@@ -217,7 +229,8 @@ def test_upload_suggests_the_bundle_command_line_landmarks(server):
     names = server["info"]["models"]["landmarks"]["labels"]
     image = sorted(server["studies"].glob("*.png"))[0]
     out, result = server["client"].infer("landmarks", "", {}, file=str(image))
-    reference = _cli_predictions(image, server["datalist"], server["work"] / "cli")
+    # the server's datalist templates, without pseudo-templates as the module's server is configured
+    reference = _cli_predictions(image, server["datalist"], server["work"] / "cli", "--pseudo_templates", "0")
     assert list(result["landmarks"]) == list(names) == list(reference)
     for name in names:
         assert result["landmarks"][name] == pytest.approx(reference[name], abs=1e-3), name
@@ -848,16 +861,7 @@ def _in_process(tmp_path: Path, scenario: str, *args) -> dict:
     """Run a scenario of tests/monailabel_inprocess.py in the MONAI Label environment (working folder
     ``tmp_path/work``); its printed result."""
     (tmp_path / "work").mkdir()
-    command = [str(PYTHON), str(ROOT / "tests" / "monailabel_inprocess.py"), scenario, str(tmp_path / "work")]
-    done = subprocess.run(
-        command + [str(a) for a in args],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
+    done = _checked([PYTHON, ROOT / "tests" / "monailabel_inprocess.py", scenario, tmp_path / "work", *args], tmp_path)
     return json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
 
 
@@ -902,7 +906,8 @@ def test_dicomweb_series_gives_the_png_landmarks(tmp_path):
 def test_one_network_on_the_configured_device(tmp_path):
     """``--conf device``: a device this machine lacks is refused at start naming it; on ``cpu`` the infer task
     and the trainer record it, and one stage-1 network serves inference, the template choice and the scoring
-    of a training in the server's process (in-process, tests/monailabel_inprocess.py)."""
+    of a training in the server's process (in-process, tests/monailabel_inprocess.py); the pseudo-template worker's
+    own network is gone once it has finished."""
     from bundle.data.embedded import open_datalist
     from bundle.data.synthetic import generate_synthetic_2d
 

@@ -30,7 +30,7 @@ shipped weights, 19 cephalometric landmarks, as the ``inferring`` command uses t
 training writes), ``epochs``,
 ``predictor`` (``auto``: the detector once one is published, else template matching; ``detector``; ``templates``),
 ``pseudo_templates`` (default: the bundle's, 20; 0: none): how many pseudo-templates join few saved labels (the
-infer task computes them in the background after the labels change),
+infer task computes them in the background after the labels change) or the datalist's few templates,
 ``device`` (``cpu``, ``cuda``, ``cuda:N``; default ``cuda`` when available, else ``cpu``; one this machine lacks
 stops the start naming it): where the server infers and scores and the bundle trains, one stage-1 network on it.
 """

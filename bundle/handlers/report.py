@@ -12,6 +12,7 @@ from bundle.geometry import apply_homogeneous, physical_to_datalist
 from bundle.io_utils import StagedOutputs, write_json_atomic
 from bundle.metrics import DEFAULT_THRESHOLDS, radial_errors, summarize_errors
 from bundle.reporting import (
+    check_pipeline,
     overlay_png,
     run_provenance,
     save_sdr_curve,
@@ -89,8 +90,7 @@ class LandmarkReportHandler:
         self.template = template
         self.pseudo_templates = list(pseudo_templates)  # those of the templates labelled by matching
         self.checkpoint = checkpoint
-        self.pipeline = pipeline
-        run_provenance(pipeline, template, checkpoint)  # a pipeline name no report knows fails now, not at the end
+        self.pipeline = check_pipeline(pipeline)
         self.thresholds = tuple(float(t) for t in thresholds)
         self.overlays = overlays
         self.pred_key, self.label_key, self.spacing_key = pred_key, label_key, spacing_key

@@ -10,6 +10,7 @@ spacing; what ITK reads and ``XRayDicomd`` keeps as ``original_affine``). Saved 
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -206,8 +207,11 @@ class BundleContext:
             "cycle_tolerance": self.parser.get_parsed_content("pseudo_cycle_tolerance"),
             "combine": self.template_combine,
         }
-        self._pseudo: tuple[tuple, list[dict]] | None = None  # (weights and labels, their pseudo-templates)
-        self._pseudo_running: tuple | None = None  # the weights and labels whose pseudo-templates are being computed
+        # pseudo-templates of the saved labels: the last computed (key, items), the newest wanted (key, labelled,
+        # candidates, checkpoint) and the one background worker computing it
+        self._pseudo: tuple[tuple, list[dict]] | None = None
+        self._pseudo_wanted: tuple | None = None
+        self._pseudo_worker: threading.Thread | None = None
         self._preprocessing = None
         self._network = None  # the stage-1 network of the device, and the file whose weights it holds
         self._network_key = None
@@ -350,13 +354,16 @@ class BundleContext:
         wait: bool = False,
     ) -> list[dict]:
         """The templates of a suggestion with ``checkpoint``'s weights: :meth:`templates` (the saved labels but the
-        image ``exclude``, else the bundle's), and while the saved labels are few, their pseudo-templates but
-        ``exclude`` (:meth:`pseudo_templates`; ``wait``: computed now when not ready, as the train task's scoring
-        needs them, else only once the background thread has them)."""
+        image ``exclude``, else the bundle's), and while the saved labels are few, their :meth:`pseudo_templates`
+        (``wait``: computed now when not ready, as the train task's scoring needs them). A labelled image's own
+        suggestion gets none: they are made from all the saved labels, its own among them."""
         items = self.templates(labelled, exclude)
-        if items and items[0]["source"] == "datastore" and self._pseudo_apply(labelled, unlabelled, checkpoint):
-            pseudo = self.pseudo_templates(labelled, unlabelled, checkpoint, wait)
-            items += [it for it in pseudo if it["id"] != exclude]
+        own_label = any(it.get("id") == exclude for it in labelled) if exclude is not None else False
+        if items and items[0]["source"] == "datastore" and not own_label:
+            if self._pseudo_apply(labelled, unlabelled, checkpoint):
+                items += [
+                    it for it in self.pseudo_templates(labelled, unlabelled, checkpoint, wait) if it["id"] != exclude
+                ]
         return items
 
     def _pseudo_apply(self, labelled: Sequence[dict], unlabelled: Sequence[dict], checkpoint: str | Path) -> bool:
@@ -374,48 +381,67 @@ class BundleContext:
     def pseudo_templates(
         self, labelled: Sequence[dict], unlabelled: Sequence[dict], checkpoint: str | Path, wait: bool = False
     ) -> list[dict]:
-        """Pseudo-templates of the saved labels, as the evaluating command adds them: the unlabelled datastore images
-        (the first ``pseudo_candidates``, sorted ids) labelled by matching from ``labelled``, the ``pseudo_templates``
+        """Pseudo-templates of the saved labels, as the evaluating command adds them: the first ``pseudo_candidates``
+        unlabelled datastore images (sorted ids) labelled by matching from ``labelled``, the ``pseudo_templates``
         most reliable kept (:func:`bundle.templates.resolution.resolve_templates` with the evaluation config's keys),
-        each with ``source`` ``"pseudo"``; computed on a network of their own, once per weights and label set.
+        each with ``source`` ``"pseudo"``.
 
-        They take many network passes, so unless ``wait`` they are computed in a background thread: [] until they
-        are ready (suggestions meanwhile match the saved labels alone).
+        They take many network passes, so unless ``wait`` one background worker, on a network of its own, computes
+        them once per weights, labels and candidates (the newest asked for; a failure is logged and gives none for
+        that set): [] until they are ready. ``wait``: computed now with the context's network, errors raised.
         """
-        key = (file_key(checkpoint), tuple((it["id"], json.dumps(it["landmarks"])) for it in labelled))
-        plain = [[{k: it[k] for k in ITEM_KEYS if k in it} for it in part] for part in (labelled, unlabelled)]
+        candidates = list(unlabelled)[: int(self.pseudo_choice["pseudo_candidates"])]
+        plain = [[{k: it[k] for k in ITEM_KEYS if k in it} for it in part] for part in (labelled, candidates)]
         if wait:
-            return self._kept_pseudo(key) or self._compute_pseudo(key, *plain, Path(checkpoint))
+            with self.network(checkpoint) as network:
+                return self._compute_pseudo(*plain, network)
+        key = (
+            file_key(checkpoint),
+            tuple((it["id"], json.dumps(it["landmarks"])) for it in labelled),
+            tuple(it["id"] for it in candidates),
+        )
         with self._lock:
             if self._pseudo is not None and self._pseudo[0] == key:
                 return self._pseudo[1]
-            if self._pseudo_running != key:
-                self._pseudo_running = key
-                args = (key, *plain, Path(checkpoint))
-                threading.Thread(target=self._compute_pseudo, args=args, name="pseudo-templates", daemon=True).start()
+            self._pseudo_wanted = (key, *plain, Path(checkpoint))
+            if self._pseudo_worker is None:
+                self._pseudo_worker = threading.Thread(target=self._pseudo_work, name="pseudo-templates", daemon=True)
+                self._pseudo_worker.start()
         return []
 
-    def _kept_pseudo(self, key: tuple) -> list[dict]:
-        with self._lock:
-            return self._pseudo[1] if self._pseudo is not None and self._pseudo[0] == key else []
-
-    def _compute_pseudo(self, key: tuple, labelled: list[dict], unlabelled: list[dict], checkpoint: Path) -> list[dict]:
-        """The pseudo-templates of :meth:`pseudo_templates`, kept for ``key`` unless another label set is wanted
-        meanwhile; a failure is logged and gives none (the saved labels alone stay the templates)."""
-        try:
+    def _pseudo_work(self) -> None:
+        """The background worker of :meth:`pseudo_templates`: computes the newest wanted set until it is computed,
+        on a copy of the context's network (taken with the set's weights; the requests keep the original)."""
+        while True:
             with self._lock:
-                network = self.parser.get_parsed_content("network_def", lazy=False)
-            network = load_weights(network, checkpoint, self.device).eval()
-            datalist = {"templates": labelled, "training": unlabelled}
-            items = resolve_templates(datalist, network, self.preprocessing, self.device, **self.pseudo_choice)
-            pseudo = [dict(it, source="pseudo") for it in items if it.get("pseudo_label")]
-            logger.info(f"pseudo-templates of {len(labelled)} saved label(s): {[it['id'] for it in pseudo]}")
-        except Exception:
-            logger.exception("pseudo-templates not computed")
-            pseudo = []
-        with self._lock:
-            if self._pseudo_running in (key, None):
-                self._pseudo, self._pseudo_running = (key, pseudo), None
+                wanted = self._pseudo_wanted
+                if wanted is None or (self._pseudo is not None and self._pseudo[0] == wanted[0]):
+                    self._pseudo_worker = None
+                    return
+            key, labelled, candidates, checkpoint = wanted
+            try:
+                with self.network(checkpoint) as network:
+                    network = copy.deepcopy(network)
+                pseudo = self._compute_pseudo(labelled, candidates, network)
+            except Exception:  # the saved labels alone stay the templates of this set
+                logger.exception(f"pseudo-templates of {len(labelled)} saved label(s) not computed")
+                pseudo = []
+            with self._lock:
+                self._pseudo = (key, pseudo)
+
+    def _compute_pseudo(self, labelled: list[dict], candidates: list[dict], network: torch.nn.Module) -> list[dict]:
+        """The pseudo-templates of ``labelled`` among ``candidates`` (an unreadable one is skipped, named)."""
+        readable = []
+        for item in candidates:
+            try:
+                self.prepare(item, item.get("id"))
+                readable.append(item)
+            except ImageError as e:
+                logger.warning(f"pseudo-template candidate skipped: {e}")
+        datalist = {"templates": labelled, "training": readable}
+        items = resolve_templates(datalist, network.eval(), self.preprocessing, self.device, **self.pseudo_choice)
+        pseudo = [dict(it, source="pseudo") for it in items if it.get("pseudo_label")]
+        logger.info(f"pseudo-templates of {len(labelled)} saved label(s): {[it['id'] for it in pseudo]}")
         return pseudo
 
     def template_inferer(
@@ -583,7 +609,7 @@ class BundleContext:
             raise LabelError(f"label of {where}: no landmark is placed")
         return out
 
-    def datastore_items(self, datastore, with_labels_only: bool = False) -> list[dict]:
+    def datastore_items(self, datastore) -> list[dict]:
         """Every datastore image (sorted ids) as a datalist item ``{"image", "id"[, "landmarks"]}``.
 
         A label saved with the ``final`` tag gives ``landmarks``; an unreadable one is logged and skipped.
@@ -605,8 +631,7 @@ class BundleContext:
                     item["label"] = label
                 except (LabelError, ImageError) as e:
                     logger.warning(f"saved label skipped: {e}")
-            if item.get("landmarks") or not with_labels_only:
-                items.append(item)
+            items.append(item)
         return items
 
     # ---- the bundle's templates ----------------------------------------------------------------------
@@ -615,8 +640,8 @@ class BundleContext:
 
         When the datalist names no template, ``evaluate#templates`` chooses one among its labelled training
         items by matching (slow on large datalists): that happens once, and the result is kept in
-        ``model/bundle_templates.json`` (keyed by the datalist's path and mtime) so that other processes of the
-        app (the training task runs in a child process) read it instead of searching again.
+        ``model/bundle_templates.json`` (keyed by the datalist's path and mtime and the template choice) so that
+        other processes of the app (the training task runs in a child process) read it instead of searching again.
         """
         with self._lock:
             if self._bundle_templates is not None:
@@ -624,7 +649,11 @@ class BundleContext:
             if self.datalist is None:  # built-in templates: features, no images (builtin_inferer)
                 self._bundle_templates = []
                 return self._bundle_templates
-            key = {"datalist": str(self.datalist), "mtime_ns": os.stat(self.datalist).st_mtime_ns}
+            key = {
+                "datalist": str(self.datalist),
+                "mtime_ns": os.stat(self.datalist).st_mtime_ns,
+                "choice": self.pseudo_choice,  # the rule and pseudo-templates (conf pseudo_templates)
+            }
             if self.templates_cache.is_file():
                 try:
                     cached = json.loads(self.templates_cache.read_text())

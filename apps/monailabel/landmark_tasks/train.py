@@ -35,7 +35,8 @@ Detector (the bundle's fine-tuning on human labels, ``configs/train.yaml`` + ``t
    into ``model/candidate_detector/`` (``model_final.pt``; no validation: ``val_interval`` > ``epochs``).
 3. Scoring on the held-out images: the candidate (one forward of ``bundle.inferers.heatmap.HeatmapInferer``) against
    the served predictor: the served detector, or, when none, template matching with the served stage-1
-   weights from every OTHER labelled image (leave-one-out, as the infer task would answer). Published to
+   weights from every OTHER labelled image and, while they are few, their pseudo-templates (leave-one-out, as the
+   infer task would answer). Published to
    ``model/detector.pt`` (with ``model/detector.json``: its grid, trained-on and held-out ids) only when
    ``mre_new < mre_served - min_improvement`` on at least ``min_held_out`` held-out images; the infer task then
    serves the detector.
@@ -305,12 +306,18 @@ def _mean(errors: list[float]) -> float:
     return float(np.mean(errors))
 
 
-def score_checkpoint(context: BundleContext, checkpoint: str | Path, cases: list[tuple[dict, list[dict]]]) -> float:
-    """Mean radial error (mm, or pixels without spacing) of ``checkpoint`` over ``cases`` (item, its templates:
-    :meth:`BundleContext.templates`), matched as the infer task matches with those weights."""
+def score_checkpoint(
+    context: BundleContext, checkpoint: str | Path, cases: list[tuple[dict, list[dict]]], unlabelled: list[dict]
+) -> float:
+    """Mean radial error (mm, or pixels without spacing) of ``checkpoint`` over ``cases`` (item, the saved labels it
+    is matched from), matched as the infer task matches with those weights: from those labels (else the bundle's
+    templates) and, while they are few, their pseudo-templates among ``unlabelled`` computed with those weights
+    (:meth:`BundleContext.suggestion_templates`)."""
     errors: list[float] = []
-    with torch.no_grad(), context.network(checkpoint) as network:
-        for item, templates in cases:
+    for item, labelled in cases:
+        # first: choosing the templates may run the network with other weights (the bundle's template choice)
+        templates = context.suggestion_templates(labelled, unlabelled, checkpoint, wait=True)
+        with torch.no_grad(), context.network(checkpoint) as network:
             inferer, _ = context.template_inferer(templates, checkpoint, network)
             errors += _radial_errors(context, item, network, inferer)
     return _mean(errors)
@@ -329,24 +336,20 @@ def score_detector(
 
 
 def scoring_cases(context: BundleContext, labelled: list[dict]) -> tuple[list[tuple[dict, list[dict]]], str]:
-    """(item, templates) pairs of the publication rule and a sentence saying what they are: each labelled image
-    from the templates the infer task would use for it (leave-one-out), else the bundle datalist's validation
-    images from its templates."""
+    """(item, the saved labels it is matched from) pairs of the publication rule and a sentence saying what they
+    are: each labelled image from the other ones (leave-one-out), else the bundle datalist's validation images from
+    its templates (no saved label)."""
     if labelled:
-        cases = [(it, context.templates(labelled, exclude=it["id"])) for it in labelled]
-        return (
-            cases,
-            f"{len(labelled)} labelled datastore images, each from the other templates (leave-one-out)",
-        )
-    templates = context.templates([])
-    template_images = {t["image"] for t in templates}
+        cases = [(it, [o for o in labelled if o is not it]) for it in labelled]
+        return cases, f"{len(labelled)} labelled datastore images, each from the other templates (leave-one-out)"
+    template_images = {t["image"] for t in context.templates([])}
     validation = [
         it
         for it in context.parser.get_parsed_content("dataset").get("validation", [])
         if it["image"] not in template_images
     ]
     return [
-        (it, templates) for it in validation
+        (it, []) for it in validation
     ], f"the bundle datalist's {len(validation)} validation images, from its templates"
 
 
@@ -508,8 +511,9 @@ class BundleTrainTask(TrainTask):
         cases, scored_on = scoring_cases(self.context, labelled)
         old = new = None
         if cases:
-            old = score_checkpoint(self.context, served, cases)
-            new = score_checkpoint(self.context, candidate, cases)
+            unlabelled = [it for it in items if not it.get("landmarks")]
+            old = score_checkpoint(self.context, served, cases, unlabelled)
+            new = score_checkpoint(self.context, candidate, cases, unlabelled)
         published, decision = publication(new, old, f"the served model {served}", **rule)
         kept_previous = {}
         if published:
@@ -588,19 +592,10 @@ class BundleTrainTask(TrainTask):
             scored_on = f"{len(held)} held-out labelled images, the served detector and the new one"
         else:
             served_predictor = "templates"
-            # each held-out image from what the infer task would match it with, had it not been labelled: the other
-            # saved labels and, while they are few, their pseudo-templates
+            # each held-out image as the infer task would match it, had it not been labelled
+            cases = [(it, [o for o in labelled.values() if o is not it]) for it in held]
             unlabelled = [it for it in items if not it.get("landmarks")]
-            cases = [
-                (
-                    it,
-                    context.suggestion_templates(
-                        [o for o in labelled.values() if o is not it], unlabelled, stage1, wait=True
-                    ),
-                )
-                for it in held
-            ]
-            old = score_checkpoint(context, stage1, cases)
+            old = score_checkpoint(context, stage1, cases, unlabelled)
             kept = f"template matching ({stage1})"
             scored_on = (
                 f"{len(held)} held-out labelled images: the new detector, and template matching from the other "
