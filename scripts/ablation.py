@@ -403,10 +403,7 @@ def template_rules(datalist: str, run_dir: str, pool_size: int = 32) -> dict:
 
     run_path = Path(run_dir)
     parser = bundle_parser(
-        config_files("evaluate"),
-        datalist=datalist,
-        ckpt_path=str(run_path / "models" / "model.pt"),
-        device="cpu",
+        config_files("evaluate"), datalist=datalist, ckpt_path=str(run_path / "models" / "model.pt"), device="cpu"
     )
     network, preprocessing = parser.get_parsed_content("network"), parser.get_parsed_content("validate#preprocessing")
     full = load_datalist(datalist)

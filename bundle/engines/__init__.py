@@ -3,7 +3,4 @@
 from bundle.engines.contrastive import ContrastiveIterationUpdate
 from bundle.engines.heatmap import HeatmapPrepareBatch
 
-__all__ = [
-    "ContrastiveIterationUpdate",
-    "HeatmapPrepareBatch",
-]
+__all__ = ["ContrastiveIterationUpdate", "HeatmapPrepareBatch"]

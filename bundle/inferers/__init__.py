@@ -3,8 +3,4 @@
 from bundle.inferers.heatmap import HeatmapInferer
 from bundle.inferers.oneshot import OneShotInferer, TemplateFeatureInferer
 
-__all__ = [
-    "HeatmapInferer",
-    "OneShotInferer",
-    "TemplateFeatureInferer",
-]
+__all__ = ["HeatmapInferer", "OneShotInferer", "TemplateFeatureInferer"]

@@ -342,10 +342,7 @@ class RandContrastRemap(RandomizableTransform):
     backend = [TransformBackends.TORCH]
 
     def __init__(
-        self,
-        prob: float = 0.5,
-        num_control_points: Sequence[int] = (2, 6),
-        modes: Sequence[str] = REMAP_MODES,
+        self, prob: float = 0.5, num_control_points: Sequence[int] = (2, 6), modes: Sequence[str] = REMAP_MODES
     ) -> None:
         RandomizableTransform.__init__(self, prob)
         low, high = (int(v) for v in num_control_points)
