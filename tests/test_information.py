@@ -14,12 +14,7 @@ import pytest
 import torch
 import yaml
 from bundle.data.images import load_grey
-from bundle.information import (
-    estimate_group_intensities,
-    extract_patches,
-    mutual_information,
-    offset_correspondences,
-)
+from bundle.information import estimate_group_intensities, extract_patches, mutual_information, offset_correspondences
 from bundle.information_groups import group_memberships, information_groups
 from bundle.transforms.entropy import local_entropy
 from bundle.transforms.intensity import adjust_brightness_contrast

@@ -7,14 +7,7 @@ import json
 import numpy as np
 import pytest
 from bundle.data.datalist import DatalistError
-from bundle.data.markups import (
-    ControlPoint,
-    markups_stem,
-    read_fcsv,
-    read_markups,
-    read_mrk_json,
-    write_markups,
-)
+from bundle.data.markups import ControlPoint, markups_stem, read_fcsv, read_markups, read_mrk_json, write_markups
 
 POINTS = [
     ControlPoint("sella", (12.5, -40.25, 7.0)),

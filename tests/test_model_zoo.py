@@ -548,14 +548,7 @@ def test_monai_download_then_load_builds_the_network_from_any_folder(tmp_path, z
     not os.environ.get("MODEL_ZOO_DIR"), reason="MODEL_ZOO_DIR (a Project-MONAI/model-zoo checkout) not set"
 )
 def test_the_zoo_verify_bundle_full_passes(tmp_path):
-    command = [
-        sys.executable,
-        "-m",
-        "scripts.verify_zoo",
-        os.environ["MODEL_ZOO_DIR"],
-        "--workdir",
-        str(tmp_path),
-    ]
+    command = [sys.executable, "-m", "scripts.verify_zoo", os.environ["MODEL_ZOO_DIR"], "--workdir", str(tmp_path)]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert "PASSED: the zoo's verify_bundle.py -m full" in done.stdout

@@ -319,8 +319,8 @@ def test_one_slice_mha_is_a_2d_image_with_its_header_spacing(tmp_path):
     no_spacing = variant("header", lambda it: {k: v for k, v in it.items() if k != "spacing"})
     # the readers compared on the template and test images alone (with pseudo-templates they differed by 0.017 px)
     alone = {"pseudo_templates": 0}
-    (mha, mha_metrics) = evaluate(out, tmp_path / "mha", **alone)
-    (ref, ref_metrics) = evaluate(as_png, tmp_path / "ref", **alone)
+    mha, mha_metrics = evaluate(out, tmp_path / "mha", **alone)
+    ref, ref_metrics = evaluate(as_png, tmp_path / "ref", **alone)
     header, _ = evaluate(no_spacing, tmp_path / "header", **alone)  # the mm from the header alone
     assert len(ref) == 3 * 16 and same_predictions(ref, mha) < 0.01 and same_predictions(ref, header) < 0.01
     errors = np.array([ref[k][2] for k in sorted(ref)])

@@ -46,10 +46,7 @@ def test_monai_finds_every_property(name, datalists, tmp_path):
     if "configs/evaluate_detector.yaml" in files:  # the shipped detector: the 19 cephalometric landmarks
         settings["network_def#n_landmarks"] = 19
     workflow = ConfigWorkflow(
-        config_file=[str(ROOT / f) for f in files],
-        workflow_type=workflow_type,
-        logging_file=False,
-        **settings,
+        config_file=[str(ROOT / f) for f in files], workflow_type=workflow_type, logging_file=False, **settings
     )
     workflow.initialize()
     assert workflow.check_properties() == []
