@@ -198,14 +198,13 @@ class BundleContext:
             self.parser["landmark_names"] = self.overrides["landmark_names"]
         self.names: list[str] = list(self.parser.get_parsed_content("landmark_names"))
         self.template_combine = str(self.parser.get_parsed_content("template_combine"))
-        # the keyword arguments of bundle.templates.resolution.resolve_templates that make pseudo-templates
+        # the template choice of the evaluating command (the keyword arguments of its evaluate#choose_templates call of
+        # bundle.templates.resolution.resolve_templates, but the data, network and device), for the pseudo-templates
+        call = "evaluate#choose_templates"
         self.pseudo_choice = {
-            "rule": self.parser.get_parsed_content("template_rule"),
-            "pseudo_candidates": self.parser.get_parsed_content("pseudo_candidates"),
-            "pseudo_templates": self.parser.get_parsed_content("pseudo_templates"),
-            "pseudo_max_labelled": self.parser.get_parsed_content("pseudo_max_labelled"),
-            "cycle_tolerance": self.parser.get_parsed_content("pseudo_cycle_tolerance"),
-            "combine": self.template_combine,
+            key: self.parser.get_parsed_content(f"{call}#{key}")
+            for key in self.parser.get(call)
+            if not key.startswith("_") and key not in ("datalist", "network", "preprocessing", "device")
         }
         # pseudo-templates of the saved labels: the last computed (key, items), the newest wanted (key, labelled,
         # candidates, checkpoint) and the one background worker computing it
