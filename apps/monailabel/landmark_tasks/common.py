@@ -206,6 +206,10 @@ class BundleContext:
             for key in self.parser.get(call)
             if not key.startswith("_") and key not in ("datalist", "network", "preprocessing", "device")
         }
+        if self.pseudo_choice["pseudo_max_labelled"] is not None:  # checked once, at start
+            self.pseudo_choice["pseudo_max_labelled"] = as_number(
+                self.pseudo_choice["pseudo_max_labelled"], "pseudo_max_labelled", minimum=0, integer=True
+            )
         # pseudo-templates of the saved labels: the last computed (key, items), the newest wanted (key, labelled,
         # candidates, checkpoint) and the one background worker computing it
         self._pseudo: tuple[tuple, list[dict]] | None = None
@@ -373,7 +377,7 @@ class BundleContext:
             labelled
             and unlabelled
             and self.pseudo_choice["pseudo_templates"] > 0
-            and (limit is None or len(labelled) <= as_number(limit, "pseudo_max_labelled", 0, integer=True))
+            and (limit is None or len(labelled) <= limit)
             and self.builtin_template(checkpoint) is None
         )
 
