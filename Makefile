@@ -8,9 +8,12 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 DEMO_DIR ?= output/demo
 MONAILABEL_VENV ?= .venv-monailabel
-# the server tests (tests/test_monailabel.py) run the app with this interpreter
+# the server tests (tests/test_monailabel*.py) run the app with this interpreter
 MONAILABEL_PYTHON ?= $(abspath $(MONAILABEL_VENV))/bin/python
 PYTEST_ARGS ?= -q
+# pytest-xdist workers; each test file runs whole, in order, on one worker (module servers and fixtures stay shared)
+PYTEST_WORKERS ?= 2
+PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadfile
 
 .PHONY: install monailabel package demo demo-train demo-evaluate demo-3d lint test test-fast benchmark clean
 
@@ -56,11 +59,11 @@ lint: install
 	$(VENV)/bin/ruff format --check .
 
 test: install monailabel lint
-	MONAILABEL_PYTHON=$(MONAILABEL_PYTHON) $(PY) -m pytest $(PYTEST_ARGS) tests
+	MONAILABEL_PYTHON=$(MONAILABEL_PYTHON) $(PY) -m pytest $(PYTEST_PARALLEL) $(PYTEST_ARGS) tests
 
 # the suite without the end-to-end trainings and servers (pytest marker "slow")
 test-fast: install lint
-	$(PY) -m pytest $(PYTEST_ARGS) -m "not slow" tests
+	$(PY) -m pytest $(PYTEST_PARALLEL) $(PYTEST_ARGS) -m "not slow" tests
 
 benchmark: install
 	$(PY) -m scripts.benchmark all

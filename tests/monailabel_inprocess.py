@@ -1,4 +1,4 @@
-"""The app in-process, run in the MONAI Label environment by tests/test_monailabel.py (MONAI Label's own code
+"""The app in-process, run in the MONAI Label environment by tests/test_monailabel_apps.py (MONAI Label's own code
 paths that a server over a local 2D studies folder does not reach). Each scenario prints ``RESULT <json>``.
 
 ``dicomweb WORK DATALIST SERIES_FOLDER SERIES_UID PNG``: the app on a DICOMweb studies URL. There is no DICOMweb

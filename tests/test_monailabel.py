@@ -18,67 +18,40 @@ without it the module is skipped, except under CI where it must run.
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import pytest
-from bundle.configs import config_files
 from PIL import Image
-from scripts.monailabel_server import MONAILABEL_PYTHON, client_classes, serving
+from scripts.monailabel_server import client_classes
+
+from tests.monailabel_helpers import (
+    DETECTOR_TRAIN,
+    PYTHON,
+    ROOT,
+    START_TIMEOUT_S,
+    TINY_TRAIN,
+    app_server,
+    cli_predictions,
+    mrk_json,
+    request_json,
+    require_monailabel_environment,
+    wait_training,
+)
 
 pytestmark = pytest.mark.slow  # a MONAI Label server per module, trainings through it
-ROOT = Path(__file__).resolve().parents[1]
-PYTHON = MONAILABEL_PYTHON
-START_TIMEOUT_S = 120
-TRAIN_TIMEOUT_S = 180
-TINY_TRAIN = {
-    "epochs": 1,
-    "epoch_length": 1,
-    "batch_size": 1,
-    "image_size": [64, 64],
-    "crop_size": [32, 32],
-    "num_queries": 4,
-}
-
-if not PYTHON.is_file():
-    if os.environ.get("CI"):
-        pytest.fail(f"no MONAI Label environment at {PYTHON}: run `make monailabel` before the tests", pytrace=False)
-    pytest.skip(f"no MONAI Label environment at {PYTHON} (make monailabel)", allow_module_level=True)
-
+require_monailabel_environment()
 
 MONAILabelClient, MONAILabelClientException = client_classes(PYTHON)
-
-
-def _request(
-    url: str, data: bytes | None = None, headers: dict | None = None, timeout: float = 120, method: str | None = None
-):
-    """JSON reply and status of one HTTP call; 4xx/5xx come back as (detail JSON, status) instead of raising."""
-    req = urllib.request.Request(
-        url, data=data, headers=headers or {}, method=method or ("POST" if data is not None else "GET")
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as response:
-            return json.loads(response.read()), response.status
-    except urllib.error.HTTPError as e:
-        body = e.read()
-        try:
-            return json.loads(body), e.code
-        except ValueError:
-            return {"detail": body.decode(errors="replace")}, e.code
 
 
 def _multipart(field: str, path: Path, filename: str | None = None) -> tuple[bytes, dict]:
@@ -92,84 +65,6 @@ def _multipart(field: str, path: Path, filename: str | None = None) -> tuple[byt
         + f"\r\n--{boundary}--\r\n".encode()
     )
     return body, {"Content-Type": f"multipart/form-data; boundary={boundary}"}
-
-
-def _checked(command: list, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
-    """``command`` run to its end with one OpenMP thread; its failure is the test's, with its stderr's tail."""
-    done = subprocess.run(
-        [str(c) for c in command],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return done
-
-
-def _cli_predictions(image: Path, datalist: Path | None, out: Path, *args: str) -> dict[str, tuple[float, float]]:
-    """The bundle's own command-line inference on ``image`` (the reference the server must match), with the
-    templates of ``datalist`` (None: the built-in ones) and the further command-line ``args``."""
-    command = [
-        sys.executable,
-        "-m",
-        "monai.bundle",
-        "run",
-        "inferring",
-        "--config_file",
-        "configs/inference.yaml",
-        *(["--datalist", str(datalist)] if datalist else []),  # the server's template
-        "--images",
-        f"['{image}']",
-        "--output_dir",
-        str(out),
-        "--overlays",
-        "False",
-        *args,
-    ]
-    _checked(command, ROOT, timeout=180)
-    with open(out / "predictions.csv") as f:
-        return {r["landmark"]: (float(r["x"]), float(r["y"])) for r in csv.DictReader(f)}
-
-
-def _cli_evaluation(datalist: Path, out: Path) -> dict:
-    """The bundle's evaluating command on ``datalist`` (its defaults): its metrics.json."""
-    command = [sys.executable, "-m", "monai.bundle", "run", "evaluating", "--config_file"]
-    command += [
-        json.dumps(config_files("evaluate")),
-        "--datalist",
-        datalist,
-        "--output_dir",
-        out,
-        "--overlays",
-        "false",
-    ]
-    _checked(command, ROOT, timeout=300)
-    return json.loads((out / "metrics.json").read_text())
-
-
-def _mrk_json(path: Path, names: list[str], points: list) -> Path:
-    """A Slicer point list over a PNG: pixel (x, y) at LPS (x, y, 0)."""
-    from bundle.data.markups import ControlPoint, write_mrk_json
-
-    return write_mrk_json(
-        path,
-        [ControlPoint(n, None if p is None else (-p[0], -p[1], 0.0)) for n, p in zip(names, points)],
-        coordinate_system="LPS",
-    )
-
-
-@contextmanager
-def _serving(tmp_path: Path, studies: Path, *conf: str) -> Iterator[dict]:
-    """``scripts.monailabel_server.serving`` (one thread), a start that fails being the test's failure."""
-    try:
-        with serving(tmp_path, studies, conf, PYTHON, threads=1, start_timeout_s=START_TIMEOUT_S) as running:
-            yield running
-    except RuntimeError as e:
-        if "did not start" not in str(e):
-            raise
-        pytest.fail(str(e))
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +84,7 @@ def server(tmp_path_factory):
         shutil.copy(item["image"], studies)
         truth[Path(item["image"]).stem] = item["landmarks"]
     # pseudo-templates off: the tests below see the saved labels alone as templates (they are tested on their own)
-    with _serving(tmp_path, studies, "datalist", str(datalist_path), "pseudo_templates", "0") as running:
+    with app_server(tmp_path, studies, "datalist", str(datalist_path), "pseudo_templates", "0") as running:
         yield {
             **running,
             "studies": studies,
@@ -201,19 +96,9 @@ def server(tmp_path_factory):
 
 
 def _infer_id(server, image_id: str):
-    return _request(
+    return request_json(
         f"{server['base']}/infer/landmarks?image={urllib.request.quote(image_id, safe='')}&output=json", b""
     )
-
-
-def _wait_training(server) -> dict:
-    deadline = time.monotonic() + TRAIN_TIMEOUT_S
-    while time.monotonic() < deadline:
-        status = server["client"].train_status()
-        if isinstance(status, dict) and status.get("status") in ("DONE", "ERROR"):
-            return status
-        time.sleep(1)
-    pytest.fail(f"training did not end in {TRAIN_TIMEOUT_S} s\n{server['log'].read_text()[-4000:]}")
 
 
 def test_start_is_light_and_lists_the_tasks(server):
@@ -230,7 +115,7 @@ def test_upload_suggests_the_bundle_command_line_landmarks(server):
     image = sorted(server["studies"].glob("*.png"))[0]
     out, result = server["client"].infer("landmarks", "", {}, file=str(image))
     # the server's datalist templates, without pseudo-templates as the module's server is configured
-    reference = _cli_predictions(image, server["datalist"], server["work"] / "cli", "--pseudo_templates", "0")
+    reference = cli_predictions(image, server["datalist"], server["work"] / "cli", "--pseudo_templates", "0")
     assert list(result["landmarks"]) == list(names) == list(reference)
     for name in names:
         assert result["landmarks"][name] == pytest.approx(reference[name], abs=1e-3), name
@@ -288,7 +173,7 @@ def test_junk_upload_is_refused_naming_it_and_leaves_no_file(server, tmp_path):
     # files that appeared in the server's temp dir (an earlier reply's file may still be removed meanwhile)
     before = {p.name for p in server["tmp"].iterdir()}
     new_files = lambda: sorted({p.name for p in server["tmp"].iterdir()} - before)  # noqa: E731
-    reply, status = _request(f"{server['base']}/infer/landmarks?output=json", *_multipart("file", junk))
+    reply, status = request_json(f"{server['base']}/infer/landmarks?output=json", *_multipart("file", junk))
     assert 400 <= status < 500, reply
     assert "scan_17.png" in reply["detail"] and "cannot read image" in reply["detail"]
     assert new_files() == []
@@ -311,7 +196,7 @@ def _tree(path: Path) -> dict[str, bytes]:
 
 def _form(url: str, method: str, **fields: str):
     body = urllib.parse.urlencode(fields).encode()
-    return _request(url, body, {"Content-Type": "application/x-www-form-urlencoded"}, method=method)
+    return request_json(url, body, {"Content-Type": "application/x-www-form-urlencoded"}, method=method)
 
 
 # (method, route and query, upload field): VICTIM is a file outside the studies folder, given without its suffix
@@ -346,7 +231,7 @@ def test_datastore_takes_names_not_paths(server, tmp_path, method, route, field)
     nothing is written or deleted, inside the studies folder or out of it."""
     victim = tmp_path / "victim.png"
     shutil.copy(server["studies"] / "test_000.png", victim)
-    label = _mrk_json(tmp_path / "good.mrk.json", server["names"], server["truth"]["test_001"])
+    label = mrk_json(tmp_path / "good.mrk.json", server["names"], server["truth"]["test_001"])
     query = route.replace("VICTIM", str(tmp_path / "victim"))
     path, _, params = query.partition("?")
     url = f"{server['base']}{path}?" + urllib.parse.urlencode(urllib.parse.parse_qsl(params, keep_blank_values=True))
@@ -360,9 +245,11 @@ def test_datastore_takes_names_not_paths(server, tmp_path, method, route, field)
     elif field:
         upload = {"file": victim, "label": label, "json": label}[field]
         name = {"file": "x.png", "label": "x.mrk.json", "json": "x.json"}[field]
-        reply, status = _request(url, *_multipart("label" if field == "label" else "file", upload, name), method=method)
+        reply, status = request_json(
+            url, *_multipart("label" if field == "label" else "file", upload, name), method=method
+        )
     else:
-        reply, status = _request(url, b"" if method in ("POST", "PUT") else None, method=method)
+        reply, status = request_json(url, b"" if method in ("POST", "PUT") else None, method=method)
     assert 400 <= status < 500, (status, reply)
     value = dict(urllib.parse.parse_qsl(params, keep_blank_values=True))
     offending = [
@@ -383,34 +270,36 @@ def test_files_linked_outside_the_studies_folder_are_refused(server, tmp_path):
     (tmp_path / "outside").mkdir()
     victim = tmp_path / "outside" / "victim.png"
     shutil.copy(studies / "test_000.png", victim)
-    victim_label = _mrk_json(tmp_path / "outside" / "victim.mrk.json", server["names"], server["truth"]["test_002"])
+    victim_label = mrk_json(tmp_path / "outside" / "victim.mrk.json", server["names"], server["truth"]["test_002"])
     outside = _tree(tmp_path / "outside")
-    label = _mrk_json(tmp_path / "x.mrk.json", server["names"], server["truth"]["test_002"])
+    label = mrk_json(tmp_path / "x.mrk.json", server["names"], server["truth"]["test_002"])
     # an image added through the server, then its file replaced by a link pointing out
-    reply, status = _request(f"{base}/datastore/image?image=linked", *_multipart("file", victim, "x.png"), method="PUT")
+    reply, status = request_json(
+        f"{base}/datastore/image?image=linked", *_multipart("file", victim, "x.png"), method="PUT"
+    )
     assert status == 200, reply
     (studies / "linked.png").unlink()
     (studies / "linked.png").symlink_to(victim)
     (studies / "labels" / "final" / "test_002.mrk.json").symlink_to(victim_label)
     try:
-        reply, status = _request(f"{base}/datastore/image?id=linked", method="DELETE")
+        reply, status = request_json(f"{base}/datastore/image?id=linked", method="DELETE")
         assert status == 403 and "'linked'" in reply["detail"] and "outside" in reply["detail"], reply
-        reply, status = _request(
+        reply, status = request_json(
             f"{base}/datastore/image?image=linked", *_multipart("file", victim, "x.png"), method="PUT"
         )
         assert status == 403, reply
-        reply, status = _request(
+        reply, status = request_json(
             f"{base}/datastore/label?image=test_002&tag=final", *_multipart("label", label), method="PUT"
         )
         assert status == 403 and "'test_002'" in reply["detail"], reply
-        assert _request(f"{base}/datastore/image?image=linked")[1] == 404  # not served
+        assert request_json(f"{base}/datastore/image?image=linked")[1] == 404  # not served
         assert _infer_id(server, "linked")[1] == 404
         assert _tree(tmp_path / "outside") == outside
     finally:
         (studies / "labels" / "final" / "test_002.mrk.json").unlink()
         (studies / "linked.png").unlink()
         shutil.copy(studies / "test_000.png", studies / "linked.png")
-    reply, status = _request(f"{base}/datastore/image?id=linked", method="DELETE")  # a plain file again: removed
+    reply, status = request_json(f"{base}/datastore/image?id=linked", method="DELETE")  # a plain file again: removed
     assert status == 200, reply
     assert sorted(server["client"].datastore()["objects"]) == ["test_000", "test_001", "test_002", "test_003"]
 
@@ -437,7 +326,7 @@ def _bad_label(path: Path, names: list[str], points: list, position) -> Path:
 def test_a_label_off_the_image_is_refused_naming_the_landmark(server, tmp_path, position, why):
     name = server["names"][0]
     bad = _bad_label(tmp_path / "bad.mrk.json", server["names"], server["truth"]["test_001"], position)
-    reply, status = _request(
+    reply, status = request_json(
         f"{server['base']}/datastore/label?image=test_001&tag=final", *_multipart("label", bad), method="PUT"
     )
     assert status == 422, reply
@@ -449,7 +338,7 @@ def test_a_label_off_the_image_is_refused_naming_the_landmark(server, tmp_path, 
 def test_a_bad_stored_label_is_skipped_naming_it(server, tmp_path):
     """A label already in the datastore that lies off its image (saved by an earlier server) is skipped with a
     warning naming it: inference goes on without it."""
-    good = _mrk_json(tmp_path / "good.mrk.json", server["names"], server["truth"]["test_002"])
+    good = mrk_json(tmp_path / "good.mrk.json", server["names"], server["truth"]["test_002"])
     server["client"].save_label("test_002", str(good), tag="final")
     stored = server["studies"] / "labels" / "final" / "test_002.mrk.json"
     _bad_label(stored, server["names"], server["truth"]["test_002"], [-50000.0, 70000.0, 0.0])
@@ -460,7 +349,7 @@ def test_a_bad_stored_label_is_skipped_naming_it(server, tmp_path):
         assert {t["source"] for t in reply["templates"]} == {"bundle"}
         assert "saved label skipped: label of image 'test_002'" in server["log"].read_text()
     finally:
-        reply, status = _request(f"{server['base']}/datastore/label?id=test_002&tag=final", method="DELETE")
+        reply, status = request_json(f"{server['base']}/datastore/label?id=test_002&tag=final", method="DELETE")
         assert status == 200, reply
 
 
@@ -553,7 +442,7 @@ def test_slicer_submit_label_of_points(server, tmp_path):
         reply, status = _infer_id(server, "test_001")
         assert status == 200 and reply["templates"] == [{"image": "test_002", "source": "datastore"}], reply
     finally:
-        reply, status = _request(f"{server['base']}/datastore/label?id=test_002&tag=final", method="DELETE")
+        reply, status = request_json(f"{server['base']}/datastore/label?id=test_002&tag=final", method="DELETE")
         assert status == 200, reply
 
 
@@ -572,9 +461,12 @@ def test_infer_request_faults_are_answered_4xx(server):
         reply, status = _form(url, "POST", **fields)
         assert status == 400 and why in reply["detail"], (url, fields, reply)
     assert (
-        _request(f"{base}/session/", *_multipart("files", server["studies"] / "test_000.png"), method="PUT")[1] == 406
+        request_json(f"{base}/session/", *_multipart("files", server["studies"] / "test_000.png"), method="PUT")[1]
+        == 406
     )
-    reply, status = _request(f"{base}/infer/wsi/landmarks?image=test_001", b"{}", {"Content-Type": "application/json"})
+    reply, status = request_json(
+        f"{base}/infer/wsi/landmarks?image=test_001", b"{}", {"Content-Type": "application/json"}
+    )
     assert status == 404 and "whole-slide" in reply["detail"], reply
 
 
@@ -594,7 +486,7 @@ def test_infer_replies_carry_names_not_server_paths(server):
 
 
 def _train_request(server, params: dict):
-    return _request(
+    return request_json(
         f"{server['base']}/train/landmarks", json.dumps(params).encode(), {"Content-Type": "application/json"}
     )
 
@@ -603,7 +495,7 @@ def test_detector_training_needs_two_labelled_images(server):
     reply, status = _train_request(server, {**TINY_TRAIN, "network": "detector"})  # no saved label yet
     assert status == 422, reply
     assert "at least 2 labelled images" in reply["detail"] and "has 0 labelled images" in reply["detail"]
-    reply, status = _request(f"{server['base']}/train/?check_if_running=true")
+    reply, status = request_json(f"{server['base']}/train/?check_if_running=true")
     assert status == 404  # nothing was queued
 
 
@@ -611,7 +503,7 @@ def test_strategies_first_and_last_skip_labelled_images(server, tmp_path):
     client = server["client"]
     assert client.next_sample("first", {})["id"] == "test_000"
     assert client.next_sample("last", {})["id"] == "test_003"
-    reply, status = _request(
+    reply, status = request_json(
         f"{server['base']}/activelearning/nope", data=b"{}", headers={"Content-Type": "application/json"}
     )
     assert status == 404 and "'nope'" in reply["detail"] and "'first'" in reply["detail"]
@@ -621,7 +513,7 @@ def test_strategies_first_and_last_skip_labelled_images(server, tmp_path):
     with pytest.raises(MONAILabelClientException, match="Status: 422.*test_000"):
         client.save_label("test_000", str(bad), tag="final")
     for image_id in ("test_000", "test_003"):
-        label = _mrk_json(tmp_path / f"{image_id}.mrk.json", server["names"], server["truth"][image_id])
+        label = mrk_json(tmp_path / f"{image_id}.mrk.json", server["names"], server["truth"][image_id])
         client.save_label(image_id, str(label), tag="final")
     assert client.next_sample("first", {})["id"] == "test_001"
     assert client.next_sample("last", {})["id"] == "test_002"
@@ -674,7 +566,7 @@ def test_bad_training_values_are_refused_naming_the_key(server, params, key):
     assert repr(key) in reply["detail"]
     with pytest.raises(MONAILabelClientException, match=key):
         server["client"].train_start("landmarks", params)
-    reply, status = _request(f"{server['base']}/train/?check_if_running=true")
+    reply, status = request_json(f"{server['base']}/train/?check_if_running=true")
     assert status == 404  # nothing was queued
 
 
@@ -683,13 +575,13 @@ def test_a_negative_margin_is_refused_naming_its_value(server):
     reply, status = _train_request(server, {**TINY_TRAIN, "min_improvement": -1000})
     assert status == 422, reply
     assert "'min_improvement' must be a non-negative number" in reply["detail"] and "got -1000" in reply["detail"]
-    assert _request(f"{server['base']}/train/?check_if_running=true")[1] == 404  # nothing was queued
+    assert request_json(f"{server['base']}/train/?check_if_running=true")[1] == 404  # nothing was queued
 
 
 def test_training_reads_the_labels_and_keeps_the_served_model_when_not_better(server):
     client, model = server["client"], server["app"] / "model"
     client.train_start("landmarks", {**TINY_TRAIN, "min_improvement": 1e9})  # the new model can never be better enough
-    status = _wait_training(server)
+    status = wait_training(server)
     assert status["status"] == "DONE", f"{status}\n{server['log'].read_text()[-4000:]}"
     datalist = json.loads((model / "train" / "datalist.json").read_text())
     labelled = {Path(it["image"]).stem: it["landmarks"] for it in datalist["training"] if it.get("landmarks")}
@@ -713,7 +605,7 @@ def test_training_reads_the_labels_and_keeps_the_served_model_when_not_better(se
 
 def _publish_always(server, request: dict) -> dict:
     server["client"].train_start("landmarks", {**request, "publish": "always"})  # whatever the new model scores
-    status = _wait_training(server)
+    status = wait_training(server)
     assert status["status"] == "DONE", f"{status}\n{server['log'].read_text()[-4000:]}"
     return server["client"].info()["train_stats"]["landmarks"]
 
@@ -773,12 +665,9 @@ def test_dicom_upload_gives_the_png_landmarks_in_its_own_frame(server, tmp_path)
         assert reply["landmarks"][name] == pytest.approx(from_png["landmarks"][name], abs=0.01), name
 
 
-DETECTOR_TRAIN = {**TINY_TRAIN, "network": "detector"}
-
-
 def _detector_stats(server, params: dict) -> dict:
     server["client"].train_start("landmarks", {**DETECTOR_TRAIN, **params})
-    status = _wait_training(server)
+    status = wait_training(server)
     assert status["status"] == "DONE", f"{status}\n{server['log'].read_text()[-4000:]}"
     stats = server["client"].info()["train_stats"]["landmarks"]
     assert stats["network"] == "detector" and stats["eval"]["key_metric_name"] == "mre"
@@ -844,7 +733,7 @@ def test_published_detector_is_served(server):
 def test_detector_retrains_from_the_served_one_on_the_same_held_out_images(server, tmp_path):
     model = server["app"] / "model"
     before = json.loads((model / "detector.json").read_text())
-    label = _mrk_json(tmp_path / "test_001.mrk.json", server["names"], server["truth"]["test_001"])
+    label = mrk_json(tmp_path / "test_001.mrk.json", server["names"], server["truth"]["test_001"])
     server["client"].save_label("test_001", str(label), tag="final")  # a third labelled image
     stats = _detector_stats(server, {"min_improvement": 1e9})
     assert stats["train"]["init_weights"] == str(model / "detector.pt") and stats["train"]["init_checkpoint"] is None
@@ -857,156 +746,6 @@ def test_detector_retrains_from_the_served_one_on_the_same_held_out_images(serve
     assert json.loads((model / "detector.json").read_text()) == before
 
 
-def _in_process(tmp_path: Path, scenario: str, *args) -> dict:
-    """Run a scenario of tests/monailabel_inprocess.py in the MONAI Label environment (working folder
-    ``tmp_path/work``); its printed result."""
-    (tmp_path / "work").mkdir()
-    done = _checked([PYTHON, ROOT / "tests" / "monailabel_inprocess.py", scenario, tmp_path / "work", *args], tmp_path)
-    return json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
-
-
-def test_the_detector_is_scored_on_at_least_three_held_out_images(tmp_path):
-    """The held-out split grows to 3 images as soon as 4 are labelled (1 then 2 before), then a quarter, and stays
-    sticky; a detector is published only when scored on at least ``min_held_out`` (3) of them."""
-    split = _in_process(tmp_path, "split")
-    assert split == {
-        "2": [1, 1],
-        "3": [1, 2],
-        "4": [1, 3],
-        "5": [2, 3],
-        "10": [7, 3],
-        "12": [9, 3],
-        "20": [15, 5],
-        "sticky": True,
-    }
-
-
-def test_dicomweb_series_gives_the_png_landmarks(tmp_path):
-    """A DICOMweb studies URL (MONAI Label's datastore, its transport replaced by local copies: no DICOMweb
-    server here, see tests/monailabel_inprocess.py): the app reads the series folder the datastore downloads
-    (MONAI Label's default NIfTI conversion, on in the helper, would make the X-ray a one-slice volume without its
-    VOI window and MONOCHROME1 inversion) and gives the landmarks of the same image as a PNG."""
-    from bundle.data.embedded import open_datalist
-    from bundle.data.synthetic import generate_synthetic_2d
-
-    from tests.test_dicom import dicom_copy
-
-    datalist_path = generate_synthetic_2d(tmp_path / "data", n_training=2, n_validation=1, n_test=1)
-    png = Path(open_datalist(datalist_path)["test"][0]["image"])
-    series = tmp_path / "series"
-    series.mkdir()
-    dicom_copy(png, series / "000001.dcm", [0.125, 0.125])  # MONOCHROME1, 12 bits, a VOI window
-    uid = "1.2.826.0.1.3680043.8.498.1"
-    result = _in_process(tmp_path, "dicomweb", datalist_path, series, uid, png)
-    assert set(result["dicomweb"]) == set(result["local"]) and result["local"]
-    for name, point in result["local"].items():
-        assert result["dicomweb"][name] == pytest.approx(point, abs=0.01), name
-
-
-def test_one_network_on_the_configured_device(tmp_path):
-    """``--conf device``: a device this machine lacks is refused at start naming it; on ``cpu`` the infer task
-    and the trainer record it, and one stage-1 network serves inference, the template choice and the scoring
-    of a training in the server's process (in-process, tests/monailabel_inprocess.py); the pseudo-template worker's
-    own network is gone once it has finished."""
-    from bundle.data.embedded import open_datalist
-    from bundle.data.synthetic import generate_synthetic_2d
-
-    datalist_path = generate_synthetic_2d(tmp_path / "data", n_training=2, n_validation=1, n_test=2)
-    content = open_datalist(datalist_path)
-    studies = tmp_path / "studies"
-    studies.mkdir()
-    for item in content["test"]:
-        shutil.copy(item["image"], studies)
-    template = content["test"][1]
-    label = _mrk_json(tmp_path / "template.mrk.json", content["landmark_names"], template["landmarks"])
-    result = _in_process(tmp_path, "device", datalist_path, studies, Path(template["image"]).stem, label)
-    assert sorted(result["refused"]) == ["cuda:7", "cuda:x", "tpu"]
-    for device, message in result["refused"].items():
-        assert message.startswith(f"conf device {device!r}: "), message
-    assert result["infer_device"] == result["train_device"] == "cpu"
-    assert result["networks_after_infer"] == result["networks_after_train"] == 1
-
-
-def _cli_evaluate_3d(datalist: dict, ckpt: Path, out: Path, *options: str) -> dict[str, list[float]]:
-    """The bundle's 3D evaluation (one test image) from the command line, with ``options``: {landmark: [x, y, z]
-    world mm}."""
-    out.mkdir(parents=True)
-    (out / "datalist.json").write_text(json.dumps(datalist))
-    configs = config_files("evaluate", spatial_dims=3)
-    command = [sys.executable, "-m", "monai.bundle", "run", "evaluating", "--config_file", json.dumps(configs)]
-    command += ["--datalist", str(out / "datalist.json"), "--ckpt_path", str(ckpt), "--output_dir", str(out / "eval")]
-    command += list(options)
-    done = subprocess.run(
-        command, cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1")
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    with open(out / "eval" / "predictions.csv") as f:
-        return {r["landmark"]: [float(r[a]) for a in "xyz"] for r in csv.DictReader(f)}
-
-
-def test_ct_volumes_are_served_with_the_3d_configs(tmp_path):
-    """A 3D datalist: the app takes the bundle's 3D configs. Its suggestions equal the bundle's 3D evaluation
-    with the datalist's template, then with a saved label as the template (k-shot from the datastore); the
-    train task fine-tunes on the volumes and trains a 3D detector that the infer task then serves (in-process,
-    tests/monailabel_inprocess.py)."""
-    import torch
-    from bundle.data.embedded import open_datalist
-    from bundle.data.markups import ControlPoint, write_mrk_json
-    from bundle.data.synthetic import generate_synthetic_3d
-    from bundle.networks.contrastive import ContrastiveLandmarkNet
-
-    datalist_path = generate_synthetic_3d(tmp_path / "data", n_training=2, n_validation=1, n_test=2)
-    content = open_datalist(datalist_path)
-    torch.manual_seed(0)
-    ckpt = tmp_path / "net3d.pt"
-    torch.save(ContrastiveLandmarkNet(spatial_dims=3).state_dict(), ckpt)
-    studies = tmp_path / "studies"
-    studies.mkdir()
-    target, template = content["test"]
-    for item in (target, template):
-        shutil.copy(item["image"], studies)
-    names = content["landmark_names"]
-    label = write_mrk_json(
-        tmp_path / "template.mrk.json", [ControlPoint(n, tuple(p)) for n, p in zip(names, template["landmarks"])]
-    )
-    template_id = Path(template["image"]).name.split(".")[0]
-    target_label = write_mrk_json(
-        tmp_path / "target.mrk.json", [ControlPoint(n, tuple(p)) for n, p in zip(names, target["landmarks"])]
-    )
-    result = _in_process(tmp_path, "ct", datalist_path, ckpt, studies, template_id, label, target_label)
-    assert result["image"] == Path(target["image"]).name.split(".")[0]
-    missing = tmp_path / "work" / "missing.pt"
-    assert result["missing_weights"].startswith(f"no network weights at {missing}: give --conf ckpt_path (3D: ")
-
-    references = {
-        "bundle": _cli_evaluate_3d(dict(content, test=[target]), ckpt, tmp_path / "cli_bundle"),
-        # the app matches from its saved labels as they are: no pseudo-templates from the datastore's images
-        "saved_label": _cli_evaluate_3d(
-            dict(content, test=[target], template=template), ckpt, tmp_path / "cli_label", "--pseudo_templates", "0"
-        ),
-    }
-    assert result["saved_label"]["templates"] == [{"image": template_id, "source": "datastore"}]
-    assert result["bundle"]["templates"][0]["source"] == "bundle"
-    for case, reference in references.items():
-        served = result[case]["landmarks"]
-        for name in names:
-            assert served[name] == pytest.approx(reference[name], abs=1e-3), (case, name)
-        # the point list is in world RAS mm, as the landmarks
-        points = {p["label"]: p["position"] for p in result[case]["markups"]["markups"][0]["controlPoints"]}
-        assert result[case]["markups"]["markups"][0]["coordinateSystem"] == "RAS"
-        for name in names:
-            assert points[name] == pytest.approx(served[name], abs=1e-6), (case, name)
-    stats = result["train"]
-    assert stats["train"]["images"] == 2 and stats["train"]["labelled"] == 1, stats
-    assert np.isfinite(stats["eval"]["metrics"]["mre_trained"]), stats
-    stats = result["detector_train"]
-    assert stats["network"] == "detector" and stats["published"] is True, stats
-    assert np.isfinite(stats["eval"]["metrics"]["mre_trained"]), stats
-    detector = result["detector"]
-    assert detector["predictor"] == "detector" and detector["templates"] == []
-    assert all(np.isfinite(detector["landmarks"][name]).all() for name in names)
-
-
 def test_a_giant_picture_is_refused_before_it_is_decoded(server, tmp_path):
     """A 12000 x 12000 blank PNG (140 kB on disk, 0.6 GB of floats decoded) is refused 422 naming it; the studies
     folder is unchanged."""
@@ -1014,154 +753,7 @@ def test_a_giant_picture_is_refused_before_it_is_decoded(server, tmp_path):
     Image.new("L", (12000, 12000)).save(giant)
     before = _tree(server["studies"])
     url = f"{server['base']}/datastore/image?image=giant"
-    reply, status = _request(url, *_multipart("file", giant, "giant.png"), method="PUT")
+    reply, status = request_json(url, *_multipart("file", giant, "giant.png"), method="PUT")
     assert status == 422, (status, reply)
     assert "12000 x 12000 pixels, more than the 50,000,000" in reply["detail"], reply
     assert _tree(server["studies"]) == before
-
-
-CEPHALOGRAM = ROOT.parent / "shared" / "data" / "hamedan_ceph" / "images" / "001.png"
-
-
-def test_default_serves_the_shipped_cephalometric_model(tmp_path):
-    """Started without ``--conf datalist``, the server serves the shipped weights with their built-in templates
-    and 19 landmark names, as the ``inferring`` command (a real cephalogram when ../shared/data is there, else a
-    synthetic image); fine-tuning is refused until 2 images are labelled, naming the count."""
-    from bundle.data.embedded import open_datalist
-    from bundle.data.synthetic import generate_synthetic_2d
-    from bundle.template_file import load_template
-
-    builtin = load_template(ROOT / "models" / "template_features.pt")
-    image = CEPHALOGRAM
-    if not image.is_file():
-        image = Path(open_datalist(generate_synthetic_2d(tmp_path / "data"))["test"][0]["image"])
-    studies = tmp_path / "studies"
-    studies.mkdir()
-    shutil.copy(image, studies)
-    with _serving(tmp_path, studies) as running:
-        assert running["info"]["models"]["landmarks"]["labels"] == {
-            n: i + 1 for i, n in enumerate(builtin["landmark_names"])
-        }
-        assert len(builtin["landmark_names"]) == 19
-        _, reply = running["client"].infer("landmarks", image.stem, {})
-        assert reply["landmark_names"] == builtin["landmark_names"]
-        assert {t["source"] for t in reply["templates"]} == {"built-in"} and reply["checkpoint"] == "model.pt", reply
-        assert reply["checkpoint_source"] == "shipped"
-        assert reply["template"] == [Path(s).name for s in builtin["sources"]]
-        expected = _cli_predictions(image, None, tmp_path / "cli")
-        for name in builtin["landmark_names"]:
-            np.testing.assert_allclose(reply["landmarks"][name], expected[name], atol=1e-3, err_msg=name)
-        reply, status = _request(
-            f"{running['base']}/train/landmarks?run_sync=false",
-            json.dumps({"epochs": 1}).encode(),
-            {"Content-Type": "application/json"},
-        )
-        assert status == 422 and "at least 2 labelled images" in reply["detail"] and "has 0 labelled" in reply["detail"]
-        # a saved label joins the built-in templates (they fit the served shipped weights): matched from an upload
-        # (a datastore image is never its own template), the label first, then the built-in ones
-        label = _mrk_json(tmp_path / "label.mrk.json", builtin["landmark_names"], [expected[n] for n in expected])
-        running["client"].save_label(image.stem, str(label), tag="final")
-        _, joined = running["client"].infer("landmarks", "", {}, file=str(image))
-        assert joined["templates"] == [{"image": image.stem, "source": "datastore"}] + [
-            {"image": Path(s).name, "source": "built-in"} for s in builtin["sources"]
-        ]
-
-
-def _command_datalist(path: Path, names: list, templates: list, unlabelled: list, test: list = ()) -> Path:
-    """A datalist of saved labels as ``templates`` and the unlabelled datastore images as ``training`` (the
-    command line's view of the app's datastore)."""
-    content = {"spatial_dims": 2, "landmark_names": names, "templates": templates, "training": unlabelled}
-    path.write_text(json.dumps({**content, "test": list(test)} if test else content))
-    return path
-
-
-def test_few_saved_labels_get_pseudo_templates_as_the_commands_make_them(tmp_path):
-    """With the app's default keys and unlabelled datastore images: the first suggestion after a saved label matches
-    the label alone and starts the pseudo-templates in the background; once they are ready, an upload's suggestion
-    and its pseudo-templates are those of ``inferring --datalist`` on the same label and unlabelled images. With two
-    labels, the detector training scores template matching on its held-out label as the evaluating command scores
-    it from the other label and its pseudo-templates."""
-    from bundle.data.embedded import open_datalist
-    from bundle.data.synthetic import generate_synthetic_2d
-
-    datalist_path = generate_synthetic_2d(tmp_path / "data", n_training=4, n_validation=0, n_test=1, seed=5)
-    datalist = open_datalist(datalist_path)
-    studies = tmp_path / "studies"
-    studies.mkdir()
-    for item in [datalist["template"], *datalist["training"]]:
-        shutil.copy(item["image"], studies)
-    names = list(datalist["landmark_names"])
-    # the saved labels: the template, then a training image; the upload is not in the datastore
-    saved = [(Path(it["image"]).stem, it["landmarks"]) for it in (datalist["template"], datalist["training"][0])]
-    upload = Path(datalist["test"][0]["image"])
-    unlabelled = sorted(Path(it["image"]).stem for it in datalist["training"])
-
-    def item(stem: str, landmarks: list | None = None) -> dict:
-        return {"image": str(studies / f"{stem}.png"), **({"landmarks": landmarks} if landmarks else {})}
-
-    with _serving(tmp_path, studies, "datalist", str(datalist_path)) as running:
-        client = running["client"]
-        client.save_label(saved[0][0], str(_mrk_json(tmp_path / "label0.mrk.json", names, saved[0][1])), tag="final")
-        _, first = client.infer("landmarks", "", {}, file=str(upload))
-        assert first["templates"] == [{"image": "template", "source": "datastore"}], first["templates"]
-        deadline = time.monotonic() + 120
-        while True:
-            _, reply = client.infer("landmarks", "", {}, file=str(upload))
-            if any(t["source"] == "pseudo" for t in reply["templates"]) or time.monotonic() > deadline:
-                break
-            time.sleep(2)
-        pseudo = [t["image"] for t in reply["templates"] if t["source"] == "pseudo"]
-        assert reply["templates"][0] == {"image": "template", "source": "datastore"}
-        assert sorted(pseudo) == unlabelled, (reply["templates"], running["log"].read_text()[-3000:])
-        one_label = _command_datalist(
-            tmp_path / "one.json", names, [item(*saved[0])], [item(stem) for stem in unlabelled]
-        )
-        expected = _cli_predictions(upload, one_label, tmp_path / "cli")
-        provenance = json.loads((tmp_path / "cli" / "provenance.json").read_text())
-        assert [Path(p).stem for p in provenance["pseudo_templates"]] == pseudo
-        for name in names:
-            np.testing.assert_allclose(reply["landmarks"][name], expected[name], atol=1e-3, err_msg=name)
-
-        client.save_label(saved[1][0], str(_mrk_json(tmp_path / "label1.mrk.json", names, saved[1][1])), tag="final")
-        client.train_start("landmarks", {**DETECTOR_TRAIN, "min_improvement": 1e9})
-        status = _wait_training(running)
-        assert status["status"] == "DONE", f"{status}\n{running['log'].read_text()[-4000:]}"
-        stats = client.info()["train_stats"]["landmarks"]
-    (held,) = stats["train"]["held_out"]
-    (other,) = [label for label in saved if label[0] != held]
-    two_labels = _command_datalist(
-        tmp_path / "two.json",
-        names,
-        [item(*other)],
-        [item(stem) for stem in unlabelled if stem != saved[1][0]],
-        test=[item(held, dict(saved)[held])],
-    )
-    metrics = _cli_evaluation(two_labels, tmp_path / "evaluation")
-    assert len(metrics["pseudo_templates"]) == len(unlabelled) - 1  # every unlabelled image (fewer than 20)
-    assert stats["eval"]["metrics"]["mre_served"] == pytest.approx(metrics["mre_mm"], abs=1e-3)  # spacing 1: pixels
-
-
-def test_labels_loop_drives_the_server_through_the_annotation_loop(tmp_path):
-    """``python -m scripts.labels_loop`` on the real cephalograms (skipped without ../shared/data): the default
-    server, two labels saved one step at a time, a detector training, the held-out uploads scored; the saved labels
-    join the built-in templates and the results file holds every step."""
-    if not CEPHALOGRAM.is_file():
-        pytest.skip("no ../shared/data/hamedan_ceph")
-    from bundle.template_file import load_template
-    from scripts.labels_loop import run
-    from scripts.prepare_data import hamedan_protocol
-
-    datalist = hamedan_protocol(CEPHALOGRAM.parents[1], tmp_path / "protocol.json")
-    result = run(datalist, str(tmp_path / "loop"), steps=[1, 2], heldout=1, train=TINY_TRAIN, threads=1)
-    rows = json.loads(Path(result).read_text())["rows"]
-    assert [(r["labels"], r["stage"]) for r in rows] == [
-        (0, "start"),
-        (1, "labels saved"),
-        (2, "labels saved"),
-        (2, "trained"),
-    ]
-    builtin = len(load_template(ROOT / "models" / "template_features.pt")["sources"])
-    assert [len(r["templates"]) for r in rows[:3]] == [builtin, builtin + 1, builtin + 2]
-    assert all(0 < r["mre_mm"] < 10 and r["landmarks_scored"] == 19 for r in rows)
-    assert rows[3]["published"] is False and rows[3]["held_out"] and rows[3]["predictor"] == "templates"
-    assert (tmp_path / "loop" / "learning_curve.png").stat().st_size > 0

@@ -1,0 +1,351 @@
+"""MONAI Label: each test starts its own app, as a server on 127.0.0.1 or in-process in the app's environment
+(tests/monailabel_inprocess.py): the detector's held-out split, a DICOMweb series, the configured device and its one
+network, 3D volumes with the 3D configs, the default server with the shipped model, pseudo-templates for few saved
+labels, and the annotation loop of ``scripts.labels_loop`` on real cephalograms."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from bundle.configs import config_files
+
+from tests.monailabel_helpers import (
+    DETECTOR_TRAIN,
+    PYTHON,
+    ROOT,
+    TINY_TRAIN,
+    app_server,
+    cli_predictions,
+    mrk_json,
+    request_json,
+    require_monailabel_environment,
+    run_checked,
+    wait_training,
+)
+
+pytestmark = pytest.mark.slow  # apps started per test, trainings through them
+require_monailabel_environment()
+
+
+def _in_process(tmp_path: Path, scenario: str, *args) -> dict:
+    """Run a scenario of tests/monailabel_inprocess.py in the MONAI Label environment (working folder
+    ``tmp_path/work``); its printed result."""
+    (tmp_path / "work").mkdir()
+    done = run_checked(
+        [PYTHON, ROOT / "tests" / "monailabel_inprocess.py", scenario, tmp_path / "work", *args], tmp_path
+    )
+    return json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
+
+
+def test_the_detector_is_scored_on_at_least_three_held_out_images(tmp_path):
+    """The held-out split grows to 3 images as soon as 4 are labelled (1 then 2 before), then a quarter, and stays
+    sticky; a detector is published only when scored on at least ``min_held_out`` (3) of them."""
+    split = _in_process(tmp_path, "split")
+    assert split == {
+        "2": [1, 1],
+        "3": [1, 2],
+        "4": [1, 3],
+        "5": [2, 3],
+        "10": [7, 3],
+        "12": [9, 3],
+        "20": [15, 5],
+        "sticky": True,
+    }
+
+
+def test_dicomweb_series_gives_the_png_landmarks(tmp_path):
+    """A DICOMweb studies URL (MONAI Label's datastore, its transport replaced by local copies: no DICOMweb
+    server here, see tests/monailabel_inprocess.py): the app reads the series folder the datastore downloads
+    (MONAI Label's default NIfTI conversion, on in the helper, would make the X-ray a one-slice volume without its
+    VOI window and MONOCHROME1 inversion) and gives the landmarks of the same image as a PNG."""
+    from bundle.data.embedded import open_datalist
+    from bundle.data.synthetic import generate_synthetic_2d
+
+    from tests.test_dicom import dicom_copy
+
+    datalist_path = generate_synthetic_2d(tmp_path / "data", n_training=2, n_validation=1, n_test=1)
+    png = Path(open_datalist(datalist_path)["test"][0]["image"])
+    series = tmp_path / "series"
+    series.mkdir()
+    dicom_copy(png, series / "000001.dcm", [0.125, 0.125])  # MONOCHROME1, 12 bits, a VOI window
+    uid = "1.2.826.0.1.3680043.8.498.1"
+    result = _in_process(tmp_path, "dicomweb", datalist_path, series, uid, png)
+    assert set(result["dicomweb"]) == set(result["local"]) and result["local"]
+    for name, point in result["local"].items():
+        assert result["dicomweb"][name] == pytest.approx(point, abs=0.01), name
+
+
+def test_one_network_on_the_configured_device(tmp_path):
+    """``--conf device``: a device this machine lacks is refused at start naming it; on ``cpu`` the infer task
+    and the trainer record it, and one stage-1 network serves inference, the template choice and the scoring
+    of a training in the server's process (in-process, tests/monailabel_inprocess.py); the pseudo-template worker's
+    own network is gone once it has finished."""
+    from bundle.data.embedded import open_datalist
+    from bundle.data.synthetic import generate_synthetic_2d
+
+    datalist_path = generate_synthetic_2d(tmp_path / "data", n_training=2, n_validation=1, n_test=2)
+    content = open_datalist(datalist_path)
+    studies = tmp_path / "studies"
+    studies.mkdir()
+    for item in content["test"]:
+        shutil.copy(item["image"], studies)
+    template = content["test"][1]
+    label = mrk_json(tmp_path / "template.mrk.json", content["landmark_names"], template["landmarks"])
+    result = _in_process(tmp_path, "device", datalist_path, studies, Path(template["image"]).stem, label)
+    assert sorted(result["refused"]) == ["cuda:7", "cuda:x", "tpu"]
+    for device, message in result["refused"].items():
+        assert message.startswith(f"conf device {device!r}: "), message
+    assert result["infer_device"] == result["train_device"] == "cpu"
+    assert result["networks_after_infer"] == result["networks_after_train"] == 1
+
+
+def _cli_evaluate_3d(datalist: dict, ckpt: Path, out: Path, *options: str) -> dict[str, list[float]]:
+    """The bundle's 3D evaluation (one test image) from the command line, with ``options``: {landmark: [x, y, z]
+    world mm}."""
+    out.mkdir(parents=True)
+    (out / "datalist.json").write_text(json.dumps(datalist))
+    configs = config_files("evaluate", spatial_dims=3)
+    command = [sys.executable, "-m", "monai.bundle", "run", "evaluating", "--config_file", json.dumps(configs)]
+    command += ["--datalist", str(out / "datalist.json"), "--ckpt_path", str(ckpt), "--output_dir", str(out / "eval")]
+    command += list(options)
+    done = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1")
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(out / "eval" / "predictions.csv") as f:
+        return {r["landmark"]: [float(r[a]) for a in "xyz"] for r in csv.DictReader(f)}
+
+
+def test_ct_volumes_are_served_with_the_3d_configs(tmp_path):
+    """A 3D datalist: the app takes the bundle's 3D configs. Its suggestions equal the bundle's 3D evaluation
+    with the datalist's template, then with a saved label as the template (k-shot from the datastore); the
+    train task fine-tunes on the volumes and trains a 3D detector that the infer task then serves (in-process,
+    tests/monailabel_inprocess.py)."""
+    import torch
+    from bundle.data.embedded import open_datalist
+    from bundle.data.markups import ControlPoint, write_mrk_json
+    from bundle.data.synthetic import generate_synthetic_3d
+    from bundle.networks.contrastive import ContrastiveLandmarkNet
+
+    datalist_path = generate_synthetic_3d(tmp_path / "data", n_training=2, n_validation=1, n_test=2)
+    content = open_datalist(datalist_path)
+    torch.manual_seed(0)
+    ckpt = tmp_path / "net3d.pt"
+    torch.save(ContrastiveLandmarkNet(spatial_dims=3).state_dict(), ckpt)
+    studies = tmp_path / "studies"
+    studies.mkdir()
+    target, template = content["test"]
+    for item in (target, template):
+        shutil.copy(item["image"], studies)
+    names = content["landmark_names"]
+    label = write_mrk_json(
+        tmp_path / "template.mrk.json", [ControlPoint(n, tuple(p)) for n, p in zip(names, template["landmarks"])]
+    )
+    template_id = Path(template["image"]).name.split(".")[0]
+    target_label = write_mrk_json(
+        tmp_path / "target.mrk.json", [ControlPoint(n, tuple(p)) for n, p in zip(names, target["landmarks"])]
+    )
+    result = _in_process(tmp_path, "ct", datalist_path, ckpt, studies, template_id, label, target_label)
+    assert result["image"] == Path(target["image"]).name.split(".")[0]
+    missing = tmp_path / "work" / "missing.pt"
+    assert result["missing_weights"].startswith(f"no network weights at {missing}: give --conf ckpt_path (3D: ")
+
+    references = {
+        "bundle": _cli_evaluate_3d(dict(content, test=[target]), ckpt, tmp_path / "cli_bundle"),
+        # the app matches from its saved labels as they are: no pseudo-templates from the datastore's images
+        "saved_label": _cli_evaluate_3d(
+            dict(content, test=[target], template=template), ckpt, tmp_path / "cli_label", "--pseudo_templates", "0"
+        ),
+    }
+    assert result["saved_label"]["templates"] == [{"image": template_id, "source": "datastore"}]
+    assert result["bundle"]["templates"][0]["source"] == "bundle"
+    for case, reference in references.items():
+        served = result[case]["landmarks"]
+        for name in names:
+            assert served[name] == pytest.approx(reference[name], abs=1e-3), (case, name)
+        # the point list is in world RAS mm, as the landmarks
+        points = {p["label"]: p["position"] for p in result[case]["markups"]["markups"][0]["controlPoints"]}
+        assert result[case]["markups"]["markups"][0]["coordinateSystem"] == "RAS"
+        for name in names:
+            assert points[name] == pytest.approx(served[name], abs=1e-6), (case, name)
+    stats = result["train"]
+    assert stats["train"]["images"] == 2 and stats["train"]["labelled"] == 1, stats
+    assert np.isfinite(stats["eval"]["metrics"]["mre_trained"]), stats
+    stats = result["detector_train"]
+    assert stats["network"] == "detector" and stats["published"] is True, stats
+    assert np.isfinite(stats["eval"]["metrics"]["mre_trained"]), stats
+    detector = result["detector"]
+    assert detector["predictor"] == "detector" and detector["templates"] == []
+    assert all(np.isfinite(detector["landmarks"][name]).all() for name in names)
+
+
+CEPHALOGRAM = ROOT.parent / "shared" / "data" / "hamedan_ceph" / "images" / "001.png"
+
+
+def test_default_serves_the_shipped_cephalometric_model(tmp_path):
+    """Started without ``--conf datalist``, the server serves the shipped weights with their built-in templates
+    and 19 landmark names, as the ``inferring`` command (a real cephalogram when ../shared/data is there, else a
+    synthetic image); fine-tuning is refused until 2 images are labelled, naming the count."""
+    from bundle.data.embedded import open_datalist
+    from bundle.data.synthetic import generate_synthetic_2d
+    from bundle.template_file import load_template
+
+    builtin = load_template(ROOT / "models" / "template_features.pt")
+    image = CEPHALOGRAM
+    if not image.is_file():
+        image = Path(open_datalist(generate_synthetic_2d(tmp_path / "data"))["test"][0]["image"])
+    studies = tmp_path / "studies"
+    studies.mkdir()
+    shutil.copy(image, studies)
+    with app_server(tmp_path, studies) as running:
+        assert running["info"]["models"]["landmarks"]["labels"] == {
+            n: i + 1 for i, n in enumerate(builtin["landmark_names"])
+        }
+        assert len(builtin["landmark_names"]) == 19
+        _, reply = running["client"].infer("landmarks", image.stem, {})
+        assert reply["landmark_names"] == builtin["landmark_names"]
+        assert {t["source"] for t in reply["templates"]} == {"built-in"} and reply["checkpoint"] == "model.pt", reply
+        assert reply["checkpoint_source"] == "shipped"
+        assert reply["template"] == [Path(s).name for s in builtin["sources"]]
+        expected = cli_predictions(image, None, tmp_path / "cli")
+        for name in builtin["landmark_names"]:
+            np.testing.assert_allclose(reply["landmarks"][name], expected[name], atol=1e-3, err_msg=name)
+        reply, status = request_json(
+            f"{running['base']}/train/landmarks?run_sync=false",
+            json.dumps({"epochs": 1}).encode(),
+            {"Content-Type": "application/json"},
+        )
+        assert status == 422 and "at least 2 labelled images" in reply["detail"] and "has 0 labelled" in reply["detail"]
+        # a saved label joins the built-in templates (they fit the served shipped weights): matched from an upload
+        # (a datastore image is never its own template), the label first, then the built-in ones
+        label = mrk_json(tmp_path / "label.mrk.json", builtin["landmark_names"], [expected[n] for n in expected])
+        running["client"].save_label(image.stem, str(label), tag="final")
+        _, joined = running["client"].infer("landmarks", "", {}, file=str(image))
+        assert joined["templates"] == [{"image": image.stem, "source": "datastore"}] + [
+            {"image": Path(s).name, "source": "built-in"} for s in builtin["sources"]
+        ]
+
+
+def _cli_evaluation(datalist: Path, out: Path) -> dict:
+    """The bundle's evaluating command on ``datalist`` (its defaults): its metrics.json."""
+    command = [sys.executable, "-m", "monai.bundle", "run", "evaluating", "--config_file"]
+    command += [
+        json.dumps(config_files("evaluate")),
+        "--datalist",
+        datalist,
+        "--output_dir",
+        out,
+        "--overlays",
+        "false",
+    ]
+    run_checked(command, ROOT, timeout=300)
+    return json.loads((out / "metrics.json").read_text())
+
+
+def _command_datalist(path: Path, names: list, templates: list, unlabelled: list, test: list = ()) -> Path:
+    """A datalist of saved labels as ``templates`` and the unlabelled datastore images as ``training`` (the
+    command line's view of the app's datastore)."""
+    content = {"spatial_dims": 2, "landmark_names": names, "templates": templates, "training": unlabelled}
+    path.write_text(json.dumps({**content, "test": list(test)} if test else content))
+    return path
+
+
+def test_few_saved_labels_get_pseudo_templates_as_the_commands_make_them(tmp_path):
+    """With the app's default keys and unlabelled datastore images: the first suggestion after a saved label matches
+    the label alone and starts the pseudo-templates in the background; once they are ready, an upload's suggestion
+    and its pseudo-templates are those of ``inferring --datalist`` on the same label and unlabelled images. With two
+    labels, the detector training scores template matching on its held-out label as the evaluating command scores
+    it from the other label and its pseudo-templates."""
+    from bundle.data.embedded import open_datalist
+    from bundle.data.synthetic import generate_synthetic_2d
+
+    datalist_path = generate_synthetic_2d(tmp_path / "data", n_training=4, n_validation=0, n_test=1, seed=5)
+    datalist = open_datalist(datalist_path)
+    studies = tmp_path / "studies"
+    studies.mkdir()
+    for item in [datalist["template"], *datalist["training"]]:
+        shutil.copy(item["image"], studies)
+    names = list(datalist["landmark_names"])
+    # the saved labels: the template, then a training image; the upload is not in the datastore
+    saved = [(Path(it["image"]).stem, it["landmarks"]) for it in (datalist["template"], datalist["training"][0])]
+    upload = Path(datalist["test"][0]["image"])
+    unlabelled = sorted(Path(it["image"]).stem for it in datalist["training"])
+
+    def item(stem: str, landmarks: list | None = None) -> dict:
+        return {"image": str(studies / f"{stem}.png"), **({"landmarks": landmarks} if landmarks else {})}
+
+    with app_server(tmp_path, studies, "datalist", str(datalist_path)) as running:
+        client = running["client"]
+        client.save_label(saved[0][0], str(mrk_json(tmp_path / "label0.mrk.json", names, saved[0][1])), tag="final")
+        _, first = client.infer("landmarks", "", {}, file=str(upload))
+        assert first["templates"] == [{"image": "template", "source": "datastore"}], first["templates"]
+        deadline = time.monotonic() + 120
+        while True:
+            _, reply = client.infer("landmarks", "", {}, file=str(upload))
+            if any(t["source"] == "pseudo" for t in reply["templates"]) or time.monotonic() > deadline:
+                break
+            time.sleep(2)
+        pseudo = [t["image"] for t in reply["templates"] if t["source"] == "pseudo"]
+        assert reply["templates"][0] == {"image": "template", "source": "datastore"}
+        assert sorted(pseudo) == unlabelled, (reply["templates"], running["log"].read_text()[-3000:])
+        one_label = _command_datalist(
+            tmp_path / "one.json", names, [item(*saved[0])], [item(stem) for stem in unlabelled]
+        )
+        expected = cli_predictions(upload, one_label, tmp_path / "cli")
+        provenance = json.loads((tmp_path / "cli" / "provenance.json").read_text())
+        assert [Path(p).stem for p in provenance["pseudo_templates"]] == pseudo
+        for name in names:
+            np.testing.assert_allclose(reply["landmarks"][name], expected[name], atol=1e-3, err_msg=name)
+
+        client.save_label(saved[1][0], str(mrk_json(tmp_path / "label1.mrk.json", names, saved[1][1])), tag="final")
+        client.train_start("landmarks", {**DETECTOR_TRAIN, "min_improvement": 1e9})
+        status = wait_training(running)
+        assert status["status"] == "DONE", f"{status}\n{running['log'].read_text()[-4000:]}"
+        stats = client.info()["train_stats"]["landmarks"]
+    (held,) = stats["train"]["held_out"]
+    (other,) = [label for label in saved if label[0] != held]
+    two_labels = _command_datalist(
+        tmp_path / "two.json",
+        names,
+        [item(*other)],
+        [item(stem) for stem in unlabelled if stem != saved[1][0]],
+        test=[item(held, dict(saved)[held])],
+    )
+    metrics = _cli_evaluation(two_labels, tmp_path / "evaluation")
+    assert len(metrics["pseudo_templates"]) == len(unlabelled) - 1  # every unlabelled image (fewer than 20)
+    assert stats["eval"]["metrics"]["mre_served"] == pytest.approx(metrics["mre_mm"], abs=1e-3)  # spacing 1: pixels
+
+
+def test_labels_loop_drives_the_server_through_the_annotation_loop(tmp_path):
+    """``python -m scripts.labels_loop`` on the real cephalograms (skipped without ../shared/data): the default
+    server, two labels saved one step at a time, a detector training, the held-out uploads scored; the saved labels
+    join the built-in templates and the results file holds every step."""
+    if not CEPHALOGRAM.is_file():
+        pytest.skip("no ../shared/data/hamedan_ceph")
+    from bundle.template_file import load_template
+    from scripts.labels_loop import run
+    from scripts.prepare_data import hamedan_protocol
+
+    datalist = hamedan_protocol(CEPHALOGRAM.parents[1], tmp_path / "protocol.json")
+    result = run(datalist, str(tmp_path / "loop"), steps=[1, 2], heldout=1, train=TINY_TRAIN, threads=1)
+    rows = json.loads(Path(result).read_text())["rows"]
+    assert [(r["labels"], r["stage"]) for r in rows] == [
+        (0, "start"),
+        (1, "labels saved"),
+        (2, "labels saved"),
+        (2, "trained"),
+    ]
+    builtin = len(load_template(ROOT / "models" / "template_features.pt")["sources"])
+    assert [len(r["templates"]) for r in rows[:3]] == [builtin, builtin + 1, builtin + 2]
+    assert all(0 < r["mre_mm"] < 10 and r["landmarks_scored"] == 19 for r in rows)
+    assert rows[3]["published"] is False and rows[3]["held_out"] and rows[3]["predictor"] == "templates"
+    assert (tmp_path / "loop" / "learning_curve.png").stat().st_size > 0
