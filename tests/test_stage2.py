@@ -180,6 +180,8 @@ def test_shipped_detector_loads_into_the_configured_network_and_names_its_templa
     detector = parser.get_parsed_content("network_def")
     load_weights(detector, ckpt)  # strict: every weight of the detector, nothing else
     assert detector.n_landmarks == 19
+    # the evaluation's network: the grid recorded beside it is the configuration's
+    assert parser.get_parsed_content("network").n_landmarks == 19
     assert [Path(t).name for t in detector_templates(ckpt)][:1] == ["046.png"]
 
 
@@ -251,3 +253,24 @@ def test_tiny_stage2_training_and_evaluation_beat_chance(tmp_path):
     assert len(rows) == 2 * len(datalist["landmark_names"])
     chance = chance_mre_mm(datalist, (256, 288))
     assert metrics["mre_mm"] < chance / 4, (metrics["mre_mm"], chance)
+
+    # the training grid is recorded beside the checkpoint; evaluating on another grid is refused naming both
+    info = tmp_path / "m2" / "detector_info.json"
+    assert json.loads(info.read_text())["image_size"] == TINY["image_size"]
+    other = [2 * v for v in TINY["image_size"]]
+    with pytest.raises(Exception) as refused:
+        run(
+            "evaluating",
+            config_file=stage2 + [str(ROOT / f"configs/{c}.yaml") for c in ("evaluate", "evaluate_detector")],
+            output_dir=str(tmp_path / "eval_other_grid"),
+            ckpt_path=str(tmp_path / "m2" / "model.pt"),
+            **dict(common, image_size=other),
+        )
+    messages = []
+    error = refused.value
+    while error is not None:
+        messages.append(str(error))
+        error = error.__cause__ or error.__context__
+    expected = f"was trained on the grid {TINY['image_size']} ({info}) but image_size is {other}"
+    assert any(expected in m for m in messages), messages
+    assert not (tmp_path / "eval_other_grid" / "metrics.json").exists()

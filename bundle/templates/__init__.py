@@ -4,6 +4,7 @@ training items, and the template features of inference."""
 from bundle.templates.detector_data import (
     detector_templates,
     labelled_items,
+    load_detector,
     pseudo_label_templates,
     pseudo_labelled_items,
     read_pseudo_labels,
@@ -48,6 +49,7 @@ __all__ = [
     "labelled_items",
     "labelled_training_items",
     "landmark_transfer_errors",
+    "load_detector",
     "prepare_template",
     "pseudo_label",
     "pseudo_label_templates",

@@ -4,7 +4,8 @@
   (:func:`bundle.templates.pseudo_labels.pseudo_label`), optionally without their landmarks whose
   forward-backward cycle error exceeds a tolerance; written as an inspectable datalist;
 - :func:`labelled_items`: the human-labelled training items of a fine-tuning;
-- ``detector_info.json`` beside the detector's checkpoints: the templates that made its pseudo-labels.
+- ``detector_info.json`` beside the detector's checkpoints: the templates that made its pseudo-labels and the grid
+  it was trained on; :func:`load_detector` refuses to run it on another grid.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Sequence
 
 import numpy as np
 import torch
+from bundle.checkpoints import load_weights
 from bundle.inferers.oneshot import OneShotInferer
 from bundle.io_utils import write_json_atomic
 from bundle.templates.pseudo_labels import pseudo_label, reliable_landmarks
@@ -91,21 +93,45 @@ def pseudo_labelled_items(
     return items
 
 
-def write_detector_info(ckpt_dir: str | Path, templates: Sequence[dict] | None, labels: str, n_items: int) -> Path:
+def write_detector_info(
+    ckpt_dir: str | Path, templates: Sequence[dict] | None, labels: str, n_items: int, image_size: Sequence[int]
+) -> Path:
     """``ckpt_dir/detector_info.json``: which templates made the pseudo-labels (empty for human labels), so
-    that the evaluation of the detector reports them in metrics.json."""
+    that the evaluation of the detector reports them in metrics.json, and the training grid ``image_size``."""
     return write_json_atomic(
         Path(ckpt_dir) / INFO_FILE,
-        {"labels": labels, "templates": [t["image"] for t in templates or []], "n_training_items": int(n_items)},
+        {
+            "labels": labels,
+            "templates": [t["image"] for t in templates or []],
+            "n_training_items": int(n_items),
+            "image_size": [int(v) for v in image_size],
+        },
     )
+
+
+def _detector_info(ckpt_path: str | Path) -> dict:
+    info = Path(ckpt_path).parent / INFO_FILE
+    return json.loads(info.read_text()) if info.is_file() else {}
 
 
 def detector_templates(ckpt_path: str | Path) -> list[str]:
     """The templates recorded beside a detector checkpoint (:func:`write_detector_info`); ``[]`` when none."""
-    info = Path(ckpt_path).parent / INFO_FILE
-    if not info.is_file():
-        return []
-    return list(json.loads(info.read_text()).get("templates") or [])
+    return list(_detector_info(ckpt_path).get("templates") or [])
+
+
+def load_detector(
+    network: torch.nn.Module, ckpt_path: str | Path, device: torch.device | str, image_size: Sequence[int]
+) -> torch.nn.Module:
+    """``network`` with the detector weights of ``ckpt_path``, to run on the grid ``image_size``. A detector finds
+    its landmarks at the scale it was trained on: a grid other than the one recorded beside the checkpoint
+    (:func:`write_detector_info`; none recorded: not checked) is refused, naming both and the key to set."""
+    trained = _detector_info(ckpt_path).get("image_size")
+    if trained is not None and [int(v) for v in trained] != [int(v) for v in image_size]:
+        raise ValueError(
+            f"the detector {ckpt_path} was trained on the grid {list(trained)} ({Path(ckpt_path).parent / INFO_FILE}) "
+            f'but image_size is {list(image_size)}: pass --image_size "{list(trained)}"'
+        )
+    return load_weights(network, ckpt_path, device)
 
 
 def labelled_items(datalist: dict, n_labelled: int | None = None) -> list[dict]:
