@@ -304,3 +304,26 @@ def test_contrast_adaptation_finds_the_landmarks_in_another_contrast(scene):
     torch.testing.assert_close(adapted(other, net), plain(same, net), atol=0.05, rtol=0)
     torch.testing.assert_close(template_contrast(same, template), same, atol=0.02, rtol=0)  # the same contrast
     torch.testing.assert_close(adapted(same, net), plain(same, net), atol=0.05, rtol=0)
+
+
+def test_contrast_adaptation_registers_a_turned_and_scaled_input(scene):
+    """An input of the other contrast, turned by 0.1 rad, scaled by 1.1 and shifted: the template registered to it
+    by mutual information lies on it, so the input's grey values map back to the template's contrast and the
+    landmarks are found as in the input of the template's own contrast."""
+    from bundle.inferers.contrast import registered_template, template_contrast
+    from monai.transforms import Affine
+
+    big, _, net = scene
+    first, second = (0.1, 0.4, 0.7, 1.0), (0.8, 0.1, 1.0, 0.4)
+    template = crop(tissues(big, first), (16, 16), (128, 128))
+    turn = Affine(rotate_params=0.1, scale_params=(1.1, 1.1), translate_params=(3, -4), mode="nearest", image_only=True)
+    same, other = (
+        turn(crop(tissues(big, levels), (16, 16), (128, 128))[0])[None].as_tensor() for levels in (first, second)
+    )
+    assert (template - same).abs().mean() > 0.1  # the template does not lie on the input as it is
+    assert (registered_template(template[0, 0], same[0, 0]) - same[0, 0]).abs().mean() < 0.05
+    assert (template_contrast(other, template) - same).abs().mean() < 0.03
+    plain, adapted = OneShotInferer(), OneShotInferer(contrast_adaptation=True)
+    for inferer in (plain, adapted):
+        inferer.set_template(template, POINTS_2D)
+    torch.testing.assert_close(adapted(other, net), plain(same, net), atol=1.0, rtol=0)

@@ -3,15 +3,23 @@
 A T1-weighted template and a T2-weighted input show the same anatomy with other, non-monotone, grey values (CSF
 dark in one and bright in the other). The network, trained on one contrast, matches nothing across them. Before
 matching, :func:`template_contrast` replaces each input grey value by the template's mean grey value at the voxels
-of that value (the conditional mean, from the joint histogram of the two images after aligning the centroids of
-their foregrounds). :class:`bundle.inferers.oneshot.OneShotInferer` matches both and keeps the matches that score
-higher.
+of that value (the conditional mean, from the joint histogram of the two images once the template is registered
+to the input by an affine map that maximises their mutual information). :class:`bundle.inferers.oneshot.OneShotInferer`
+matches both and keeps the matches that score higher.
 """
 
 from __future__ import annotations
 
+import logging
+
+import numpy as np
 import torch
-import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+# Mutual-information registration of the template to an input (SimpleITK): histogram bins, share of the voxels
+# sampled (fixed seed: the same inputs give the same map), optimiser steps, and the pyramid (shrink, smoothing).
+_MI_BINS, _SAMPLED, _STEPS, _SHRINK, _SMOOTH = 32, 0.25, 200, (2, 1), (1.0, 0.0)
 
 
 def _centroid(image: torch.Tensor) -> torch.Tensor:
@@ -25,33 +33,53 @@ def _centroid(image: torch.Tensor) -> torch.Tensor:
     return torch.stack([(weights * a).sum() / total for a in axes])
 
 
-def _shifted(image: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """``image`` (spatial) sampled at ``x + shift`` (grid voxels, linear, zero outside)."""
-    size = torch.tensor(image.shape, dtype=torch.float64, device=image.device)
-    # grid_sample's last axis is the first spatial axis reversed; normalised with align_corners=True
-    offset = (2 * shift / (size - 1).clamp_min(1)).flip(0).to(image.dtype)
-    ndim = image.ndim
-    theta = torch.cat([torch.eye(ndim, dtype=image.dtype, device=image.device), offset[:, None]], dim=1)[None]
-    grid = F.affine_grid(theta, [1, 1, *image.shape], align_corners=True)
-    return F.grid_sample(image[None, None], grid, mode="bilinear", align_corners=True)[0, 0]
+def registered_template(template: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
+    """``template`` (spatial) resampled onto the grid of ``image`` (spatial, same rank) after an affine registration
+    that maximises the two images' Mattes mutual information (SimpleITK; any pair of contrasts), started from
+    their foregrounds' centroids aligned. Linear interpolation, 0 outside the template. When the optimiser fails
+    (too few voxels overlap), the template is only shifted by the centroids, with a warning.
+    """
+    import SimpleITK as sitk  # noqa: N813
+
+    fixed = sitk.GetImageFromArray(image.detach().cpu().numpy().astype(np.float32))
+    moving = sitk.GetImageFromArray(template.detach().cpu().numpy().astype(np.float32))
+    start = sitk.AffineTransform(image.ndim)  # SimpleITK's axes are the array's reversed
+    start.SetCenter(_centroid(image).flip(0).tolist())
+    start.SetTranslation((_centroid(template) - _centroid(image)).flip(0).tolist())
+    registration = sitk.ImageRegistrationMethod()
+    registration.SetMetricAsMattesMutualInformation(numberOfHistogramBins=_MI_BINS)
+    registration.SetMetricSamplingStrategy(registration.RANDOM)
+    registration.SetMetricSamplingPercentage(_SAMPLED, seed=0)
+    registration.SetInterpolator(sitk.sitkLinear)
+    registration.SetOptimizerAsRegularStepGradientDescent(learningRate=1.0, minStep=1e-3, numberOfIterations=_STEPS)
+    registration.SetOptimizerScalesFromPhysicalShift()
+    registration.SetShrinkFactorsPerLevel(list(_SHRINK))
+    registration.SetSmoothingSigmasPerLevel(list(_SMOOTH))
+    registration.SetInitialTransform(start, inPlace=False)
+    try:
+        transform = registration.Execute(fixed, moving)
+    except RuntimeError as error:
+        logger.warning("contrast adaptation: registration failed, the template is shifted by the centroids: %s", error)
+        transform = start
+    aligned = sitk.GetArrayFromImage(sitk.Resample(moving, fixed, transform, sitk.sitkLinear, 0.0))
+    return torch.from_numpy(aligned).to(image)
 
 
 def template_contrast(inputs: torch.Tensor, template: torch.Tensor, bins: int = 64) -> torch.Tensor:
     """``inputs`` ``(B, 1, *S)`` with each image's grey values mapped to the contrast of ``template`` ``(1, 1, *S)``.
 
-    Per image: the template is shifted so that its foreground's centroid meets the image's; the image's grey
-    values are cut into ``bins`` bins, and the template's mean grey value at each bin's voxels (linearly
-    interpolated between bin centres) replaces them. A constant image is kept as it is.
+    Per image: the template is registered to it (:func:`registered_template`); the image's grey values are cut
+    into ``bins`` bins, and the registered template's mean grey value at each bin's voxels (linearly interpolated
+    between bin centres) replaces them. A constant image is kept as it is.
     """
     out = inputs.clone()
     reference = template[0, 0].to(inputs)
-    reference_centre = _centroid(reference)
     for b in range(inputs.shape[0]):
         image = inputs[b, 0]
         lo, hi = image.min(), image.max()
         if not bool(hi > lo):
             continue
-        aligned = _shifted(reference, reference_centre - _centroid(image))
+        aligned = registered_template(reference, image)
         position = (image - lo).double() / float(hi - lo) * bins
         index = position.long().clamp(0, bins - 1).flatten()
         counts = torch.bincount(index, minlength=bins).double()
