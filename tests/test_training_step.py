@@ -76,6 +76,27 @@ def test_channels_last_and_thread_tuning_give_the_same_losses_and_try_each_count
         torch.set_num_threads(threads_outside)
 
 
+def test_channels_last_in_3d_gives_the_same_losses():
+    """Volumes take the 3D channels-last order (channels_last_3d): the same losses as the contiguous step."""
+    torch.manual_seed(0)
+    net = ContrastiveLandmarkNet(spatial_dims=3, channels=(4, 8, 8), strides=(4, 2), embed_dim=8)
+    old, new = _engine(copy.deepcopy(net), MultiScaleInfoNCELoss(0.1, 3)), _engine(net, MultiScaleInfoNCELoss(0.1, 3))
+    fast = ContrastiveIterationUpdate(channels_last=True)
+    losses_old, losses_new = [], []
+    for k in range(3):
+        g = torch.Generator().manual_seed(k)
+        batch = {
+            "image": torch.rand(2, 1, 16, 16, 16, generator=g),
+            "crop": torch.rand(2, 1, 8, 8, 8, generator=g),
+            "query": 2 + 12 * torch.rand(2, 4, 3, generator=g),
+            "crop_query": 2 + 4 * torch.rand(2, 4, 3, generator=g),
+        }
+        losses_old.append(float(ContrastiveIterationUpdate()(old, batch)["loss"]))
+        losses_new.append(float(fast(new, batch)["loss"]))
+    torch.testing.assert_close(torch.tensor(losses_new), torch.tensor(losses_old), rtol=1e-4, atol=0)
+    assert next(new.network.parameters()).is_contiguous(memory_format=torch.channels_last_3d)
+
+
 def test_fixed_threads_and_bad_settings():
     threads_before = torch.get_num_threads()
     try:

@@ -30,7 +30,7 @@ class ContrastiveIterationUpdate:
     CPU speed (both leave the results unchanged up to floating-point rounding; neither acts on a GPU):
 
     * ``channels_last``: the network's weights and the batch in channels-last memory order (oneDNN's
-      preferred layout for convolutions); 2D only (measured there), not under DistributedDataParallel.
+      preferred layout for convolutions; ``channels_last_3d`` for volumes), not under DistributedDataParallel.
     * ``num_threads``: intra-op threads during the step. None leaves torch's setting alone; an int sets it;
       ``"auto"`` times the step with 1, 2, 4, ... up to torch's thread count at construction on the first
       iterations (``trials`` steps each, the fastest kept) and again every ``retune_every`` iterations: on
@@ -108,10 +108,11 @@ class ContrastiveIterationUpdate:
         if threads is not None and threads != torch.get_num_threads():
             torch.set_num_threads(threads)
         ddp = isinstance(network, torch.nn.parallel.DistributedDataParallel)
-        if self.channels_last and on_cpu and image.ndim == 4 and not ddp:
-            network.to(memory_format=torch.channels_last)  # a no-op once converted
-            image = image.contiguous(memory_format=torch.channels_last)
-            crop = crop.contiguous(memory_format=torch.channels_last)
+        if self.channels_last and on_cpu and not ddp:
+            layout = torch.channels_last if image.ndim == 4 else torch.channels_last_3d
+            network.to(memory_format=layout)  # a no-op once converted
+            image = image.contiguous(memory_format=layout)
+            crop = crop.contiguous(memory_format=layout)
         start = time.perf_counter()
         network.train()
         engine.optimizer.zero_grad(set_to_none=engine.optim_set_to_none)
