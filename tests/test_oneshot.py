@@ -327,3 +327,21 @@ def test_contrast_adaptation_registers_a_turned_and_scaled_input(scene):
     for inferer in (plain, adapted):
         inferer.set_template(template, POINTS_2D)
     torch.testing.assert_close(adapted(other, net), plain(same, net), atol=1.0, rtol=0)
+
+
+def test_registration_failure_falls_back_to_the_centroid_shift(scene, monkeypatch, caplog):
+    """When SimpleITK's optimiser raises, the template is only shifted by the foregrounds' centroids, with a
+    warning that says so (a shifted input is still met)."""
+    import SimpleITK as sitk  # noqa: N813
+    from bundle.inferers.contrast import registered_template
+
+    def fail(self, fixed, moving):
+        raise RuntimeError("too few samples")
+
+    monkeypatch.setattr(sitk.ImageRegistrationMethod, "Execute", fail)
+    template = crop(tissues(scene[0], (0.1, 0.4, 0.7, 1.0)), (16, 16), (128, 128))[0, 0]
+    shifted = torch.roll(template, shifts=(3, -4), dims=(0, 1))
+    with caplog.at_level("WARNING", logger="bundle.inferers.contrast"):
+        aligned = registered_template(template, shifted)
+    assert "registration failed, the template is shifted by the centroids: too few samples" in caplog.text
+    torch.testing.assert_close(aligned, shifted, atol=1e-4, rtol=0)
