@@ -18,8 +18,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 # Mutual-information registration of the template to an input (SimpleITK): histogram bins, share of the voxels
-# sampled (fixed seed: the same inputs give the same map), optimiser steps, and the pyramid (shrink, smoothing).
-_MI_BINS, _SAMPLED, _STEPS, _SHRINK, _SMOOTH = 32, 0.25, 200, (2, 1), (1.0, 0.0)
+# sampled and the sampling's seed (fixed and nonzero: SimpleITK seeds 0 from the clock, and the same inputs must
+# give the same map), optimiser steps, and the pyramid (shrink, smoothing).
+_MI_BINS, _SAMPLED, _SEED, _STEPS, _SHRINK, _SMOOTH = 32, 0.25, 1, 200, (2, 1), (1.0, 0.0)
 
 
 def _centroid(image: torch.Tensor) -> torch.Tensor:
@@ -49,7 +50,7 @@ def registered_template(template: torch.Tensor, image: torch.Tensor) -> torch.Te
     registration = sitk.ImageRegistrationMethod()
     registration.SetMetricAsMattesMutualInformation(numberOfHistogramBins=_MI_BINS)
     registration.SetMetricSamplingStrategy(registration.RANDOM)
-    registration.SetMetricSamplingPercentage(_SAMPLED, seed=0)
+    registration.SetMetricSamplingPercentage(_SAMPLED, seed=_SEED)
     registration.SetInterpolator(sitk.sitkLinear)
     registration.SetOptimizerAsRegularStepGradientDescent(learningRate=1.0, minStep=1e-3, numberOfIterations=_STEPS)
     registration.SetOptimizerScalesFromPhysicalShift()
