@@ -11,7 +11,10 @@ fiducials (AFIDs) as a 3D Slicer ``.fcsv`` file. Nothing is downloaded. The expe
   exactly through each warp (world RAS mm: ``p' = A p`` for the warp ``A``).
 
 Warps and resampling happen in world space: the output volume on grid affine ``G`` takes the source
-value at world point ``A^-1 G v`` (trilinear, ``scipy.ndimage.affine_transform``).
+value at world point ``A^-1 G v`` (trilinear, ``scipy.ndimage.affine_transform``). With ``elastic_mm`` > 0
+each warp also bends: a smooth random displacement ``u`` (world mm, on the output grid) makes the source point
+``A^-1 (G v + u(v))``, and each AFID lands at the ``q`` with ``q + u(q) = A p`` (solved by fixed-point
+iteration), so that an affine registration can no longer undo a warp.
 """
 
 from __future__ import annotations
@@ -106,29 +109,78 @@ def random_affine(
     return matrix
 
 
+def random_displacement(
+    rng: np.random.Generator, out_affine: np.ndarray, out_shape: Sequence[int], amplitude_mm: float, smooth_mm: float = 20.0
+) -> np.ndarray:
+    """A smooth random displacement ``(3, *out_shape)`` in world mm on the grid (``out_affine``, ``out_shape``):
+    white noise smoothed by a Gaussian of ``smooth_mm``, each component scaled so that the displacement's root mean
+    square length is ``amplitude_mm``. Its gradient stays well below 1 for amplitudes of a few mm, so the bent warp
+    is invertible (:func:`carry_points`)."""
+    from scipy.ndimage import gaussian_filter
+
+    sigma = smooth_mm / np.linalg.norm(out_affine[:3, :3], axis=0)
+    field = np.stack([gaussian_filter(rng.standard_normal(tuple(out_shape)), sigma) for _ in range(3)])
+    field *= amplitude_mm / max(float(np.sqrt((field**2).sum(0).mean())), 1e-12)
+    return field.astype(np.float32)
+
+
+def _displacement_at(displacement: np.ndarray, out_affine: np.ndarray, world: np.ndarray) -> np.ndarray:
+    """The displacement ``(3, *S)`` interpolated (trilinear) at world points ``(N, 3)``."""
+    from scipy.ndimage import map_coordinates
+
+    voxels = (world - out_affine[:3, 3]) @ np.linalg.inv(out_affine[:3, :3]).T
+    return np.stack([map_coordinates(c, voxels.T, order=1, mode="nearest") for c in displacement], axis=1)
+
+
 def warp_volume(
-    volume: np.ndarray, affine: np.ndarray, warp: np.ndarray, out_affine: np.ndarray, out_shape: Sequence[int]
+    volume: np.ndarray,
+    affine: np.ndarray,
+    warp: np.ndarray,
+    out_affine: np.ndarray,
+    out_shape: Sequence[int],
+    displacement: np.ndarray | None = None,
 ) -> np.ndarray:
     """Resample ``volume`` (voxel-to-world ``affine``) warped by the world map ``warp`` onto the grid
-    (``out_affine``, ``out_shape``): ``out[v] = volume(affine^-1 warp^-1 out_affine v)``, trilinear, 0 outside."""
-    from scipy.ndimage import affine_transform
+    (``out_affine``, ``out_shape``): ``out[v] = volume(affine^-1 warp^-1 out_affine v)``, trilinear, 0 outside;
+    with ``displacement`` (:func:`random_displacement` on that grid), at ``affine^-1 warp^-1 (out_affine v + u(v))``."""
+    from scipy.ndimage import affine_transform, map_coordinates
 
-    voxel_map = np.linalg.inv(affine) @ np.linalg.inv(warp) @ out_affine
-    return affine_transform(
-        np.asarray(volume, dtype=np.float32),
-        voxel_map[:3, :3],
-        offset=voxel_map[:3, 3],
-        output_shape=tuple(int(s) for s in out_shape),
-        order=1,
-        mode="constant",
-        cval=0.0,
-    )
+    volume = np.asarray(volume, dtype=np.float32)
+    source = np.linalg.inv(affine) @ np.linalg.inv(warp)  # world -> source voxel
+    if displacement is None:
+        voxel_map = source @ out_affine
+        return affine_transform(
+            volume,
+            voxel_map[:3, :3],
+            offset=voxel_map[:3, 3],
+            output_shape=tuple(int(s) for s in out_shape),
+            order=1,
+            mode="constant",
+            cval=0.0,
+        )
+    grid = np.indices(tuple(int(s) for s in out_shape), dtype=np.float64).reshape(3, -1)
+    world = (out_affine[:3, :3] @ grid + out_affine[:3, 3:]) + displacement.reshape(3, -1)
+    coords = source[:3, :3] @ world + source[:3, 3:]
+    return map_coordinates(volume, coords, order=1, mode="constant", cval=0.0).reshape(tuple(out_shape))
 
 
-def carry_points(warp: np.ndarray, points: np.ndarray) -> np.ndarray:
-    """World points ``(N, 3)`` through the world map ``warp``: where each lands in the warped volume."""
+def carry_points(
+    warp: np.ndarray,
+    points: np.ndarray,
+    displacement: np.ndarray | None = None,
+    out_affine: np.ndarray | None = None,
+    iterations: int = 50,
+) -> np.ndarray:
+    """World points ``(N, 3)`` through the world map ``warp``: where each lands in the warped volume. With
+    ``displacement`` (on the grid ``out_affine``), the ``q`` with ``q + u(q) = warp p``, by fixed-point iteration."""
     points = np.asarray(points, dtype=np.float64)
-    return points @ warp[:3, :3].T + warp[:3, 3]
+    target = points @ warp[:3, :3].T + warp[:3, 3]
+    if displacement is None:
+        return target
+    landed = target.copy()
+    for _ in range(iterations):
+        landed = target - _displacement_at(displacement, out_affine, landed)
+    return landed
 
 
 def perturb_intensity(rng: np.random.Generator, volume: np.ndarray, strength: float = 1.0) -> np.ndarray:
@@ -171,6 +223,7 @@ def prepare_afids_datalist(
     spacing: float = 2.0,
     seed: int = 0,
     resources: str | os.PathLike | None = None,
+    elastic_mm: float = 0.0,
 ) -> Path:
     """Write the AFID experiment's volumes (``out_dir/images``, float32 NIfTI at ``spacing`` mm) and datalist.
 
@@ -180,6 +233,8 @@ def prepare_afids_datalist(
     validation, off by default); ``template``:
     the T1w volume with its AFIDs; ``test``: ``n_test`` warped T1w copies (``t1w_warped_*``), the T2w
     volume (``t2w``) and ``n_test`` warped T2w copies (``t2w_warped_*``), each with the AFIDs carried.
+    ``elastic_mm`` > 0: every warp also bends by a :func:`random_displacement` of that root mean square length
+    (drawn from a generator of its own, so the affine maps and intensities stay those of ``elastic_mm=0``).
     Returns the datalist path.
     """
     import nibabel as nib
@@ -194,14 +249,16 @@ def prepare_afids_datalist(
     grid, shape = working_grid(t1.affine, t1.shape, spacing)
     centre = afids.mean(axis=0)
     rng = np.random.default_rng(seed)
+    bends = np.random.default_rng([seed, 1])
     images = Path(out_dir) / "images"
 
     def warped(kind: str, name: str, perturb: bool) -> tuple[str, np.ndarray]:
         warp = random_affine(rng, centre)
-        volume = warp_volume(volumes[kind], t1.affine, warp, grid, shape)
+        bend = random_displacement(bends, grid, shape, elastic_mm) if elastic_mm > 0 else None
+        volume = warp_volume(volumes[kind], t1.affine, warp, grid, shape, bend)
         if perturb:
             volume = perturb_intensity(rng, volume)
-        return _save(volume, grid, images / f"{name}.nii.gz"), carry_points(warp, afids)
+        return _save(volume, grid, images / f"{name}.nii.gz"), carry_points(warp, afids, bend, grid)
 
     identity = np.eye(4)
     template = {
@@ -223,7 +280,7 @@ def prepare_afids_datalist(
     datalist = {
         "name": "afids_mni152nlin2009casym",
         "description": f"AFID check: {TEMPLATE} T1w/T2w from the autoafids package, "
-        f"warped at {spacing} mm (seed {seed})",
+        f"warped at {spacing} mm (seed {seed}" + (f", bent by {elastic_mm} mm)" if elastic_mm > 0 else ")"),
         "spatial_dims": 3,
         "landmark_names": names,
         "training": training,

@@ -124,10 +124,13 @@ def pseudo_template_datalist(
     return save_datalist(out, path), report
 
 
-def setting_name(templates: int, pseudo_templates: int, contrast_adaptation: bool = False) -> str:
-    """``k1``, ``k5``, ``k1_pseudo5``, ``k1_adapted``: the key of an evaluation setting."""
+def setting_name(
+    templates: int, pseudo_templates: int, contrast_adaptation: bool = False, registration_tolerance: float | None = None
+) -> str:
+    """``k1``, ``k5``, ``k1_pseudo5``, ``k1_adapted``, ``k1_adapted_reg3``: the key of an evaluation setting."""
     name = f"k{templates}" + (f"_pseudo{pseudo_templates}" if pseudo_templates else "")
-    return name + ("_adapted" if contrast_adaptation else "")
+    name += "_adapted" if contrast_adaptation else ""
+    return name + (f"_reg{registration_tolerance:g}" if registration_tolerance is not None else "")
 
 
 def main(
@@ -148,6 +151,8 @@ def main(
     retrain: bool = False,
     contrast_remap_prob: float = 0.0,
     contrast_adaptation: bool = False,
+    elastic_mm: float = 0.0,
+    registration_tolerance: float | None = None,
 ) -> dict:
     """Prepare the data and train (once per workdir), evaluate one setting, print its MRE table.
 
@@ -157,7 +162,10 @@ def main(
     ``pseudo_cycle_tolerance`` in network-grid voxels; ``template_combine`` as in ``configs/train.yaml``;
     ``contrast_remap_prob``: the training's random intensity curves (``configs/train.yaml``), for T1w -> T2w;
     ``contrast_adaptation``: each test volume mapped to the template's contrast before matching when they differ
-    (``configs/evaluate.yaml``).
+    (``configs/evaluate.yaml``); ``elastic_mm``: every warp of the data also bends by a smooth displacement of that
+    root mean square length (``scripts.afids.prepare_afids_datalist``), which an affine registration cannot undo;
+    ``registration_tolerance``: matches further than this (network-grid voxels) from the registered template's
+    landmarks fall back to them (``configs/evaluate.yaml``).
     """
     from bundle.configs import as_flag, config_files
     from bundle.data.datalist import load_datalist
@@ -170,12 +178,17 @@ def main(
     start = time.perf_counter()
     if not datalist_path.is_file():
         prepare_afids_datalist(
-            work / "data", n_training=n_training, n_test=n_test, spacing=min(2.0, spacing), seed=seed
+            work / "data",
+            n_training=n_training,
+            n_test=n_test,
+            spacing=min(2.0, spacing),
+            seed=seed,
+            elastic_mm=elastic_mm,
         )
     prepared = time.perf_counter()
     datalist = load_datalist(datalist_path)
     contrast_adaptation = as_flag(contrast_adaptation, "contrast_adaptation")
-    setting = setting_name(templates, pseudo_templates, contrast_adaptation)
+    setting = setting_name(templates, pseudo_templates, contrast_adaptation, registration_tolerance)
     eval_datalist = (
         datalist_path
         if templates == 1
@@ -218,6 +231,7 @@ def main(
             "image_size": list(image_size),
             "seed": seed,
             "contrast_remap_prob": contrast_remap_prob,
+            "elastic_mm": elastic_mm,
             "train_seconds": time.perf_counter() - prepared,
         }
         write_json_atomic(info_path, training)
@@ -233,6 +247,11 @@ def main(
             raise ValueError(
                 f"{ckpt} was trained with contrast_remap_prob {training.get('contrast_remap_prob', 0.0)}: give the "
                 "same --contrast_remap_prob, or --retrain true"
+            )
+        if training and training.get("elastic_mm", 0.0) != elastic_mm:
+            raise ValueError(
+                f"{ckpt} was trained on the data of {work / 'data'}, bent by elastic_mm "
+                f"{training.get('elastic_mm', 0.0)}: give the same --elastic_mm, or another --workdir"
             )
     trained = time.perf_counter()
     evaluation = [str(ROOT / f) for f in config_files("evaluate", spatial_dims=3)]
@@ -261,6 +280,7 @@ def main(
         template_combine=template_combine,
         pseudo_templates=0,  # the setting's templates only: pseudo-templates are chosen above, when asked for
         contrast_adaptation=contrast_adaptation,
+        registration_tolerance=registration_tolerance,
         **common,
     )
     evaluated = time.perf_counter()
@@ -313,6 +333,7 @@ def main(
         "templates": used,
         "template_combine": template_combine,
         "contrast_adaptation": contrast_adaptation,
+        "registration_tolerance": registration_tolerance,
         "pseudo_candidates": candidates if pseudo_templates else 0,
         "pseudo_cycle_tolerance": pseudo_cycle_tolerance,
         "pseudo_labels": pseudo,

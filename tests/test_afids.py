@@ -19,6 +19,7 @@ from scripts.afids import (
     perturb_intensity,
     prepare_afids_datalist,
     random_affine,
+    random_displacement,
     read_afids,
     resource_dir,
     warp_volume,
@@ -33,8 +34,10 @@ needs_autoafids = pytest.mark.skipif(
 )
 
 
-def test_warp_carries_points_exactly_onto_the_moved_anatomy():
-    """A volume holding its own world coordinates, warped: at each carried point it holds the original point."""
+@pytest.mark.parametrize("elastic_mm", [0.0, 3.0])
+def test_warp_carries_points_exactly_onto_the_moved_anatomy(elastic_mm):
+    """A volume holding its own world coordinates, warped (affine, or bent too): at each carried point it holds the
+    original point."""
     rng = np.random.default_rng(0)
     affine = np.array([[1.2, 0.0, 0.0, -30.0], [0.0, 1.0, 0.1, -40.0], [0.0, 0.0, 1.5, -20.0], [0.0, 0.0, 0.0, 1.0]])
     shape = (50, 60, 40)
@@ -44,12 +47,13 @@ def test_warp_carries_points_exactly_onto_the_moved_anatomy():
     warp = random_affine(rng, points.mean(0), rotate_deg=10, scale=0.08, shear=0.03, translate_mm=5)
     grid, grid_shape = working_grid(affine, shape, 2.0)
     np.testing.assert_allclose(np.linalg.norm(grid[:3, :3], axis=0), 2.0)
-    moved = carry_points(warp, points)
+    bend = random_displacement(rng, grid, grid_shape, elastic_mm) if elastic_mm else None
+    moved = carry_points(warp, points, bend, grid)
     voxels = (moved - grid[:3, 3]) @ np.linalg.inv(grid[:3, :3]).T
     held = np.stack(
         [
             map_coordinates(
-                warp_volume(world[..., a], affine, warp, grid, grid_shape).astype(np.float64), voxels.T, order=1
+                warp_volume(world[..., a], affine, warp, grid, grid_shape, bend).astype(np.float64), voxels.T, order=1
             )
             for a in range(3)
         ],
@@ -57,6 +61,10 @@ def test_warp_carries_points_exactly_onto_the_moved_anatomy():
     )
     np.testing.assert_allclose(held, points, atol=1e-3)
     assert np.abs(moved - points).max() > 1.0  # the warp really moved them
+    if elastic_mm:  # the bend moves the points off where the affine map alone puts them
+        assert np.sqrt((bend**2).sum(0).mean()) == pytest.approx(elastic_mm, rel=1e-4)
+        affine_only = carry_points(warp, points)
+        assert np.linalg.norm(moved - affine_only, axis=1).max() > 0.5
 
 
 def test_perturb_intensity_is_seeded_and_non_negative():

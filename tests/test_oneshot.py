@@ -284,7 +284,7 @@ def test_contrast_adaptation_finds_the_landmarks_in_another_contrast(scene):
     """A template of one contrast (four regions, grey values rising) and inputs of another (the same regions in a
     non-monotone order, as T1w / T2w): the inputs are mapped to the template's contrast and matched as if they had
     it; an input of the template's own contrast maps to itself."""
-    from bundle.inferers.contrast import template_contrast
+    from bundle.inferers.contrast import register_templates, template_contrast
 
     big, _, net = scene
     first, second = (0.1, 0.4, 0.7, 1.0), (0.8, 0.1, 1.0, 0.4)
@@ -300,17 +300,20 @@ def test_contrast_adaptation_finds_the_landmarks_in_another_contrast(scene):
         inferer.set_template(template, POINTS_2D)
     assert (plain(other, net) - expected).norm(dim=-1).max() > 5.0  # matching across contrasts fails
     assert (plain(same, net) - expected).norm(dim=-1).max() < 1.5  # flat regions: less precise than texture
-    torch.testing.assert_close(template_contrast(other, template), same, atol=0.02, rtol=0)
+    torch.testing.assert_close(template_contrast(other, register_templates(other, template)), same, atol=0.02, rtol=0)
     torch.testing.assert_close(adapted(other, net), plain(same, net), atol=0.05, rtol=0)
-    torch.testing.assert_close(template_contrast(same, template), same, atol=0.02, rtol=0)  # the same contrast
+    mapped_same = template_contrast(same, register_templates(same, template))  # the same contrast maps to itself
+    torch.testing.assert_close(mapped_same, same, atol=0.02, rtol=0)
     torch.testing.assert_close(adapted(same, net), plain(same, net), atol=0.05, rtol=0)
 
 
 def test_contrast_adaptation_registers_a_turned_and_scaled_input(scene):
     """An input of the other contrast, turned by 0.1 rad, scaled by 1.1 and shifted: the template registered to it
     by mutual information lies on it, so the input's grey values map back to the template's contrast and the
-    landmarks are found as in the input of the template's own contrast."""
-    from bundle.inferers.contrast import registered_template, template_contrast
+    landmarks are found as in the input of the template's own contrast. The registration's map carries the
+    template's landmarks there too, and ``registration_tolerance`` puts the plain matches that went astray on the
+    other contrast back onto them."""
+    from bundle.inferers.contrast import carried_points, register_template, register_templates, template_contrast
     from monai.transforms import Affine
 
     big, _, net = scene
@@ -321,21 +324,38 @@ def test_contrast_adaptation_registers_a_turned_and_scaled_input(scene):
         turn(crop(tissues(big, levels), (16, 16), (128, 128))[0])[None].as_tensor() for levels in (first, second)
     )
     assert (template - same).abs().mean() > 0.1  # the template does not lie on the input as it is
-    registered = registered_template(template[0, 0], same[0, 0])
-    assert (registered - same[0, 0]).abs().mean() < 0.05
-    assert torch.equal(registered_template(template[0, 0], same[0, 0]), registered)  # the same map every call
-    assert (template_contrast(other, template) - same).abs().mean() < 0.03
-    plain, adapted = OneShotInferer(), OneShotInferer(contrast_adaptation=True)
-    for inferer in (plain, adapted):
+    registration = register_template(template[0, 0], same[0, 0])
+    assert (registration.aligned - same[0, 0]).abs().mean() < 0.05
+    again = register_template(template[0, 0], same[0, 0])  # the same map every call
+    assert torch.equal(again.aligned, registration.aligned)
+    torch.testing.assert_close(again.to_template, registration.to_template, atol=1e-9, rtol=0)  # threads' sum order
+    assert (template_contrast(other, register_templates(other, template)) - same).abs().mean() < 0.03
+    plain, adapted, guarded = (
+        OneShotInferer(),
+        OneShotInferer(contrast_adaptation=True),
+        OneShotInferer(registration_tolerance=2.0),
+    )
+    for inferer in (plain, adapted, guarded):
         inferer.set_template(template, POINTS_2D)
-    torch.testing.assert_close(adapted(other, net), plain(same, net), atol=1.0, rtol=0)
+    found = plain(same, net)
+    torch.testing.assert_close(adapted(other, net), found, atol=1.0, rtol=0)
+    carried = carried_points([registration], POINTS_2D)
+    assert (carried - found).norm(dim=-1).max() < 1.0
+    astray = (plain(other, net) - found).norm(dim=-1) > 2.0
+    assert astray.sum() >= 3  # across contrasts the plain matches go astray ...
+    assert (guarded(other, net) - found).norm(dim=-1).max() < 1.0  # ... and fall back to the registration's
+    alone = OneShotInferer(registration_tolerance=0.0)  # the registration's landmarks alone
+    alone.set_template(template, POINTS_2D)
+    torch.testing.assert_close(alone(other, net), carried_points(register_templates(other, template), POINTS_2D))
+    with pytest.raises(ValueError, match="registration_tolerance must be >= 0"):
+        OneShotInferer(registration_tolerance=-1.0)
 
 
 def test_registration_failure_falls_back_to_the_centroid_shift(scene, monkeypatch, caplog):
     """When SimpleITK's optimiser raises, the template is only shifted by the foregrounds' centroids, with a
     warning that says so (a shifted input is still met)."""
     import SimpleITK as sitk  # noqa: N813
-    from bundle.inferers.contrast import registered_template
+    from bundle.inferers.contrast import register_template
 
     def fail(self, fixed, moving):
         raise RuntimeError("too few samples")
@@ -344,6 +364,6 @@ def test_registration_failure_falls_back_to_the_centroid_shift(scene, monkeypatc
     template = crop(tissues(scene[0], (0.1, 0.4, 0.7, 1.0)), (16, 16), (128, 128))[0, 0]
     shifted = torch.roll(template, shifts=(3, -4), dims=(0, 1))
     with caplog.at_level("WARNING", logger="bundle.inferers.contrast"):
-        aligned = registered_template(template, shifted)
+        aligned = register_template(template, shifted).aligned
     assert "registration failed, the template is shifted by the centroids: too few samples" in caplog.text
     torch.testing.assert_close(aligned, shifted, atol=1e-4, rtol=0)

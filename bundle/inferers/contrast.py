@@ -11,6 +11,7 @@ matches both and keeps the matches that score higher.
 from __future__ import annotations
 
 import logging
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -34,11 +35,28 @@ def _centroid(image: torch.Tensor) -> torch.Tensor:
     return torch.stack([(weights * a).sum() / total for a in axes])
 
 
-def registered_template(template: torch.Tensor, image: torch.Tensor) -> torch.Tensor:
-    """``template`` (spatial) resampled onto the grid of ``image`` (spatial, same rank) after an affine registration
-    that maximises the two images' Mattes mutual information (SimpleITK; any pair of contrasts), started from
-    their foregrounds' centroids aligned. Linear interpolation, 0 outside the template. When the optimiser fails
-    (too few voxels overlap), the template is only shifted by the centroids, with a warning.
+class TemplateRegistration(NamedTuple):
+    """The first template registered to one input (:func:`register_template`)."""
+
+    aligned: torch.Tensor  # the template resampled on the input's grid (spatial)
+    to_template: torch.Tensor  # (D + 1, D + 1) float64: input grid position -> template grid position
+
+
+def _matrix(transform, ndim: int) -> np.ndarray:
+    """A SimpleITK affine map as a homogeneous matrix on array positions (SimpleITK's axes are the array's reversed)."""
+    basis = np.vstack([np.zeros(ndim), np.eye(ndim)])
+    mapped = np.array([transform.TransformPoint([float(v) for v in p[::-1]])[::-1] for p in basis])
+    matrix = np.eye(ndim + 1)
+    matrix[:ndim, :ndim] = (mapped[1:] - mapped[0]).T
+    matrix[:ndim, ndim] = mapped[0]
+    return matrix
+
+
+def register_template(template: torch.Tensor, image: torch.Tensor) -> TemplateRegistration:
+    """``template`` (spatial) registered to ``image`` (spatial, same rank) by an affine map that maximises the two
+    images' Mattes mutual information (SimpleITK; any pair of contrasts), started from their foregrounds' centroids
+    aligned, and resampled on the image's grid (linear, 0 outside). When the optimiser fails (too few voxels
+    overlap), the template is only shifted by the centroids, with a warning.
     """
     import SimpleITK as sitk  # noqa: N813
 
@@ -63,28 +81,43 @@ def registered_template(template: torch.Tensor, image: torch.Tensor) -> torch.Te
         logger.warning("contrast adaptation: registration failed, the template is shifted by the centroids: %s", error)
         transform = start
     aligned = sitk.GetArrayFromImage(sitk.Resample(moving, fixed, transform, sitk.sitkLinear, 0.0))
-    return torch.from_numpy(aligned).to(image)
+    return TemplateRegistration(torch.from_numpy(aligned).to(image), torch.from_numpy(_matrix(transform, image.ndim)))
 
 
-def template_contrast(inputs: torch.Tensor, template: torch.Tensor, bins: int = 64) -> torch.Tensor:
-    """``inputs`` ``(B, 1, *S)`` with each image's grey values mapped to the contrast of ``template`` ``(1, 1, *S)``.
+def register_templates(inputs: torch.Tensor, template: torch.Tensor) -> list[TemplateRegistration]:
+    """:func:`register_template` of ``template`` ``(1, 1, *S)`` to each image of ``inputs`` ``(B, 1, *S)``."""
+    reference = template[0, 0].to(inputs)
+    return [register_template(reference, image[0]) for image in inputs]
 
-    Per image: the template is registered to it (:func:`registered_template`); the image's grey values are cut
-    into ``bins`` bins, and the registered template's mean grey value at each bin's voxels (linearly interpolated
-    between bin centres) replaces them. A constant image is kept as it is.
+
+def carried_points(registrations: list[TemplateRegistration], points: torch.Tensor) -> torch.Tensor:
+    """Template grid landmarks ``(L, D)`` carried onto each registered input's grid: ``(B, L, D)`` float64 (NaN stays
+    NaN), through the inverse of each registration's map."""
+    points = points.double()
+    out = []
+    for registration in registrations:
+        to_input = torch.linalg.inv(registration.to_template)
+        out.append(points @ to_input[:-1, :-1].T.to(points) + to_input[:-1, -1].to(points))
+    return torch.stack(out)
+
+
+def template_contrast(inputs: torch.Tensor, registrations: list[TemplateRegistration], bins: int = 64) -> torch.Tensor:
+    """``inputs`` ``(B, 1, *S)`` with each image's grey values mapped to the contrast of the template registered to it
+    (``registrations``, :func:`register_templates`).
+
+    Per image: its grey values are cut into ``bins`` bins, and the registered template's mean grey value at each
+    bin's voxels (linearly interpolated between bin centres) replaces them. A constant image is kept as it is.
     """
     out = inputs.clone()
-    reference = template[0, 0].to(inputs)
-    for b in range(inputs.shape[0]):
+    for b, registration in enumerate(registrations):
         image = inputs[b, 0]
         lo, hi = image.min(), image.max()
         if not bool(hi > lo):
             continue
-        aligned = registered_template(reference, image)
         position = (image - lo).double() / float(hi - lo) * bins
         index = position.long().clamp(0, bins - 1).flatten()
         counts = torch.bincount(index, minlength=bins).double()
-        sums = torch.bincount(index, weights=aligned.flatten().double(), minlength=bins)
+        sums = torch.bincount(index, weights=registration.aligned.flatten().double(), minlength=bins)
         filled = counts > 0
         centres = torch.arange(bins, dtype=torch.float64, device=inputs.device) + 0.5
         out[b, 0] = _interp(position, centres[filled], sums[filled] / counts[filled]).to(inputs.dtype)

@@ -13,7 +13,7 @@ from typing import Any, Mapping, NamedTuple, Sequence
 
 import torch
 from bundle.geometry import plain_tensor
-from bundle.inferers.contrast import template_contrast
+from bundle.inferers.contrast import carried_points, register_templates, template_contrast
 from bundle.kshot import check_combine_rule, combine_templates
 from bundle.networks.matching import TemplateMatcher, feature_vectors
 from bundle.template_file import check_template
@@ -70,6 +70,11 @@ class OneShotInferer(Inferer):
         contrast_adaptation: also match each input mapped to the first template's contrast
             (:func:`bundle.inferers.contrast.template_contrast`) and keep the matches that score higher (not in the
             paper).
+        registration_tolerance: grid pixels; when given, the first template is registered to each input
+            (:func:`bundle.inferers.contrast.register_template`, once for both options) and a match further than this
+            from the first template's landmark carried by that registration is replaced by the carried landmark (not
+            in the paper): a match on another structure falls back to where the registration puts it; 0 keeps the
+            registration's landmarks alone.
     """
 
     def __init__(
@@ -81,9 +86,13 @@ class OneShotInferer(Inferer):
         max_map_elements: int = 2**25,
         template_combine: str = "weighted_geometric_median",
         contrast_adaptation: bool = False,
+        registration_tolerance: float | None = None,
     ) -> None:
         super().__init__()
         check_combine_rule(template_combine)
+        if registration_tolerance is not None and not registration_tolerance >= 0:
+            raise ValueError(f"registration_tolerance must be >= 0 grid pixels or None, got {registration_tolerance!r}")
+        self.registration_tolerance = registration_tolerance
         self.matcher = TemplateMatcher(combine, scale_weights, refine_radius, refine_resolution, max_map_elements)
         self.template_combine = template_combine
         self.contrast_adaptation = contrast_adaptation
@@ -169,7 +178,8 @@ class OneShotInferer(Inferer):
         matched back into the template, and the distance to the template's landmark is taken (a label-free
         reliability of the match; NaN where the landmark is missing). With ``contrast_adaptation``, each input is
         also matched after :func:`bundle.inferers.contrast.template_contrast`, and the matches with the higher mean
-        score are kept.
+        score are kept; with ``registration_tolerance``, matches far from the registration's landmarks are replaced
+        by them.
         """
         if not self.templates:
             raise RuntimeError(
@@ -182,17 +192,25 @@ class OneShotInferer(Inferer):
                 f"template grid {tuple(self.template_image.shape[2:])} differs from the input grid {grid_size}"
             )
         matches = self._match(inputs, network, cycle)
-        if not self.contrast_adaptation:
+        if not self.contrast_adaptation and self.registration_tolerance is None:
             return matches
-        mapped = self._match(template_contrast(inputs, self.template_image.to(inputs.device)), network, cycle)
-        better = mapped.scores.nanmean(dim=(0, 2)) > matches.scores.nanmean(dim=(0, 2))  # (B,)
-        logger.info("contrast adaptation: %s", ["mapped" if m else "kept" for m in better.tolist()])
-        return TemplateMatches(
-            *[
-                None if a is None else torch.where(better.view(1, -1, *[1] * (a.ndim - 2)), m, a)
-                for a, m in zip(matches, mapped)
-            ]
-        )
+        registrations = register_templates(inputs, self.template_image.to(inputs.device))
+        if self.contrast_adaptation:
+            mapped = self._match(template_contrast(inputs, registrations), network, cycle)
+            better = mapped.scores.nanmean(dim=(0, 2)) > matches.scores.nanmean(dim=(0, 2))  # (B,)
+            logger.info("contrast adaptation: %s", ["mapped" if m else "kept" for m in better.tolist()])
+            matches = TemplateMatches(
+                *[
+                    None if a is None else torch.where(better.view(1, -1, *[1] * (a.ndim - 2)), m, a)
+                    for a, m in zip(matches, mapped)
+                ]
+            )
+        if self.registration_tolerance is None:
+            return matches
+        carried = carried_points(registrations, self.template_points.to(inputs.device)).to(matches.positions)
+        far = (matches.positions - carried).norm(dim=-1) > self.registration_tolerance  # NaN compares False
+        logger.info("registration tolerance: %d of %d matches replaced", int(far.sum()), far.numel())
+        return matches._replace(positions=torch.where(far[..., None], carried.expand_as(matches.positions), matches.positions))
 
     def _match(self, inputs: torch.Tensor, network, cycle: bool) -> TemplateMatches:
         """:meth:`match_templates` on checked ``inputs``, as they are."""
