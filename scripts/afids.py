@@ -110,7 +110,11 @@ def random_affine(
 
 
 def random_displacement(
-    rng: np.random.Generator, out_affine: np.ndarray, out_shape: Sequence[int], amplitude_mm: float, smooth_mm: float = 20.0
+    rng: np.random.Generator,
+    out_affine: np.ndarray,
+    out_shape: Sequence[int],
+    amplitude_mm: float,
+    smooth_mm: float = 20.0,
 ) -> np.ndarray:
     """A smooth random displacement ``(3, *out_shape)`` in world mm on the grid (``out_affine``, ``out_shape``):
     white noise smoothed by a Gaussian of ``smooth_mm``, each component scaled so that the displacement's root mean

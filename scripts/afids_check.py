@@ -125,7 +125,10 @@ def pseudo_template_datalist(
 
 
 def setting_name(
-    templates: int, pseudo_templates: int, contrast_adaptation: bool = False, registration_tolerance: float | None = None
+    templates: int,
+    pseudo_templates: int,
+    contrast_adaptation: bool = False,
+    registration_tolerance: float | None = None,
 ) -> str:
     """``k1``, ``k5``, ``k1_pseudo5``, ``k1_adapted``, ``k1_adapted_reg3``: the key of an evaluation setting."""
     name = f"k{templates}" + (f"_pseudo{pseudo_templates}" if pseudo_templates else "")

@@ -121,6 +121,19 @@ def test_prepare_afids_datalist(tmp_path):
     np.testing.assert_allclose(kshot["templates"][2]["landmarks"], datalist["training"][1]["landmarks"])
     assert kshot["test"] == datalist["test"] and afids_check.setting_name(1, 5) == "k1_pseudo5"
     assert afids_check.setting_name(1, 0, contrast_adaptation=True) == "k1_adapted"
+    assert afids_check.setting_name(1, 0, True, registration_tolerance=2.0) == "k1_adapted_reg2"
+
+    # bent warps: the same affine maps (a generator of their own draws the bends), the AFIDs moved a few mm further
+    bent = load_datalist(
+        prepare_afids_datalist(tmp_path / "bent", n_training=2, n_test=1, spacing=6.0, seed=3, elastic_mm=4.0)
+    )
+    assert "bent by 4.0 mm" in bent["description"]
+    for plain_item, bent_item in zip(datalist["training"] + datalist["test"], bent["training"] + bent["test"]):
+        moved = np.linalg.norm(np.asarray(bent_item["landmarks"]) - np.asarray(plain_item["landmarks"]), axis=1)
+        if group_of(plain_item["image"]) == "T1w -> T2w":  # the T2w volume as it is: neither warped nor bent
+            assert moved.max() == 0.0
+        else:
+            assert 0.5 < moved.mean() < 8.0, moved.mean()
     with pytest.raises(ValueError, match="at most 3 templates"):
         afids_check.kshot_datalist(datalist, 4, tmp_path / "datalist_k4.json")
 

@@ -296,7 +296,9 @@ def test_tiny_stage2_training_and_evaluation_beat_chance(tmp_path):
             assert item["landmarks"] == truth[item["image"]]["landmarks"]
     assert len(templates) == 1
     errors = [
-        np.linalg.norm((np.asarray(it["landmarks"]) - np.asarray(truth[it["image"]]["landmarks"])) * it["spacing"], axis=1)
+        np.linalg.norm(
+            (np.asarray(it["landmarks"]) - np.asarray(truth[it["image"]]["landmarks"])) * it["spacing"], axis=1
+        )
         for it in labelled
     ]
     assert np.mean(errors) < chance / 4, (np.mean(errors), chance)

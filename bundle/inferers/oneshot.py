@@ -210,7 +210,9 @@ class OneShotInferer(Inferer):
         carried = carried_points(registrations, self.template_points.to(inputs.device)).to(matches.positions)
         far = (matches.positions - carried).norm(dim=-1) > self.registration_tolerance  # NaN compares False
         logger.info("registration tolerance: %d of %d matches replaced", int(far.sum()), far.numel())
-        return matches._replace(positions=torch.where(far[..., None], carried.expand_as(matches.positions), matches.positions))
+        return matches._replace(
+            positions=torch.where(far[..., None], carried.expand_as(matches.positions), matches.positions)
+        )
 
     def _match(self, inputs: torch.Tensor, network, cycle: bool) -> TemplateMatches:
         """:meth:`match_templates` on checked ``inputs``, as they are."""

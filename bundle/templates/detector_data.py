@@ -79,7 +79,11 @@ def pseudo_labelled_items(
         total,
     )
     if output_path is not None:
-        record = {"templates": [t["image"] for t in templates], "cycle_tolerance": cycle_tolerance, "cycle_error": cycle}
+        record = {
+            "templates": [t["image"] for t in templates],
+            "cycle_tolerance": cycle_tolerance,
+            "cycle_error": cycle,
+        }
         _write_pseudo_label_datalist(output_path, datalist, items, record)
     return items
 
