@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+from bundle.geometry import apply_homogeneous
 
 logger = logging.getLogger(__name__)
 
@@ -93,12 +94,8 @@ def register_templates(inputs: torch.Tensor, template: torch.Tensor) -> list[Tem
 def carried_points(registrations: list[TemplateRegistration], points: torch.Tensor) -> torch.Tensor:
     """Template grid landmarks ``(L, D)`` carried onto each registered input's grid: ``(B, L, D)`` float64 (NaN stays
     NaN), through the inverse of each registration's map."""
-    points = points.double()
-    out = []
-    for registration in registrations:
-        to_input = torch.linalg.inv(registration.to_template)
-        out.append(points @ to_input[:-1, :-1].T.to(points) + to_input[:-1, -1].to(points))
-    return torch.stack(out)
+    maps = torch.stack([registration.to_template for registration in registrations])
+    return apply_homogeneous(maps, points[None].expand(len(registrations), *points.shape), inverse=True)
 
 
 def template_contrast(inputs: torch.Tensor, registrations: list[TemplateRegistration], bins: int = 64) -> torch.Tensor:
