@@ -270,35 +270,3 @@ def test_tiny_stage2_training_and_evaluation_beat_chance(tmp_path):
     expected = f"was trained on the grid {TINY['image_size']} ({info}) but image_size is {other}"
     assert expected in messages(refused.value), messages(refused.value)
     assert not (tmp_path / "eval_other_grid" / "metrics.json").exists()
-
-    # a second round of self-training: the detector labels the training images, the next one learns from them
-    run(
-        "training",
-        config_file=stage2,
-        output_dir=str(tmp_path / "t3"),
-        ckpt_dir=str(tmp_path / "m3"),
-        stage1_ckpt=str(tmp_path / "m1" / "model.pt"),
-        pseudo_label_detector=str(tmp_path / "m2" / "model.pt"),
-        epochs=1,
-        epoch_length=2,
-        val_interval=1,
-        **common,
-    )
-    assert (tmp_path / "m3" / "model_final.pt").is_file()
-    second = json.loads((tmp_path / "t3" / "pseudo_labels.json").read_text())
-    assert second["pseudo_labels"]["detector"] == str(tmp_path / "m2" / "model.pt")
-    templates = second["pseudo_labels"]["templates"]
-    truth = {it["image"]: it for it in datalist["training"] + [datalist["template"]]}
-    labelled = [it for it in second["training"] if it["image"] not in templates]
-    assert {it["image"] for it in labelled} == {it["image"] for it in datalist["training"]} - held_out - set(templates)
-    for item in second["training"]:
-        if item["image"] in templates:  # the labelled template keeps its own landmarks, and no pseudo-template is added
-            assert item["landmarks"] == truth[item["image"]]["landmarks"]
-    assert len(templates) == 1
-    errors = [
-        np.linalg.norm(
-            (np.asarray(it["landmarks"]) - np.asarray(truth[it["image"]]["landmarks"])) * it["spacing"], axis=1
-        )
-        for it in labelled
-    ]
-    assert np.mean(errors) < chance / 4, (np.mean(errors), chance)

@@ -3,8 +3,6 @@
 - :func:`pseudo_labelled_items`: the training items labelled by (k-shot) matching from the templates
   (:func:`bundle.templates.pseudo_labels.pseudo_label`), optionally without their landmarks whose
   forward-backward cycle error exceeds a tolerance; written as an inspectable datalist;
-- :func:`detector_labelled_items`: the same training items labelled by a trained detector instead (a further
-  round of self-training on the detector's own pseudo-labels);
 - :func:`labelled_items`: the human-labelled training items of a fine-tuning;
 - ``detector_info.json`` beside the detector's checkpoints: the templates that made its pseudo-labels and the grid
   it was trained on; :func:`load_detector` refuses to run it on another grid.
@@ -20,8 +18,6 @@ from typing import Sequence
 import numpy as np
 import torch
 from bundle.checkpoints import load_weights
-from bundle.geometry import physical_to_datalist
-from bundle.inferers.heatmap import HeatmapInferer
 from bundle.inferers.oneshot import OneShotInferer
 from bundle.io_utils import write_json_atomic
 from bundle.templates.pseudo_labels import pseudo_label, reliable_landmarks
@@ -59,7 +55,13 @@ def pseudo_labelled_items(
     with the per-landmark cycle errors under ``pseudo_labels``.
     """
 
-    pool = _training_pool(datalist, templates, exclude_held_out)
+    template_images = {t["image"] for t in templates}
+    held_out = _held_out_images(datalist) if exclude_held_out else set()
+    pool = [
+        {k: v for k, v in it.items() if k != "landmarks"}
+        for it in datalist.get("training", [])
+        if it["image"] not in template_images and it["image"] not in held_out
+    ]
     inferer = with_templates(OneShotInferer(template_combine=combine), list(templates), preprocessing, device)
     labelled = pseudo_label(network, inferer, pool, preprocessing, device)
     items = [dict(t) for t in templates]
@@ -79,74 +81,15 @@ def pseudo_labelled_items(
         total,
     )
     if output_path is not None:
-        record = {
+        out = {k: v for k, v in datalist.items() if k not in ("training",)}
+        out["training"] = items
+        out["pseudo_labels"] = {
             "templates": [t["image"] for t in templates],
             "cycle_tolerance": cycle_tolerance,
             "cycle_error": cycle,
         }
-        _write_pseudo_label_datalist(output_path, datalist, items, record)
-    return items
-
-
-def _training_pool(datalist: dict, templates: Sequence[dict], exclude_held_out: bool) -> list[dict]:
-    """The training items to pseudo-label: neither a template nor (``exclude_held_out``) a validation or test image,
-    without their own landmarks."""
-    template_images = {t["image"] for t in templates}
-    held_out = _held_out_images(datalist) if exclude_held_out else set()
-    return [
-        {k: v for k, v in it.items() if k != "landmarks"}
-        for it in datalist.get("training", [])
-        if it["image"] not in template_images and it["image"] not in held_out
-    ]
-
-
-def _write_pseudo_label_datalist(output_path, datalist: dict, items: list[dict], record: dict) -> None:
-    out = {k: v for k, v in datalist.items() if k != "training"}
-    out["training"] = items
-    out["pseudo_labels"] = record
-    write_json_atomic(output_path, out)
-    logger.info("pseudo-label datalist written to %s", output_path)
-
-
-@torch.no_grad()
-def detector_labelled_items(
-    datalist: dict,
-    detector: torch.nn.Module,
-    templates: Sequence[dict],
-    preprocessing,
-    device: torch.device | str,
-    detector_path: str = "",
-    output_path: str | Path | None = None,
-    exclude_held_out: bool = True,
-) -> list[dict]:
-    """The training items of :func:`pseudo_labelled_items`, labelled by a trained heatmap ``detector`` instead of
-    matching: a second round of self-training, where the stage-2 detector's own predictions train the next one.
-
-    The (human-labelled) ``templates`` keep their landmarks; every other training item outside the validation and
-    test splits gets the detector's peaks (:class:`bundle.inferers.heatmap.HeatmapInferer`). ``preprocessing`` is
-    the evaluation pipeline on the detector's grid. ``output_path``: the datalist is written there (atomic), with
-    ``pseudo_labels: {templates, detector}``, so that ``pseudo_labels`` can reuse it.
-    """
-    detector.eval()
-    inferer = HeatmapInferer()
-    items = [dict(t) for t in templates]
-    for item in _training_pool(datalist, templates, exclude_held_out):
-        data = preprocessing(dict(item))
-        image = torch.as_tensor(data["image"])[None].float().to(device)
-        matrix = torch.as_tensor(data["grid_to_physical"], dtype=torch.float64)[None]
-        physical = inferer(image, detector, grid_to_physical=matrix)[0].cpu().numpy()
-        points = physical_to_datalist(physical, torch.as_tensor(data["spacing"]).numpy())
-        items.append({**item, "landmarks": [[float(v) for v in p] for p in points]})
-    logger.info(
-        "stage 2: %d training images (%d template(s) + %d labelled by the detector %s)",
-        len(items),
-        len(templates),
-        len(items) - len(templates),
-        detector_path,
-    )
-    if output_path is not None:
-        record = {"templates": [t["image"] for t in templates], "detector": str(detector_path)}
-        _write_pseudo_label_datalist(output_path, datalist, items, record)
+        write_json_atomic(output_path, out)
+        logger.info("pseudo-label datalist written to %s", output_path)
     return items
 
 
