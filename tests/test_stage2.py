@@ -139,6 +139,27 @@ def test_heatmap_inferer_returns_physical_landmarks():
     assert torch.allclose(found, expected, atol=0.06)
 
 
+def test_shift_tta_moves_the_input_and_brings_each_run_back():
+    """``shift_tta``: each run's input is moved by its offset (zeros where it left), its peaks moved back, so a
+    network that follows its input finds the same landmarks in every run; a whole number of pixels is required."""
+    from bundle.inferers.heatmap import _shifted
+
+    points = torch.tensor([[4.2, 9.7], [12.5, 3.1]], dtype=torch.float64)
+    maps, _ = render_gaussian_heatmaps(points, (20, 16), 1.5)
+    image = maps[None].float()  # (1, 2, 20, 16): the "network" below returns its input as the heatmaps
+    moved = _shifted(image.clone(), [2, -3])
+    assert torch.equal(moved[..., 2:, :13], image[..., :18, 3:]) and not moved[..., :2, :].any()
+    assert not moved[..., -3:].any()
+    inferer = HeatmapInferer(activation=None, shift_tta=2)
+    assert inferer._offsets(2) == [[0, 0], [2, 0], [-2, 0], [0, 2], [0, -2]]
+    for offset in inferer._offsets(2):  # every run, not only their mean, lands on the landmarks
+        run = inferer._peaks(_shifted(image.clone(), offset), lambda x: x) - torch.tensor(offset, dtype=torch.float64)
+        torch.testing.assert_close(run[0], points, atol=0.06, rtol=0)
+    torch.testing.assert_close(inferer(image, lambda x: x)[0], points, atol=0.06, rtol=0)
+    with pytest.raises(ValueError, match="shift_tta must be a whole number of grid pixels >= 0"):
+        HeatmapInferer(shift_tta=1.5)
+
+
 def test_finetune_config_uses_the_first_labelled_training_items(tmp_path):
     datalist_path = generate_synthetic_2d(tmp_path / "data", n_training=8, n_validation=1, n_test=1, seed=5)
     parser = ConfigParser()

@@ -18,21 +18,53 @@ class HeatmapInferer(Inferer):
     Args:
         activation: "sigmoid" (the logits of :class:`bundle.networks.detector.HeatmapDetector`) or None.
         refine_step: neighbour distance of the sub-pixel fit; 0 = integer argmax.
+        shift_tta: grid pixels; > 0: test-time augmentation (not in the paper): the input is also run shifted by
+            plus and minus this along each axis (zero-padded), each run's peaks are shifted back, and the 2D + 1
+            runs' peaks are averaged per landmark.
     """
 
-    def __init__(self, activation: str | None = "sigmoid", refine_step: int = 1) -> None:
+    def __init__(self, activation: str | None = "sigmoid", refine_step: int = 1, shift_tta: int = 0) -> None:
         super().__init__()
         if activation not in (None, "sigmoid"):
             raise ValueError(f"activation must be 'sigmoid' or None, got {activation!r}")
+        if int(shift_tta) != shift_tta or shift_tta < 0:
+            raise ValueError(f"shift_tta must be a whole number of grid pixels >= 0, got {shift_tta!r}")
         self.activation = activation
         self.refine_step = int(refine_step)
+        self.shift_tta = int(shift_tta)
 
-    @torch.no_grad()
-    def __call__(self, inputs: torch.Tensor, network, grid_to_physical=None) -> torch.Tensor:  # type: ignore[override]
+    def _offsets(self, spatial_dims: int) -> list[list[int]]:
+        offsets = [[0] * spatial_dims]
+        for axis in range(spatial_dims if self.shift_tta else 0):
+            for sign in (1, -1):
+                offsets.append([sign * self.shift_tta if a == axis else 0 for a in range(spatial_dims)])
+        return offsets
+
+    def _peaks(self, inputs: torch.Tensor, network) -> torch.Tensor:
         maps = torch.as_tensor(network(inputs)).float()
         if self.activation == "sigmoid":
             maps = torch.sigmoid(maps)
-        positions, _ = refine_peaks(maps, step=self.refine_step)
+        return refine_peaks(maps, step=self.refine_step)[0]
+
+    @torch.no_grad()
+    def __call__(self, inputs: torch.Tensor, network, grid_to_physical=None) -> torch.Tensor:  # type: ignore[override]
+        runs = [
+            self._peaks(_shifted(inputs, offset), network)
+            - torch.tensor(offset, dtype=torch.float64, device=inputs.device)
+            for offset in self._offsets(inputs.ndim - 2)
+        ]
+        positions = torch.stack(runs).mean(dim=0)
         if grid_to_physical is not None:
             positions = apply_homogeneous(grid_to_physical, positions)
         return positions
+
+
+def _shifted(image: torch.Tensor, offset: list[int]) -> torch.Tensor:
+    """``image`` ``(B, C, *S)`` moved by ``offset`` grid pixels along its spatial axes, zeros where it moved from."""
+    for axis, step in enumerate(offset, start=2):
+        if step:
+            image = torch.roll(image, step, dims=axis)
+            index = [slice(None)] * image.ndim
+            index[axis] = slice(0, step) if step > 0 else slice(step, None)
+            image[tuple(index)] = 0
+    return image
