@@ -12,7 +12,8 @@ after a save match the saved labels alone. Template features are computed once p
 names the templates it used, each with its ``source`` (``datastore``, ``pseudo``, ``bundle``, ``built-in``).
 
 Once the train task has published a stage-2 heatmap detector (``model/detector.pt``, trained on the saved labels),
-the detector is served instead: one forward pass (``bundle.inferers.heatmap.HeatmapInferer``), no template. The reply's
+the detector is served instead: ``bundle.inferers.heatmap.HeatmapInferer`` (5 forward passes with the default
+test-time shifts, ``shift_tta``), no template. The reply's
 ``predictor`` says which (``"detector"`` | ``"templates"``); the request key ``predictor`` (or the app's conf key
 of that name: ``auto``, the default, ``detector`` or ``templates``) forces one, e.g. template matching beside a
 served detector.

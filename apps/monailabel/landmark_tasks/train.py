@@ -33,7 +33,7 @@ Detector (the bundle's fine-tuning on human labels, ``configs/train.yaml`` + ``t
 2. The child trains the detector from the served detector (``init_weights = model/detector.pt``) if there is
    one, else with its encoder from the served stage-1 weights (``init_checkpoint`` = the served ``model.pt``),
    into ``model/candidate_detector/`` (``model_final.pt``; no validation: ``val_interval`` > ``epochs``).
-3. Scoring on the held-out images: the candidate (one forward of ``bundle.inferers.heatmap.HeatmapInferer``) against
+3. Scoring on the held-out images: the candidate (``bundle.inferers.heatmap.HeatmapInferer``, as served) against
    the served predictor: the served detector, or, when none, template matching with the served stage-1
    weights from every OTHER labelled image and, while they are few, their pseudo-templates (leave-one-out, as the
    infer task would answer). Published to
