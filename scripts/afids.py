@@ -117,8 +117,8 @@ def random_displacement(
     smooth_mm: float = 20.0,
 ) -> np.ndarray:
     """A smooth random displacement ``(3, *out_shape)`` in world mm on the grid (``out_affine``, ``out_shape``):
-    white noise smoothed by a Gaussian of ``smooth_mm``, each component scaled so that the displacement's root mean
-    square length is ``amplitude_mm``. Its gradient stays well below 1 for amplitudes of a few mm, so the bent warp
+    white noise smoothed by a Gaussian of ``smooth_mm``, scaled so that the displacement's root mean square length
+    is ``amplitude_mm``. Its gradient stays well below 1 for amplitudes of a few mm, so the bent warp
     is invertible (:func:`carry_points`)."""
     from scipy.ndimage import gaussian_filter
 
@@ -286,6 +286,7 @@ def prepare_afids_datalist(
         "description": f"AFID check: {TEMPLATE} T1w/T2w from the autoafids package, "
         f"warped at {spacing} mm (seed {seed}" + (f", bent by {elastic_mm} mm)" if elastic_mm > 0 else ")"),
         "spatial_dims": 3,
+        "elastic_mm": float(elastic_mm),
         "landmark_names": names,
         "training": training,
         "validation": [

@@ -190,6 +190,11 @@ def main(
         )
     prepared = time.perf_counter()
     datalist = load_datalist(datalist_path)
+    if float(datalist.get("elastic_mm", 0.0)) != float(elastic_mm):
+        raise ValueError(
+            f"the data of {datalist_path} were bent by elastic_mm {datalist.get('elastic_mm', 0.0)}, not {elastic_mm}: "
+            "give the same --elastic_mm, or another --workdir"
+        )
     contrast_adaptation = as_flag(contrast_adaptation, "contrast_adaptation")
     setting = setting_name(templates, pseudo_templates, contrast_adaptation, registration_tolerance)
     eval_datalist = (
@@ -250,11 +255,6 @@ def main(
             raise ValueError(
                 f"{ckpt} was trained with contrast_remap_prob {training.get('contrast_remap_prob', 0.0)}: give the "
                 "same --contrast_remap_prob, or --retrain true"
-            )
-        if training and training.get("elastic_mm", 0.0) != elastic_mm:
-            raise ValueError(
-                f"{ckpt} was trained on the data of {work / 'data'}, bent by elastic_mm "
-                f"{training.get('elastic_mm', 0.0)}: give the same --elastic_mm, or another --workdir"
             )
     trained = time.perf_counter()
     evaluation = [str(ROOT / f) for f in config_files("evaluate", spatial_dims=3)]

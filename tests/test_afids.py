@@ -127,7 +127,7 @@ def test_prepare_afids_datalist(tmp_path):
     bent = load_datalist(
         prepare_afids_datalist(tmp_path / "bent", n_training=2, n_test=1, spacing=6.0, seed=3, elastic_mm=4.0)
     )
-    assert "bent by 4.0 mm" in bent["description"]
+    assert "bent by 4.0 mm" in bent["description"] and bent["elastic_mm"] == 4.0 and datalist["elastic_mm"] == 0.0
     for plain_item, bent_item in zip(datalist["training"] + datalist["test"], bent["training"] + bent["test"]):
         moved = np.linalg.norm(np.asarray(bent_item["landmarks"]) - np.asarray(plain_item["landmarks"]), axis=1)
         if group_of(plain_item["image"]) == "T1w -> T2w":  # the T2w volume as it is: neither warped nor bent

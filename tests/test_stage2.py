@@ -156,6 +156,9 @@ def test_shift_tta_moves_the_input_and_brings_each_run_back():
         run = inferer._peaks(_shifted(image.clone(), offset), lambda x: x) - torch.tensor(offset, dtype=torch.float64)
         torch.testing.assert_close(run[0], points, atol=0.06, rtol=0)
     torch.testing.assert_close(inferer(image, lambda x: x)[0], points, atol=0.06, rtol=0)
+    one_way = HeatmapInferer(activation=None, shift_tta=2)
+    one_way._offsets = lambda spatial_dims: [[0, 0], [2, -3]]  # not symmetric: each run must be moved back itself
+    torch.testing.assert_close(one_way(image, lambda x: x)[0], points, atol=0.06, rtol=0)
     with pytest.raises(ValueError, match="shift_tta must be a whole number of grid pixels >= 0"):
         HeatmapInferer(shift_tta=1.5)
 

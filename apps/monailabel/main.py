@@ -9,7 +9,7 @@
 - Train task ``landmarks``: fine-tunes the served weights on the datastore's images (``network: contrastive``),
   or trains the stage-2 heatmap detector on the saved labels (``network: detector``); the new weights replace
   the served ones only when they score better on the saved labels (see landmark_tasks/train.py). Once a
-  detector is published, the infer task serves it (one forward pass, no template).
+  detector is published, the infer task serves it (the detector with its test-time shifts, no template).
 - Strategies ``first`` / ``last`` (sorted ids, unlabelled only) beside MONAI Label's ``random``.
 - ``--studies`` a DICOMweb URL: MONAI Label downloads each series into its cache folder and the app reads the
   folder's X-ray as DICOM (header spacing, VOI window, MONOCHROME1); MONAI Label's conversion to NIfTI is

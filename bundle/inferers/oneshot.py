@@ -74,7 +74,7 @@ class OneShotInferer(Inferer):
             (:func:`bundle.inferers.contrast.register_template`, once for both options) and a match further than this
             from the first template's landmark carried by that registration is replaced by the carried landmark (not
             in the paper): a match on another structure falls back to where the registration puts it; 0 keeps the
-            registration's landmarks alone.
+            registration's landmarks alone. A replaced match keeps its score (its vote's weight) and cycle error.
     """
 
     def __init__(
