@@ -106,6 +106,12 @@ def check_image_size(image_size: Any, spatial_dims: int, divisor: int = 16, key:
     return [int(v) for v in values]
 
 
+def is_unset(value: Any) -> bool:
+    """Whether a config value means "none": None, or what a command line gives for it (``--key null``:
+    ``monai.bundle run`` drops a ``None`` override, so ``null`` / ``none`` / ``""`` arrive as strings)."""
+    return value is None or (isinstance(value, str) and value.strip().casefold() in ("", "null", "none"))
+
+
 FLAG_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 

@@ -141,3 +141,19 @@ def test_command_line_switches_off_in_lowercase(tmp_path):
     bad = _probe(tmp_path, "--entropy_sampling", "flase")
     assert bad.returncode != 0 and "entropy_sampling: expected true or false" in bad.stderr
     assert "got 'flase'" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    "value, unset", [(None, True), ("null", True), (" None ", True), ("", True), (0, False), ("2", False)]
+)
+def test_a_command_line_null_is_unset_for_every_nullable_key(value, unset):
+    """``--key null`` reaches the config as a string: the template cache and the registration tolerance read it
+    through the one rule, ``bundle.configs.is_unset``."""
+    from bundle.configs import is_unset
+    from bundle.templates.features import template_cache_dir
+
+    assert is_unset(value) is unset
+    if unset:
+        assert template_cache_dir(value) is None
+        parser = bundle_parser(config_files("evaluate"), bundle_root=ROOT, registration_tolerance=value)
+        assert parser.get_parsed_content("evaluate#inferer").registration_tolerance is None

@@ -14,7 +14,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from bundle import __version__
 from bundle.checkpoints import load_weights
-from bundle.configs import as_flag
+from bundle.configs import as_flag, is_unset
 from bundle.data.embedded import open_datalist
 from bundle.geometry import plain_tensor
 from bundle.networks.matching import feature_vectors
@@ -90,9 +90,8 @@ def default_template_cache() -> Path:
 
 def template_cache_dir(value: str | os.PathLike | bool | None) -> Path | None:
     """The ``template_cache`` folder: a path, or a yes/no word of :func:`bundle.configs.as_flag` (yes: the default
-    folder, no: no cache); None too, and what a command line gives for it (``--template_cache null``:
-    ``monai.bundle run`` drops a ``None`` override, so ``null`` / ``none`` / ``""`` arrive as strings)."""
-    if value is None or str(value).strip().casefold() in ("", "null", "none"):
+    folder, no: no cache); None too, and what a command line gives for it (:func:`bundle.configs.is_unset`)."""
+    if is_unset(value):
         return None
     flag = as_flag(value, "template_cache", path=True)
     if isinstance(flag, bool):
