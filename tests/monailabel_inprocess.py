@@ -16,7 +16,8 @@ epoch through the train task, then saves ``TARGET_LABEL`` as the target's label,
 (published whatever its score) and infers with it. Prints ``{"bundle", "saved_label", "detector": suggestions,
 "train", "detector_train": stats, "missing_weights": the start-up error of an app given no weights}``.
 
-``split WORK``: the detector's held-out split (``landmark_tasks.train.detector_split``) for 2 to 20 labelled ids.
+``split WORK``: the detector's held-out split (``landmark_tasks.train.detector_split``) for 2 to 20 labelled ids,
+and its training grid (``landmark_tasks.train.detector_training_grid``) without and with a requested one, 2D and 3D.
 
 ``device WORK DATALIST STUDIES TEMPLATE_ID TEMPLATE_LABEL``: apps given devices this machine lacks (their start-up
 errors), then an app on ``--conf device cpu``: infers the first study with the bundle's templates, saves
@@ -146,13 +147,15 @@ def split(work: str) -> dict:
     """The detector's held-out split of n labelled ids: ``{n: [trained, held out]}`` and whether a split grown from
     a served detector's keeps its held-out images held out and its training images in training."""
     sys.path[:0] = [str(ROOT), str(ROOT / "apps" / "monailabel")]
-    from landmark_tasks.train import detector_split
+    from landmark_tasks.train import detector_split, detector_training_grid
 
     ids = [f"img{k:02d}" for k in range(20)]
     out: dict = {n: [len(part) for part in detector_split(ids[:n])] for n in (2, 3, 4, 5, 10, 12, 20)}
     trained, held = detector_split(ids[:5])
     _, grown = detector_split(ids[:10], {"trained_on": trained, "held_out": held})
     out["sticky"] = set(held) <= set(grown) and not set(trained) & set(grown)
+    out["grid"] = [detector_training_grid({}, 2), detector_training_grid({"image_size": [64, 64]}, 2)]
+    out["grid"] += [detector_training_grid({}, 3)]
     return out
 
 

@@ -59,6 +59,8 @@ def test_the_detector_is_scored_on_at_least_three_held_out_images(tmp_path):
         "12": [9, 3],
         "20": [15, 5],
         "sticky": True,
+        # train.yaml's grids, whatever the label count, unless the request names one
+        "grid": [[192, 192], [64, 64], [64, 64, 64]],
     }
 
 

@@ -19,7 +19,7 @@ from bundle.losses.heatmap import MaskedHeatmapLoss
 from bundle.networks.contrastive import ContrastiveLandmarkNet
 from bundle.networks.detector import HeatmapDetector, load_stage1_encoder
 from bundle.networks.matching import refine_peaks
-from bundle.templates.detector_data import detector_templates
+from bundle.templates.detector_data import detector_grid, detector_templates, finetune_grid, write_detector_info
 from bundle.transforms.heatmaps import GaussianHeatmapd, render_gaussian_heatmaps
 from monai.bundle import ConfigParser, run
 from monai.data import MetaTensor
@@ -176,6 +176,35 @@ def test_finetune_config_uses_the_first_labelled_training_items(tmp_path):
 
 
 @pytest.mark.parametrize(
+    "overrides, grid, sigma, translate",
+    [
+        ({"n_labelled": 2}, [192, 192], 2.0, 8.0),  # below fine_grid_labels: train.yaml's grid
+        ({"n_labelled": 2, "fine_grid_labels": 2}, [288, 288], 3.0, 12.0),  # from there on 1.5 times finer
+        ({"n_labelled": 2, "image_size": [384, 384]}, [384, 384], 4.0, 16.0),  # a given grid: the lengths follow it
+    ],
+)
+def test_finetune_grid_grows_with_the_labels_and_the_lengths_in_grid_pixels_follow(
+    tmp_path, overrides, grid, sigma, translate
+):
+    datalist_path = generate_synthetic_2d(tmp_path / "data", n_training=8, n_validation=1, n_test=1, seed=5)
+    parser = ConfigParser()
+    parser.read_config([str(ROOT / f"configs/{c}.yaml") for c in ("train", "train_stage2", "finetune")])
+    parser.update({"bundle_root": str(ROOT), "datalist": str(datalist_path), **overrides})
+    assert parser.get_parsed_content("image_size") == grid
+    assert parser.get_parsed_content("heatmap_sigma") == sigma
+    assert parser.get_parsed_content("affine_translate") == translate
+    assert parser.get_parsed_content("validate#preprocessing").transforms  # the pipeline builds on that grid
+    assert finetune_grid(1000, 3, 10, 1.5) == [64, 64, 64]  # 3D keeps train_3d.yaml's grid
+
+
+def test_evaluation_grid_is_the_one_recorded_beside_the_detector(tmp_path):
+    write_detector_info(tmp_path / "recorded", [], "human", 10, [288, 288])
+    assert detector_grid(tmp_path / "recorded" / "model.pt", 2) == [288, 288]
+    assert detector_grid(tmp_path / "none" / "model.pt", 2) == [192, 192]  # no record: train.yaml's grid
+    assert detector_grid(tmp_path / "none" / "model.pt", 3) == [64, 64, 64]
+
+
+@pytest.mark.parametrize(
     "random_init, expected", [("true", None), ("false", "stage1"), (True, None), ("maybe", ValueError)]
 )
 def test_random_init_as_the_command_line_gives_it(random_init, expected):
@@ -251,12 +280,12 @@ def test_tiny_stage2_training_and_evaluation_beat_chance(tmp_path):
     )
 
     out = tmp_path / "eval"
-    run(
+    run(  # no image_size given: the detector's own grid, read from detector_info.json
         "evaluating",
         config_file=stage2 + [str(ROOT / f"configs/{c}.yaml") for c in ("evaluate", "evaluate_detector")],
         output_dir=str(out),
         ckpt_path=str(tmp_path / "m2" / "model.pt"),
-        **common,
+        **{k: v for k, v in common.items() if k != "image_size"},
     )
     metrics = json.loads((out / "metrics.json").read_text())
     for key in (

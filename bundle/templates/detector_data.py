@@ -5,7 +5,10 @@
   forward-backward cycle error exceeds a tolerance; written as an inspectable datalist;
 - :func:`labelled_items`: the human-labelled training items of a fine-tuning;
 - ``detector_info.json`` beside the detector's checkpoints: the templates that made its pseudo-labels and the grid
-  it was trained on; :func:`load_detector` refuses to run it on another grid.
+  it was trained on; :func:`detector_grid` gives that grid to the evaluation, :func:`load_detector` refuses to run
+  it on another;
+- :func:`finetune_grid` and :func:`follow_grid`: the fine-tuned detector's grid by its number of labels, and the
+  settings in grid pixels that follow it.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Sequence
 import numpy as np
 import torch
 from bundle.checkpoints import load_weights
+from bundle.configs import bundle_parser, check_image_size, config_files
 from bundle.inferers.oneshot import OneShotInferer
 from bundle.io_utils import write_json_atomic
 from bundle.templates.pseudo_labels import pseudo_label, reliable_landmarks
@@ -117,6 +121,37 @@ def _detector_info(ckpt_path: str | Path) -> dict:
 def detector_templates(ckpt_path: str | Path) -> list[str]:
     """The templates recorded beside a detector checkpoint (:func:`write_detector_info`); ``[]`` when none."""
     return list(_detector_info(ckpt_path).get("templates") or [])
+
+
+def base_setting(key: str, spatial_dims: int, name: str = "train_stage2"):
+    """The value of ``key`` in the config files of ``name`` for ``spatial_dims`` (as written there, unparsed): the
+    default that a config merged later replaces by a rule of its own."""
+    return bundle_parser(config_files(name, spatial_dims))[key]
+
+
+def detector_grid(ckpt_path: str | Path, spatial_dims: int) -> list[int]:
+    """The grid a detector checkpoint was trained on (:func:`write_detector_info`), else train.yaml's
+    ``image_size`` for ``spatial_dims`` (a checkpoint without a record)."""
+    trained = _detector_info(ckpt_path).get("image_size")
+    return [int(v) for v in (trained if trained is not None else base_setting("image_size", spatial_dims, "train"))]
+
+
+def finetune_grid(n_labelled: int, spatial_dims: int, fine_from: int, scale: float) -> list[int]:
+    """The grid of a detector fine-tuned on ``n_labelled`` human labels: train.yaml's ``image_size``, or in 2D
+    from ``fine_from`` labels on, ``scale`` times it (rounded to the encoder's stride 16). A finer grid places the
+    peaks more finely but confuses similar structures more often with few labels (docs/results.md, "Fine-tuning
+    on human labels": chosen on validation images at 5 and 10 labels, two seeds)."""
+    base = [int(v) for v in base_setting("image_size", spatial_dims, "train")]
+    if spatial_dims != 2 or n_labelled < int(fine_from):
+        return base
+    return check_image_size([int(round(v * float(scale) / 16)) * 16 for v in base], spatial_dims)
+
+
+def follow_grid(key: str, image_size: Sequence[int], spatial_dims: int) -> float:
+    """train_stage2.yaml's ``key`` (a length in grid pixels: the heatmap's sigma, the translation range) scaled
+    from train.yaml's grid to ``image_size``, so that it stays the same in mm."""
+    base = base_setting("image_size", spatial_dims, "train")
+    return float(base_setting(key, spatial_dims)) * float(image_size[0]) / float(base[0])
 
 
 def load_detector(

@@ -30,6 +30,7 @@ from bundle.data.markups import ControlPoint, read_markups
 from bundle.inferers.oneshot import OneShotInferer, TemplateFeatureInferer
 from bundle.io_utils import write_json_atomic
 from bundle.template_file import join_templates, load_template
+from bundle.templates.detector_data import base_setting
 from bundle.templates.features import compute_template
 from bundle.templates.resolution import resolve_templates
 from bundle.transforms.landmarks import LandmarkTargets
@@ -294,13 +295,11 @@ class BundleContext:
 
     def detector_parser(self, image_size: Sequence[int] | None = None):
         """The bundle's fine-tuning configs for the datalist's dimensionality (``detector_configs``)
-        at the detector's ``image_size`` (None: the config's)."""
-        key = tuple(image_size) if image_size else None
+        at the detector's ``image_size`` (None: train.yaml's)."""
+        key = tuple(int(v) for v in image_size or base_setting("image_size", self.spatial_dims, "train"))
         with self._lock:
             if key not in self._detector_parsers:
-                overrides: dict[str, Any] = dict(self.overrides)
-                if image_size:
-                    overrides["image_size"] = [int(v) for v in image_size]
+                overrides: dict[str, Any] = {**self.overrides, "image_size": list(key)}
                 self._detector_parsers[key] = bundle_parser(self.detector_configs, self.bundle_root, **overrides)
             return self._detector_parsers[key]
 
