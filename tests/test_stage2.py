@@ -19,7 +19,13 @@ from bundle.losses.heatmap import MaskedHeatmapLoss
 from bundle.networks.contrastive import ContrastiveLandmarkNet
 from bundle.networks.detector import HeatmapDetector, load_stage1_encoder
 from bundle.networks.matching import refine_peaks
-from bundle.templates.detector_data import detector_grid, detector_templates, finetune_grid, write_detector_info
+from bundle.templates.detector_data import (
+    detector_grid,
+    detector_templates,
+    finetune_grid,
+    follow_grid,
+    write_detector_info,
+)
 from bundle.transforms.heatmaps import GaussianHeatmapd, render_gaussian_heatmaps
 from monai.bundle import ConfigParser, run
 from monai.data import MetaTensor
@@ -194,7 +200,12 @@ def test_finetune_grid_grows_with_the_labels_and_the_lengths_in_grid_pixels_foll
     assert parser.get_parsed_content("heatmap_sigma") == sigma
     assert parser.get_parsed_content("affine_translate") == translate
     assert parser.get_parsed_content("validate#preprocessing").transforms  # the pipeline builds on that grid
-    assert finetune_grid(1000, 3, 10, 1.5) == [64, 64, 64]  # 3D keeps train_3d.yaml's grid
+
+
+def test_finetune_grid_in_3d_stays_train_3d_s_whatever_the_labels():
+    assert finetune_grid(1000, 3, 10, 1.5) == [64, 64, 64]
+    assert follow_grid("heatmap_sigma", [64, 64, 64], 3) == 2.0
+    assert follow_grid("affine_translate", [128, 128, 128], 3) == 16.0  # a given grid: the lengths follow it
 
 
 def test_evaluation_grid_is_the_one_recorded_beside_the_detector(tmp_path):

@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import logging
 from pathlib import Path
@@ -123,25 +125,36 @@ def detector_templates(ckpt_path: str | Path) -> list[str]:
     return list(_detector_info(ckpt_path).get("templates") or [])
 
 
-def base_setting(key: str, spatial_dims: int, name: str = "train_stage2"):
-    """The value of ``key`` in the config files of ``name`` for ``spatial_dims`` (as written there, unparsed): the
-    default that a config merged later replaces by a rule of its own."""
+@functools.lru_cache(maxsize=16)
+def _base_setting(key: str, spatial_dims: int, name: str):
     return bundle_parser(config_files(name, spatial_dims))[key]
 
 
+def base_setting(key: str, spatial_dims: int, name: str = "train_stage2"):
+    """The value of ``key`` in the bundle's own config files of ``name`` for ``spatial_dims`` (as written there,
+    unparsed): the default that a config merged later replaces by a rule of its own."""
+    return copy.deepcopy(_base_setting(key, int(spatial_dims), name))
+
+
+def base_grid(spatial_dims: int) -> list[int]:
+    """train.yaml's ``image_size`` (train_3d.yaml's in 3D): the grid of every network unless a rule or a key says
+    otherwise."""
+    return [int(v) for v in base_setting("image_size", spatial_dims, "train")]
+
+
 def detector_grid(ckpt_path: str | Path, spatial_dims: int) -> list[int]:
-    """The grid a detector checkpoint was trained on (:func:`write_detector_info`), else train.yaml's
-    ``image_size`` for ``spatial_dims`` (a checkpoint without a record)."""
+    """The grid a detector checkpoint was trained on (:func:`write_detector_info`), else :func:`base_grid` (a
+    checkpoint without a record)."""
     trained = _detector_info(ckpt_path).get("image_size")
-    return [int(v) for v in (trained if trained is not None else base_setting("image_size", spatial_dims, "train"))]
+    return [int(v) for v in trained] if trained is not None else base_grid(spatial_dims)
 
 
 def finetune_grid(n_labelled: int, spatial_dims: int, fine_from: int, scale: float) -> list[int]:
-    """The grid of a detector fine-tuned on ``n_labelled`` human labels: train.yaml's ``image_size``, or in 2D
-    from ``fine_from`` labels on, ``scale`` times it (rounded to the encoder's stride 16). A finer grid places the
-    peaks more finely but confuses similar structures more often with few labels (docs/results.md, "Fine-tuning
-    on human labels": chosen on validation images at 5 and 10 labels, two seeds)."""
-    base = [int(v) for v in base_setting("image_size", spatial_dims, "train")]
+    """The grid of a detector fine-tuned on ``n_labelled`` human labels: :func:`base_grid`, or in 2D from
+    ``fine_from`` labels on, ``scale`` times it (rounded to the encoder's stride 16). A finer grid places the peaks
+    more finely but confuses similar structures more often with few labels (docs/results.md, "The grid grows with
+    the labels": chosen on validation images at 10 labels over two seeds and at 5 labels on one)."""
+    base = base_grid(spatial_dims)
     if spatial_dims != 2 or n_labelled < int(fine_from):
         return base
     return check_image_size([int(round(v * float(scale) / 16)) * 16 for v in base], spatial_dims)
@@ -149,9 +162,9 @@ def finetune_grid(n_labelled: int, spatial_dims: int, fine_from: int, scale: flo
 
 def follow_grid(key: str, image_size: Sequence[int], spatial_dims: int) -> float:
     """train_stage2.yaml's ``key`` (a length in grid pixels: the heatmap's sigma, the translation range) scaled
-    from train.yaml's grid to ``image_size``, so that it stays the same in mm."""
-    base = base_setting("image_size", spatial_dims, "train")
-    return float(base_setting(key, spatial_dims)) * float(image_size[0]) / float(base[0])
+    from :func:`base_grid` to ``image_size`` so that it stays the same in mm (by the first axis: a length in grid
+    pixels is one number for every axis)."""
+    return float(base_setting(key, spatial_dims)) * float(image_size[0]) / float(base_grid(spatial_dims)[0])
 
 
 def load_detector(
@@ -164,7 +177,8 @@ def load_detector(
     if trained is not None and [int(v) for v in trained] != [int(v) for v in image_size]:
         raise ValueError(
             f"the detector {ckpt_path} was trained on the grid {list(trained)} ({Path(ckpt_path).parent / INFO_FILE}) "
-            f'but image_size is {list(image_size)}: pass --image_size "{list(trained)}"'
+            f"but image_size is {list(image_size)}: leave --image_size out (the evaluation takes the recorded grid) or "
+            f'pass --image_size "{list(trained)}"'
         )
     return load_weights(network, ckpt_path, device)
 

@@ -30,7 +30,7 @@ from bundle.data.markups import ControlPoint, read_markups
 from bundle.inferers.oneshot import OneShotInferer, TemplateFeatureInferer
 from bundle.io_utils import write_json_atomic
 from bundle.template_file import join_templates, load_template
-from bundle.templates.detector_data import base_setting
+from bundle.templates.detector_data import base_grid
 from bundle.templates.features import compute_template
 from bundle.templates.resolution import resolve_templates
 from bundle.transforms.landmarks import LandmarkTargets
@@ -296,7 +296,7 @@ class BundleContext:
     def detector_parser(self, image_size: Sequence[int] | None = None):
         """The bundle's fine-tuning configs for the datalist's dimensionality (``detector_configs``)
         at the detector's ``image_size`` (None: train.yaml's)."""
-        key = tuple(int(v) for v in image_size or base_setting("image_size", self.spatial_dims, "train"))
+        key = tuple(int(v) for v in image_size or base_grid(self.spatial_dims))
         with self._lock:
             if key not in self._detector_parsers:
                 overrides: dict[str, Any] = {**self.overrides, "image_size": list(key)}

@@ -74,7 +74,7 @@ import numpy as np
 import torch
 from bundle.data.datalist import is_finite_number
 from bundle.io_utils import atomic_path, write_json_atomic
-from bundle.templates.detector_data import base_setting
+from bundle.templates.detector_data import base_grid
 from monailabel.interfaces.datastore import Datastore
 from monailabel.interfaces.tasks.train import TrainTask
 
@@ -390,9 +390,8 @@ def keep_previous(*paths: Path) -> dict[str, str]:
 
 def detector_training_grid(options: dict, spatial_dims: int) -> list[int]:
     """The grid of a detector train request: its ``image_size``, else train.yaml's, not the finer grid that
-    finetune.yaml takes from 10 labels (2.35 times the time per iteration, past a background training's budget on
-    a CPU)."""
-    return [int(v) for v in options.get("image_size") or base_setting("image_size", spatial_dims, "train")]
+    finetune.yaml takes from 10 labels (its cost per iteration is past a background training's budget on a CPU)."""
+    return [int(v) for v in options["image_size"]] if options.get("image_size") else base_grid(spatial_dims)
 
 
 def training_command(
