@@ -153,7 +153,7 @@ def finetune_grid(n_labelled: int, spatial_dims: int, fine_from: int, scale: flo
     """The grid of a detector fine-tuned on ``n_labelled`` human labels: :func:`base_grid`, or in 2D from
     ``fine_from`` labels on, ``scale`` times it (rounded to the encoder's stride 16). A finer grid places the peaks
     more finely but confuses similar structures more often with few labels (docs/results.md, "The grid grows with
-    the labels": chosen on validation images at 10 labels over two seeds and at 5 labels on one)."""
+    the labels": chosen on validation images at 5 and 10 labels over two seeds)."""
     base = base_grid(spatial_dims)
     if spatial_dims != 2 or n_labelled < int(fine_from):
         return base
