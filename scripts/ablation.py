@@ -246,8 +246,9 @@ def run_one(
             output_dir=run_dir / "eval",
             ckpt_path=run_dir / "models" / "model.pt",
             template_rule=template_rule,
-            max_templates=1,  # the paper's one-shot protocol: one template, no pseudo-template
+            max_templates=1,  # the paper's one-shot protocol: one template, no pseudo-template, no detector
             pseudo_templates=0,
+            pipeline="templates",
             **(settings or {}),
         ),
         run_dir / "eval.log",
@@ -361,6 +362,7 @@ def _evaluate_runs(datalist: str, out: str, key: str, make_datalist, describe: s
                 ckpt_path=run_dir / "models" / "model.pt",
                 overlays=False,
                 pseudo_templates=0,  # the paper's one-shot protocol
+                pipeline="templates",
             ),
             run_dir / f"{key}.log",
         ).outputs

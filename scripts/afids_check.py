@@ -282,6 +282,7 @@ def main(
         ckpt_path=str(ckpt),
         template_combine=template_combine,
         pseudo_templates=0,  # the setting's templates only: pseudo-templates are chosen above, when asked for
+        pipeline="templates",
         contrast_adaptation=contrast_adaptation,
         registration_tolerance=registration_tolerance,
         **common,

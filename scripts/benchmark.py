@@ -280,7 +280,7 @@ def inference(repeats: int = 3, config: str | list[str] = "configs/train.yaml", 
     from bundle.configs import bundle_parser
 
     with tempfile.TemporaryDirectory() as tmp:
-        settings = {"output_dir": tmp, "overlays": False, **overrides}
+        settings = {"output_dir": tmp, "overlays": False, "pipeline": "templates", **overrides}
         parser = bundle_parser(
             [*([config] if isinstance(config, str) else config), "configs/evaluate.yaml"], **settings
         )

@@ -83,6 +83,7 @@ def _evaluate(datalist: dict, out: Path, ckpt_path: str, **overrides) -> dict:
             ckpt_path=Path(ckpt_path).resolve(),
             overlays=False,
             progress_bar=False,
+            pipeline="templates",  # what matching gives, whatever detector is at hand
             **overrides,
         ),
     )

@@ -209,7 +209,8 @@ def test_finetune_grid_in_3d_stays_train_3d_s_whatever_the_labels():
 
 
 def test_evaluation_grid_is_the_one_recorded_beside_the_detector(tmp_path):
-    write_detector_info(tmp_path / "recorded", [], "human", 10, [288, 288])
+    items = [{"image": f"/data/{i}.png"} for i in range(10)]
+    write_detector_info(tmp_path / "recorded", [], "human", items, [288, 288], ["a"], {"spatial_dims": 2})
     assert detector_grid(tmp_path / "recorded" / "model.pt", 2) == [288, 288]
     assert detector_grid(tmp_path / "none" / "model.pt", 2) == [192, 192]  # no record: train.yaml's grid
     assert detector_grid(tmp_path / "none" / "model.pt", 3) == [64, 64, 64]
@@ -318,6 +319,29 @@ def test_tiny_stage2_training_and_evaluation_beat_chance(tmp_path):
     assert len(rows) == 2 * len(datalist["landmark_names"])
     chance = chance_mre_mm(datalist, (256, 288))
     assert metrics["mre_mm"] < chance / 4, (metrics["mre_mm"], chance)
+
+    # the default evaluation (no detector config merged) takes this detector: it learnt from as many labelled
+    # images (the one template) as matching would use; `pipeline templates` forces matching
+    evaluation = [str(ROOT / f"configs/{c}.yaml") for c in ("train", "evaluate")]
+    detectors = [str(tmp_path / "m2" / "model.pt")]
+    for pipeline, out_auto in (("auto", tmp_path / "eval_auto"), ("templates", tmp_path / "eval_templates")):
+        run("evaluating", config_file=evaluation, output_dir=str(out_auto), ckpt_path=str(tmp_path / "m1" / "model.pt"),
+            detectors=detectors, pipeline=pipeline, **common)
+    auto = json.loads((tmp_path / "eval_auto" / "metrics.json").read_text())
+    assert auto["pipeline"] == "detector" and auto["checkpoint"] == detectors[0]
+    assert auto["mre_mm"] == pytest.approx(metrics["mre_mm"], rel=1e-6)
+    matching = json.loads((tmp_path / "eval_templates" / "metrics.json").read_text())
+    assert matching["pipeline"] == "templates" and matching["checkpoint"] == str(tmp_path / "m1" / "model.pt")
+    # inferring on new images too: its provenance names the detector, its points are the evaluation's
+    run("inferring", config_file=str(ROOT / "configs/inference.yaml"), output_dir=str(tmp_path / "infer"),
+        datalist=str(datalist_path), images=[it["image"] for it in datalist["test"]], detectors=detectors,
+        ckpt_path=str(tmp_path / "m1" / "model.pt"), template_cache=None, bundle_root=str(ROOT),
+        **{k: TINY[k] for k in ("image_size", "seed")})
+    provenance = json.loads((tmp_path / "infer" / "provenance.json").read_text())
+    assert provenance["pipeline"] == "detector" and provenance["checkpoint"] == detectors[0]
+    with open(tmp_path / "infer" / "predictions.csv") as f:
+        inferred = list(csv.DictReader(f))
+    assert [(r["x"], r["y"]) for r in inferred] == [(r["x"], r["y"]) for r in rows]
 
     # the training grid is recorded beside the checkpoint; evaluating on another grid is refused naming both
     info = tmp_path / "m2" / "detector_info.json"

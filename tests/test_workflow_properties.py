@@ -8,7 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 from bundle.configs import config_files
+from bundle.data.datalist import load_datalist
 from bundle.data.synthetic import generate_synthetic_2d, generate_synthetic_3d
+from bundle.networks.detector import HeatmapDetector
+from bundle.templates.detector_data import write_detector_info
 from monai.bundle import ConfigWorkflow
 from monai.engines import SupervisedEvaluator, SupervisedTrainer
 from monai.inferers import Inferer
@@ -24,6 +27,15 @@ WORKFLOWS = {
     "evaluation, detector": ("eval", config_files("evaluate_detector")),
     "inference": ("inference", config_files("inference")),
 }
+
+
+def _detector(folder: Path, datalist: dict) -> Path:
+    """An untrained detector of the default 2D settings for ``datalist``'s landmarks, its record beside it."""
+    network = HeatmapDetector(n_landmarks=len(datalist["landmark_names"]))
+    folder.mkdir(parents=True)
+    torch.save({"model": network.state_dict()}, folder / "model.pt")
+    write_detector_info(folder, [], "human", datalist["training"], [192, 192], datalist["landmark_names"], {})
+    return folder / "model.pt"
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +55,8 @@ def test_monai_finds_every_property(name, datalists, tmp_path):
     settings = {"bundle_root": str(ROOT), "output_dir": str(tmp_path / "out")}
     if name != "inference":
         settings["datalist"] = str(datalists[3 if "configs/train_3d.yaml" in files else 2])
-    if "configs/evaluate_detector.yaml" in files:  # the shipped detector: the 19 cephalometric landmarks
-        settings["network_def#n_landmarks"] = 19
+    if "configs/evaluate_detector.yaml" in files:  # a detector of the datalist's landmarks, with its record
+        settings["ckpt_path"] = str(_detector(tmp_path / "detector", load_datalist(datalists[2])))
     workflow = ConfigWorkflow(
         config_file=[str(ROOT / f) for f in files], workflow_type=workflow_type, logging_file=False, **settings
     )

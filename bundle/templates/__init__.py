@@ -2,10 +2,12 @@
 training items, and the template features of inference."""
 
 from bundle.templates.detector_data import (
+    detector_info,
     detector_templates,
     labelled_items,
     load_detector,
     pseudo_label_templates,
+    recorded_detector,
     pseudo_labelled_items,
     read_pseudo_labels,
     write_detector_info,
@@ -16,6 +18,16 @@ from bundle.templates.features import (
     resolve_template_features,
     template_cache_key,
     template_source_names,
+)
+from bundle.templates.pipeline_choice import (
+    DEFAULT_DETECTORS,
+    ENOUGH_LABELS,
+    PIPELINE_CHOICES,
+    check_pipeline_choice,
+    choose_detector,
+    default_detectors,
+    detector_labels,
+    template_count,
 )
 from bundle.templates.pseudo_labels import pseudo_label, reliability, reliable_landmarks, select_pseudo_templates
 from bundle.templates.resolution import (
@@ -39,11 +51,19 @@ from bundle.templates.selection import (
 )
 
 __all__ = [
+    "DEFAULT_DETECTORS",
+    "ENOUGH_LABELS",
+    "PIPELINE_CHOICES",
+    "check_pipeline_choice",
     "check_rule",
+    "choose_detector",
     "compute_template",
     "default_template",
     "default_template_cache",
+    "default_detectors",
     "default_templates",
+    "detector_info",
+    "detector_labels",
     "detector_templates",
     "grid_points",
     "labelled_items",
@@ -56,6 +76,7 @@ __all__ = [
     "pseudo_labelled_items",
     "pseudo_template_pool",
     "read_pseudo_labels",
+    "recorded_detector",
     "reliability",
     "reliable_landmarks",
     "resolve_template",
@@ -65,6 +86,7 @@ __all__ = [
     "select_template",
     "select_template_by_landmarks",
     "template_cache_key",
+    "template_count",
     "template_items",
     "template_source_names",
     "with_templates",

@@ -25,6 +25,7 @@ import torch
 from bundle.checkpoints import load_weights
 from bundle.configs import bundle_parser, check_image_size, config_files
 from bundle.inferers.oneshot import OneShotInferer
+from bundle.networks.detector import HeatmapDetector
 from bundle.io_utils import write_json_atomic
 from bundle.templates.pseudo_labels import pseudo_label, reliable_landmarks
 from bundle.templates.resolution import labelled_training_items, with_templates
@@ -100,29 +101,45 @@ def pseudo_labelled_items(
 
 
 def write_detector_info(
-    ckpt_dir: str | Path, templates: Sequence[dict] | None, labels: str, n_items: int, image_size: Sequence[int]
+    ckpt_dir: str | Path,
+    templates: Sequence[dict] | None,
+    labels: str,
+    items: Sequence[dict],
+    image_size: Sequence[int],
+    landmark_names: Sequence[str],
+    network: dict,
 ) -> Path:
-    """``ckpt_dir/detector_info.json``: which templates made the pseudo-labels (empty for human labels), so
-    that the evaluation of the detector reports them in metrics.json, and the training grid ``image_size``."""
+    """``ckpt_dir/detector_info.json``, what a detector is and what it learnt from: ``labels`` (``pseudo`` or
+    ``human``), the ``templates`` that made its pseudo-labels (empty for human labels), ``n_labelled`` (the
+    human-labelled images behind it: the training ``items`` for human labels, the templates that are not
+    pseudo-templates for pseudo-labels), its ``training_images``, the grid ``image_size``, its ``landmark_names`` and
+    the ``network`` settings of :class:`bundle.networks.detector.HeatmapDetector` (:func:`recorded_detector`)."""
+    templates = list(templates or [])
+    n_labelled = len(items) if labels == "human" else sum(not t.get("pseudo_label") for t in templates)
     return write_json_atomic(
         Path(ckpt_dir) / INFO_FILE,
         {
             "labels": labels,
-            "templates": [t["image"] for t in templates or []],
-            "n_training_items": int(n_items),
+            "templates": [t["image"] for t in templates],
+            "n_labelled": int(n_labelled),
+            "n_training_items": len(items),
+            "training_images": [str(it["image"]) for it in items],
             "image_size": [int(v) for v in image_size],
+            "landmark_names": [str(n) for n in landmark_names],
+            "network": {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in network.items()},
         },
     )
 
 
-def _detector_info(ckpt_path: str | Path) -> dict:
+def detector_info(ckpt_path: str | Path) -> dict:
+    """The record :func:`write_detector_info` wrote beside ``ckpt_path``; ``{}`` when there is none."""
     info = Path(ckpt_path).parent / INFO_FILE
     return json.loads(info.read_text()) if info.is_file() else {}
 
 
 def detector_templates(ckpt_path: str | Path) -> list[str]:
     """The templates recorded beside a detector checkpoint (:func:`write_detector_info`); ``[]`` when none."""
-    return list(_detector_info(ckpt_path).get("templates") or [])
+    return list(detector_info(ckpt_path).get("templates") or [])
 
 
 @functools.lru_cache(maxsize=16)
@@ -145,8 +162,29 @@ def base_grid(spatial_dims: int) -> list[int]:
 def detector_grid(ckpt_path: str | Path, spatial_dims: int) -> list[int]:
     """The grid a detector checkpoint was trained on (:func:`write_detector_info`), else :func:`base_grid` (a
     checkpoint without a record)."""
-    trained = _detector_info(ckpt_path).get("image_size")
+    trained = detector_info(ckpt_path).get("image_size")
     return [int(v) for v in trained] if trained is not None else base_grid(spatial_dims)
+
+
+def recorded_detector(
+    ckpt_path: str | Path, spatial_dims: int, n_landmarks: int, backbone: str, embed_dim: int, strides: Sequence[int]
+) -> HeatmapDetector:
+    """The :class:`bundle.networks.detector.HeatmapDetector` of ``ckpt_path`` (weights not loaded) with the
+    ``network`` settings and as many landmarks as recorded beside it; a record without them (before 0.17.0) takes
+    the given settings and train_stage2.yaml's ``head_channels``."""
+    settings = {
+        "spatial_dims": int(spatial_dims),
+        "n_landmarks": int(n_landmarks),
+        "backbone": backbone,
+        "embed_dim": int(embed_dim),
+        "strides": list(strides),
+        "head_channels": int(base_setting("head_channels", spatial_dims)),
+    }
+    info = detector_info(ckpt_path)
+    settings.update(info.get("network") or {})
+    if info.get("landmark_names"):
+        settings["n_landmarks"] = len(info["landmark_names"])
+    return HeatmapDetector(**settings)
 
 
 def finetune_grid(n_labelled: int, spatial_dims: int, fine_from: int, scale: float) -> list[int]:
@@ -173,7 +211,7 @@ def load_detector(
     """``network`` with the detector weights of ``ckpt_path``, to run on the grid ``image_size``. A detector finds
     its landmarks at the scale it was trained on: a grid other than the one recorded beside the checkpoint
     (:func:`write_detector_info`; none recorded: not checked) is refused, naming both and the key to set."""
-    trained = _detector_info(ckpt_path).get("image_size")
+    trained = detector_info(ckpt_path).get("image_size")
     if trained is not None and [int(v) for v in trained] != [int(v) for v in image_size]:
         raise ValueError(
             f"the detector {ckpt_path} was trained on the grid {list(trained)} ({Path(ckpt_path).parent / INFO_FILE}) "

@@ -1,16 +1,18 @@
-"""Helpers shared by the transforms: input checks, output keys, outputs on the input's grid."""
+"""Helpers shared by the transforms: input checks, output keys, outputs on the input's grid, a pipeline moved to
+another network grid."""
 
 from __future__ import annotations
 
 import copy
-from typing import Any, Hashable
+from typing import Any, Hashable, Sequence
 
 import torch
 from monai.config import KeysCollection
 from monai.data import MetaTensor
+from monai.transforms import Compose, Resized
 from monai.utils import ensure_tuple
 
-__all__ = ["like_input", "output_keys_for", "single_channel_spatial"]
+__all__ = ["like_input", "on_grid", "output_keys_for", "single_channel_spatial"]
 
 
 def single_channel_spatial(image: Any, owner: str, key: Hashable | None = None) -> Any:
@@ -44,3 +46,13 @@ def like_input(result: torch.Tensor, image: Any) -> torch.Tensor:
         meta, operations = copy.deepcopy(image.meta), copy.deepcopy(image.applied_operations)
         return MetaTensor(result, meta=meta, applied_operations=operations)
     return result
+
+
+def on_grid(pipeline: Compose, grid: Sequence[int]) -> Compose:
+    """A copy of ``pipeline`` whose ``Resized`` transforms resize to ``grid`` instead (each keeps its mode and
+    anti-aliasing): the evaluation pipeline of a detector trained on another grid than the matching network's."""
+    moved = copy.deepcopy(pipeline)
+    for transform in moved.flatten().transforms:
+        if isinstance(transform, Resized):
+            transform.resizer.spatial_size = tuple(int(v) for v in grid)
+    return moved

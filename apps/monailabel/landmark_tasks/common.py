@@ -481,10 +481,10 @@ class BundleContext:
 
     @property
     def oneshot(self) -> OneShotInferer:
-        """The evaluation's one-shot inferer (``evaluate#inferer``): its matcher and combine rule."""
+        """The evaluation's one-shot inferer (``evaluate#matching_inferer``): its matcher and combine rule."""
         with self._lock:
             if self._oneshot is None:
-                self._oneshot = self.parser.get_parsed_content("evaluate#inferer", lazy=False)
+                self._oneshot = self.parser.get_parsed_content("evaluate#matching_inferer", lazy=False)
             return self._oneshot
 
     def frame(self, image: str | Path, data: dict | None = None) -> dict:
