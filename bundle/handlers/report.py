@@ -174,14 +174,16 @@ class LandmarkReportHandler:
             raise
         if "mre_mm" not in summary:  # inference on unlabelled images: predictions only
             self.logger.info(
-                "one-shot detection on %d images without reference landmarks: predictions in %s",
+                "landmarks (%s) on %d images without reference landmarks: predictions in %s",
+                self.pipeline,
                 len(self.records),
                 self.output_dir,
             )
             return summary
         sdr = ", ".join(f"{k} mm {v:.1f}%" for k, v in summary["sdr"].items())
         self.logger.info(
-            "one-shot detection on %d images: MRE %.3f +/- %.3f mm (%.2f px); SDR %s; reports in %s",
+            "landmarks (%s) on %d images: MRE %.3f +/- %.3f mm (%.2f px); SDR %s; reports in %s",
+            self.pipeline,
             summary["n_images"],
             summary["mre_mm"],
             summary["mre_std_mm"],
