@@ -1,6 +1,6 @@
 """Which pipeline predicts (``pipeline: auto | templates | detector``): the detector record, the rule of
-:func:`bundle.templates.pipeline_choice.choose_detector`, the templates it counts, a pipeline moved to a detector's
-grid, and the evaluating and inferring commands run with a detector at hand."""
+:func:`bundle.templates.pipeline_choice.choose_detector`, the templates and labelled images it counts, and a
+pipeline moved to a detector's grid (the commands with a detector at hand: tests/test_stage2.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 from bundle.networks.detector import HeatmapDetector
 from bundle.templates.detector_data import detector_info, recorded_detector, write_detector_info
-from bundle.templates.pipeline_choice import choose_detector, default_detectors, template_count
+from bundle.templates.pipeline_choice import choose_detector, default_detectors, labelled_at_hand
 from bundle.transforms.utils import on_grid
 from monai.transforms import Compose, Lambdad, Resized
 
@@ -21,12 +21,23 @@ NAMES = ["a", "b"]
 NETWORK = {"spatial_dims": 2, "backbone": "light", "embed_dim": 8, "strides": [16, 8], "head_channels": 4}
 
 
-def _detector(folder: Path, labels: str = "human", n_items: int = 5, names=NAMES, templates=None, **record) -> Path:
-    """A detector checkpoint with its record: ``n_items`` training items /data/train_<i>.png."""
+def _labelled(n: int, root: str = "/data") -> list[dict]:
+    return [{"image": f"{root}/train_{i}.png", "landmarks": [[1.0, 2.0], [3.0, 4.0]]} for i in range(n)]
+
+
+def _datalist(n_labelled: int, n_test: int = 2, **extra) -> dict:
+    """``n_labelled`` labelled training items /data/train_<i>.png, unlabelled ones and test items /test/<i>.png."""
+    tests = [{"image": f"/test/{i}.png", "landmarks": [[1.0, 2.0], [3.0, 4.0]]} for i in range(n_test)]
+    unlabelled = [{"image": f"/data/u_{i}.png"} for i in range(5)]
+    return {"landmark_names": NAMES, "training": _labelled(n_labelled) + unlabelled, "test": tests, **extra}
+
+
+def _detector(folder: Path, labels: str = "human", items=None, names=NAMES, templates=None, **record) -> Path:
+    """A detector checkpoint with its record (``items``: its training items, by default /data/train_0..4.png)."""
     folder.mkdir(parents=True, exist_ok=True)
-    network = HeatmapDetector(n_landmarks=len(names), **{k: v for k, v in NETWORK.items()})
+    network = HeatmapDetector(n_landmarks=len(names), **NETWORK)
     torch.save({"model": network.state_dict()}, folder / "model.pt")
-    items = [{"image": f"/data/train_{i}.png"} for i in range(n_items)]
+    items = _labelled(5) if items is None else items
     write_detector_info(folder, templates, labels, items, [64, 64], names, NETWORK)
     if record:
         info = json.loads((folder / "detector_info.json").read_text())
@@ -36,75 +47,113 @@ def _detector(folder: Path, labels: str = "human", n_items: int = 5, names=NAMES
 
 
 def test_the_record_says_what_the_detector_learnt_from_and_rebuilds_it(tmp_path):
-    human = _detector(tmp_path / "human", n_items=7)
+    human = _detector(tmp_path / "human", items=_labelled(7))
     info = detector_info(human)
-    assert info["n_labelled"] == 7 and info["training_images"][0] == "/data/train_0.png"
+    assert info["n_labelled"] == 7 and info["labelled_images"][0] == "/data/train_0.png"
+    assert info["training_images"] == info["labelled_images"]
     assert info["landmark_names"] == NAMES and info["image_size"] == [64, 64]
-    templates = [{"image": "t.png"}, {"image": "p1.png", "pseudo_label": True}, {"image": "p2.png", "pseudo_label": True}]
-    pseudo = _detector(tmp_path / "pseudo", labels="pseudo", n_items=9, templates=templates)
-    assert detector_info(pseudo)["n_labelled"] == 1  # one human-labelled template, two pseudo-templates
-    # the recorded network settings, not the given ones (which would not fit the weights)
+    templates = [{"image": "/t.png"}] + [{"image": f"/p{i}.png", "pseudo_label": True} for i in (1, 2)]
+    pseudo = _detector(tmp_path / "pseudo", labels="pseudo", items=_labelled(9), templates=templates)
+    assert detector_info(pseudo)["labelled_images"] == ["/t.png"]  # one human-labelled template, two pseudo ones
+    assert detector_info(pseudo)["n_labelled"] == 1
+    # the recorded network settings and landmark count, not the given ones (which would not fit the weights)
     net = recorded_detector(human, 2, 19, "vgg19", 64, [1])
     net.load_state_dict(torch.load(human)["model"])
     assert net.n_landmarks == 2
 
 
-def test_template_count_is_what_matching_would_use(tmp_path):
-    labelled = [{"image": f"/d/{i}.png", "landmarks": [[1, 2]]} for i in range(6)]
-    datalist = {"training": labelled + [{"image": "/d/u.png"}], "validation": [labelled[0]], "test": [labelled[1]]}
-    assert template_count(datalist, 32) == 4  # labelled training items less the validation and test images
-    assert template_count(datalist, 3) == 3  # at most max_templates
-    assert template_count({**datalist, "templates": labelled[2:4]}, 32) == 2  # the datalist's own
-    assert template_count(None, 32, ROOT / "models" / "template_features.pt") == 32  # the built-in templates
+def test_labelled_at_hand_counts_what_matching_would_use():
+    datalist = _datalist(6)
+    datalist["training"] += datalist["test"]  # test images listed among the training items too
+    count, labelled = labelled_at_hand(datalist, 32)
+    assert count == 6 and "/data/train_5.png" in labelled  # less the test images
+    assert labelled_at_hand(datalist, 3)[0] == 3  # at most max_templates
+    assert labelled_at_hand({**datalist, "templates": _labelled(2)}, 32)[0] == 2  # the datalist's own
+    assert labelled_at_hand(None, 32) == (0, [])  # inference's built-in templates
 
 
 @pytest.mark.parametrize(
-    "n_items, n_templates, chosen",
-    [(1, 1, True), (5, 5, True), (5, 10, False), (10, 32, True), (1, 3, False)],
+    "n_labelled, n_templates, chosen", [(1, 1, True), (5, 5, True), (5, 10, False), (10, 32, True), (1, 3, False)]
 )
-def test_auto_takes_a_detector_with_as_many_labels_as_the_templates_or_ten(tmp_path, n_items, n_templates, chosen):
-    path = _detector(tmp_path / "d", n_items=n_items)
-    assert choose_detector("auto", [str(path)], NAMES, n_templates) == (str(path) if chosen else None)
-    assert choose_detector("templates", [str(path)], NAMES, n_templates) is None
-    assert choose_detector("detector", [str(path)], NAMES, 1000) == str(path)
+def test_auto_takes_a_detector_with_as_many_labels_as_the_templates_or_ten(tmp_path, n_labelled, n_templates, chosen):
+    path = str(_detector(tmp_path / "d", items=_labelled(n_labelled)))
+    datalist = _datalist(max(n_labelled, n_templates))
+    args = (NAMES, 2, datalist, n_templates)
+    assert choose_detector("auto", [path], *args) == (path if chosen else None)
+    assert choose_detector("templates", [path], *args) is None
+    assert choose_detector("detector", [path], *args) == path
+    assert choose_detector("auto", [path], NAMES, 2, None, 32) is None  # no datalist: the built-in templates
 
 
 def test_auto_prefers_the_most_labels_and_the_first_of_equals(tmp_path):
-    few, many, same = (_detector(tmp_path / n, n_items=k) for n, k in (("few", 2), ("many", 12), ("same", 12)))
-    assert choose_detector("auto", [str(few), str(many), str(same)], NAMES, 40) == str(many)
-    assert choose_detector("auto", [str(same), str(many)], NAMES, 40) == str(same)
+    few, many, same = (_detector(tmp_path / n, items=_labelled(k)) for n, k in (("few", 2), ("many", 12), ("same", 12)))
+    datalist = _datalist(40)
+    assert choose_detector("auto", [str(few), str(many), str(same)], NAMES, 2, datalist, 32) == str(many)
+    assert choose_detector("auto", [str(same), str(many)], NAMES, 2, datalist, 32) == str(same)
 
 
-def test_auto_leaves_out_other_landmarks_an_unnamed_record_and_a_detector_trained_on_a_test_image(tmp_path, caplog):
-    other = _detector(tmp_path / "other", n_items=12, names=["x", "y"])
-    unnamed = _detector(tmp_path / "unnamed", n_items=12, landmark_names=None)
-    seen = _detector(tmp_path / "seen", n_items=12)
+def test_auto_passes_over_a_detector_that_is_not_this_run_s(tmp_path, caplog):
+    datalist = _datalist(12, n_test=0)
+    other = _detector(tmp_path / "other", items=_labelled(12), names=["x", "y"])
+    flat = _detector(tmp_path / "3d", items=_labelled(12), network={**NETWORK, "spatial_dims": 3})
+    unnamed = _detector(tmp_path / "unnamed", items=_labelled(12), landmark_names=None)
+    elsewhere = _detector(tmp_path / "elsewhere", items=_labelled(12, root="/other"))  # not the datalist's labels
+    seen = _detector(tmp_path / "seen", items=_labelled(12) + [{"image": "/test/1.png"}])
     missing = tmp_path / "missing" / "model.pt"
-    candidates = [str(p) for p in (other, unnamed, seen, missing)]
-    tested = ["/elsewhere/x.png", "/data/train_3.png"]
-    assert choose_detector("auto", candidates, NAMES, 1, test_images=tested) is None
+    tested = ["/test/0.png", "/test/1.png"]
+    candidates = [str(p) for p in (other, flat, unnamed, elsewhere, seen, missing)]
+    with caplog.at_level(logging.INFO, logger="bundle.templates.pipeline_choice"):
+        assert choose_detector("auto", candidates, NAMES, 2, datalist, 32, test_images=tested) is None
+    for why in (
+        "trained for other landmarks",
+        "a 3D detector",
+        "does not name its landmarks",
+        "learnt from labelled images this run does not hold (first: /other/train_0.png)",
+        "trained on 1 of the test images (first: /test/1.png)",
+    ):
+        assert why in caplog.text, why
     # forced: a doubt is a warning, a refusal stays one
+    caplog.clear()
     with caplog.at_level(logging.WARNING, logger="bundle.templates.pipeline_choice"):
-        assert choose_detector("detector", [str(seen)], NAMES, 1, test_images=tested) == str(seen)
-    assert "trained on 1 of the test images (first: /data/train_3.png)" in caplog.text
-    assert choose_detector("detector", [str(unnamed)], NAMES, 1) == str(unnamed)
+        assert choose_detector("detector", [str(seen)], NAMES, 2, datalist, 32, test_images=tested) == str(seen)
+    assert "trained on 1 of the test images" in caplog.text
+    assert choose_detector("detector", [str(unnamed)], NAMES, 2, datalist, 32) == str(unnamed)
     with pytest.raises(ValueError) as refused:
-        choose_detector("detector", [str(other), str(missing)], NAMES, 1)
-    message = str(refused.value)
-    assert "trained for other landmarks" in message and f"{missing}: no such file" in message
+        choose_detector("detector", [str(other), str(missing)], NAMES, 2, datalist, 32)
+    assert "trained for other landmarks" in str(refused.value) and f"{missing}: no such file" in str(refused.value)
     with pytest.raises(ValueError, match="pipeline must be one of"):
-        choose_detector("best", [], NAMES, 1)
+        choose_detector("best", [], NAMES, 2, datalist, 32)
 
 
-def test_the_shipped_stage2_detector_is_auto_s_choice_for_one_hamedan_template_not_on_its_training_images():
-    names = detector_info(ROOT / "models" / "stage2" / "model.pt")["landmark_names"]
-    assert len(names) == 19
+def test_relative_datalist_paths_and_links_are_the_recorded_images(tmp_path, monkeypatch):
+    """The record holds real paths; a datalist read through a relative path or a link names the same files."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (tmp_path / "link").symlink_to(data)
+    items = [{"image": str(data / f"train_{i}.png")} for i in range(10)]
+    path = str(_detector(tmp_path / "d", items=items))
+    monkeypatch.chdir(tmp_path)
+    labelled = [{"image": f"link/train_{i}.png", "landmarks": [[1.0, 2.0], [3.0, 4.0]]} for i in range(10)]
+    datalist = {"landmark_names": NAMES, "training": labelled, "test": [{"image": "link/train_3.png"}]}
+    assert choose_detector("auto", [path], NAMES, 2, {**datalist, "test": []}, 32) == path
+    assert choose_detector("auto", [path], NAMES, 2, datalist, 32, test_images=["link/train_3.png"]) is None
+
+
+def test_the_shipped_stage2_detector_is_auto_s_choice_for_hamedan_s_046_alone():
     shipped = str(ROOT / "models" / "stage2" / "model.pt")
-    test_image = "/any/where/hamedan_ceph/images/005.png"  # a test image of the protocol, not a training image
-    assert choose_detector("auto", default_detectors(ROOT), names, 1, [test_image]) == shipped
-    assert choose_detector("auto", default_detectors(ROOT), names, 3, [test_image]) is None
-    trained_on = "/any/where/hamedan_ceph/images/046.png"
-    assert choose_detector("auto", default_detectors(ROOT), names, 1, [trained_on]) is None
+    names = detector_info(shipped)["landmark_names"]
+    assert len(names) == 19
+    image = "/any/where/hamedan_ceph/images/{}.png"
+    one = {"landmark_names": names, "training": [{"image": image.format("046"), "landmarks": [[1.0, 1.0]] * 19}]}
+    test = [image.format("005")]  # a test image of the protocol, not a training image
+    assert choose_detector("auto", default_detectors(ROOT), names, 2, one, 32, test) == shipped
+    # another annotated image: the user's own template is matched (the detector did not learn from it)
+    other = {**one, "training": [{"image": "/mine/ceph_1.png", "landmarks": [[1.0, 1.0]] * 19}]}
+    assert choose_detector("auto", default_detectors(ROOT), names, 2, other, 32, test) is None
+    mine = {"image": "/mine/2.png", "landmarks": [[1.0, 1.0]] * 19}
+    three = {**one, "training": one["training"] + other["training"] + [mine]}
+    assert choose_detector("auto", default_detectors(ROOT), names, 2, three, 32, test) is None  # 1 label < 3
+    assert choose_detector("auto", default_detectors(ROOT), names, 2, one, 32, [image.format("001")]) is None
 
 
 def test_on_grid_moves_the_resize_and_leaves_the_original_alone():
@@ -113,3 +162,5 @@ def test_on_grid_moves_the_resize_and_leaves_the_original_alone():
     image = torch.rand(1, 100, 90)
     assert moved({"image": image})["image"].shape == (1, 96, 80)
     assert pipeline({"image": image})["image"].shape == (1, 64, 64)
+    with pytest.raises(ValueError, match="no Resized"):
+        on_grid(Compose([Lambdad("image", lambda x: x)]), [96, 80])

@@ -325,18 +325,33 @@ def test_tiny_stage2_training_and_evaluation_beat_chance(tmp_path):
     evaluation = [str(ROOT / f"configs/{c}.yaml") for c in ("train", "evaluate")]
     detectors = [str(tmp_path / "m2" / "model.pt")]
     for pipeline, out_auto in (("auto", tmp_path / "eval_auto"), ("templates", tmp_path / "eval_templates")):
-        run("evaluating", config_file=evaluation, output_dir=str(out_auto), ckpt_path=str(tmp_path / "m1" / "model.pt"),
-            detectors=detectors, pipeline=pipeline, **common)
+        run(
+            "evaluating",
+            config_file=evaluation,
+            output_dir=str(out_auto),
+            ckpt_path=str(tmp_path / "m1" / "model.pt"),
+            detectors=detectors,
+            pipeline=pipeline,
+            **common,
+        )
     auto = json.loads((tmp_path / "eval_auto" / "metrics.json").read_text())
     assert auto["pipeline"] == "detector" and auto["checkpoint"] == detectors[0]
     assert auto["mre_mm"] == pytest.approx(metrics["mre_mm"], rel=1e-6)
     matching = json.loads((tmp_path / "eval_templates" / "metrics.json").read_text())
     assert matching["pipeline"] == "templates" and matching["checkpoint"] == str(tmp_path / "m1" / "model.pt")
     # inferring on new images too: its provenance names the detector, its points are the evaluation's
-    run("inferring", config_file=str(ROOT / "configs/inference.yaml"), output_dir=str(tmp_path / "infer"),
-        datalist=str(datalist_path), images=[it["image"] for it in datalist["test"]], detectors=detectors,
-        ckpt_path=str(tmp_path / "m1" / "model.pt"), template_cache=None, bundle_root=str(ROOT),
-        **{k: TINY[k] for k in ("image_size", "seed")})
+    run(
+        "inferring",
+        config_file=str(ROOT / "configs/inference.yaml"),
+        output_dir=str(tmp_path / "infer"),
+        datalist=str(datalist_path),
+        images=[it["image"] for it in datalist["test"]],
+        detectors=detectors,
+        ckpt_path=str(tmp_path / "m1" / "model.pt"),
+        template_cache=None,
+        bundle_root=str(ROOT),
+        **{k: TINY[k] for k in ("image_size", "seed")},
+    )
     provenance = json.loads((tmp_path / "infer" / "provenance.json").read_text())
     assert provenance["pipeline"] == "detector" and provenance["checkpoint"] == detectors[0]
     with open(tmp_path / "infer" / "predictions.csv") as f:

@@ -7,9 +7,9 @@ from bundle.templates.detector_data import (
     labelled_items,
     load_detector,
     pseudo_label_templates,
-    recorded_detector,
     pseudo_labelled_items,
     read_pseudo_labels,
+    recorded_detector,
     write_detector_info,
 )
 from bundle.templates.features import (
@@ -23,11 +23,11 @@ from bundle.templates.pipeline_choice import (
     DEFAULT_DETECTORS,
     ENOUGH_LABELS,
     PIPELINE_CHOICES,
+    assess_detector,
     check_pipeline_choice,
     choose_detector,
     default_detectors,
-    detector_labels,
-    template_count,
+    labelled_at_hand,
 )
 from bundle.templates.pseudo_labels import pseudo_label, reliability, reliable_landmarks, select_pseudo_templates
 from bundle.templates.resolution import (
@@ -54,6 +54,7 @@ __all__ = [
     "DEFAULT_DETECTORS",
     "ENOUGH_LABELS",
     "PIPELINE_CHOICES",
+    "assess_detector",
     "check_pipeline_choice",
     "check_rule",
     "choose_detector",
@@ -63,7 +64,6 @@ __all__ = [
     "default_detectors",
     "default_templates",
     "detector_info",
-    "detector_labels",
     "detector_templates",
     "grid_points",
     "labelled_items",
@@ -86,7 +86,7 @@ __all__ = [
     "select_template",
     "select_template_by_landmarks",
     "template_cache_key",
-    "template_count",
+    "labelled_at_hand",
     "template_items",
     "template_source_names",
     "with_templates",

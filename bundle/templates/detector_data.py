@@ -4,9 +4,10 @@
   (:func:`bundle.templates.pseudo_labels.pseudo_label`), optionally without their landmarks whose
   forward-backward cycle error exceeds a tolerance; written as an inspectable datalist;
 - :func:`labelled_items`: the human-labelled training items of a fine-tuning;
-- ``detector_info.json`` beside the detector's checkpoints: the templates that made its pseudo-labels and the grid
-  it was trained on; :func:`detector_grid` gives that grid to the evaluation, :func:`load_detector` refuses to run
-  it on another;
+- ``detector_info.json`` beside the detector's checkpoints: what it learnt from (the templates that made its
+  pseudo-labels, its labelled and training images), its landmarks, network settings and the grid it was trained
+  on; :func:`detector_grid` gives that grid to the evaluation, :func:`load_detector` refuses to run it on another,
+  :func:`recorded_detector` rebuilds its network, and ``bundle.templates.pipeline_choice`` reads the rest;
 - :func:`finetune_grid` and :func:`follow_grid`: the fine-tuned detector's grid by its number of labels, and the
   settings in grid pixels that follow it.
 """
@@ -17,6 +18,7 @@ import copy
 import functools
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Sequence
 
@@ -25,8 +27,8 @@ import torch
 from bundle.checkpoints import load_weights
 from bundle.configs import bundle_parser, check_image_size, config_files
 from bundle.inferers.oneshot import OneShotInferer
-from bundle.networks.detector import HeatmapDetector
 from bundle.io_utils import write_json_atomic
+from bundle.networks.detector import HeatmapDetector
 from bundle.templates.pseudo_labels import pseudo_label, reliable_landmarks
 from bundle.templates.resolution import labelled_training_items, with_templates
 
@@ -110,20 +112,21 @@ def write_detector_info(
     network: dict,
 ) -> Path:
     """``ckpt_dir/detector_info.json``, what a detector is and what it learnt from: ``labels`` (``pseudo`` or
-    ``human``), the ``templates`` that made its pseudo-labels (empty for human labels), ``n_labelled`` (the
-    human-labelled images behind it: the training ``items`` for human labels, the templates that are not
-    pseudo-templates for pseudo-labels), its ``training_images``, the grid ``image_size``, its ``landmark_names`` and
-    the ``network`` settings of :class:`bundle.networks.detector.HeatmapDetector` (:func:`recorded_detector`)."""
+    ``human``), the ``templates`` that made its pseudo-labels (empty for human labels), its ``labelled_images`` (the
+    human-labelled ones: the training ``items`` for human labels, the templates that are not pseudo-templates for
+    pseudo-labels) and their number ``n_labelled``, its ``training_images`` (real paths), the grid ``image_size``,
+    its ``landmark_names`` and the ``network`` settings of :class:`bundle.networks.detector.HeatmapDetector`
+    (:func:`recorded_detector`)."""
     templates = list(templates or [])
-    n_labelled = len(items) if labels == "human" else sum(not t.get("pseudo_label") for t in templates)
+    labelled = items if labels == "human" else [t for t in templates if not t.get("pseudo_label")]
     return write_json_atomic(
         Path(ckpt_dir) / INFO_FILE,
         {
             "labels": labels,
             "templates": [t["image"] for t in templates],
-            "n_labelled": int(n_labelled),
-            "n_training_items": len(items),
-            "training_images": [str(it["image"]) for it in items],
+            "n_labelled": len(labelled),
+            "labelled_images": [os.path.realpath(it["image"]) for it in labelled],
+            "training_images": [os.path.realpath(it["image"]) for it in items],
             "image_size": [int(v) for v in image_size],
             "landmark_names": [str(n) for n in landmark_names],
             "network": {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in network.items()},

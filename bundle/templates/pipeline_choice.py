@@ -1,10 +1,8 @@
 """Which pipeline predicts a run's landmarks: template matching, or a heatmap detector trained on labels.
 
-``pipeline: auto`` (configs/evaluate.yaml, configs/inference.yaml) takes a detector when one was trained for the
-run's landmarks on enough labelled images (:func:`choose_detector`), else matching from the templates at hand.
-The rule is the measured ranking of docs/results.md, "The default pipeline at each label count": a detector beats
-matching from as many labelled templates at 1 (stage 2's pseudo-labels), 5 and 10 labels, and a detector
-fine-tuned on 10 labels beats matching from every template of a larger set.
+``pipeline: auto`` (configs/evaluate.yaml, configs/inference.yaml) takes a detector that learnt from the run's own
+labelled images when it learnt from enough of them (:func:`choose_detector`), else matching from the templates at
+hand: the ranking measured on validation images in docs/results.md, "The default pipeline at each label count".
 """
 
 from __future__ import annotations
@@ -16,7 +14,6 @@ from typing import Sequence
 
 from bundle.data.embedded import open_datalist
 from bundle.reporting import PIPELINES
-from bundle.template_file import load_template
 from bundle.templates.detector_data import INFO_FILE, detector_info
 from bundle.templates.resolution import labelled_training_items, template_items
 
@@ -42,48 +39,68 @@ def check_pipeline_choice(pipeline: str) -> str:
     return pipeline
 
 
-def template_count(
-    datalist: dict | str | os.PathLike | None, max_templates: int, template_path: str | os.PathLike | None = None
-) -> int:
-    """How many human-labelled images template matching would use: the datalist's own templates, else its
-    labelled training items outside the validation and test splits (at most ``max_templates``, as
-    :func:`bundle.templates.resolution.resolve_templates` ranks them); with no datalist, the sources of the
-    template feature file ``template_path``."""
+def _real(path: str | os.PathLike) -> str:
+    return os.path.realpath(path)
+
+
+def _is_recorded(image: str, recorded: str) -> bool:
+    """Whether the image at real path ``image`` is the ``recorded`` one: the same file for an absolute record, the
+    same trailing path for a relative one (a shipped record: ``hamedan_ceph/images/046.png``)."""
+    if os.path.isabs(recorded):
+        return image == _real(recorded)
+    return Path(image).as_posix().endswith("/" + Path(os.path.normpath(recorded)).as_posix())
+
+
+def labelled_at_hand(datalist: dict | str | os.PathLike | None, max_templates: int) -> tuple[int, list[str]]:
+    """What template matching would use on ``datalist``: ``(number of templates, real paths of every labelled image
+    it holds)``. The templates: its own (``templates`` / ``template``), else up to ``max_templates`` of the labelled
+    training items that :func:`bundle.templates.resolution.resolve_templates` ranks (the first 32), less test
+    images either way. No datalist: ``(0, [])`` (inference's built-in templates)."""
     if not datalist:
-        return len(load_template(template_path)["sources"])
+        return 0, []
     if not isinstance(datalist, dict):
         datalist = open_datalist(datalist)
-    own = template_items(datalist)
+    tested = {_real(it["image"]) for it in datalist.get("test") or []}
+    own = [_real(it["image"]) for it in template_items(datalist)]
+    labelled = [_real(it["image"]) for it in labelled_training_items(datalist)]
     if own:
-        return len(own)
-    held_out = {it["image"] for split in ("validation", "test") for it in datalist.get(split) or []}
-    labelled = [it for it in labelled_training_items(datalist) if it["image"] not in held_out]
-    return min(len(labelled), int(max_templates))
+        return len([i for i in own if i not in tested]), own + labelled
+    ranked = [i for i in labelled[:32] if i not in tested]
+    return min(len(ranked), int(max_templates)), labelled
 
 
-def _same_image(image: str, recorded: str) -> bool:
-    """Whether ``image`` is the ``recorded`` training image (the same path, or a path ending with a relative one)."""
-    image, recorded = Path(image).as_posix(), Path(recorded).as_posix()
-    return image == recorded or (not os.path.isabs(recorded) and image.endswith("/" + recorded))
-
-
-def detector_labels(ckpt_path: str | os.PathLike, landmark_names: Sequence[str], test_images: Sequence[str] = ()):
-    """What a detector checkpoint offers a run on ``test_images`` with ``landmark_names``: ``(n_labelled, refusal,
-    doubts)``. ``n_labelled``: the human-labelled images behind it
-    (:func:`bundle.templates.detector_data.write_detector_info`; 0 when not recorded); ``refusal``: why it cannot
-    predict them (no file, other landmarks recorded), else None; ``doubts``: why ``auto`` does not take it (its
-    record does not name its landmarks, or a test image is among its training images)."""
+def assess_detector(
+    ckpt_path: str | os.PathLike,
+    landmark_names: Sequence[str],
+    spatial_dims: int,
+    labelled_images: Sequence[str] = (),
+    test_images: Sequence[str] = (),
+):
+    """What a detector checkpoint offers a run: ``(n_labelled, refusal, doubts)``. ``n_labelled``: the human-labelled
+    images behind it (:func:`bundle.templates.detector_data.write_detector_info`; 0 when not recorded);
+    ``refusal``: why it cannot predict this run (no file, other landmarks or dimensionality recorded), else None;
+    ``doubts``: why ``auto`` does not take it: its record does not name its landmarks, one of its labelled images is
+    not among the run's ``labelled_images`` (it did not learn from the run's own labels), or a test image is among
+    its training images."""
     path = Path(ckpt_path)
     if not path.is_file():
         return 0, f"{path}: no such file", []
     info = detector_info(path)
+    record = path.parent / INFO_FILE
     names = info.get("landmark_names")
     if names and list(names) != list(landmark_names):
-        return 0, f"{path}: trained for other landmarks ({len(names)} named in {path.parent / INFO_FILE})", []
+        return 0, f"{path}: trained for other landmarks ({len(names)} named in {record})", []
+    dims = (info.get("network") or {}).get("spatial_dims")
+    if dims is not None and int(dims) != int(spatial_dims):
+        return 0, f"{path}: a {dims}D detector ({record}), the run is {spatial_dims}D", []
     doubts = []
     if not names:
-        doubts.append(f"{path}: {path.parent / INFO_FILE} does not name its landmarks (a detector trained before 0.17.0)")
-    seen = [t for t in test_images if any(_same_image(str(t), r) for r in info.get("training_images") or [])]
+        doubts.append(f"{path}: {record} does not name its landmarks (a detector trained before 0.17.0)")
+    learnt = [r for r in info.get("labelled_images") or [] if not any(_is_recorded(i, r) for i in labelled_images)]
+    if learnt:
+        doubts.append(f"{path}: learnt from labelled images this run does not hold (first: {learnt[0]})")
+    tested = [_real(t) for t in test_images]
+    seen = [t for t in tested if any(_is_recorded(t, r) for r in info.get("training_images") or [])]
     if seen:
         doubts.append(f"{path}: trained on {len(seen)} of the test images (first: {seen[0]})")
     return int(info.get("n_labelled") or 0), None, doubts
@@ -93,41 +110,46 @@ def choose_detector(
     pipeline: str,
     detectors: str | Sequence[str] | None,
     landmark_names: Sequence[str],
-    n_templates: int,
+    spatial_dims: int,
+    datalist: dict | str | os.PathLike | None,
+    max_templates: int,
     test_images: Sequence[str] = (),
     enough_labels: int = ENOUGH_LABELS,
 ) -> str | None:
     """The detector checkpoint that predicts the landmarks, or None for template matching.
 
     ``pipeline``: ``templates`` (None); ``detector``: the candidate of ``detectors`` with the most labels that
-    :func:`detector_labels` does not refuse (its doubts logged as warnings; ValueError naming each candidate and why
+    :func:`assess_detector` does not refuse (its doubts logged as warnings; ValueError naming each candidate and why
     when none is left); ``auto``: the candidate with the most labels that has neither a refusal nor a doubt, when it
-    learnt from at least as many human-labelled images as the ``n_templates`` templates at hand, or from
-    ``enough_labels`` or more, else None. The first of equals wins (list fine-tuned detectors before stage-2 ones)."""
+    learnt from at least as many human-labelled images as the templates :func:`labelled_at_hand` counts in
+    ``datalist``, or from ``enough_labels`` or more, else None (and with no datalist, None: the built-in templates'
+    images are not the run's own labels). The first of equals wins (fine-tuned detectors are listed first)."""
     check_pipeline_choice(pipeline)
     if pipeline == "templates":
         return None
+    n_templates, labelled = labelled_at_hand(datalist, max_templates)
     candidates = [detectors] if isinstance(detectors, (str, os.PathLike)) else list(detectors or [])
     forced = pipeline == "detector"
-    usable, reasons = [], []
+    usable, reasons = [], {}
     for path in candidates:
-        n_labelled, refusal, doubts = detector_labels(path, landmark_names, test_images)
+        n_labelled, refusal, doubts = assess_detector(path, landmark_names, spatial_dims, labelled, test_images)
         if refusal is None and (forced or not doubts):
             usable.append((n_labelled, str(path), doubts))
-        reasons += [refusal] if refusal else doubts
+        reasons[str(path)] = [refusal] if refusal else doubts
     best = max(usable, key=lambda u: u[0], default=None)  # max keeps the first of equals
     if forced:
         if best is None:
-            raise ValueError(f"pipeline 'detector': no usable detector in detectors={candidates}: {'; '.join(reasons)}")
+            why = "; ".join(r for rs in reasons.values() for r in rs)
+            raise ValueError(f"pipeline 'detector': no usable detector in detectors={candidates}: {why}")
         for doubt in best[2]:
             logger.warning("pipeline detector: %s", doubt)
         return best[1]
-    if best is not None and (best[0] >= n_templates or best[0] >= enough_labels):
+    if datalist and best is not None and (best[0] >= n_templates or best[0] >= enough_labels):
         logger.info("pipeline auto: the detector %s (%d labelled images; %d templates)", best[1], best[0], n_templates)
         return best[1]
-    logger.info(
-        "pipeline auto: template matching from %d templates%s",
-        n_templates,
-        f" (the detector {best[1]} learnt from {best[0]} labelled images)" if best else "",
-    )
+    passed_over = [r for path, rs in reasons.items() if Path(path).is_file() for r in rs]
+    if best is not None:
+        passed_over.append(f"{best[1]}: learnt from {best[0]} labelled images")
+    passed = "".join(f"; {r}" for r in passed_over)
+    logger.info("pipeline auto: template matching (%d templates)%s", n_templates, passed)
     return None

@@ -52,7 +52,9 @@ def on_grid(pipeline: Compose, grid: Sequence[int]) -> Compose:
     """A copy of ``pipeline`` whose ``Resized`` transforms resize to ``grid`` instead (each keeps its mode and
     anti-aliasing): the evaluation pipeline of a detector trained on another grid than the matching network's."""
     moved = copy.deepcopy(pipeline)
-    for transform in moved.flatten().transforms:
-        if isinstance(transform, Resized):
-            transform.resizer.spatial_size = tuple(int(v) for v in grid)
+    resizes = [t for t in moved.flatten().transforms if isinstance(t, Resized)]
+    if not resizes:
+        raise ValueError("on_grid: the pipeline has no Resized transform to move to another grid")
+    for transform in resizes:
+        transform.resizer.spatial_size = tuple(int(v) for v in grid)
     return moved
