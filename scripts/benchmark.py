@@ -335,6 +335,7 @@ def template_cache(images: int = 2) -> None:
                 "output_dir": f"{tmp}/{call}",
                 "overlays": False,
                 "template_cache": f"{tmp}/cache",
+                "pipeline": "templates",  # the template cache, whatever detector is at hand
             }
             runs.append(run_command("inferring", config_files("inference"), overrides, log=f"{tmp}/{call}.log"))
         first, second = (run.outputs["predictions"] for run in runs)
