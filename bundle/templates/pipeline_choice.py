@@ -15,7 +15,7 @@ from typing import Sequence
 from bundle.data.embedded import open_datalist
 from bundle.reporting import PIPELINES
 from bundle.templates.detector_data import INFO_FILE, detector_info
-from bundle.templates.resolution import labelled_training_items, template_items
+from bundle.templates.resolution import RANKED_POOL, labelled_training_items, template_items
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +54,8 @@ def _is_recorded(image: str, recorded: str) -> bool:
 def labelled_at_hand(datalist: dict | str | os.PathLike | None, max_templates: int) -> tuple[int, list[str]]:
     """What template matching would use on ``datalist``: ``(number of templates, real paths of every labelled image
     it holds)``. The templates: its own (``templates`` / ``template``), else up to ``max_templates`` of the labelled
-    training items that :func:`bundle.templates.resolution.resolve_templates` ranks (the first 32), less test
-    images either way. No datalist: ``(0, [])`` (inference's built-in templates)."""
+    training items that :func:`bundle.templates.resolution.resolve_templates` ranks (the first ``RANKED_POOL``),
+    less test images either way. No datalist: ``(0, [])`` (inference's built-in templates)."""
     if not datalist:
         return 0, []
     if not isinstance(datalist, dict):
@@ -65,7 +65,7 @@ def labelled_at_hand(datalist: dict | str | os.PathLike | None, max_templates: i
     labelled = [_real(it["image"]) for it in labelled_training_items(datalist)]
     if own:
         return len([i for i in own if i not in tested]), own + labelled
-    ranked = [i for i in labelled[:32] if i not in tested]
+    ranked = [i for i in labelled[:RANKED_POOL] if i not in tested]
     return min(len(ranked), int(max_templates)), labelled
 
 

@@ -18,6 +18,9 @@ from bundle.inferers.oneshot import OneShotInferer
 from bundle.templates.pseudo_labels import pseudo_label, select_pseudo_templates
 from bundle.templates.selection import select_template, select_template_by_landmarks
 
+# how many training images at most take part in ranking the template candidates (labelled ones first)
+RANKED_POOL = 32
+
 
 def prepare_template(item: dict, preprocessing) -> tuple[torch.Tensor, torch.Tensor]:
     """The template's network-grid image ``(1, 1, *S)`` and its landmarks ``(L, D)`` in grid positions.
@@ -84,7 +87,7 @@ def ranked_templates(
     network: torch.nn.Module,
     preprocessing,
     device: torch.device | str,
-    max_images: int = 32,
+    max_images: int = RANKED_POOL,
     rule: str = "landmarks",
 ) -> list[dict]:
     """The datalist's labelled training items that may be templates, best first by ``rule`` (at least 2 of them).
@@ -128,7 +131,7 @@ def resolve_template(
     network: torch.nn.Module,
     preprocessing,
     device: torch.device | str,
-    max_images: int = 32,
+    max_images: int = RANKED_POOL,
     rule: str = "landmarks",
 ) -> dict:
     """The evaluation template: the datalist's ``template``, else the labelled training item that
@@ -178,7 +181,7 @@ def resolve_templates(
     preprocessing,
     device: torch.device | str,
     rule: str = "landmarks",
-    max_images: int = 32,
+    max_images: int = RANKED_POOL,
     max_templates: int = 1,
     pseudo_candidates: int = 0,
     pseudo_templates: int = 0,
