@@ -24,6 +24,7 @@ from bundle.templates.detector_data import (
     detector_templates,
     finetune_grid,
     follow_grid,
+    read_pseudo_labels,
     write_detector_info,
 )
 from bundle.transforms.heatmaps import GaussianHeatmapd, render_gaussian_heatmaps
@@ -248,6 +249,24 @@ def test_shipped_detector_loads_into_the_configured_network_and_names_its_templa
     # the evaluation's network: the grid recorded beside it is the configuration's
     assert parser.get_parsed_content("network").n_landmarks == 19
     assert [Path(t).name for t in detector_templates(ckpt)][:1] == ["046.png"]
+
+
+def test_reused_pseudo_labels_drop_the_landmarks_past_the_cycle_tolerance(tmp_path):
+    path = tmp_path / "pseudo_labels.json"
+    items = [
+        {"image": "t.png", "landmarks": [[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]},
+        {"image": "a.png", "landmarks": [[1.5, 2.5], [3.5, 4.5], None]},
+    ]
+    record = {"templates": ["t.png"], "cycle_tolerance": None, "cycle_error": {"a.png": [0.5, 2.5, None]}}
+    path.write_text(json.dumps({"training": items, "pseudo_labels": record}))
+    assert read_pseudo_labels(path) == items
+    template, pseudo = read_pseudo_labels(path, cycle_tolerance=2.0)
+    assert template == items[0]  # a template keeps its landmarks
+    assert pseudo["landmarks"] == [[1.5, 2.5], None, None]
+    assert read_pseudo_labels(path, cycle_tolerance=3.0)[1]["landmarks"] == [[1.5, 2.5], [3.5, 4.5], None]
+    path.write_text(json.dumps({"training": items, "pseudo_labels": {**record, "cycle_tolerance": 1.0}}))
+    with pytest.raises(ValueError, match=r"pseudo_labels.json was written with pseudo_label_tolerance 1.0"):
+        read_pseudo_labels(path, cycle_tolerance=2.0)
 
 
 @pytest.mark.slow

@@ -209,11 +209,19 @@ def follow_grid(key: str, image_size: Sequence[int], spatial_dims: int) -> float
 
 
 def load_detector(
-    network: torch.nn.Module, ckpt_path: str | Path, device: torch.device | str, image_size: Sequence[int]
+    ckpt_path: str | Path,
+    device: torch.device | str,
+    image_size: Sequence[int],
+    spatial_dims: int,
+    n_landmarks: int,
+    backbone: str,
+    embed_dim: int,
+    strides: Sequence[int],
 ) -> torch.nn.Module:
-    """``network`` with the detector weights of ``ckpt_path``, to run on the grid ``image_size``. A detector finds
-    its landmarks at the scale it was trained on: a grid other than the one recorded beside the checkpoint
-    (:func:`write_detector_info`; none recorded: not checked) is refused, naming both and the key to set."""
+    """The detector of ``ckpt_path`` (:func:`recorded_detector`, the other arguments its fallback settings) with its
+    weights, to run on the grid ``image_size``. A detector finds its landmarks at the scale it was trained on: a grid
+    other than the one recorded beside the checkpoint (:func:`write_detector_info`; none recorded: not checked) is
+    refused, naming both and the key to set."""
     trained = detector_info(ckpt_path).get("image_size")
     if trained is not None and [int(v) for v in trained] != [int(v) for v in image_size]:
         raise ValueError(
@@ -221,6 +229,7 @@ def load_detector(
             f"but image_size is {list(image_size)}: leave --image_size out (the evaluation takes the recorded grid) or "
             f'pass --image_size "{list(trained)}"'
         )
+    network = recorded_detector(ckpt_path, spatial_dims, n_landmarks, backbone, embed_dim, strides)
     return load_weights(network, ckpt_path, device)
 
 
@@ -239,13 +248,36 @@ def labelled_items(datalist: dict, n_labelled: int | None = None) -> list[dict]:
     return items
 
 
-def read_pseudo_labels(path: str | Path) -> list[dict]:
+def read_pseudo_labels(path: str | Path, cycle_tolerance: float | None = None) -> list[dict]:
     """The training items of a pseudo-label datalist written by :func:`pseudo_labelled_items` (to reuse or
-    edit the pseudo-labels without matching again); image paths as written there."""
+    edit the pseudo-labels without matching again); image paths as written there.
+
+    With ``cycle_tolerance`` (grid pixels) the pseudo-labelled landmarks whose recorded cycle error exceeds it
+    become ``null``, as :func:`pseudo_labelled_items` does; the templates keep theirs. A file written with a
+    stricter tolerance is refused: the landmarks it left out cannot be restored.
+    """
     data = json.loads(Path(path).read_text())
     if "pseudo_labels" not in data or "training" not in data:
         raise ValueError(f"{path} is not a pseudo-label datalist (written by stage 2 as output_dir/pseudo_labels.json)")
-    return [dict(it) for it in data["training"]]
+    items = [dict(it) for it in data["training"]]
+    if cycle_tolerance is None:
+        return items
+    written = data["pseudo_labels"].get("cycle_tolerance")
+    if written is not None and float(written) < float(cycle_tolerance):
+        raise ValueError(
+            f"{path} was written with pseudo_label_tolerance {written}: its pseudo-labels cannot be kept up to "
+            f"the looser {cycle_tolerance}; make them again (pseudo_labels: null)"
+        )
+    cycle = data["pseudo_labels"]["cycle_error"]
+    return [
+        item
+        if item["image"] not in cycle
+        else reliable_landmarks(
+            {"item": item, "cycle_error": np.array([np.nan if e is None else e for e in cycle[item["image"]]])},
+            float(cycle_tolerance),
+        )
+        for item in items
+    ]
 
 
 def pseudo_label_templates(path: str | Path) -> list[dict]:
