@@ -353,7 +353,8 @@ import torch
 from bundle.configs import bundle_parser
 files, passes, out, template, combine = json.loads(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
 with tempfile.TemporaryDirectory() as tmp:
-    settings = dict(images=files, output_dir=tmp, overlays=False, template_path=template, template_combine=combine)
+    settings = dict(images=files, output_dir=tmp, overlays=False, template_path=template, template_combine=combine,
+                    pipeline="templates")  # matching (a key the reference tree may not know, then unused)
     parser = bundle_parser(["configs/inference.yaml"], **settings)
     evaluator = parser.get_parsed_content("evaluator")
     seconds = []
@@ -408,7 +409,9 @@ def inferring(
                 subprocess.run(command, cwd=tree, env=env, check=True, capture_output=True)
                 results[name] = json.loads(Path(out).read_text())
                 best[name] = min(best[name], min(results[name]["seconds"]) / len(files))
-        parser = bundle_parser(["configs/inference.yaml"], images=files, output_dir=tmp, overlays=False)
+        parser = bundle_parser(
+            ["configs/inference.yaml"], images=files, output_dir=tmp, overlays=False, pipeline="templates"
+        )
         evaluator = parser.get_parsed_content("evaluator")
         evaluator.run()
         profile = cProfile.Profile()

@@ -78,8 +78,9 @@ def run_checked(command: list, cwd: Path, timeout: float = 600) -> subprocess.Co
 
 
 def cli_predictions(image: Path, datalist: Path | None, out: Path, *args: str) -> dict[str, tuple[float, float]]:
-    """The bundle's own command-line inference on ``image`` (the reference the server must match), with the
-    templates of ``datalist`` (None: the built-in ones) and the further command-line ``args``."""
+    """The bundle's own command-line inference on ``image`` (the reference the server must match), matching as the
+    app does until it publishes a detector (``--pipeline templates``) from the templates of ``datalist`` (None: the
+    built-in ones), with the further command-line ``args``."""
     command = [
         sys.executable,
         "-m",
@@ -95,6 +96,8 @@ def cli_predictions(image: Path, datalist: Path | None, out: Path, *args: str) -
         str(out),
         "--overlays",
         "False",
+        "--pipeline",
+        "templates",
         *args,
     ]
     run_checked(command, ROOT, timeout=180)

@@ -12,7 +12,14 @@ import pytest
 import torch
 from bundle.networks.detector import HeatmapDetector
 from bundle.templates.detector_data import detector_info, recorded_detector, write_detector_info
-from bundle.templates.pipeline_choice import choose_detector, default_detectors, labelled_at_hand
+from bundle.templates.pipeline_choice import (
+    SHIPPED_TEMPLATE,
+    SHIPPED_WEIGHTS,
+    choose_detector,
+    default_detectors,
+    labelled_at_hand,
+    shipped_template,
+)
 from bundle.transforms.utils import on_grid
 from monai.transforms import Compose, Lambdad, Resized
 
@@ -85,6 +92,32 @@ def test_auto_takes_a_detector_with_as_many_labels_as_the_templates_or_ten(tmp_p
     assert choose_detector("auto", [path], NAMES, 2, None, 32) is None  # no datalist: the built-in templates
 
 
+def test_without_a_datalist_auto_weighs_the_detectors_shipped_beside_the_built_in_templates(tmp_path):
+    root = tmp_path / "bundle"
+    (root / "models").mkdir(parents=True)
+    builtin, weights = root / SHIPPED_TEMPLATE, root / SHIPPED_WEIGHTS
+    builtin.write_bytes((ROOT / SHIPPED_TEMPLATE).read_bytes())  # 32 templates
+    weights.write_bytes(b"weights")
+    copy = tmp_path / "mine.pt"
+    copy.write_bytes(builtin.read_bytes())
+    assert shipped_template(builtin, weights, root) == str(builtin)
+    assert shipped_template(copy, weights, root) is None  # a template file of the user's: matching, as before
+    assert shipped_template(builtin, copy, root) is None  # other weights (refused by the template file's check)
+
+    def choose(candidates, template_path=builtin, pipeline="auto"):
+        builtin_in_use = shipped_template(template_path, weights, root)
+        return choose_detector(pipeline, candidates, NAMES, 2, None, 32, builtin=builtin_in_use)
+
+    many = str(_detector(root / "models" / "finetune", items=_labelled(60)))
+    one = str(_detector(root / "models" / "stage2", items=_labelled(1)))
+    mine = str(_detector(root / "output" / "models" / "finetune", items=_labelled(60, root="/mine")))
+    assert choose([mine, many, one]) == many  # shipped, 60 labels >= 32 templates; the user's own is not weighed
+    assert choose([mine, one]) is None  # one label against 32 templates
+    assert choose([mine, many], template_path=copy) is None
+    assert choose([mine], pipeline="detector") == mine  # forced: any usable candidate
+    assert choose([many], pipeline="templates") is None
+
+
 def test_auto_prefers_the_most_labels_and_the_first_of_equals(tmp_path):
     few, many, same = (_detector(tmp_path / n, items=_labelled(k)) for n, k in (("few", 2), ("many", 12), ("same", 12)))
     datalist = _datalist(40)
@@ -154,6 +187,29 @@ def test_the_shipped_stage2_detector_is_auto_s_choice_for_hamedan_s_046_alone():
     three = {**one, "training": one["training"] + other["training"] + [mine]}
     assert choose_detector("auto", default_detectors(ROOT), names, 2, three, 32, test) is None  # 1 label < 3
     assert choose_detector("auto", default_detectors(ROOT), names, 2, one, 32, [image.format("001")]) is None
+
+
+def test_inferring_without_a_datalist_takes_the_shipped_fine_tuned_detector(tmp_path):
+    from bundle.configs import bundle_parser
+    from bundle.template_file import load_template
+
+    shipped = ROOT / "models" / "finetune" / "model.pt"
+    info = detector_info(shipped)
+    builtin = load_template(ROOT / SHIPPED_TEMPLATE)
+    assert info["landmark_names"] == builtin["landmark_names"] and info["n_labelled"] == 60
+    assert info["labels"] == "human" and info["image_size"] == [288, 288]
+    names = {Path(s).name for s in builtin["sources"]}  # the built-in templates' images are among its labels
+    assert names <= {Path(i).name for i in info["labelled_images"]}
+
+    def detector(**overrides):
+        parser = bundle_parser(["configs/inference.yaml"], bundle_root=str(ROOT), **overrides)
+        return parser.get_parsed_content("detector")
+
+    assert Path(detector()).resolve() == shipped.resolve()
+    assert detector(pipeline="templates") is None
+    mine = tmp_path / "mine.pt"  # the user's own template file: matched, as before
+    mine.write_bytes((ROOT / SHIPPED_TEMPLATE).read_bytes())
+    assert detector(template_path=str(mine)) is None
 
 
 def test_on_grid_moves_the_resize_and_leaves_the_original_alone():

@@ -23,11 +23,14 @@ from bundle.templates.pipeline_choice import (
     DEFAULT_DETECTORS,
     ENOUGH_LABELS,
     PIPELINE_CHOICES,
+    SHIPPED_TEMPLATE,
+    SHIPPED_WEIGHTS,
     assess_detector,
     check_pipeline_choice,
     choose_detector,
     default_detectors,
     labelled_at_hand,
+    shipped_template,
 )
 from bundle.templates.pseudo_labels import pseudo_label, reliability, reliable_landmarks, select_pseudo_templates
 from bundle.templates.resolution import (
@@ -54,6 +57,8 @@ __all__ = [
     "DEFAULT_DETECTORS",
     "ENOUGH_LABELS",
     "PIPELINE_CHOICES",
+    "SHIPPED_TEMPLATE",
+    "SHIPPED_WEIGHTS",
     "assess_detector",
     "check_pipeline_choice",
     "check_rule",
@@ -86,6 +91,7 @@ __all__ = [
     "select_pseudo_templates",
     "select_template",
     "select_template_by_landmarks",
+    "shipped_template",
     "template_cache_key",
     "template_items",
     "template_source_names",

@@ -3,6 +3,8 @@
 ``pipeline: auto`` (configs/evaluate.yaml, configs/inference.yaml) takes a detector that learnt from the run's own
 labelled images when it learnt from enough of them (:func:`choose_detector`), else matching from the templates at
 hand: the ranking measured on validation images in docs/results.md, "The default pipeline at each label count".
+Without a datalist, ``inferring``'s labels at hand are the shipped ones: the built-in templates
+(``models/template_features.pt``) and the detectors shipped beside them (:func:`shipped_template`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Sequence
 
 from bundle.data.embedded import open_datalist
 from bundle.reporting import PIPELINES
+from bundle.template_file import load_template
 from bundle.templates.detector_data import INFO_FILE, detector_info
 from bundle.templates.resolution import RANKED_POOL, labelled_training_items, template_items
 
@@ -23,13 +26,32 @@ PIPELINE_CHOICES = ("auto", *PIPELINES)
 # ``auto`` takes a detector that learnt from this many labelled images whatever the number of templates
 ENOUGH_LABELS = 10
 # where the default fine-tuning (configs/finetune.yaml) and stage-2 training write their detectors, then the shipped
-# stage-2 detector
-DEFAULT_DETECTORS = ("output/models/finetune/model.pt", "output/models/stage2/model.pt", "models/stage2/model.pt")
+# fine-tuned and stage-2 detectors
+DEFAULT_DETECTORS = (
+    "output/models/finetune/model.pt",
+    "output/models/stage2/model.pt",
+    "models/finetune/model.pt",
+    "models/stage2/model.pt",
+)
+# inferring's built-in templates (configs/inference.yaml ``template_path``) and the shipped weights they were computed
+# with (``ckpt_path``)
+SHIPPED_TEMPLATE = "models/template_features.pt"
+SHIPPED_WEIGHTS = "models/model.pt"
 
 
 def default_detectors(bundle_root: str | os.PathLike) -> list[str]:
     """The candidates of ``pipeline: auto`` under ``bundle_root`` (:data:`DEFAULT_DETECTORS`), in that order."""
     return [str(Path(bundle_root) / p) for p in DEFAULT_DETECTORS]
+
+
+def shipped_template(
+    template_path: str | os.PathLike, ckpt_path: str | os.PathLike, bundle_root: str | os.PathLike
+) -> str | None:
+    """``template_path`` when the run matches as the shipped model does, from the built-in template file
+    (:data:`SHIPPED_TEMPLATE`) with the shipped weights (:data:`SHIPPED_WEIGHTS`), else None."""
+    root = Path(bundle_root)
+    shipped = [(template_path, root / SHIPPED_TEMPLATE), (ckpt_path, root / SHIPPED_WEIGHTS)]
+    return str(template_path) if all(b.is_file() and _real(a) == _real(b) for a, b in shipped) else None
 
 
 def check_pipeline_choice(pipeline: str) -> str:
@@ -73,15 +95,15 @@ def assess_detector(
     ckpt_path: str | os.PathLike,
     landmark_names: Sequence[str],
     spatial_dims: int,
-    labelled_images: Sequence[str] = (),
+    labelled_images: Sequence[str] | None = (),
     test_images: Sequence[str] = (),
 ):
     """What a detector checkpoint offers a run: ``(n_labelled, refusal, doubts)``. ``n_labelled``: the human-labelled
     images behind it (:func:`bundle.templates.detector_data.write_detector_info`; 0 when not recorded);
     ``refusal``: why it cannot predict this run (no file, other landmarks or dimensionality recorded), else None;
     ``doubts``: why ``auto`` does not take it: its record does not name its landmarks, one of its labelled images is
-    not among the run's ``labelled_images`` (it did not learn from the run's own labels), or a test image is among
-    its training images."""
+    not among the run's ``labelled_images`` (it did not learn from the run's own labels; None: not checked), or a test
+    image is among its training images."""
     path = Path(ckpt_path)
     if not path.is_file():
         return 0, f"{path}: no such file", []
@@ -96,7 +118,8 @@ def assess_detector(
     doubts = []
     if not names:
         doubts.append(f"{path}: {record} does not name its landmarks (a detector trained before 0.17.0)")
-    learnt = [r for r in info.get("labelled_images") or [] if not any(_is_recorded(i, r) for i in labelled_images)]
+    recorded = info.get("labelled_images") if labelled_images is not None else None
+    learnt = [r for r in recorded or [] if not any(_is_recorded(i, r) for i in labelled_images)]
     if learnt:
         doubts.append(f"{path}: learnt from labelled images this run does not hold (first: {learnt[0]})")
     tested = [_real(t) for t in test_images]
@@ -115,6 +138,7 @@ def choose_detector(
     max_templates: int,
     test_images: Sequence[str] = (),
     enough_labels: int = ENOUGH_LABELS,
+    builtin: str | os.PathLike | None = None,
 ) -> str | None:
     """The detector checkpoint that predicts the landmarks, or None for template matching.
 
@@ -122,14 +146,23 @@ def choose_detector(
     :func:`assess_detector` does not refuse (its doubts logged as warnings; ValueError naming each candidate and why
     when none is left); ``auto``: the candidate with the most labels that has neither a refusal nor a doubt, when it
     learnt from at least as many human-labelled images as the templates :func:`labelled_at_hand` counts in
-    ``datalist``, or from ``enough_labels`` or more, else None (and with no datalist, None: the built-in templates'
-    images are not the run's own labels). The first of equals wins (fine-tuned detectors are listed first)."""
+    ``datalist``, or from ``enough_labels`` or more, else None. The first of equals wins (fine-tuned detectors are
+    listed first). With no datalist the run matches from a template file: ``auto`` then weighs only the detectors
+    shipped beside the built-in one (``builtin``, :func:`shipped_template`: the same shipped labels) against its
+    number of templates, and with another file (``builtin`` None) takes none."""
     check_pipeline_choice(pipeline)
     if pipeline == "templates":
         return None
-    n_templates, labelled = labelled_at_hand(datalist, max_templates)
     candidates = [detectors] if isinstance(detectors, (str, os.PathLike)) else list(detectors or [])
     forced = pipeline == "detector"
+    if datalist:
+        n_templates, labelled = labelled_at_hand(datalist, max_templates)
+    elif builtin is not None:
+        n_templates, labelled = len(load_template(builtin)["sources"]), None
+        shipped = _real(Path(builtin).parent)
+        candidates = [c for c in candidates if forced or _real(c).startswith(shipped + os.sep)]
+    else:
+        n_templates, labelled = 0, []
     usable, reasons = [], {}
     for path in candidates:
         n_labelled, refusal, doubts = assess_detector(path, landmark_names, spatial_dims, labelled, test_images)
@@ -144,7 +177,8 @@ def choose_detector(
         for doubt in best[2]:
             logger.warning("pipeline detector: %s", doubt)
         return best[1]
-    if datalist and best is not None and (best[0] >= n_templates or best[0] >= enough_labels):
+    at_hand = datalist or builtin is not None
+    if at_hand and best is not None and (best[0] >= n_templates or best[0] >= enough_labels):
         logger.info("pipeline auto: the detector %s (%d labelled images; %d templates)", best[1], best[0], n_templates)
         return best[1]
     passed_over = [r for path, rs in reasons.items() if Path(path).is_file() for r in rs]

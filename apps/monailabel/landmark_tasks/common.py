@@ -32,6 +32,7 @@ from bundle.io_utils import write_json_atomic
 from bundle.template_file import join_templates, load_template
 from bundle.templates.detector_data import base_grid
 from bundle.templates.features import compute_template
+from bundle.templates.pipeline_choice import SHIPPED_TEMPLATE
 from bundle.templates.resolution import resolve_templates
 from bundle.transforms.landmarks import LandmarkTargets
 
@@ -54,7 +55,6 @@ IMAGE_EXTENSIONS = (
 LABEL_EXTENSIONS = ("*.json", "*.mrk.json", "*.fcsv")
 FINAL_TAG = "final"
 ITEM_KEYS = ("image", "landmarks", "spacing", "id")  # what of a datastore item a template needs (not its label file)
-BUILTIN_TEMPLATES = "models/template_features.pt"  # the shipped weights' cephalometric templates (inference.yaml)
 # how corrected landmarks reach the server from 3D Slicer: its MONAILabel module's "Submit Label" sends only ROI boxes
 # for a detection model (MONAILabelWidget.onGenerateJSONFromMulipltROIs), never a point list (docs/monailabel.md)
 SUBMIT_POINTS_HELP = (
@@ -159,7 +159,7 @@ class BundleContext:
         self.device = resolve_device(device)
         self.bundle_root = Path(bundle_root)
         self.datalist = Path(datalist).resolve() if datalist else None
-        self.builtin_template_path = None if self.datalist else self.bundle_root / BUILTIN_TEMPLATES
+        self.builtin_template_path = None if self.datalist else self.bundle_root / SHIPPED_TEMPLATE
         self.model_dir = Path(model_dir)
         self.served_path = self.model_dir / "model.pt"
         self.detector_path = self.model_dir / "detector.pt"
@@ -243,7 +243,7 @@ class BundleContext:
                 else "(these weights need their own templates' images)"
             )
             raise ValueError(
-                f"the built-in templates ({BUILTIN_TEMPLATES}) hold features of the shipped weights, not of "
+                f"the built-in templates ({SHIPPED_TEMPLATE}) hold features of the shipped weights, not of "
                 f"{checkpoint.name}{published}: give the templates' images (--conf datalist) {remedy}"
             ) from None
 
