@@ -269,7 +269,7 @@ def read_pseudo_labels(path: str | Path, cycle_tolerance: float | None = None) -
             f"the looser {cycle_tolerance}; make them again (pseudo_labels: null)"
         )
     cycle = data["pseudo_labels"]["cycle_error"]
-    return [
+    items = [
         item
         if item["image"] not in cycle
         else reliable_landmarks(
@@ -278,6 +278,15 @@ def read_pseudo_labels(path: str | Path, cycle_tolerance: float | None = None) -
         )
         for item in items
     ]
+    kept = sum(p is not None for it in items for p in it["landmarks"])
+    logger.info(
+        "%s: %d of %d landmarks kept (cycle error <= %g)",
+        path,
+        kept,
+        sum(len(it["landmarks"]) for it in items),
+        cycle_tolerance,
+    )
+    return items
 
 
 def pseudo_label_templates(path: str | Path) -> list[dict]:
