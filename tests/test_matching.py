@@ -70,11 +70,12 @@ def test_dense_search_and_refinement_equal_sampling_every_point(grid, strides, c
         index, expected_scores = refine_peaks(fine, step=1)
         expected = (peaks + (index - 10) * 0.1).clamp_min(0.0)
         expected = torch.minimum(expected, torch.tensor(grid, dtype=expected.dtype) - 1)
-        # a peak on a plateau (the border queries: the feature maps are smooth, so the cosine hardly changes within a
-        # grid cell) may land on another lattice point whose score ties to float32 rounding
+        # the border queries' peaks lie on a plateau (the feature maps are smooth and the query is the border's own
+        # feature): another lattice point may score the same to float32 rounding
         found = _scores(matcher, queries, features, positions[:, :, None, :].float(), grid).reshape(1, n)
     close = (positions - expected).abs().amax(-1) <= 2e-3
     tie = (found.double() - expected_scores.double()).abs() <= 1e-6
+    tie[:, 3:] = False  # only the border queries' peaks lie on a plateau
     assert bool((close | tie).all()), ((positions - expected).abs().amax(-1), found - expected_scores)
     assert torch.allclose(scores.double(), expected_scores.double(), atol=1e-5)
     # the few-queries path (dots interpolated, norms apart) finds the same integer peaks

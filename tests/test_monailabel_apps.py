@@ -195,8 +195,8 @@ CEPHALOGRAM = ROOT.parent / "shared" / "data" / "hamedan_ceph" / "images" / "001
 
 def test_default_serves_the_shipped_cephalometric_model(tmp_path):
     """Started without ``--conf datalist``, the server serves the shipped weights with their built-in templates
-    and 19 landmark names, as the ``inferring`` command (a real cephalogram when ../shared/data is there, else a
-    synthetic image); fine-tuning is refused until 2 images are labelled, naming the count."""
+    and 19 landmark names, as ``inferring --pipeline templates`` (a real cephalogram when ../shared/data is there,
+    else a synthetic image); fine-tuning is refused until 2 images are labelled, naming the count."""
     from bundle.data.embedded import open_datalist
     from bundle.data.synthetic import generate_synthetic_2d
     from bundle.template_file import load_template

@@ -15,10 +15,10 @@ from bundle.templates.detector_data import detector_info, recorded_detector, wri
 from bundle.templates.pipeline_choice import (
     SHIPPED_TEMPLATE,
     SHIPPED_WEIGHTS,
+    builtin_templates,
     choose_detector,
     default_detectors,
     labelled_at_hand,
-    shipped_template,
 )
 from bundle.transforms.utils import on_grid
 from monai.transforms import Compose, Lambdad, Resized
@@ -89,10 +89,10 @@ def test_auto_takes_a_detector_with_as_many_labels_as_the_templates_or_ten(tmp_p
     assert choose_detector("auto", [path], *args) == (path if chosen else None)
     assert choose_detector("templates", [path], *args) is None
     assert choose_detector("detector", [path], *args) == path
-    assert choose_detector("auto", [path], NAMES, 2, None, 32) is None  # no datalist: the built-in templates
+    assert choose_detector("auto", [path], NAMES, 2, None, 32) is None  # no datalist, no built-in templates: matching
 
 
-def test_without_a_datalist_auto_weighs_the_detectors_shipped_beside_the_built_in_templates(tmp_path):
+def test_without_a_datalist_auto_weighs_the_detectors_shipped_beside_the_built_in_templates(tmp_path, caplog):
     root = tmp_path / "bundle"
     (root / "models").mkdir(parents=True)
     builtin, weights = root / SHIPPED_TEMPLATE, root / SHIPPED_WEIGHTS
@@ -100,21 +100,36 @@ def test_without_a_datalist_auto_weighs_the_detectors_shipped_beside_the_built_i
     weights.write_bytes(b"weights")
     copy = tmp_path / "mine.pt"
     copy.write_bytes(builtin.read_bytes())
-    assert shipped_template(builtin, weights, root) == str(builtin)
-    assert shipped_template(copy, weights, root) is None  # a template file of the user's: matching, as before
-    assert shipped_template(builtin, copy, root) is None  # other weights (refused by the template file's check)
+    assert builtin_templates(builtin, weights, root) == builtin
+    assert builtin_templates(copy, weights, root) is None  # a template file of the user's: matching, as before
+    assert builtin_templates(builtin, copy, root) is None  # other weights (refused by the template file's check)
+    link = tmp_path / "link.pt"  # the built-in file under another name: the same templates, found beside models/
+    link.symlink_to(builtin)
+    assert builtin_templates(link, weights, root) == builtin
 
     def choose(candidates, template_path=builtin, pipeline="auto"):
-        builtin_in_use = shipped_template(template_path, weights, root)
+        builtin_in_use = builtin_templates(template_path, weights, root)
         return choose_detector(pipeline, candidates, NAMES, 2, None, 32, builtin=builtin_in_use)
 
     many = str(_detector(root / "models" / "finetune", items=_labelled(60)))
     one = str(_detector(root / "models" / "stage2", items=_labelled(1)))
     mine = str(_detector(root / "output" / "models" / "finetune", items=_labelled(60, root="/mine")))
     assert choose([mine, many, one]) == many  # shipped, 60 labels >= 32 templates; the user's own is not weighed
+    assert choose([mine, many, one], template_path=link) == many
+    stored = tmp_path / "store" / "model.pt"  # a shipped checkpoint linked from a file store: still beside them
+    stored.parent.mkdir()
+    Path(many).rename(stored)
+    Path(many).symlink_to(stored)
+    assert choose([mine, many, one]) == many
     assert choose([mine, one]) is None  # one label against 32 templates
     assert choose([mine, many], template_path=copy) is None
-    assert choose([mine], pipeline="detector") == mine  # forced: any usable candidate
+    with caplog.at_level(logging.WARNING):
+        assert choose([mine], pipeline="detector") == mine  # forced: any usable candidate, with a warning
+    assert "learnt from labelled images this run does not hold" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert choose([many], pipeline="detector") == many  # a shipped one: the built-in templates' labels
+    assert not caplog.text
     assert choose([many], pipeline="templates") is None
 
 
@@ -189,7 +204,7 @@ def test_the_shipped_stage2_detector_is_auto_s_choice_for_hamedan_s_046_alone():
     assert choose_detector("auto", default_detectors(ROOT), names, 2, one, 32, [image.format("001")]) is None
 
 
-def test_inferring_without_a_datalist_takes_the_shipped_fine_tuned_detector(tmp_path):
+def test_inferring_without_a_datalist_takes_the_shipped_fine_tuned_detector(tmp_path, monkeypatch):
     from bundle.configs import bundle_parser
     from bundle.template_file import load_template
 
@@ -201,12 +216,15 @@ def test_inferring_without_a_datalist_takes_the_shipped_fine_tuned_detector(tmp_
     names = {Path(s).name for s in builtin["sources"]}  # the built-in templates' images are among its labels
     assert names <= {Path(i).name for i in info["labelled_images"]}
 
-    def detector(**overrides):
+    def detector(root=str(ROOT), **overrides):
         parser = bundle_parser(["configs/inference.yaml"], bundle_root=str(ROOT), **overrides)
+        parser["bundle_root"] = root
         return parser.get_parsed_content("detector")
 
     assert Path(detector()).resolve() == shipped.resolve()
     assert detector(pipeline="templates") is None
+    monkeypatch.chdir(tmp_path)  # bundle_root "." from elsewhere (monai.bundle.load): found in the bundle's folder
+    assert Path(detector(root=".")).resolve() == shipped.resolve()
     mine = tmp_path / "mine.pt"  # the user's own template file: matched, as before
     mine.write_bytes((ROOT / SHIPPED_TEMPLATE).read_bytes())
     assert detector(template_path=str(mine)) is None

@@ -255,17 +255,22 @@ def test_reused_pseudo_labels_drop_the_landmarks_past_the_cycle_tolerance(tmp_pa
     path = tmp_path / "pseudo_labels.json"
     items = [
         {"image": "t.png", "landmarks": [[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]},
-        {"image": "a.png", "landmarks": [[1.5, 2.5], [3.5, 4.5], None]},
+        {"image": "a.png", "landmarks": [[1.5, 2.5], [3.5, 4.5], [5.5, 6.5]]},
     ]
     record = {"templates": ["t.png"], "cycle_tolerance": None, "cycle_error": {"a.png": [0.5, 2.5, None]}}
     path.write_text(json.dumps({"training": items, "pseudo_labels": record}))
     assert read_pseudo_labels(path) == items
     template, pseudo = read_pseudo_labels(path, cycle_tolerance=2.0)
     assert template == items[0]  # a template keeps its landmarks
-    assert pseudo["landmarks"] == [[1.5, 2.5], None, None]
+    assert pseudo["landmarks"] == [[1.5, 2.5], None, None]  # past the tolerance; no cycle error (no match back)
     assert read_pseudo_labels(path, cycle_tolerance=3.0)[1]["landmarks"] == [[1.5, 2.5], [3.5, 4.5], None]
     path.write_text(json.dumps({"training": items, "pseudo_labels": {**record, "cycle_tolerance": 1.0}}))
+    assert read_pseudo_labels(path, cycle_tolerance=1.0)[1]["landmarks"] == [[1.5, 2.5], None, None]  # as strict
     with pytest.raises(ValueError, match=r"pseudo_labels.json was written with pseudo_label_tolerance 1.0"):
+        read_pseudo_labels(path, cycle_tolerance=2.0)
+    short = {**record, "cycle_error": {"a.png": [0.5, 2.5]}}
+    path.write_text(json.dumps({"training": items, "pseudo_labels": short}))
+    with pytest.raises(ValueError, match=r"a.png has 3 landmarks but 2 cycle errors"):
         read_pseudo_labels(path, cycle_tolerance=2.0)
 
 

@@ -25,7 +25,7 @@ and the bundle's template search wait for the first request.
 
 Conf keys: ``bundle_root`` (default: the repository holding this app), ``datalist`` (the templates' images and the
 landmark names; its ``spatial_dims`` selects the 2D or 3D configs; default: none, the built-in templates of the
-shipped weights, 19 cephalometric landmarks, as the ``inferring`` command uses them),
+shipped weights, 19 cephalometric landmarks, as ``inferring --pipeline templates`` uses them),
 ``ckpt_path`` (default: the shipped 2D weights; 3D: ``output/models/ct3d/model.pt``, where the default 3D
 training writes), ``epochs``,
 ``predictor`` (``auto``: the detector once one is published, else template matching; ``detector``; ``templates``),

@@ -26,11 +26,11 @@ from bundle.templates.pipeline_choice import (
     SHIPPED_TEMPLATE,
     SHIPPED_WEIGHTS,
     assess_detector,
+    builtin_templates,
     check_pipeline_choice,
     choose_detector,
     default_detectors,
     labelled_at_hand,
-    shipped_template,
 )
 from bundle.templates.pseudo_labels import pseudo_label, reliability, reliable_landmarks, select_pseudo_templates
 from bundle.templates.resolution import (
@@ -60,6 +60,7 @@ __all__ = [
     "SHIPPED_TEMPLATE",
     "SHIPPED_WEIGHTS",
     "assess_detector",
+    "builtin_templates",
     "check_pipeline_choice",
     "check_rule",
     "choose_detector",
@@ -91,7 +92,6 @@ __all__ = [
     "select_pseudo_templates",
     "select_template",
     "select_template_by_landmarks",
-    "shipped_template",
     "template_cache_key",
     "template_items",
     "template_source_names",

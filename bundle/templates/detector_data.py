@@ -250,7 +250,8 @@ def labelled_items(datalist: dict, n_labelled: int | None = None) -> list[dict]:
 
 def read_pseudo_labels(path: str | Path, cycle_tolerance: float | None = None) -> list[dict]:
     """The training items of a pseudo-label datalist written by :func:`pseudo_labelled_items` (to reuse or
-    edit the pseudo-labels without matching again); image paths as written there.
+    edit the pseudo-labels without matching again; an edited landmark keeps its recorded cycle error); image paths as
+    written there.
 
     With ``cycle_tolerance`` (grid pixels) the pseudo-labelled landmarks whose recorded cycle error exceeds it
     become ``null``, as :func:`pseudo_labelled_items` does; the templates keep theirs. A file written with a
@@ -268,7 +269,15 @@ def read_pseudo_labels(path: str | Path, cycle_tolerance: float | None = None) -
             f"{path} was written with pseudo_label_tolerance {written}: its pseudo-labels cannot be kept up to "
             f"the looser {cycle_tolerance}; make them again (pseudo_labels: null)"
         )
-    cycle = data["pseudo_labels"]["cycle_error"]
+    cycle = data["pseudo_labels"].get("cycle_error")
+    if not isinstance(cycle, dict):
+        raise ValueError(f"{path}: no per-image cycle errors under pseudo_labels.cycle_error to apply the tolerance to")
+    for item in items:
+        if item["image"] in cycle and len(cycle[item["image"]]) != len(item["landmarks"]):
+            raise ValueError(
+                f"{path}: {item['image']} has {len(item['landmarks'])} landmarks but "
+                f"{len(cycle[item['image']])} cycle errors"
+            )
     items = [
         item
         if item["image"] not in cycle

@@ -4,7 +4,7 @@
 labelled images when it learnt from enough of them (:func:`choose_detector`), else matching from the templates at
 hand: the ranking measured on validation images in docs/results.md, "The default pipeline at each label count".
 Without a datalist, ``inferring``'s labels at hand are the shipped ones: the built-in templates
-(``models/template_features.pt``) and the detectors shipped beside them (:func:`shipped_template`).
+(``models/template_features.pt``) and the detectors shipped beside them (:func:`builtin_templates`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Sequence
 
 from bundle.data.embedded import open_datalist
 from bundle.reporting import PIPELINES
-from bundle.template_file import load_template
+from bundle.template_file import bundle_path, load_template
 from bundle.templates.detector_data import INFO_FILE, detector_info
 from bundle.templates.resolution import RANKED_POOL, labelled_training_items, template_items
 
@@ -40,18 +40,24 @@ SHIPPED_WEIGHTS = "models/model.pt"
 
 
 def default_detectors(bundle_root: str | os.PathLike) -> list[str]:
-    """The candidates of ``pipeline: auto`` under ``bundle_root`` (:data:`DEFAULT_DETECTORS`), in that order."""
-    return [str(Path(bundle_root) / p) for p in DEFAULT_DETECTORS]
+    """The candidates of ``pipeline: auto`` under ``bundle_root`` (:data:`DEFAULT_DETECTORS`), in that order; a relative
+    one missing from the working directory is taken in the bundle's own folder, as the configs' files are
+    (:func:`bundle.template_file.bundle_path`)."""
+    return [str(bundle_path(Path(bundle_root) / p)) for p in DEFAULT_DETECTORS]
 
 
-def shipped_template(
+def builtin_templates(
     template_path: str | os.PathLike, ckpt_path: str | os.PathLike, bundle_root: str | os.PathLike
-) -> str | None:
-    """``template_path`` when the run matches as the shipped model does, from the built-in template file
-    (:data:`SHIPPED_TEMPLATE`) with the shipped weights (:data:`SHIPPED_WEIGHTS`), else None."""
+) -> Path | None:
+    """The built-in template file (:data:`SHIPPED_TEMPLATE`, absolute) when the run matches as the shipped model does:
+    from that file with the shipped weights (:data:`SHIPPED_WEIGHTS`); else None (a template file or weights of the
+    user's). Paths are found as the configs find them (:func:`bundle.template_file.bundle_path`)."""
     root = Path(bundle_root)
     shipped = [(template_path, root / SHIPPED_TEMPLATE), (ckpt_path, root / SHIPPED_WEIGHTS)]
-    return str(template_path) if all(b.is_file() and _real(a) == _real(b) for a, b in shipped) else None
+    found = [(bundle_path(given), bundle_path(own)) for given, own in shipped]
+    if all(own.is_file() and _real(given) == _real(own) for given, own in found):
+        return found[0][1].absolute()
+    return None
 
 
 def check_pipeline_choice(pipeline: str) -> str:
@@ -77,7 +83,7 @@ def labelled_at_hand(datalist: dict | str | os.PathLike | None, max_templates: i
     """What template matching would use on ``datalist``: ``(number of templates, real paths of every labelled image
     it holds)``. The templates: its own (``templates`` / ``template``), else up to ``max_templates`` of the labelled
     training items that :func:`bundle.templates.resolution.resolve_templates` ranks (the first ``RANKED_POOL``),
-    less test images either way. No datalist: ``(0, [])`` (inference's built-in templates)."""
+    less test images either way. No datalist: ``(0, [])`` (inference matches from a template file instead)."""
     if not datalist:
         return 0, []
     if not isinstance(datalist, dict):
@@ -148,24 +154,25 @@ def choose_detector(
     learnt from at least as many human-labelled images as the templates :func:`labelled_at_hand` counts in
     ``datalist``, or from ``enough_labels`` or more, else None. The first of equals wins (fine-tuned detectors are
     listed first). With no datalist the run matches from a template file: ``auto`` then weighs only the detectors
-    shipped beside the built-in one (``builtin``, :func:`shipped_template`: the same shipped labels) against its
-    number of templates, and with another file (``builtin`` None) takes none."""
+    shipped beside the built-in one (``builtin``, :func:`builtin_templates`: ``models/<name>/model.pt`` beside
+    ``models/template_features.pt``, made from the same shipped labels) against its number of templates, and with
+    another file (``builtin`` None) takes none."""
     check_pipeline_choice(pipeline)
     if pipeline == "templates":
         return None
     candidates = [detectors] if isinstance(detectors, (str, os.PathLike)) else list(detectors or [])
     forced = pipeline == "detector"
-    if datalist:
-        n_templates, labelled = labelled_at_hand(datalist, max_templates)
-    elif builtin is not None:
-        n_templates, labelled = len(load_template(builtin)["sources"]), None
-        shipped = _real(Path(builtin).parent)
-        candidates = [c for c in candidates if forced or _real(c).startswith(shipped + os.sep)]
-    else:
-        n_templates, labelled = 0, []
+    n_templates, labelled = labelled_at_hand(datalist, max_templates)
+    shipped = []  # the detectors beside the built-in templates: their labels (not checked against a datalist)
+    if not datalist and builtin is not None:
+        n_templates = len(load_template(builtin)["sources"])
+        models = os.path.abspath(Path(builtin).parent)
+        shipped = [c for c in candidates if os.path.abspath(Path(c).parent.parent) == models]
+        candidates = candidates if forced else shipped
     usable, reasons = [], {}
     for path in candidates:
-        n_labelled, refusal, doubts = assess_detector(path, landmark_names, spatial_dims, labelled, test_images)
+        own = None if path in shipped else labelled
+        n_labelled, refusal, doubts = assess_detector(path, landmark_names, spatial_dims, own, test_images)
         if refusal is None and (forced or not doubts):
             usable.append((n_labelled, str(path), doubts))
         reasons[str(path)] = [refusal] if refusal else doubts

@@ -151,8 +151,8 @@ class BundleContext:
     ) -> None:
         """``datalist``: the bundle's templates and landmark names come from it; None: the built-in templates
         (``models/template_features.pt``, the shipped weights' features of the cephalometric templates, with their
-        19 names), as the ``inferring`` command uses them. ``shipped_ckpt``: the weights served until a training
-        publishes others; None: the evaluation config's ``ckpt_path`` (2D: the shipped ``models/model.pt``; 3D:
+        19 names), as ``inferring --pipeline templates`` uses them. ``shipped_ckpt``: the weights served until a
+        training publishes others; None: the evaluation config's ``ckpt_path`` (2D: the shipped ``models/model.pt``; 3D:
         ``output/models/ct3d/model.pt``, where the default 3D training writes). ``device``: see
         :func:`resolve_device`. ``pseudo_templates``: how many pseudo-templates join few saved labels
         (:meth:`pseudo_templates`; None: the evaluation config's ``pseudo_templates``, 0: none)."""
