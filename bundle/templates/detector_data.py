@@ -272,29 +272,18 @@ def read_pseudo_labels(path: str | Path, cycle_tolerance: float | None = None) -
     cycle = data["pseudo_labels"].get("cycle_error")
     if not isinstance(cycle, dict):
         raise ValueError(f"{path}: no per-image cycle errors under pseudo_labels.cycle_error to apply the tolerance to")
-    for item in items:
-        if item["image"] in cycle and len(cycle[item["image"]]) != len(item["landmarks"]):
+    for i, item in enumerate(items):
+        if item["image"] not in cycle:
+            continue  # a template: its own landmarks
+        if len(cycle[item["image"]]) != len(item["landmarks"]):
             raise ValueError(
                 f"{path}: {item['image']} has {len(item['landmarks'])} landmarks but "
                 f"{len(cycle[item['image']])} cycle errors"
             )
-    items = [
-        item
-        if item["image"] not in cycle
-        else reliable_landmarks(
-            {"item": item, "cycle_error": np.array([np.nan if e is None else e for e in cycle[item["image"]]])},
-            float(cycle_tolerance),
-        )
-        for item in items
-    ]
-    kept = sum(p is not None for it in items for p in it["landmarks"])
-    logger.info(
-        "%s: %d of %d landmarks kept (cycle error <= %g)",
-        path,
-        kept,
-        sum(len(it["landmarks"]) for it in items),
-        cycle_tolerance,
-    )
+        errors = np.array([np.nan if e is None else e for e in cycle[item["image"]]])
+        items[i] = reliable_landmarks({"item": item, "cycle_error": errors}, float(cycle_tolerance))
+    kept, total = sum(p is not None for it in items for p in it["landmarks"]), sum(len(it["landmarks"]) for it in items)
+    logger.info("%s: %d of %d landmarks kept (cycle error <= %g)", path, kept, total, cycle_tolerance)
     return items
 
 
