@@ -42,6 +42,11 @@ def _held_out_images(datalist: dict) -> set[str]:
     return {it["image"] for split in ("validation", "test") for it in datalist.get(split) or []}
 
 
+def _kept_landmarks(items: Sequence[dict]) -> tuple[int, int]:
+    """``(landmarks not null, all landmarks)`` over ``items``."""
+    return sum(p is not None for it in items for p in it["landmarks"]), sum(len(it["landmarks"]) for it in items)
+
+
 def pseudo_labelled_items(
     datalist: dict,
     network: torch.nn.Module,
@@ -79,15 +84,12 @@ def pseudo_labelled_items(
         item = entry["item"] if cycle_tolerance is None else reliable_landmarks(entry, float(cycle_tolerance))
         items.append(item)
         cycle[item["image"]] = [None if not np.isfinite(e) else round(float(e), 4) for e in entry["cycle_error"]]
-    kept = sum(p is not None for it in items for p in it["landmarks"])
-    total = sum(len(it["landmarks"]) for it in items)
     logger.info(
         "stage 2: %d training images (%d template(s) + %d pseudo-labelled), %d of %d landmarks kept",
         len(items),
         len(templates),
         len(labelled),
-        kept,
-        total,
+        *_kept_landmarks(items),
     )
     if output_path is not None:
         out = {k: v for k, v in datalist.items() if k not in ("training",)}
@@ -282,8 +284,7 @@ def read_pseudo_labels(path: str | Path, cycle_tolerance: float | None = None) -
             )
         errors = np.array([np.nan if e is None else e for e in cycle[item["image"]]])
         items[i] = reliable_landmarks({"item": item, "cycle_error": errors}, float(cycle_tolerance))
-    kept, total = sum(p is not None for it in items for p in it["landmarks"]), sum(len(it["landmarks"]) for it in items)
-    logger.info("%s: %d of %d landmarks kept (cycle error <= %g)", path, kept, total, cycle_tolerance)
+    logger.info("%s: %d of %d landmarks kept (cycle error <= %g)", path, *_kept_landmarks(items), cycle_tolerance)
     return items
 
 

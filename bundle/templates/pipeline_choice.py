@@ -124,8 +124,8 @@ def assess_detector(
     doubts = []
     if not names:
         doubts.append(f"{path}: {record} does not name its landmarks (a detector trained before 0.17.0)")
-    recorded = info.get("labelled_images") if labelled_images is not None else None
-    learnt = [r for r in recorded or [] if not any(_is_recorded(i, r) for i in labelled_images)]
+    recorded = [] if labelled_images is None else info.get("labelled_images") or []
+    learnt = [r for r in recorded if not any(_is_recorded(i, r) for i in labelled_images)]
     if learnt:
         doubts.append(f"{path}: learnt from labelled images this run does not hold (first: {learnt[0]})")
     tested = [_real(t) for t in test_images]
