@@ -443,18 +443,20 @@ with tempfile.TemporaryDirectory() as tmp:
     studies.mkdir()
     with serving(Path(tmp) / "work", studies) as server:
         client, seconds = server["client"], []
-        client.infer("landmarks", "", {}, file=files[0])  # warm-up: weights and built-in templates loaded
+        request = {"predictor": "templates"}  # matching, also where the app serves the shipped detector by default
+        client.infer("landmarks", "", request, file=files[0])  # warm-up: weights and built-in templates loaded
         for _ in range(repeats):
             for image in files:
                 start = time.perf_counter()
-                client.infer("landmarks", "", {}, file=image)
+                client.infer("landmarks", "", request, file=image)
                 seconds.append(time.perf_counter() - start)
 json.dump({"seconds": seconds, "median": statistics.median(seconds)}, open(out, "w"))
 """
 
 
 def suggestion(reference: str, images: int = 5, repeats: int = 2, rounds: int = 2) -> None:
-    """A warm MONAI Label suggestion (the app with no ``--conf``: shipped weights, built-in templates), uploaded real
+    """A warm MONAI Label suggestion by matching (the app with no ``--conf``: shipped weights, built-in templates, the
+    request's ``predictor: templates``), uploaded real
     cephalograms (synthetic images without ../shared/data): median seconds per request of a server of this tree
     against one of the ``reference`` tree (a checkout with ``scripts/monailabel_server.py``, 0.9.0 or later), each
     started by its own tree, alternating for ``rounds`` rounds (the best median of each kept)."""

@@ -77,10 +77,13 @@ def run_checked(command: list, cwd: Path, timeout: float = 600) -> subprocess.Co
     return done
 
 
-def cli_predictions(image: Path, datalist: Path | None, out: Path, *args: str) -> dict[str, tuple[float, float]]:
-    """The bundle's own command-line inference on ``image`` (the reference the server must match), matching as the
-    app does until it publishes a detector (``--pipeline templates``) from the templates of ``datalist`` (None: the
-    built-in ones), with the further command-line ``args``."""
+def cli_predictions(
+    image: Path, datalist: Path | None, out: Path, *args: str, pipeline: str = "templates"
+) -> dict[str, tuple[float, float]]:
+    """The bundle's own command-line inference on ``image`` (the reference the server must match): by default
+    matching (``--pipeline templates``) from the templates of ``datalist`` (None: the built-in ones), as the app does
+    until a detector is served; another ``pipeline`` (``auto``: what ``inferring`` takes), and the further
+    command-line ``args``."""
     command = [
         sys.executable,
         "-m",
@@ -97,7 +100,7 @@ def cli_predictions(image: Path, datalist: Path | None, out: Path, *args: str) -
         "--overlays",
         "False",
         "--pipeline",
-        "templates",
+        pipeline,
         *args,
     ]
     run_checked(command, ROOT, timeout=180)

@@ -17,7 +17,8 @@ epoch through the train task, then saves ``TARGET_LABEL`` as the target's label,
 "train", "detector_train": stats, "missing_weights": the start-up error of an app given no weights}``.
 
 ``split WORK``: the detector's held-out split (``landmark_tasks.train.detector_split``) for 2 to 20 labelled ids,
-and its training grid (``landmark_tasks.train.detector_training_grid``) without and with a requested one, 2D and 3D.
+and its training grid (``landmark_tasks.train.detector_training_grid``) without and with a requested one, 2D and 3D,
+and continuing a served detector's.
 
 ``device WORK DATALIST STUDIES TEMPLATE_ID TEMPLATE_LABEL``: apps given devices this machine lacks (their start-up
 errors), then an app on ``--conf device cpu``: infers the first study with the bundle's templates, saves
@@ -155,7 +156,7 @@ def split(work: str) -> dict:
     _, grown = detector_split(ids[:10], {"trained_on": trained, "held_out": held})
     out["sticky"] = set(held) <= set(grown) and not set(trained) & set(grown)
     out["grid"] = [detector_training_grid({}, 2), detector_training_grid({"image_size": [64, 64]}, 2)]
-    out["grid"] += [detector_training_grid({}, 3)]
+    out["grid"] += [detector_training_grid({}, 3), detector_training_grid({}, 2, [288, 288])]
     return out
 
 

@@ -59,8 +59,8 @@ def test_the_detector_is_scored_on_at_least_three_held_out_images(tmp_path):
         "12": [9, 3],
         "20": [15, 5],
         "sticky": True,
-        # train.yaml's grids, whatever the label count, unless the request names one
-        "grid": [[192, 192], [64, 64], [64, 64, 64]],
+        # train.yaml's grids, whatever the label count, unless the request names one; a served detector's own
+        "grid": [[192, 192], [64, 64], [64, 64, 64], [288, 288]],
     }
 
 
@@ -194,9 +194,11 @@ CEPHALOGRAM = ROOT.parent / "shared" / "data" / "hamedan_ceph" / "images" / "001
 
 
 def test_default_serves_the_shipped_cephalometric_model(tmp_path):
-    """Started without ``--conf datalist``, the server serves the shipped weights with their built-in templates
-    and 19 landmark names, as ``inferring --pipeline templates`` (a real cephalogram when ../shared/data is there,
-    else a synthetic image); fine-tuning is refused until 2 images are labelled, naming the count."""
+    """Started without ``--conf datalist``, the server serves what ``inferring`` takes without a datalist: the
+    detector shipped beside the built-in templates (``models/finetune``), for their 19 landmark names; a request's
+    ``predictor: templates`` matches from the built-in templates as ``inferring --pipeline templates`` does, and a
+    saved label joins them (a real cephalogram when ../shared/data is there, else a synthetic image). Training is
+    refused until 2 images are labelled, naming the count."""
     from bundle.data.embedded import open_datalist
     from bundle.data.synthetic import generate_synthetic_2d
     from bundle.template_file import load_template
@@ -215,12 +217,18 @@ def test_default_serves_the_shipped_cephalometric_model(tmp_path):
         assert len(builtin["landmark_names"]) == 19
         _, reply = running["client"].infer("landmarks", image.stem, {})
         assert reply["landmark_names"] == builtin["landmark_names"]
-        assert {t["source"] for t in reply["templates"]} == {"built-in"} and reply["checkpoint"] == "model.pt", reply
-        assert reply["checkpoint_source"] == "shipped"
-        assert reply["template"] == [Path(s).name for s in builtin["sources"]]
-        expected = cli_predictions(image, None, tmp_path / "cli")
+        assert reply["predictor"] == "detector" and reply["templates"] == [], reply
+        assert reply["checkpoint"] == "model.pt" and reply["checkpoint_source"] == "shipped"
+        expected = cli_predictions(image, None, tmp_path / "cli_auto", pipeline="auto")
         for name in builtin["landmark_names"]:
             np.testing.assert_allclose(reply["landmarks"][name], expected[name], atol=1e-3, err_msg=name)
+        _, matched = running["client"].infer("landmarks", image.stem, {"predictor": "templates"})
+        assert {t["source"] for t in matched["templates"]} == {"built-in"} and matched["predictor"] == "templates"
+        assert matched["checkpoint"] == "model.pt" and matched["checkpoint_source"] == "shipped"
+        assert matched["template"] == [Path(s).name for s in builtin["sources"]]
+        expected = cli_predictions(image, None, tmp_path / "cli")
+        for name in builtin["landmark_names"]:
+            np.testing.assert_allclose(matched["landmarks"][name], expected[name], atol=1e-3, err_msg=name)
         reply, status = request_json(
             f"{running['base']}/train/landmarks?run_sync=false",
             json.dumps({"epochs": 1}).encode(),
@@ -231,10 +239,12 @@ def test_default_serves_the_shipped_cephalometric_model(tmp_path):
         # (a datastore image is never its own template), the label first, then the built-in ones
         label = mrk_json(tmp_path / "label.mrk.json", builtin["landmark_names"], [expected[n] for n in expected])
         running["client"].save_label(image.stem, str(label), tag="final")
-        _, joined = running["client"].infer("landmarks", "", {}, file=str(image))
+        _, joined = running["client"].infer("landmarks", "", {"predictor": "templates"}, file=str(image))
         assert joined["templates"] == [{"image": image.stem, "source": "datastore"}] + [
             {"image": Path(s).name, "source": "built-in"} for s in builtin["sources"]
         ]
+        _, served = running["client"].infer("landmarks", "", {}, file=str(image))  # the detector until one is trained
+        assert served["predictor"] == "detector" and served["templates"] == []
 
 
 def _cli_evaluation(datalist: Path, out: Path) -> dict:
@@ -333,7 +343,6 @@ def test_labels_loop_drives_the_server_through_the_annotation_loop(tmp_path):
     join the built-in templates and the results file holds every step."""
     if not CEPHALOGRAM.is_file():
         pytest.skip("no ../shared/data/hamedan_ceph")
-    from bundle.template_file import load_template
     from scripts.labels_loop import run
     from scripts.prepare_data import hamedan_protocol
 
@@ -346,8 +355,9 @@ def test_labels_loop_drives_the_server_through_the_annotation_loop(tmp_path):
         (2, "labels saved"),
         (2, "trained"),
     ]
-    builtin = len(load_template(ROOT / "models" / "template_features.pt")["sources"])
-    assert [len(r["templates"]) for r in rows[:3]] == [builtin, builtin + 1, builtin + 2]
+    # the shipped detector is served throughout: the candidate continued from it is kept out (one image held out)
+    assert all(r["predictor"] == "detector" and r["templates"] == [] for r in rows)
+    assert len({r["mre_mm"] for r in rows}) == 1
     assert all(0 < r["mre_mm"] < 10 and r["landmarks_scored"] == 19 for r in rows)
-    assert rows[3]["published"] is False and rows[3]["held_out"] and rows[3]["predictor"] == "templates"
+    assert rows[3]["published"] is False and rows[3]["held_out"]
     assert (tmp_path / "loop" / "learning_curve.png").stat().st_size > 0

@@ -90,3 +90,21 @@ def test_saved_labels_join_the_builtin_templates_with_features_computed_once(con
     assert per_template.shape[0] == 1 + len(builtin["sources"])
     torch.testing.assert_close(per_template[1:], alone, atol=1e-6, rtol=0)
     torch.testing.assert_close(per_template[:1], from_image, atol=1e-3, rtol=0)
+
+
+def test_the_shipped_detector_is_served_until_the_train_task_publishes_one(context):
+    """Without a datalist the app serves the detector ``inferring`` takes without one (shipped beside the built-in
+    templates) on its recorded grid; a published detector replaces it, with its own record."""
+    import json
+
+    from bundle.templates.detector_data import detector_info
+
+    shipped = (ROOT / "models" / "finetune" / "model.pt").resolve()
+    assert context.served_detector().resolve() == shipped
+    grid = detector_info(shipped)["image_size"]
+    assert context.detector_info() == {"image_size": grid} and grid != [192, 192]
+    context.detector_path.parent.mkdir(parents=True)
+    context.detector_path.write_bytes(shipped.read_bytes())
+    context.detector_info_path.write_text(json.dumps({"image_size": [192, 192], "trained_on": ["a"], "held_out": []}))
+    assert context.served_detector() == context.detector_path
+    assert context.detector_info()["image_size"] == [192, 192] and context.is_published(context.detector_path)

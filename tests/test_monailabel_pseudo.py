@@ -70,6 +70,7 @@ def _sources(items: list[dict]) -> list[tuple[str, str]]:
 
 def test_the_worker_computes_the_newest_label_set_and_a_failure_once(app, tmp_path):
     context, calls, gate = app
+    assert context.served_detector() is None  # a datalist's landmarks: matching, not the shipped detector
     checkpoint = context.served_checkpoint()
     a, b, bad = ({**it, "landmarks": [[10.0, 20.0]] * len(context.names)} for it in _images(tmp_path, "a", "b", "bad"))
     unlabelled = _images(tmp_path, "u1", "u2")

@@ -9,7 +9,9 @@
 - Train task ``landmarks``: fine-tunes the served weights on the datastore's images (``network: contrastive``),
   or trains the stage-2 heatmap detector on the saved labels (``network: detector``); the new weights replace
   the served ones only when they score better on the saved labels (see landmark_tasks/train.py). Once a
-  detector is published, the infer task serves it (the detector with its test-time shifts, no template).
+  detector is published, the infer task serves it (the detector with its test-time shifts, no template). Without
+  a datalist the detector shipped beside the built-in templates is served from the start, as ``inferring`` takes
+  it without one, and a detector training continues from it.
 - Strategies ``first`` / ``last`` (sorted ids, unlabelled only) beside MONAI Label's ``random``.
 - ``--studies`` a DICOMweb URL: MONAI Label downloads each series into its cache folder and the app reads the
   folder's X-ray as DICOM (header spacing, VOI window, MONOCHROME1); MONAI Label's conversion to NIfTI is
@@ -25,10 +27,12 @@ and the bundle's template search wait for the first request.
 
 Conf keys: ``bundle_root`` (default: the repository holding this app), ``datalist`` (the templates' images and the
 landmark names; its ``spatial_dims`` selects the 2D or 3D configs; default: none, the built-in templates of the
-shipped weights, 19 cephalometric landmarks, as ``inferring --pipeline templates`` uses them),
+shipped weights, 19 cephalometric landmarks, and the fine-tuned detector shipped beside them, as ``inferring``
+uses them),
 ``ckpt_path`` (default: the shipped 2D weights; 3D: ``output/models/ct3d/model.pt``, where the default 3D
 training writes), ``epochs``,
-``predictor`` (``auto``: the detector once one is published, else template matching; ``detector``; ``templates``),
+``predictor`` (``auto``: the detector once one is published or shipped, else template matching; ``detector``;
+``templates``),
 ``pseudo_templates`` (default: the bundle's, 20; 0: none): how many pseudo-templates join few saved labels (the
 infer task computes them in the background after the labels change) or the datalist's few templates,
 ``device`` (``cpu``, ``cuda``, ``cuda:N``; default ``cuda`` when available, else ``cpu``; one this machine lacks

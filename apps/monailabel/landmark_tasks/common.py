@@ -31,8 +31,9 @@ from bundle.inferers.oneshot import OneShotInferer, TemplateFeatureInferer
 from bundle.io_utils import write_json_atomic
 from bundle.template_file import join_templates, load_template
 from bundle.templates.detector_data import base_grid
+from bundle.templates.detector_data import detector_info as recorded_detector_info
 from bundle.templates.features import compute_template
-from bundle.templates.pipeline_choice import SHIPPED_TEMPLATE
+from bundle.templates.pipeline_choice import SHIPPED_TEMPLATE, builtin_templates, choose_detector
 from bundle.templates.resolution import resolve_templates
 from bundle.transforms.landmarks import LandmarkTargets
 
@@ -198,6 +199,7 @@ class BundleContext:
             self.overrides["landmark_names"] = self._check_builtin(self.shipped_ckpt)["landmark_names"]
             self.parser["landmark_names"] = self.overrides["landmark_names"]
         self.names: list[str] = list(self.parser.get_parsed_content("landmark_names"))
+        self.shipped_detector = self._shipped_detector()
         self.template_combine = str(self.parser.get_parsed_content("template_combine"))
         # the template choice of the evaluating command (the keyword arguments of its evaluate#choose_templates call of
         # bundle.templates.resolution.resolve_templates, but the data, network and device), for the pseudo-templates
@@ -247,6 +249,24 @@ class BundleContext:
                 f"{checkpoint.name}{published}: give the templates' images (--conf datalist) {remedy}"
             ) from None
 
+    def _shipped_detector(self) -> Path | None:
+        """The detector shipped beside the built-in templates that ``inferring`` takes without a datalist
+        (:func:`bundle.templates.pipeline_choice.choose_detector`, ``pipeline: auto``), served until the train task
+        publishes one; None with a datalist (the user's landmarks and templates) or when ``auto`` takes matching."""
+        if self.datalist is not None:
+            return None
+        chosen = choose_detector(
+            "auto",
+            self.parser.get_parsed_content("detectors"),
+            self.names,
+            self.spatial_dims,
+            None,
+            self.parser.get_parsed_content("max_templates"),
+            enough_labels=self.parser.get_parsed_content("detector_enough_labels"),
+            builtin=builtin_templates(self.builtin_template_path, self.shipped_ckpt, self.bundle_root),
+        )
+        return None if chosen is None else Path(chosen)
+
     # ---- bundle pieces -------------------------------------------------------------------------------
     @property
     def preprocessing(self):
@@ -282,16 +302,22 @@ class BundleContext:
 
     # ---- the stage-2 detector ------------------------------------------------------------------------
     def served_detector(self) -> Path | None:
-        """``model/detector.pt`` once the train task published a detector, else None (template matching is served)."""
-        return self.detector_path if self.detector_path.is_file() else None
+        """``model/detector.pt`` once the train task published a detector, else the shipped one without a datalist
+        (:attr:`shipped_detector`), else None (template matching is served)."""
+        return self.detector_path if self.detector_path.is_file() else self.shipped_detector
 
     def detector_info(self) -> dict:
-        """What ``model/detector.json`` records of the served detector
-        (``image_size``, ``trained_on``, ``held_out``)."""
-        try:
-            return json.loads(self.detector_info_path.read_text())
-        except (OSError, ValueError):
-            return {}
+        """What is known of the served detector: ``model/detector.json`` of a published one (``image_size``,
+        ``trained_on``, ``held_out``); the ``image_size`` recorded beside the shipped one (its training images are
+        not datastore ids)."""
+        if self.detector_path.is_file():
+            try:
+                return json.loads(self.detector_info_path.read_text())
+            except (OSError, ValueError):
+                return {}
+        if self.shipped_detector is not None:
+            return {"image_size": recorded_detector_info(self.shipped_detector)["image_size"]}
+        return {}
 
     def detector_parser(self, image_size: Sequence[int] | None = None):
         """The bundle's fine-tuning configs for the datalist's dimensionality (``detector_configs``)

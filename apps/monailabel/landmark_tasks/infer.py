@@ -13,7 +13,9 @@ names the templates it used, each with its ``source`` (``datastore``, ``pseudo``
 
 Once the train task has published a stage-2 heatmap detector (``model/detector.pt``, trained on the saved labels),
 the detector is served instead: ``bundle.inferers.heatmap.HeatmapInferer`` (5 forward passes with the default
-test-time shifts, ``shift_tta``), no template. The reply's
+test-time shifts, ``shift_tta``), no template. Without a datalist the detector shipped beside the built-in templates
+(``models/finetune``, what ``inferring`` takes without a datalist: ``BundleContext.shipped_detector``) is served until
+then. The reply's
 ``predictor`` says which (``"detector"`` | ``"templates"``); the request key ``predictor`` (or the app's conf key
 of that name: ``auto``, the default, ``detector`` or ``templates``) forces one, e.g. template matching beside a
 served detector.

@@ -30,9 +30,11 @@ Detector (the bundle's fine-tuning on human labels, ``configs/train.yaml`` + ``t
    images fill the held-out set up to ``max(1, round(holdout * n_labelled), min(min_held_out, n_labelled - 1))``
    (request keys ``holdout``, default 0.25, and ``min_held_out``, default 3) in a fixed order (SHA-1 of the image
    id); at least one image is always trained on.
-2. The child trains the detector from the served detector (``init_weights = model/detector.pt``) if there is
-   one, else with its encoder from the served stage-1 weights (``init_checkpoint`` = the served ``model.pt``),
-   into ``model/candidate_detector/`` (``model_final.pt``; no validation: ``val_interval`` > ``epochs``).
+2. The child trains the detector from the served detector (``init_weights``: ``model/detector.pt``, or without a
+   datalist the shipped one, ``models/finetune/model.pt``) on its grid if there is one, else with its encoder from
+   the served stage-1 weights (``init_checkpoint`` = the served ``model.pt``) on train.yaml's grid (a request's
+   ``image_size`` replaces either), into ``model/candidate_detector/`` (``model_final.pt``; no validation:
+   ``val_interval`` > ``epochs``).
 3. Scoring on the held-out images: the candidate (``bundle.inferers.heatmap.HeatmapInferer``, as served) against
    the served predictor: the served detector, or, when none, template matching with the served stage-1
    weights from every OTHER labelled image and, while they are few, their pseudo-templates (leave-one-out, as the
@@ -388,10 +390,12 @@ def keep_previous(*paths: Path) -> dict[str, str]:
     return {p.name: copy_of(p).name for p in existing}
 
 
-def detector_training_grid(options: dict, spatial_dims: int) -> list[int]:
-    """The grid of a detector train request: its ``image_size``, else train.yaml's, not the finer grid that
-    finetune.yaml takes from 10 labels (its cost per iteration is past a background training's budget on a CPU)."""
-    return [int(v) for v in options["image_size"]] if options.get("image_size") else base_grid(spatial_dims)
+def detector_training_grid(options: dict, spatial_dims: int, served_grid: list[int] | None = None) -> list[int]:
+    """The grid of a detector train request: its ``image_size``, else the grid of the served detector it continues
+    (``served_grid``), else train.yaml's, not the finer grid that finetune.yaml takes from 10 labels (its cost per
+    iteration is past a background training's budget on a CPU)."""
+    grid = options.get("image_size") or served_grid
+    return [int(v) for v in grid] if grid else base_grid(spatial_dims)
 
 
 def training_command(
@@ -564,7 +568,7 @@ class BundleTrainTask(TrainTask):
         shutil.rmtree(candidate_dir, ignore_errors=True)
         stage1 = context.served_checkpoint()
         epochs = int(options.get("epochs", 10))
-        image_size = detector_training_grid(options, context.spatial_dims)
+        image_size = detector_training_grid(options, context.spatial_dims, previous.get("image_size"))
         options = {**options, "image_size": image_size}
         if served_detector:  # the whole served detector; no stage-1 encoder to load first
             init_args = ["--init_weights", str(served_detector), "--random_init", "true"]
