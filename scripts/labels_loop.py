@@ -6,8 +6,8 @@ Run from the repository root (needs ``make monailabel``)::
         [--steps "[1,3,5,10]"] [--heldout 30] [--train "{}"] [--threads null] \\
         [--server_datalist D --unlabelled 30 --detector false]
 
-A MONAI Label server of the app as a user starts it (no ``--conf``: the shipped weights and their built-in
-templates) over copies of the datalist's labelled training images that are not among the built-in templates is
+A MONAI Label server of the app as a user starts it (no ``--conf``: the shipped weights, their built-in
+templates and the detector shipped beside them, served from the start) over copies of the datalist's labelled training images that are not among the built-in templates is
 driven by MONAI Label's own client, as a clinician runs the loop: at each step the next images (datalist order)
 get a saved label (their reference landmarks, standing for corrected suggestions); from 2 labels on the server is
 asked to train the detector (``{"network": "detector"}`` and the ``--train`` keys; the app's defaults otherwise),
@@ -171,7 +171,7 @@ def run(
     pseudo_wait_s: float = 600,
 ) -> Path:
     """The loop (module doc); returns the path of ``learning_curve.json``. ``detector=False`` requests no detector
-    training (the suggestions of template matching alone, minutes instead of hours).
+    training (the suggestions of what is served as the labels are saved, minutes instead of hours).
 
     ``server_datalist``: the server's ``--conf datalist`` (its templates stand in before the first label, and no
     built-in template joins the saved labels: the loop of a new anatomy). ``unlabelled``: that many of the datalist's
