@@ -6,14 +6,15 @@ Run from the repository root (needs ``make monailabel``)::
         [--steps "[1,3,5,10]"] [--heldout 30] [--train "{}"] [--threads null] \\
         [--server_datalist D --unlabelled 30 --detector false]
 
-A MONAI Label server of the app as a user starts it (no ``--conf``: the shipped weights, their built-in
-templates and the detector shipped beside them, served from the start) over copies of the datalist's labelled training images that are not among the built-in templates is
-driven by MONAI Label's own client, as a clinician runs the loop: at each step the next images (datalist order)
-get a saved label (their reference landmarks, standing for corrected suggestions); from 2 labels on the server is
-asked to train the detector (``{"network": "detector"}`` and the ``--train`` keys; the app's defaults otherwise),
-which it publishes only when it scores better on its held-out labels. Before the first label, after saving the
-labels of a step and after its training, every held-out image (the datalist's ``test`` items, uploaded: the server
-never sees their labels) is suggested and scored against its reference in mm (the datalist's spacing).
+A MONAI Label server of the app as a user starts it (no ``--conf``: the shipped weights, their built-in templates
+and the detector shipped beside them, served from the start) over copies of the datalist's labelled training images
+that are not among the built-in templates is driven by MONAI Label's own client, as a clinician runs the loop: at
+each step the next images (datalist order) get a saved label (their reference landmarks, standing for corrected
+suggestions); from 2 labels on the server is asked to train the detector (``{"network": "detector"}`` and the
+``--train`` keys; the app's defaults otherwise), which it publishes only when it scores better on its held-out
+labels. Before the first label, after saving the labels of a step and after its training, every held-out image (the
+datalist's ``test`` items, uploaded: the server never sees their labels) is suggested and scored against its
+reference in mm (the datalist's spacing).
 ``--server_datalist D`` starts the server with ``--conf datalist D`` instead (a new anatomy's loop: D's template
 before the first label, the saved labels alone after it), and ``--unlabelled N`` adds N unlabelled images to the
 studies folder, of which the app makes pseudo-templates while the saved labels are few (``run``).
