@@ -455,11 +455,11 @@ json.dump({"seconds": seconds, "median": statistics.median(seconds)}, open(out, 
 
 
 def suggestion(reference: str, images: int = 5, repeats: int = 2, rounds: int = 2) -> None:
-    """A warm MONAI Label suggestion by matching (the app with no ``--conf``: shipped weights, built-in templates, the
-    request's ``predictor: templates``), uploaded real
-    cephalograms (synthetic images without ../shared/data): median seconds per request of a server of this tree
-    against one of the ``reference`` tree (a checkout with ``scripts/monailabel_server.py``, 0.9.0 or later), each
-    started by its own tree, alternating for ``rounds`` rounds (the best median of each kept)."""
+    """A warm MONAI Label suggestion by matching (the app with no ``--conf``: shipped weights, built-in templates,
+    the request's ``predictor: templates``), uploaded real cephalograms (synthetic images without ../shared/data):
+    median seconds per request of a server of this tree against one of the ``reference`` tree (a checkout with
+    ``scripts/monailabel_server.py``, 0.9.0 or later), each started by its own tree, alternating for ``rounds``
+    rounds (the best median of each kept)."""
     import json
     import os
     import subprocess
