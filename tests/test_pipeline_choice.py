@@ -19,6 +19,7 @@ from bundle.templates.pipeline_choice import (
     choose_detector,
     default_detectors,
     labelled_at_hand,
+    starting_detector,
 )
 from bundle.transforms.utils import on_grid
 from monai.transforms import Compose, Lambdad, Resized
@@ -171,6 +172,28 @@ def test_auto_passes_over_a_detector_that_is_not_this_run_s(tmp_path, caplog):
     assert "trained for other landmarks" in str(refused.value) and f"{missing}: no such file" in str(refused.value)
     with pytest.raises(ValueError, match="pipeline must be one of"):
         choose_detector("best", [], NAMES, 2, datalist, 32)
+
+
+def test_fine_tuning_continues_the_detector_of_fewer_of_its_labels(tmp_path):
+    """configs/finetune.yaml's ``init_weights``: the detector that learnt from the most of fewer of the run's labelled
+    images, on the run's grid and from none of its validation and test images; else None (the stage-1 encoder)."""
+    datalist = _datalist(5)
+    items = datalist["training"][:5]
+    one_label = [{"image": "/data/train_0.png"}, {"image": "/data/u_0.png", "pseudo_label": True}]
+    stage2 = _detector(tmp_path / "stage2", labels="pseudo", items=datalist["training"], templates=one_label)
+    three = _detector(tmp_path / "three", items=_labelled(3))
+    args = (NAMES, 2, [64, 64], datalist)
+    assert starting_detector([str(stage2)], items, *args) == str(stage2)
+    assert starting_detector([str(stage2), str(three)], items, *args) == str(three)  # the most labels
+    assert starting_detector([str(stage2)], items, NAMES, 2, [96, 96], datalist) is None  # another grid
+    assert starting_detector([str(stage2)], items[1:], *args) is None  # its labelled image is not the run's
+    assert starting_detector([str(three)], items[:3], *args) is None  # as many labels: not a continuation
+    seen = _detector(
+        tmp_path / "seen", labels="pseudo", items=datalist["training"] + datalist["test"][:1], templates=one_label
+    )
+    other = _detector(tmp_path / "other", items=_labelled(3), names=["x", "y"])
+    missing = tmp_path / "missing" / "model.pt"
+    assert starting_detector([str(seen), str(other), str(missing)], items, *args) is None
 
 
 def test_relative_datalist_paths_and_links_are_the_recorded_images(tmp_path, monkeypatch):

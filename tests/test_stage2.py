@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -314,6 +315,25 @@ def test_tiny_stage2_training_and_evaluation_beat_chance(tmp_path):
     assert set(pseudo["pseudo_labels"]["cycle_error"]) == {it["image"] for it in pseudo["training"]} - set(
         pseudo["pseudo_labels"]["templates"]
     )
+
+    # a fine-tuning on two human labels, one of them the stage-2 detector's template, continues that detector
+    assert json.loads((tmp_path / "m2" / "detector_info.json").read_text())["init_weights"] is None
+    two_labels = tmp_path / "two_labels.json"
+    two_labels.write_text(json.dumps({**datalist, "training": [datalist["template"]] + datalist["training"]}))
+    run(
+        "training",
+        config_file=stage2 + [str(ROOT / "configs/finetune.yaml")],
+        output_dir=str(tmp_path / "t3"),
+        ckpt_dir=str(tmp_path / "m3"),
+        detectors=[str(tmp_path / "m2" / "model.pt")],
+        n_labelled=2,
+        epochs=1,
+        epoch_length=2,
+        val_interval=2,
+        **dict(common, datalist=str(two_labels)),
+    )
+    record = json.loads((tmp_path / "m3" / "detector_info.json").read_text())
+    assert record["init_weights"] == os.path.realpath(tmp_path / "m2" / "model.pt") and record["n_labelled"] == 2
 
     out = tmp_path / "eval"
     run(  # no image_size given: the detector's own grid, read from detector_info.json

@@ -31,12 +31,14 @@ from bundle.templates.pipeline_choice import (
     choose_detector,
     default_detectors,
     labelled_at_hand,
+    starting_detector,
 )
 from bundle.templates.pseudo_labels import pseudo_label, reliability, reliable_landmarks, select_pseudo_templates
 from bundle.templates.resolution import (
     check_rule,
     default_template,
     default_templates,
+    held_out_images,
     labelled_training_items,
     prepare_template,
     pseudo_template_pool,
@@ -72,6 +74,7 @@ __all__ = [
     "detector_info",
     "detector_templates",
     "grid_points",
+    "held_out_images",
     "labelled_at_hand",
     "labelled_items",
     "labelled_training_items",
@@ -92,6 +95,7 @@ __all__ = [
     "select_pseudo_templates",
     "select_template",
     "select_template_by_landmarks",
+    "starting_detector",
     "template_cache_key",
     "template_items",
     "template_source_names",

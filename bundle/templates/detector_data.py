@@ -30,16 +30,12 @@ from bundle.inferers.oneshot import OneShotInferer
 from bundle.io_utils import write_json_atomic
 from bundle.networks.detector import HeatmapDetector
 from bundle.templates.pseudo_labels import pseudo_label, reliable_landmarks
-from bundle.templates.resolution import labelled_training_items, with_templates
+from bundle.templates.resolution import held_out_images, labelled_training_items, with_templates
 
 logger = logging.getLogger(__name__)
 
 
 INFO_FILE = "detector_info.json"
-
-
-def _held_out_images(datalist: dict) -> set[str]:
-    return {it["image"] for split in ("validation", "test") for it in datalist.get(split) or []}
 
 
 def _kept_landmarks(items: Sequence[dict]) -> tuple[int, int]:
@@ -70,7 +66,7 @@ def pseudo_labelled_items(
     """
 
     template_images = {t["image"] for t in templates}
-    held_out = _held_out_images(datalist) if exclude_held_out else set()
+    held_out = held_out_images(datalist) if exclude_held_out else set()
     pool = [
         {k: v for k, v in it.items() if k != "landmarks"}
         for it in datalist.get("training", [])
@@ -112,13 +108,15 @@ def write_detector_info(
     image_size: Sequence[int],
     landmark_names: Sequence[str],
     network: dict,
+    init_weights: str | Path | None = None,
 ) -> Path:
     """``ckpt_dir/detector_info.json``, what a detector is and what it learnt from: ``labels`` (``pseudo`` or
     ``human``), the ``templates`` that made its pseudo-labels (empty for human labels), its ``labelled_images`` (the
     human-labelled ones: the training ``items`` for human labels, the templates that are not pseudo-templates for
     pseudo-labels) and their number ``n_labelled``, its ``training_images`` (real paths), the grid ``image_size``,
-    its ``landmark_names`` and the ``network`` settings of :class:`bundle.networks.detector.HeatmapDetector`
-    (:func:`recorded_detector`)."""
+    its ``landmark_names``, the ``network`` settings of :class:`bundle.networks.detector.HeatmapDetector`
+    (:func:`recorded_detector`) and ``init_weights``, the detector it continued (real path; null: it started from a
+    stage-1 encoder or at random)."""
     templates = list(templates or [])
     labelled = items if labels == "human" else [t for t in templates if not t.get("pseudo_label")]
     return write_json_atomic(
@@ -132,6 +130,7 @@ def write_detector_info(
             "image_size": [int(v) for v in image_size],
             "landmark_names": [str(n) for n in landmark_names],
             "network": {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in network.items()},
+            "init_weights": os.path.realpath(init_weights) if init_weights else None,
         },
     )
 
@@ -239,7 +238,7 @@ def labelled_items(datalist: dict, n_labelled: int | None = None) -> list[dict]:
     """The first ``n_labelled`` (None = all) labelled training items outside the validation and test splits
     (the human labels of fine-tuning)."""
 
-    held_out = _held_out_images(datalist)
+    held_out = held_out_images(datalist)
     items = [dict(it) for it in labelled_training_items(datalist) if it["image"] not in held_out]
     if n_labelled is not None:
         if n_labelled < 1:

@@ -1,10 +1,13 @@
-"""Which pipeline predicts a run's landmarks: template matching, or a heatmap detector trained on labels.
+"""Which pipeline predicts a run's landmarks: template matching, or a heatmap detector trained on labels; and which
+detector a fine-tuning continues.
 
 ``pipeline: auto`` (configs/evaluate.yaml, configs/inference.yaml) takes a detector that learnt from the run's own
 labelled images when it learnt from enough of them (:func:`choose_detector`), else matching from the templates at
 hand: the ranking measured on validation images in docs/results.md, "The default pipeline at each label count".
 Without a datalist, ``inferring``'s labels at hand are the shipped ones: the built-in templates
 (``models/template_features.pt``) and the detectors shipped beside them (:func:`builtin_templates`).
+A fine-tuning on human labels (configs/finetune.yaml) continues the detector that learnt from fewer of the same labels
+(:func:`starting_detector`), the one-label stage-2 detector for example.
 """
 
 from __future__ import annotations
@@ -17,8 +20,8 @@ from typing import Sequence
 from bundle.data.embedded import open_datalist
 from bundle.reporting import PIPELINES
 from bundle.template_file import bundle_path, load_template
-from bundle.templates.detector_data import INFO_FILE, detector_info
-from bundle.templates.resolution import RANKED_POOL, labelled_training_items, template_items
+from bundle.templates.detector_data import INFO_FILE, detector_grid, detector_info
+from bundle.templates.resolution import RANKED_POOL, held_out_images, labelled_training_items, template_items
 
 logger = logging.getLogger(__name__)
 
@@ -194,3 +197,37 @@ def choose_detector(
     passed = "".join(f"; {r}" for r in passed_over)
     logger.info("pipeline auto: template matching (%d templates)%s", n_templates, passed)
     return None
+
+
+def starting_detector(
+    detectors: Sequence[str],
+    items: Sequence[dict],
+    landmark_names: Sequence[str],
+    spatial_dims: int,
+    image_size: Sequence[int],
+    datalist: dict,
+) -> str | None:
+    """The detector a fine-tuning on the human-labelled training ``items`` of ``datalist`` continues
+    (configs/finetune.yaml ``init_weights``), or None: it starts from the stage-1 encoder.
+
+    Among ``detectors``, the one that learnt from the most labelled images (the first of equals) for the same
+    landmarks and dimensionality on the grid ``image_size``, fewer labelled images than ``items`` holds and all of
+    them among ``items``, and from none of the datalist's validation and test images (:func:`assess_detector`): a
+    fine-tuning on 5 labels continues the stage-2 detector made from one of them (its pseudo-labels of the unlabelled
+    images). Measured on the validation images at 5 labels over two seeds: docs/results.md, "Fine-tuning continues
+    the stage-2 detector"."""
+    labelled = [_real(it["image"]) for it in items]
+    held_out = sorted(held_out_images(datalist))
+    usable = []
+    for path in detectors:
+        n_labelled, refusal, doubts = assess_detector(path, landmark_names, spatial_dims, labelled, held_out)
+        same_grid = refusal is None and detector_grid(path, spatial_dims) == [int(v) for v in image_size]
+        if same_grid and not doubts and 0 < n_labelled < len(labelled):
+            usable.append((n_labelled, str(path)))
+    best = max(usable, key=lambda u: u[0], default=None)  # max keeps the first of equals
+    if best is None:
+        return None
+    logger.info(
+        "fine-tuning continues %s, which learnt from %d of the %d labelled images", best[1], best[0], len(labelled)
+    )
+    return best[1]

@@ -33,6 +33,12 @@ def prepare_template(item: dict, preprocessing) -> tuple[torch.Tensor, torch.Ten
     return torch.as_tensor(data["image"]).unsqueeze(0), grid_landmarks(data)[0]
 
 
+def held_out_images(datalist: dict) -> set[str]:
+    """The images of the datalist's validation and test splits (never a template's, a pseudo-label's or a
+    detector's training image)."""
+    return {it["image"] for split in ("validation", "test") for it in datalist.get(split) or []}
+
+
 def labelled_training_items(datalist: dict) -> list[dict]:
     """The datalist's training items that carry at least one landmark (the template candidates)."""
     return [
@@ -147,8 +153,7 @@ def resolve_template(
 def pseudo_template_pool(datalist: dict, templates: list[dict]) -> list[dict]:
     """Training items that may become pseudo-templates, their landmarks dropped: not a template and not an
     image of the validation or test split (those are never used to label the test images)."""
-    held_out = {it["image"] for split in ("validation", "test") for it in datalist.get(split) or []}
-    taken = held_out | {it["image"] for it in templates}
+    taken = held_out_images(datalist) | {it["image"] for it in templates}
     return [
         {k: v for k, v in it.items() if k != "landmarks"}
         for it in datalist.get("training", [])

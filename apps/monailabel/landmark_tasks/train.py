@@ -31,8 +31,9 @@ Detector (the bundle's fine-tuning on human labels, ``configs/train.yaml`` + ``t
    (request keys ``holdout``, default 0.25, and ``min_held_out``, default 3) in a fixed order (SHA-1 of the image
    id); at least one image is always trained on.
 2. The child trains the detector from the served detector (``init_weights``: ``model/detector.pt``, or without a
-   datalist the shipped one, ``models/finetune/model.pt``) on its grid if there is one, else with its encoder from
-   the served stage-1 weights (``init_checkpoint`` = the served ``model.pt``) on train.yaml's grid (a request's
+   datalist the shipped one, ``models/finetune/model.pt``) on its grid if there is one, else as
+   configs/finetune.yaml starts (a bundle detector that learnt from fewer of these labels, else its encoder from
+   the served stage-1 weights, ``init_checkpoint`` = the served ``model.pt``) on train.yaml's grid (a request's
    ``image_size`` replaces either), into ``model/candidate_detector/`` (``model_final.pt``; no validation:
    ``val_interval`` > ``epochs``).
 3. Scoring on the held-out images: the candidate (``bundle.inferers.heatmap.HeatmapInferer``, as served) against
@@ -76,7 +77,7 @@ import numpy as np
 import torch
 from bundle.data.datalist import is_finite_number
 from bundle.io_utils import atomic_path, write_json_atomic
-from bundle.templates.detector_data import base_grid
+from bundle.templates.detector_data import base_grid, detector_info
 from monailabel.interfaces.datastore import Datastore
 from monailabel.interfaces.tasks.train import TrainTask
 
@@ -584,15 +585,15 @@ class BundleTrainTask(TrainTask):
             options,
             context.device,
         )
-        init = {
-            "init_weights": str(served_detector) if served_detector else None,
-            "init_checkpoint": None if served_detector else str(stage1),
-        }
         logger.info(
             f"training the detector on {len(trained)} labelled images ({len(held)} held out): {' '.join(command)}"
         )
         candidate = candidate_dir / "model_final.pt"
         self._run_bundle(command, candidate)
+        # without a served detector the fine-tuning config chooses where to start (a detector of fewer of these
+        # labels, else the stage-1 encoder): its record says which
+        continued = str(served_detector) if served_detector else detector_info(candidate).get("init_weights")
+        init = {"init_weights": continued, "init_checkpoint": None if continued else str(stage1)}
 
         new = score_detector(context, candidate, image_size, held)
         if served_detector:
