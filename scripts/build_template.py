@@ -80,7 +80,7 @@ def build(
     if isinstance(templates, (str, int)):
         templates = [str(templates)]
     data = open_datalist(datalist)
-    overrides = {"datalist": str(datalist)}
+    overrides = {"datalist": str(datalist), "pipeline": "templates"}  # the matching network, whatever detector
     if ckpt_path is not None:
         overrides["ckpt_path"] = str(ckpt_path)
     if device is not None:

@@ -353,7 +353,7 @@ def test_network_def_verifies_scripts_and_matches_the_python_path(tmp_path, tiny
     )
     ts = _export(tmp_path / "model.ts")
     exported = torch.jit.load(str(ts))
-    parser = bundle_parser("configs/inference.yaml")
+    parser = bundle_parser("configs/inference.yaml", pipeline="templates")  # the matching path network_def exports
     preprocessing = parser.get_parsed_content("preprocessing")
     test = json.loads(Path(tiny_datalist).read_text())["test"][0]
     image = torch.as_tensor(preprocessing({"image": str(Path(tiny_datalist).parent / test["image"])})["image"])[

@@ -246,6 +246,10 @@ def test_inferring_without_a_datalist_takes_the_shipped_fine_tuned_detector(tmp_
 
     assert Path(detector()).resolve() == shipped.resolve()
     assert detector(pipeline="templates") is None
+    # the stage-1 weights are loaded only for matching
+    assert bundle_parser(["configs/inference.yaml"], bundle_root=str(ROOT)).get_parsed_content("encoder") is None
+    matching = bundle_parser(["configs/inference.yaml"], bundle_root=str(ROOT), pipeline="templates")
+    assert isinstance(matching.get_parsed_content("encoder"), torch.nn.Module)
     monkeypatch.chdir(tmp_path)  # bundle_root "." from elsewhere (monai.bundle.load): found in the bundle's folder
     assert Path(detector(root=".")).resolve() == shipped.resolve()
     mine = tmp_path / "mine.pt"  # the user's own template file: matched, as before
