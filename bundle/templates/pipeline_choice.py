@@ -211,11 +211,10 @@ def starting_detector(
     (configs/finetune.yaml ``init_weights``), or None: it starts from the stage-1 encoder.
 
     Among ``detectors``, the one that learnt from the most labelled images (the first of equals) for the same
-    landmarks and dimensionality on the grid ``image_size``, fewer labelled images than ``items`` holds and all of
-    them among ``items``, and from none of the datalist's validation and test images (:func:`assess_detector`): a
-    fine-tuning on 5 labels continues the stage-2 detector made from one of them (its pseudo-labels of the unlabelled
-    images). Measured on the validation images at 5 labels over two seeds: docs/results.md, "Fine-tuning continues
-    the stage-2 detector"."""
+    landmarks and dimensionality, on the grid ``image_size``, from fewer labelled images than ``items`` and only from
+    images among them, and from none of the datalist's validation and test images (:func:`assess_detector`). At 5
+    labels on 192² that is the one-label stage-2 detector made from one of them. Chosen on the validation images at 5
+    labels over two seeds: docs/results.md, "Fine-tuning continues the stage-2 detector"."""
     labelled = [_real(it["image"]) for it in items]
     held_out = sorted(held_out_images(datalist))
     usable = []
