@@ -181,6 +181,7 @@ def test_finetune_config_uses_the_first_labelled_training_items(tmp_path):
     assert [it["image"] for it in items] == [it["image"] for it in labelled[:2]]
     assert parser.get_parsed_content("stage2#templates") == []
     assert parser.get_parsed_content("ckpt_dir").endswith("models/finetune")
+    assert parser.get_parsed_content("init_weights") is None  # the shipped detectors are for other landmarks
 
 
 @pytest.mark.parametrize(
