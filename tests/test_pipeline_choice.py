@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -194,6 +195,10 @@ def test_fine_tuning_continues_the_detector_of_fewer_of_its_labels(tmp_path):
     other = _detector(tmp_path / "other", items=_labelled(3), names=["x", "y"])
     missing = tmp_path / "missing" / "model.pt"
     assert starting_detector([str(seen), str(other), str(missing)], items, *args) is None
+    record = tmp_path / "stage2" / "detector_info.json"
+    record.write_text("{truncated")
+    with pytest.raises(ValueError, match=re.escape(f"{record}: not a readable detector record")):
+        starting_detector([str(stage2)], items, *args)
 
 
 def test_relative_datalist_paths_and_links_are_the_recorded_images(tmp_path, monkeypatch):

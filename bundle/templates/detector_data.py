@@ -26,6 +26,7 @@ import numpy as np
 import torch
 from bundle.checkpoints import load_weights
 from bundle.configs import bundle_parser, check_image_size, config_files
+from bundle.data.datalist import read_json
 from bundle.inferers.oneshot import OneShotInferer
 from bundle.io_utils import write_json_atomic
 from bundle.networks.detector import HeatmapDetector
@@ -136,9 +137,10 @@ def write_detector_info(
 
 
 def detector_info(ckpt_path: str | Path) -> dict:
-    """The record :func:`write_detector_info` wrote beside ``ckpt_path``; ``{}`` when there is none."""
+    """The record :func:`write_detector_info` wrote beside ``ckpt_path``; ``{}`` when there is none (an unreadable
+    one raises :class:`bundle.data.datalist.DatalistError` naming it)."""
     info = Path(ckpt_path).parent / INFO_FILE
-    return json.loads(info.read_text()) if info.is_file() else {}
+    return read_json(info, "detector record") if info.is_file() else {}
 
 
 def detector_templates(ckpt_path: str | Path) -> list[str]:
@@ -258,7 +260,7 @@ def read_pseudo_labels(path: str | Path, cycle_tolerance: float | None = None) -
     become ``null``, as :func:`pseudo_labelled_items` does; the templates keep theirs. A file written with a
     stricter tolerance is refused: the landmarks it left out cannot be restored.
     """
-    data = json.loads(Path(path).read_text())
+    data = read_json(path, "pseudo-label datalist")
     if "pseudo_labels" not in data or "training" not in data:
         raise ValueError(f"{path} is not a pseudo-label datalist (written by stage 2 as output_dir/pseudo_labels.json)")
     items = [dict(it) for it in data["training"]]
