@@ -1,22 +1,32 @@
 """Checkpoint files: reading them safely (errors that name the file), loading weights, writing atomically.
 
 Every checkpoint is read with ``torch.load(weights_only=True)`` and written, with CPU tensors, through a
-hidden temporary that is renamed into place (:func:`save_atomically`); :func:`resume_path` is the file
-``--resume`` continues from.
+hidden temporary that is renamed into place (:func:`save_atomically`), with the JSON record of the training
+that made it where there is one (:func:`save_with_record`); :func:`resume_path` is the file ``--resume`` continues
+from.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
-from bundle.io_utils import atomic_path
+from bundle.io_utils import atomic_path, write_json_atomic
+
+# the key of a checkpoint record (:func:`save_with_record`) that names the checkpoint files it describes
+RECORD_KEY = "checkpoints"
 
 
 class CheckpointError(ValueError):
     """A checkpoint file that cannot be used; the message names the file and what is wrong with it."""
+
+
+class UndescribedCheckpointError(CheckpointError):
+    """A checkpoint that the record beside it (:func:`save_with_record`) does not describe: a later training in its
+    folder wrote the record, and the file holds an earlier training's weights."""
 
 
 def read_checkpoint(path: str | Path, device: torch.device | str = "cpu", what: str = "checkpoint") -> dict:
@@ -111,6 +121,49 @@ def save_atomically(checkpoint: Mapping, path: str | Path, save=torch.save) -> N
         raise CheckpointError(
             f"cannot write checkpoint {path} (the previous one, if any, is kept){space}: {type(e).__name__}: {e}"
         ) from e
+
+
+def read_record(record_path: str | Path, what: str = "checkpoint record") -> dict:
+    """The JSON record at ``record_path`` (:func:`save_with_record`); an unreadable one raises
+    :class:`CheckpointError` naming it as ``what``."""
+    try:
+        record = json.loads(Path(record_path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{record_path}: not a readable {what} ({e})") from e
+    if not isinstance(record, dict):
+        raise CheckpointError(f"{record_path}: a {what} must be a JSON object, got {type(record).__name__}")
+    return record
+
+
+def describes(record: Mapping, path: str | Path) -> bool:
+    """Whether ``record`` (:func:`save_with_record`) describes the checkpoint file ``path`` of its folder: ``path`` is
+    among its ``checkpoints``, or the record has no such key (one written whole for its folder's files)."""
+    named = record.get(RECORD_KEY)
+    return named is None or Path(path).name in named
+
+
+def save_with_record(checkpoint: Mapping, path: str | Path, record_path: str | Path, record: Mapping) -> None:
+    """:func:`save_atomically` of ``checkpoint`` to ``path`` with ``record`` (what the training that made it is, a
+    JSON object) at ``record_path`` beside it, naming under ``checkpoints`` the files of this training it describes.
+
+    A record of another training there first stops naming ``path``, then the weights are written, then this record is
+    written naming ``path`` and the files this training wrote before: wherever the writing stops, no file is named by
+    a record of a training other than the one that wrote it (a new training in a folder never lends its record to the
+    previous training's files). Each write is atomic."""
+    path, record_path = Path(path), Path(record_path)
+    record = json.loads(json.dumps(dict(record)))  # as it reads back: lists for tuples
+    previous = read_record(record_path) if record_path.is_file() else None
+    described = []
+    if previous is not None:
+        named = previous.get(RECORD_KEY)
+        if named is None:  # a record of every file there
+            named = sorted(p.name for p in record_path.parent.glob("*.pt"))
+        if {k: v for k, v in previous.items() if k != RECORD_KEY} == record:
+            described = named
+        elif path.name in named:
+            write_json_atomic(record_path, {**previous, RECORD_KEY: [n for n in named if n != path.name]})
+    save_atomically(checkpoint, path)
+    write_json_atomic(record_path, {**record, RECORD_KEY: sorted({*described, path.name})})
 
 
 def resume_path(ckpt_dir: str | Path, resume: bool | str, filename: str = "last.pt") -> str | None:

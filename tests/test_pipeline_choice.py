@@ -9,13 +9,16 @@ import logging
 import re
 from pathlib import Path
 
+import bundle.checkpoints
 import pytest
 import torch
+from bundle.checkpoints import CheckpointError, save_with_record
 from bundle.networks.detector import HeatmapDetector
-from bundle.templates.detector_data import detector_info, recorded_detector, write_detector_info
+from bundle.templates.detector_data import detector_info, detector_record, recorded_detector, write_detector_info
 from bundle.templates.pipeline_choice import (
     SHIPPED_TEMPLATE,
     SHIPPED_WEIGHTS,
+    assess_detector,
     builtin_templates,
     choose_detector,
     default_detectors,
@@ -199,6 +202,49 @@ def test_fine_tuning_continues_the_detector_of_fewer_of_its_labels(tmp_path):
     record.write_text("{truncated")
     with pytest.raises(ValueError, match=re.escape(f"{record}: not a readable detector record")):
         starting_detector([str(stage2)], items, *args)
+
+
+def test_a_training_never_lends_its_record_to_an_earlier_trainings_files(tmp_path, monkeypatch):
+    """The savers write detector_info.json with each model file, naming the files it describes: a new training in
+    the folder of an earlier one (a fine-tuning continuing in place) leaves no earlier weights under its record,
+    wherever it stops; the pipeline choice passes such a file over and a named use of it is refused."""
+    folder = tmp_path / "finetune"
+    earlier = detector_record([], "human", _labelled(5), [192, 192], NAMES, NETWORK)
+    weights = {"w": torch.zeros(2)}
+    for name in ("model.pt", "model_final.pt"):
+        save_with_record(weights, folder / name, folder / earlier["file"], earlier["content"])
+    assert detector_info(folder / "model_final.pt")["image_size"] == [192, 192]
+    assert json.loads((folder / "detector_info.json").read_text())["checkpoints"] == ["model.pt", "model_final.pt"]
+    later = detector_record([], "human", _labelled(10), [288, 288], NAMES, NETWORK, folder / "model.pt")
+
+    def killed(checkpoint, path):  # the process dies while the new weights are written
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bundle.checkpoints, "save_atomically", killed)
+    with pytest.raises(KeyboardInterrupt):
+        save_with_record(weights, folder / "model.pt", folder / later["file"], later["content"])
+    monkeypatch.undo()
+    # the earlier model.pt is whole but no longer described (its record was about to go); model_final.pt still is
+    assert detector_info(folder / "model_final.pt")["image_size"] == [192, 192]
+    with pytest.raises(CheckpointError, match=re.escape(f"{folder / 'model.pt'} is not among the checkpoints")):
+        detector_info(folder / "model.pt")
+    save_with_record(weights, folder / "model.pt", folder / later["file"], later["content"])
+    assert detector_info(folder / "model.pt")["image_size"] == [288, 288]  # the new weights, the new record
+    with pytest.raises(CheckpointError, match=r"model_final\.pt is not among the checkpoints .* \(model\.pt\)"):
+        detector_info(folder / "model_final.pt")  # an earlier training's weights under the new record
+    n, refusal, _ = assess_detector(folder / "model_final.pt", NAMES, 2)
+    assert n == 0 and "earlier training's weights" in refusal
+    assert choose_detector("detector", [str(folder / "model_final.pt"), str(folder / "model.pt")], NAMES, 2, None, 0)
+    save_with_record(weights, folder / "model_final.pt", folder / later["file"], later["content"])  # training ends
+    assert detector_info(folder / "model_final.pt")["n_labelled"] == 10
+    assert json.loads((folder / "detector_info.json").read_text())["checkpoints"] == ["model.pt", "model_final.pt"]
+    # a record without `checkpoints` (written whole for a folder's files, as the shipped ones are) describes them all
+    legacy = _detector(tmp_path / "legacy")
+    (legacy.parent / "model_final.pt").write_bytes(legacy.read_bytes())
+    assert detector_info(legacy.parent / "model_final.pt")["n_labelled"] == 5
+    save_with_record(weights, legacy, legacy.parent / later["file"], later["content"])
+    with pytest.raises(CheckpointError, match="is not among the checkpoints"):
+        detector_info(legacy.parent / "model_final.pt")
 
 
 def test_relative_datalist_paths_and_links_are_the_recorded_images(tmp_path, monkeypatch):

@@ -318,7 +318,8 @@ def test_tiny_stage2_training_and_evaluation_beat_chance(tmp_path):
     )
 
     # a fine-tuning on two human labels, one of them the stage-2 detector's template, continues that detector
-    assert json.loads((tmp_path / "m2" / "detector_info.json").read_text())["init_weights"] is None
+    stage2_record = json.loads((tmp_path / "m2" / "detector_info.json").read_text())
+    assert stage2_record["init_weights"] is None and stage2_record["checkpoints"] == ["model.pt", "model_final.pt"]
     two_labels = tmp_path / "two_labels.json"
     two_labels.write_text(json.dumps({**datalist, "training": [datalist["template"]] + datalist["training"]}))
     run(
@@ -335,6 +336,7 @@ def test_tiny_stage2_training_and_evaluation_beat_chance(tmp_path):
     )
     record = json.loads((tmp_path / "m3" / "detector_info.json").read_text())
     assert record["init_weights"] == os.path.realpath(tmp_path / "m2" / "model.pt") and record["n_labelled"] == 2
+    assert record["checkpoints"] == ["model_final.pt"]  # written with the weights: no validation ran, no model.pt
 
     out = tmp_path / "eval"
     run(  # no image_size given: the detector's own grid, read from detector_info.json

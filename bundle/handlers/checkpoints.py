@@ -1,7 +1,7 @@
 """Checkpoint handlers: :class:`AtomicCheckpointSaver` writes the best and the final model files, each through
-:func:`bundle.checkpoints.save_atomically`; :class:`LastCheckpointSaver` writes ``last.pt``, which
-:class:`ResumeCheckpointLoader` restores (refusing changed settings); :class:`CheckpointDirReport` prints
-where they are.
+:func:`bundle.checkpoints.save_atomically` (with the training's record: :func:`bundle.checkpoints.save_with_record`);
+:class:`LastCheckpointSaver` writes ``last.pt``, which :class:`ResumeCheckpointLoader` restores (refusing changed
+settings); :class:`CheckpointDirReport` prints where they are.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 import ignite.distributed as idist
 import torch
-from bundle.checkpoints import CheckpointError, read_checkpoint, save_atomically
+from bundle.checkpoints import CheckpointError, read_checkpoint, save_atomically, save_with_record
 from ignite.engine import Engine, Events
 from ignite.handlers.checkpoint import BaseSaveHandler, Checkpoint
 from monai.handlers import CheckpointLoader
@@ -25,16 +25,23 @@ logger = logging.getLogger(__name__)
 class AtomicSaveHandler(BaseSaveHandler):
     """Ignite save handler writing every checkpoint to the one file ``dirname/filename`` with
     :func:`bundle.checkpoints.save_atomically` (rank 0): each save replaces the previous file atomically, so
-    there is nothing to remove."""
+    there is nothing to remove. With a ``record`` (``{"file": name, "content": JSON object}``, what the training is)
+    the file ``dirname/name`` is written with each checkpoint and names it
+    (:func:`bundle.checkpoints.save_with_record`)."""
 
-    def __init__(self, dirname: str | os.PathLike, filename: str) -> None:
+    def __init__(self, dirname: str | os.PathLike, filename: str, record: Mapping | None = None) -> None:
         self.path = Path(dirname).expanduser() / filename
+        self.record = record
         # read while every process builds its handlers: ignite's first call synchronises the processes
         self.rank = idist.get_rank()
 
     def __call__(self, checkpoint: Mapping, filename: str, metadata: Mapping | None = None) -> None:
-        if self.rank == 0:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.rank != 0:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.record:
+            save_with_record(checkpoint, self.path, self.path.parent / self.record["file"], self.record["content"])
+        else:
             save_atomically(checkpoint, self.path)
 
     def remove(self, filename: str) -> None:
@@ -48,8 +55,9 @@ class AtomicCheckpointSaver:
     ``save_key_metric``: after each evaluation whose key metric (``engine.state.key_metric_name``) is the best
     so far, to ``key_metric_filename``; the lowest is best with ``key_metric_negative_sign``. Both are Ignite
     ``Checkpoint`` objects (a single object is saved as its own ``state_dict``) writing through
-    :class:`AtomicSaveHandler`. ``state_dict``/``load_state_dict`` carry the key-metric ranking, so that a
-    resumed run keeps the best file of the run before it.
+    :class:`AtomicSaveHandler`, with the training's ``record`` beside each file when one is given.
+    ``state_dict``/``load_state_dict`` carry the key-metric ranking, so that a resumed run keeps the best file of the
+    run before it.
     """
 
     def __init__(
@@ -61,6 +69,7 @@ class AtomicCheckpointSaver:
         save_key_metric: bool = False,
         key_metric_filename: str = "model.pt",
         key_metric_negative_sign: bool = False,
+        record: Mapping | None = None,
     ) -> None:
         if not save_dict:
             raise ValueError("AtomicCheckpointSaver: save_dict is empty, there is nothing to save")
@@ -70,14 +79,14 @@ class AtomicCheckpointSaver:
         if save_final:
             self.final_checkpoint = Checkpoint(
                 save_dict,
-                AtomicSaveHandler(save_dir, final_filename),
+                AtomicSaveHandler(save_dir, final_filename, record),
                 score_function=lambda engine: engine.state.iteration,
                 score_name="final_iteration",
             )
         if save_key_metric:
             self.key_metric_checkpoint = Checkpoint(
                 save_dict,
-                AtomicSaveHandler(save_dir, key_metric_filename),
+                AtomicSaveHandler(save_dir, key_metric_filename, record),
                 score_function=self.score,
                 score_name="key_metric",
             )

@@ -3,6 +3,7 @@ training items, and the template features of inference."""
 
 from bundle.templates.detector_data import (
     detector_info,
+    detector_record,
     detector_templates,
     labelled_items,
     load_detector,
@@ -72,6 +73,7 @@ __all__ = [
     "default_detectors",
     "default_templates",
     "detector_info",
+    "detector_record",
     "detector_templates",
     "grid_points",
     "held_out_images",

@@ -24,7 +24,7 @@ from typing import Sequence
 
 import numpy as np
 import torch
-from bundle.checkpoints import load_weights
+from bundle.checkpoints import RECORD_KEY, UndescribedCheckpointError, describes, load_weights, read_record
 from bundle.configs import bundle_parser, check_image_size, config_files
 from bundle.data.datalist import read_json
 from bundle.inferers.oneshot import OneShotInferer
@@ -101,8 +101,7 @@ def pseudo_labelled_items(
     return items
 
 
-def write_detector_info(
-    ckpt_dir: str | Path,
+def detector_record(
     templates: Sequence[dict] | None,
     labels: str,
     items: Sequence[dict],
@@ -110,37 +109,56 @@ def write_detector_info(
     landmark_names: Sequence[str],
     network: dict,
     init_weights: str | Path | None = None,
-) -> Path:
-    """``ckpt_dir/detector_info.json``, what a detector is and what it learnt from: ``labels`` (``pseudo`` or
-    ``human``), the ``templates`` that made its pseudo-labels (empty for human labels), its ``labelled_images`` (the
-    human-labelled ones: the training ``items`` for human labels, the templates that are not pseudo-templates for
-    pseudo-labels) and their number ``n_labelled``, its ``training_images`` (real paths), the grid ``image_size``,
-    its ``landmark_names``, the ``network`` settings of :class:`bundle.networks.detector.HeatmapDetector`
-    (:func:`recorded_detector`) and ``init_weights``, the detector it continued (real path; null: it started from a
-    stage-1 encoder or at random)."""
+) -> dict:
+    """What a detector is and what it learnt from, as its training writes it beside each of its checkpoints
+    (``{"file": "detector_info.json", "content": ...}``: the ``record`` of
+    :class:`bundle.handlers.checkpoints.AtomicCheckpointSaver`, which adds the ``checkpoints`` it describes). The
+    content: ``labels`` (``pseudo`` or ``human``), the ``templates`` that made its pseudo-labels (empty for human
+    labels), its ``labelled_images`` (the human-labelled ones: the training ``items`` for human labels, the templates
+    that are not pseudo-templates for pseudo-labels) and their number ``n_labelled``, its ``training_images`` (real
+    paths), the grid ``image_size``, its ``landmark_names``, the ``network`` settings of
+    :class:`bundle.networks.detector.HeatmapDetector` (:func:`recorded_detector`) and ``init_weights``, the detector
+    it continued (real path; null: it started from a stage-1 encoder or at random)."""
     templates = list(templates or [])
     labelled = items if labels == "human" else [t for t in templates if not t.get("pseudo_label")]
-    return write_json_atomic(
-        Path(ckpt_dir) / INFO_FILE,
-        {
-            "labels": labels,
-            "templates": [t["image"] for t in templates],
-            "n_labelled": len(labelled),
-            "labelled_images": [os.path.realpath(it["image"]) for it in labelled],
-            "training_images": [os.path.realpath(it["image"]) for it in items],
-            "image_size": [int(v) for v in image_size],
-            "landmark_names": [str(n) for n in landmark_names],
-            "network": {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in network.items()},
-            "init_weights": os.path.realpath(init_weights) if init_weights else None,
-        },
-    )
+    content = {
+        "labels": labels,
+        "templates": [t["image"] for t in templates],
+        "n_labelled": len(labelled),
+        "labelled_images": [os.path.realpath(it["image"]) for it in labelled],
+        "training_images": [os.path.realpath(it["image"]) for it in items],
+        "image_size": [int(v) for v in image_size],
+        "landmark_names": [str(n) for n in landmark_names],
+        "network": {k: (list(v) if isinstance(v, (list, tuple)) else v) for k, v in network.items()},
+        "init_weights": os.path.realpath(init_weights) if init_weights else None,
+    }
+    return {"file": INFO_FILE, "content": content}
+
+
+def write_detector_info(ckpt_dir: str | Path, *args, **kwargs) -> Path:
+    """``ckpt_dir/detector_info.json`` holding :func:`detector_record`'s content (the other arguments are its), without
+    ``checkpoints``: a record of every checkpoint in ``ckpt_dir`` (one written for checkpoints made elsewhere)."""
+    return write_json_atomic(Path(ckpt_dir) / INFO_FILE, detector_record(*args, **kwargs)["content"])
 
 
 def detector_info(ckpt_path: str | Path) -> dict:
-    """The record :func:`write_detector_info` wrote beside ``ckpt_path``; ``{}`` when there is none (an unreadable
-    one raises :class:`bundle.data.datalist.DatalistError` naming it)."""
-    info = Path(ckpt_path).parent / INFO_FILE
-    return read_json(info, "detector record") if info.is_file() else {}
+    """The record :func:`detector_record` made beside ``ckpt_path``; ``{}`` when there is none. An unreadable one,
+    and one that does not name ``ckpt_path`` among its ``checkpoints`` (a later training in that folder wrote it, and
+    the file holds an earlier training's weights: :class:`bundle.checkpoints.UndescribedCheckpointError`) raise
+    :class:`bundle.checkpoints.CheckpointError` naming them."""
+    path = Path(ckpt_path)
+    record_path = path.parent / INFO_FILE
+    if not record_path.is_file():
+        return {}
+    info = read_record(record_path, "detector record")
+    if not describes(info, path):
+        raise UndescribedCheckpointError(
+            f"{path} is not among the checkpoints its record {record_path} describes "
+            f"({', '.join(info[RECORD_KEY]) or 'none'}): a later training in that folder wrote the record and has not "
+            "replaced this file, which holds an earlier training's weights; use a checkpoint the record names, or "
+            "train again"
+        )
+    return info
 
 
 def detector_templates(ckpt_path: str | Path) -> list[str]:

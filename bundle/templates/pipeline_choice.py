@@ -17,6 +17,7 @@ import os
 from pathlib import Path
 from typing import Sequence
 
+from bundle.checkpoints import UndescribedCheckpointError
 from bundle.data.embedded import open_datalist
 from bundle.reporting import PIPELINES
 from bundle.template_file import bundle_path, load_template
@@ -109,14 +110,18 @@ def assess_detector(
 ):
     """What a detector checkpoint offers a run: ``(n_labelled, refusal, doubts)``. ``n_labelled``: the human-labelled
     images behind it (:func:`bundle.templates.detector_data.write_detector_info`; 0 when not recorded);
-    ``refusal``: why it cannot predict this run (no file, other landmarks or dimensionality recorded), else None;
+    ``refusal``: why it cannot predict this run (no file, a record that does not describe it, other landmarks or
+    dimensionality recorded), else None;
     ``doubts``: why ``auto`` does not take it: its record does not name its landmarks, one of its labelled images is
     not among the run's ``labelled_images`` (it did not learn from the run's own labels; None: not checked), or a test
     image is among its training images."""
     path = Path(ckpt_path)
     if not path.is_file():
         return 0, f"{path}: no such file", []
-    info = detector_info(path)
+    try:
+        info = detector_info(path)
+    except UndescribedCheckpointError as e:  # an earlier training's weights beside a later one's record
+        return 0, str(e), []
     record = path.parent / INFO_FILE
     names = info.get("landmark_names")
     if names and list(names) != list(landmark_names):
