@@ -180,16 +180,20 @@ def test_auto_passes_over_a_detector_that_is_not_this_run_s(tmp_path, caplog):
 
 def test_fine_tuning_continues_the_detector_of_fewer_of_its_labels(tmp_path):
     """configs/finetune.yaml's ``init_weights``: the detector that learnt from the most of fewer of the run's labelled
-    images, on the run's grid and from none of its validation and test images; else None (the stage-1 encoder)."""
+    images, with the run's network settings (on any grid) and from none of its validation and test images; else None
+    (the stage-1 encoder)."""
     datalist = _datalist(5)
     items = datalist["training"][:5]
     one_label = [{"image": "/data/train_0.png"}, {"image": "/data/u_0.png", "pseudo_label": True}]
     stage2 = _detector(tmp_path / "stage2", labels="pseudo", items=datalist["training"], templates=one_label)
     three = _detector(tmp_path / "three", items=_labelled(3))
-    args = (NAMES, 2, [64, 64], datalist)
+    args = (NAMES, NETWORK, datalist)
     assert starting_detector([str(stage2)], items, *args) == str(stage2)
     assert starting_detector([str(stage2), str(three)], items, *args) == str(three)  # the most labels
-    assert starting_detector([str(stage2)], items, NAMES, 2, [96, 96], datalist) is None  # another grid
+    coarse = _detector(tmp_path / "coarse", items=_labelled(4), image_size=[32, 32])
+    assert starting_detector([str(coarse), str(three)], items, *args) == str(coarse)  # another grid: continued
+    wider = dict(NETWORK, head_channels=8)  # the weights would not fit
+    assert starting_detector([str(stage2)], items, NAMES, wider, datalist) is None
     assert starting_detector([str(stage2)], items[1:], *args) is None  # its labelled image is not the run's
     assert starting_detector([str(three)], items[:3], *args) is None  # as many labels: not a continuation
     seen = _detector(

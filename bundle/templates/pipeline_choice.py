@@ -12,6 +12,7 @@ A fine-tuning on human labels (configs/finetune.yaml) continues the detector tha
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -21,7 +22,7 @@ from bundle.checkpoints import UndescribedCheckpointError
 from bundle.data.embedded import open_datalist
 from bundle.reporting import PIPELINES
 from bundle.template_file import bundle_path, load_template
-from bundle.templates.detector_data import INFO_FILE, detector_grid, detector_info
+from bundle.templates.detector_data import INFO_FILE, detector_info
 from bundle.templates.resolution import RANKED_POOL, held_out_images, labelled_training_items, template_items
 
 logger = logging.getLogger(__name__)
@@ -205,28 +206,27 @@ def choose_detector(
 
 
 def starting_detector(
-    detectors: Sequence[str],
-    items: Sequence[dict],
-    landmark_names: Sequence[str],
-    spatial_dims: int,
-    image_size: Sequence[int],
-    datalist: dict,
+    detectors: Sequence[str], items: Sequence[dict], landmark_names: Sequence[str], network: dict, datalist: dict
 ) -> str | None:
     """The detector a fine-tuning on the human-labelled training ``items`` of ``datalist`` continues
     (configs/finetune.yaml ``init_weights``), or None: it starts from the stage-1 encoder.
 
     Among ``detectors``, the one that learnt from the most labelled images (the first of equals) for the same
-    landmarks and dimensionality, on the grid ``image_size``, from fewer labelled images than ``items`` and only from
-    images among them, and from none of the datalist's validation and test images (:func:`assess_detector`). At 5
-    labels on 192² that is the one-label stage-2 detector made from one of them. Chosen on the validation images at 5
-    labels over two seeds: docs/results.md, "Fine-tuning continues the stage-2 detector"."""
+    landmarks, with the run's ``network`` settings (:func:`bundle.templates.detector_data.recorded_detector`: the
+    weights fit), from fewer labelled images than ``items`` and only from images among them, and from none of the
+    datalist's validation and test images (:func:`assess_detector`), on any grid (the network is convolutional and
+    the fine-tuning's grid keeps the landmarks' scale in mm). At 5 labels that is the one-label stage-2 detector made
+    from one of them, at 10 the 5-label detector on the coarser grid. Chosen on the validation images over two seeds:
+    docs/results.md, "Fine-tuning continues the stage-2 detector"."""
     labelled = [_real(it["image"]) for it in items]
     held_out = sorted(held_out_images(datalist))
+    settings = json.loads(json.dumps(dict(network)))  # as recorded: lists for tuples
     usable = []
     for path in detectors:
-        n_labelled, refusal, doubts = assess_detector(path, landmark_names, spatial_dims, labelled, held_out)
-        same_grid = refusal is None and detector_grid(path, spatial_dims) == [int(v) for v in image_size]
-        if same_grid and not doubts and 0 < n_labelled < len(labelled):
+        dims = settings["spatial_dims"]
+        n_labelled, refusal, doubts = assess_detector(path, landmark_names, dims, labelled, held_out)
+        fits = refusal is None and detector_info(path).get("network") == settings
+        if fits and not doubts and 0 < n_labelled < len(labelled):
             usable.append((n_labelled, str(path)))
     best = max(usable, key=lambda u: u[0], default=None)  # max keeps the first of equals
     if best is None:
