@@ -221,9 +221,9 @@ def starting_detector(
     labelled = [_real(it["image"]) for it in items]
     held_out = sorted(held_out_images(datalist))
     settings = json.loads(json.dumps(dict(network)))  # as recorded: lists for tuples
+    dims = settings["spatial_dims"]
     usable = []
     for path in detectors:
-        dims = settings["spatial_dims"]
         n_labelled, refusal, doubts = assess_detector(path, landmark_names, dims, labelled, held_out)
         fits = refusal is None and detector_info(path).get("network") == settings
         if fits and not doubts and 0 < n_labelled < len(labelled):
