@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from bundle.checkpoints import load_weights
-from bundle.configs import bundle_parser, config_files
+from bundle.configs import apply_cpu_threads, bundle_parser, config_files
 from bundle.data.synthetic import generate_synthetic_2d
 from ignite.handlers import ProgressBar
 from monai.bundle import ConfigParser
@@ -219,3 +220,13 @@ def test_loading_the_bundle_as_monai_does_writes_nothing(tmp_path):
     workflow.initialize()
     assert workflow.network_def is not None
     assert _files(tmp_path) == before
+
+
+@pytest.mark.parametrize("value", ["two", 0, True, 1.5])
+def test_cpu_threads_of_a_command_without_a_stage_1_step_is_checked(value):
+    """Stage 2, fine-tuning and evaluation set ``cpu_threads`` for the whole command (the stage-1 step sets its own);
+    ``auto`` and null leave torch's setting, a bad value is refused naming the key."""
+    threads = torch.get_num_threads()
+    assert apply_cpu_threads("auto") == threads and apply_cpu_threads(None) == threads
+    with pytest.raises(ValueError, match="cpu_threads must be null, 'auto' or a positive integer"):
+        apply_cpu_threads(value)

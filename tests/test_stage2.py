@@ -322,18 +322,24 @@ def test_tiny_stage2_training_and_evaluation_beat_chance(tmp_path):
     assert stage2_record["init_weights"] is None and stage2_record["checkpoints"] == ["model.pt", "model_final.pt"]
     two_labels = tmp_path / "two_labels.json"
     two_labels.write_text(json.dumps({**datalist, "training": [datalist["template"]] + datalist["training"]}))
-    run(
-        "training",
-        config_file=stage2 + [str(ROOT / "configs/finetune.yaml")],
-        output_dir=str(tmp_path / "t3"),
-        ckpt_dir=str(tmp_path / "m3"),
-        detectors=[str(tmp_path / "m2" / "model.pt")],
-        n_labelled=2,
-        epochs=1,
-        epoch_length=2,
-        val_interval=2,
-        **dict(common, datalist=str(two_labels)),
-    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # what the key must change, whatever an earlier training left
+    try:
+        run(
+            "training",
+            config_file=stage2 + [str(ROOT / "configs/finetune.yaml")],
+            output_dir=str(tmp_path / "t3"),
+            ckpt_dir=str(tmp_path / "m3"),
+            detectors=[str(tmp_path / "m2" / "model.pt")],
+            n_labelled=2,
+            epochs=1,
+            epoch_length=2,
+            val_interval=2,
+            **dict(common, datalist=str(two_labels), cpu_threads=1),
+        )
+        assert torch.get_num_threads() == 1  # stage 2 and fine-tuning read cpu_threads too (they once did not)
+    finally:
+        torch.set_num_threads(threads)
     record = json.loads((tmp_path / "m3" / "detector_info.json").read_text())
     assert record["init_weights"] == os.path.realpath(tmp_path / "m2" / "model.pt") and record["n_labelled"] == 2
     assert record["checkpoints"] == ["model_final.pt"]  # written with the weights: no validation ran, no model.pt
