@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import torch
+from bundle.data.datalist import read_json
 from bundle.io_utils import atomic_path, write_json_atomic
 
 # the key of a checkpoint record (:func:`save_with_record`) that names the checkpoint files it describes
@@ -125,11 +126,9 @@ def save_atomically(checkpoint: Mapping, path: str | Path, save=torch.save) -> N
 
 def read_record(record_path: str | Path, what: str = "checkpoint record") -> dict:
     """The JSON record at ``record_path`` (:func:`save_with_record`); an unreadable one raises
-    :class:`CheckpointError` naming it as ``what``."""
-    try:
-        record = json.loads(Path(record_path).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{record_path}: not a readable {what} ({e})") from e
+    :class:`bundle.data.datalist.DatalistError` (:func:`bundle.data.datalist.read_json`), one that is not a JSON object
+    :class:`CheckpointError`, both naming it as ``what``."""
+    record = read_json(record_path, what)
     if not isinstance(record, dict):
         raise CheckpointError(f"{record_path}: a {what} must be a JSON object, got {type(record).__name__}")
     return record

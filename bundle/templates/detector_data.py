@@ -145,7 +145,7 @@ def detector_info(ckpt_path: str | Path) -> dict:
     """The record :func:`detector_record` made beside ``ckpt_path``; ``{}`` when there is none. An unreadable one,
     and one that does not name ``ckpt_path`` among its ``checkpoints`` (a later training in that folder wrote it, and
     the file holds an earlier training's weights: :class:`bundle.checkpoints.UndescribedCheckpointError`) raise
-    :class:`bundle.checkpoints.CheckpointError` naming them."""
+    an error naming them."""
     path = Path(ckpt_path)
     record_path = path.parent / INFO_FILE
     if not record_path.is_file():
