@@ -16,6 +16,8 @@ epoch through the train task, then saves ``TARGET_LABEL`` as the target's label,
 (published whatever its score) and infers with it. Prints ``{"bundle", "saved_label", "detector": suggestions,
 "train", "detector_train": stats, "missing_weights": the start-up error of an app given no weights}``.
 
+``priority WORK``: the train task's child process, and the app's training defaults from its conf (see ``priority``).
+
 ``split WORK``: the detector's held-out split (``landmark_tasks.train.detector_split``) for 2 to 20 labelled ids,
 and its training grid (``landmark_tasks.train.detector_training_grid``) without and with a requested one, 2D and 3D,
 and continuing a served detector's.
@@ -160,7 +162,43 @@ def split(work: str) -> dict:
     return out
 
 
+def priority(work: str) -> dict:
+    """The train task's child process (``BundleTrainTask._run_bundle``, given a stand-in for the bundle's training
+    that writes its own niceness and a ``last.pt`` of 3 epochs of 5 iterations into the candidate's folder) and the
+    app's training defaults from its conf (the error of each bad one). Prints ``{"own", "child", "epochs_run",
+    "defaults", "refused"}``."""
+    sys.path[:0] = [str(ROOT), str(ROOT / "apps" / "monailabel")]
+    from types import SimpleNamespace
+
+    from landmark_tasks.train import BundleTrainTask
+    from main import training_defaults
+
+    candidate = Path(work) / "model_final.pt"
+    child = (
+        "import os, sys, torch; from pathlib import Path; folder = Path(sys.argv[1]); "
+        "(folder / 'model_final.pt').write_text(str(os.nice(0))); "
+        "torch.save({'trainer': {'iteration': 15, 'epoch_length': 5, 'max_epochs': 3}}, folder / 'last.pt')"
+    )
+    task = BundleTrainTask.__new__(BundleTrainTask)
+    task.context = SimpleNamespace(bundle_root=ROOT)
+    epochs_run = task._run_bundle([sys.executable, "-c", child, str(work)], candidate)
+    refused = {}
+    for conf in ({"max_minutes": "0"}, {"max_minutes": "soon"}, {"epochs": "2.5"}, {"max_minutes": "nan"}):
+        try:
+            training_defaults(conf)
+        except ValueError as e:
+            refused[json.dumps(conf)] = str(e)
+    defaults = [training_defaults({}), training_defaults({"max_minutes": "none", "epochs": "4"})]
+    return {
+        "own": os.nice(0),
+        "child": int(candidate.read_text()),
+        "epochs_run": epochs_run,
+        "defaults": defaults,
+        "refused": refused,
+    }
+
+
 if __name__ == "__main__":
     scenario, *args = sys.argv[1:]
-    scenarios = {"dicomweb": dicomweb, "ct": ct, "device": device, "split": split}
+    scenarios = {"dicomweb": dicomweb, "ct": ct, "device": device, "split": split, "priority": priority}
     print("RESULT " + json.dumps(scenarios[scenario](*args), default=str))

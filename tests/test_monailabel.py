@@ -558,6 +558,8 @@ def test_saved_labels_become_the_templates(server):
         ({"seed": -1}, "seed"),
         ({"network": "detector", "holdout": float("nan")}, "holdout"),
         ({"publish": "sometimes"}, "publish"),
+        ({"max_minutes": 0}, "max_minutes"),
+        ({"max_minutes": "soon"}, "max_minutes"),
     ],
 )
 def test_bad_training_values_are_refused_naming_the_key(server, params, key):
@@ -680,7 +682,9 @@ def _detector_stats(server, params: dict) -> dict:
 
 def test_detector_is_kept_out_when_not_better(server):
     model = server["app"] / "model"
-    stats = _detector_stats(server, {"min_improvement": 1e9})
+    # 3 epochs asked for, a time budget that ends the training after the first
+    stats = _detector_stats(server, {"min_improvement": 1e9, "epochs": 3, "max_minutes": 1e-6})
+    assert stats["epoch"] == stats["train"]["epochs_run"] == 1
     assert stats["published"] is False and "kept template matching" in stats["decision"]
     assert stats["predictor"] == "templates" and stats["eval"]["served_predictor"] == "templates"
     # the encoder starts from the served stage-1 weights (published by the contrastive training above)

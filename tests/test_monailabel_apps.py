@@ -64,6 +64,17 @@ def test_the_detector_is_scored_on_at_least_three_held_out_images(tmp_path):
     }
 
 
+def test_trainings_run_at_a_lower_priority_within_a_time_budget(tmp_path):
+    """The train task's child process runs at niceness 10 (suggestions first on shared cores) and reports the epochs
+    its last.pt says it ran; the conf's ``max_minutes`` (default 12) and ``epochs`` are checked, naming the key."""
+    result = _in_process(tmp_path, "priority")
+    assert result["child"] == max(result["own"], 10) and result["epochs_run"] == 3
+    assert result["defaults"] == [{"epochs": 10, "max_minutes": 12.0}, {"epochs": 4}]
+    assert len(result["refused"]) == 4
+    for conf, error in result["refused"].items():
+        assert f"--conf {next(iter(json.loads(conf)))}" in error, error
+
+
 def test_dicomweb_series_gives_the_png_landmarks(tmp_path):
     """A DICOMweb studies URL (MONAI Label's datastore, its transport replaced by local copies: no DICOMweb
     server here, see tests/monailabel_inprocess.py): the app reads the series folder the datastore downloads

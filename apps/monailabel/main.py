@@ -30,7 +30,8 @@ landmark names; its ``spatial_dims`` selects the 2D or 3D configs; default: none
 shipped weights, 19 cephalometric landmarks, and the fine-tuned detector shipped beside them, as ``inferring``
 uses them),
 ``ckpt_path`` (default: the shipped 2D weights; 3D: ``output/models/ct3d/model.pt``, where the default 3D
-training writes), ``epochs``,
+training writes), ``epochs`` (default 10), ``max_minutes`` (a background training's time budget: it ends after the last
+epoch that fits; default 12, so that a training and its scoring end within 15 minutes; ``none``: no budget),
 ``predictor`` (``auto``: the detector once one is published or shipped, else template matching; ``detector``;
 ``templates``),
 ``pseudo_templates`` (default: the bundle's, 20; 0: none): how many pseudo-templates join few saved labels (the
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import math
 import os
 import sys
 from pathlib import Path
@@ -55,6 +57,8 @@ from monailabel.interfaces.app import MONAILabelApp
 from monailabel.interfaces.exception import MONAILabelException
 
 APP_DIR = Path(__file__).resolve().parent
+# a background training's time budget in minutes (conf ``max_minutes``): with the scoring after it, within 15
+DEFAULT_MAX_MINUTES = 12
 logger = logging.getLogger(__name__)
 
 
@@ -78,6 +82,23 @@ def import_bundle(bundle_root: Path) -> None:
         raise
 
 
+def training_defaults(conf: dict[str, str]) -> dict:
+    """The train task's defaults from the conf keys ``epochs`` and ``max_minutes`` (ValueError naming a bad one)."""
+    defaults = {}
+    for key, default, kind in (("epochs", "10", int), ("max_minutes", str(DEFAULT_MAX_MINUTES), float)):
+        text = str(conf.get(key, default)).strip()
+        if key == "max_minutes" and text.lower() in ("none", "null"):
+            continue
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not math.isfinite(value) or value <= 0:
+            raise ValueError(f"--conf {key}: expected a positive {kind.__name__}, got {text!r}")
+        defaults[key] = value
+    return defaults
+
+
 class LandmarkApp(MONAILabelApp):
     def __init__(self, app_dir: str, studies: str, conf: dict[str, str]) -> None:
         self.bundle_root = Path(conf.get("bundle_root", APP_DIR.parents[1])).resolve()
@@ -98,7 +119,7 @@ class LandmarkApp(MONAILabelApp):
             conf.get("device"),
             conf.get("pseudo_templates"),
         )
-        self.train_defaults = {"epochs": int(conf.get("epochs", 10))}
+        self.train_defaults = training_defaults(conf)
         self.predictor = conf.get("predictor", "auto")
         if settings.MONAI_LABEL_SESSIONS:
             # MONAI Label's sessions unpack uploaded archives as they come (members may name paths outside);

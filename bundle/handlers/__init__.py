@@ -1,4 +1,5 @@
-"""Ignite handlers of the configs: checkpoints and resuming, the evaluation report, TensorBoard, templates."""
+"""Ignite handlers of the configs: checkpoints and resuming, the evaluation report, TensorBoard, templates, the
+training's time budget."""
 
 from bundle.handlers.checkpoints import (
     AtomicCheckpointSaver,
@@ -11,6 +12,7 @@ from bundle.handlers.checkpoints import (
 from bundle.handlers.report import LandmarkReportHandler
 from bundle.handlers.templates import TemplateHandler
 from bundle.handlers.tensorboard import DeferredSummaryWriter
+from bundle.handlers.time_budget import TrainingTimeBudget
 
 __all__ = [
     "AtomicCheckpointSaver",
@@ -21,5 +23,6 @@ __all__ = [
     "LastCheckpointSaver",
     "ResumeCheckpointLoader",
     "TemplateHandler",
+    "TrainingTimeBudget",
     "resume_handlers",
 ]

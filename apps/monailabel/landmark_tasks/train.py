@@ -51,8 +51,11 @@ candidate replaces the served weights whatever it scores; the decision says so).
 (``model.pt``, ``detector.pt`` with ``detector.json``) first keeps it beside itself as
 ``<name>.<YYYYmmdd-HHMMSS>.<ext>`` (``kept_previous`` in the stats): copying it back restores it.
 
-The bundle's training runs on the app's device (``--conf device``); scoring uses the app's one stage-1 network of
-that device, and a CUDA device's cache is emptied after each training.
+The bundle's training runs on the app's device (``--conf device``) in a child process of lower priority (niceness
+``TRAINING_NICENESS``: suggestions requested meanwhile get the shared cores first), within a time budget
+(``max_minutes``, request key or ``--conf max_minutes``, default 12: the training ends after the last epoch that fits,
+its learning-rate schedule shortened to end there; ``epoch`` in the stats is the number of epochs run). Scoring uses
+the app's one stage-1 network of that device, and a CUDA device's cache is emptied after each training.
 
 ``model/train_stats.json`` (MONAI Label's convention; ``/info/`` shows it under ``train_stats``) records the
 network trained, both scores and their ``units`` (``mm`` when every scored image has a spacing, else pixels), the
@@ -66,6 +69,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -75,6 +79,7 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+from bundle.checkpoints import read_checkpoint
 from bundle.data.datalist import is_finite_number
 from bundle.io_utils import atomic_path, write_json_atomic
 from bundle.templates.detector_data import base_grid, detector_info
@@ -155,6 +160,7 @@ BUNDLE_OPTIONS = {
     "epoch_length": _positive_int,
     "batch_size": _positive_int,
     "learning_rate": _positive_float,
+    "max_minutes": _positive_float,
     "image_size": _size,
     "crop_size": _size,
     "num_queries": _positive_int,
@@ -399,6 +405,20 @@ def detector_training_grid(options: dict, spatial_dims: int, served_grid: list[i
     return [int(v) for v in grid] if grid else base_grid(spatial_dims)
 
 
+# the training child's niceness: on cores that a training shares with the server, suggestions come first
+TRAINING_NICENESS = 10
+
+
+def lower_priority(pid: int) -> None:
+    """Give process ``pid`` ``TRAINING_NICENESS`` (where the system has niceness; nothing otherwise). The threads
+    it starts later inherit it."""
+    if hasattr(os, "setpriority"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, pid, TRAINING_NICENESS)
+        except OSError as e:  # a process that has already ended, or a system that refuses
+            logger.warning(f"the training process {pid} keeps its priority: {e}")
+
+
 def training_command(
     config_file: str,
     datalist: Path,
@@ -456,12 +476,20 @@ class BundleTrainTask(TrainTask):
         detector = self.context.served_detector()
         return ("detector", str(detector)) if detector else ("templates", str(self.context.served_checkpoint()))
 
-    def _run_bundle(self, command: list[str], candidate: Path) -> None:
-        done = subprocess.run(command, cwd=self.context.bundle_root, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"bundle training failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+    def _run_bundle(self, command: list[str], candidate: Path) -> int:
+        """Run the bundle's training (``TRAINING_NICENESS``: suggestions come first on shared cores) until it has
+        written ``candidate``; returns the epochs it ran (``max_minutes`` may end it early)."""
+        process = subprocess.Popen(
+            command, cwd=self.context.bundle_root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        lower_priority(process.pid)
+        _, stderr = process.communicate()
+        if process.returncode != 0:
+            raise RuntimeError(f"bundle training failed (exit {process.returncode}):\n{stderr[-4000:]}")
         if not candidate.is_file():
             raise RuntimeError(f"bundle training wrote no {candidate}")
+        trainer = read_checkpoint(candidate.parent / "last.pt", "cpu", "the training's last.pt")["trainer"]
+        return trainer["iteration"] // trainer["epoch_length"]
 
     def __call__(self, request: dict, datastore: Datastore) -> dict[str, Any]:
         start = time.time()
@@ -479,8 +507,8 @@ class BundleTrainTask(TrainTask):
         finally:
             if self.context.device.type == "cuda":  # what scoring cached on the GPU (a server's run_sync training)
                 torch.cuda.empty_cache()
-        epochs = int(options.get("epochs", 10))
         predictor, checkpoint = self.served_predictor()
+        epochs = stats["train"]["epochs_run"]
         stats = {
             "network": network,
             "epoch": epochs,
@@ -518,7 +546,7 @@ class BundleTrainTask(TrainTask):
         )
         logger.info(f"fine-tuning {served} on {len(items)} images ({len(labelled)} labelled): {' '.join(command)}")
         candidate = candidate_dir / "model_final.pt"
-        self._run_bundle(command, candidate)
+        epochs_run = self._run_bundle(command, candidate)
 
         cases, scored_on = scoring_cases(self.context, labelled)
         old = new = None
@@ -536,7 +564,13 @@ class BundleTrainTask(TrainTask):
         best = None if old is None else (new if published else old)
         return {
             "best_metric": best,
-            "train": {"images": len(items), "labelled": len(labelled), "options": options, "init_weights": str(served)},
+            "train": {
+                "images": len(items),
+                "labelled": len(labelled),
+                "options": options,
+                "init_weights": str(served),
+                "epochs_run": epochs_run,
+            },
             "eval": {
                 "metrics": {"mre_served": old, "mre_trained": new},
                 "key_metric_name": "mre",
@@ -589,7 +623,7 @@ class BundleTrainTask(TrainTask):
             f"training the detector on {len(trained)} labelled images ({len(held)} held out): {' '.join(command)}"
         )
         candidate = candidate_dir / "model_final.pt"
-        self._run_bundle(command, candidate)
+        epochs_run = self._run_bundle(command, candidate)
         # without a served detector the fine-tuning config chooses where to start (a detector of fewer of these
         # labels, else the stage-1 encoder): its record says which
         continued = str(served_detector) if served_detector else detector_info(candidate).get("init_weights")
@@ -646,6 +680,7 @@ class BundleTrainTask(TrainTask):
                 **init,
                 "trained_on": trained_ids,
                 "held_out": held_ids,
+                "epochs_run": epochs_run,
             },
             "eval": {
                 "metrics": {"mre_served": old, "mre_trained": new},
