@@ -194,6 +194,8 @@ def test_fine_tuning_continues_the_detector_of_fewer_of_its_labels(tmp_path):
     assert starting_detector([str(coarse), str(three)], items, *args) == str(coarse)  # another grid: continued
     wider = dict(NETWORK, head_channels=8)  # the weights would not fit
     assert starting_detector([str(stage2)], items, NAMES, wider, datalist) is None
+    _, refusal, _ = assess_detector(stage2, NAMES, 2, network=wider)
+    assert "other network settings" in refusal and "'head_channels': 8" in refusal
     assert starting_detector([str(stage2)], items[1:], *args) is None  # its labelled image is not the run's
     assert starting_detector([str(three)], items[:3], *args) is None  # as many labels: not a continuation
     seen = _detector(

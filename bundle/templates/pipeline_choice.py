@@ -108,11 +108,13 @@ def assess_detector(
     spatial_dims: int,
     labelled_images: Sequence[str] | None = (),
     test_images: Sequence[str] = (),
+    network: dict | None = None,
 ):
     """What a detector checkpoint offers a run: ``(n_labelled, refusal, doubts)``. ``n_labelled``: the human-labelled
     images behind it (:func:`bundle.templates.detector_data.write_detector_info`; 0 when not recorded);
     ``refusal``: why it cannot predict this run (no file, a record that does not describe it, other landmarks or
-    dimensionality recorded), else None;
+    dimensionality recorded, or, given the run's ``network`` settings, other ones recorded: its weights would not
+    fit), else None;
     ``doubts``: why ``auto`` does not take it: its record does not name its landmarks, one of its labelled images is
     not among the run's ``labelled_images`` (it did not learn from the run's own labels; None: not checked), or a test
     image is among its training images."""
@@ -130,6 +132,9 @@ def assess_detector(
     dims = (info.get("network") or {}).get("spatial_dims")
     if dims is not None and int(dims) != int(spatial_dims):
         return 0, f"{path}: a {dims}D detector ({record}), the run is {spatial_dims}D", []
+    settings = None if network is None else json.loads(json.dumps(dict(network)))  # as recorded: lists for tuples
+    if settings is not None and info.get("network") != settings:
+        return 0, f"{path}: other network settings ({record}: {info.get('network')}; the run's: {settings})", []
     doubts = []
     if not names:
         doubts.append(f"{path}: {record} does not name its landmarks (a detector trained before 0.17.0)")
@@ -220,13 +225,12 @@ def starting_detector(
     docs/results.md, "Fine-tuning continues the stage-2 detector"."""
     labelled = [_real(it["image"]) for it in items]
     held_out = sorted(held_out_images(datalist))
-    settings = json.loads(json.dumps(dict(network)))  # as recorded: lists for tuples
-    dims = settings["spatial_dims"]
     usable = []
     for path in detectors:
-        n_labelled, refusal, doubts = assess_detector(path, landmark_names, dims, labelled, held_out)
-        fits = refusal is None and detector_info(path).get("network") == settings
-        if fits and not doubts and 0 < n_labelled < len(labelled):
+        n_labelled, refusal, doubts = assess_detector(
+            path, landmark_names, network["spatial_dims"], labelled, held_out, network
+        )
+        if refusal is None and not doubts and 0 < n_labelled < len(labelled):
             usable.append((n_labelled, str(path)))
     best = max(usable, key=lambda u: u[0], default=None)  # max keeps the first of equals
     if best is None:
