@@ -25,6 +25,7 @@ from bundle.templates.detector_data import (
     detector_templates,
     finetune_grid,
     follow_grid,
+    pseudo_label_templates,
     read_pseudo_labels,
     write_detector_info,
 )
@@ -262,6 +263,7 @@ def test_reused_pseudo_labels_drop_the_landmarks_past_the_cycle_tolerance(tmp_pa
     record = {"templates": ["t.png"], "cycle_tolerance": None, "cycle_error": {"a.png": [0.5, 2.5, None]}}
     path.write_text(json.dumps({"training": items, "pseudo_labels": record}))
     assert read_pseudo_labels(path) == items
+    assert pseudo_label_templates(path) == items[:1]
     template, pseudo = read_pseudo_labels(path, cycle_tolerance=2.0)
     assert template == items[0]  # a template keeps its landmarks
     assert pseudo["landmarks"] == [[1.5, 2.5], None, None]  # past the tolerance; no cycle error (no match back)
@@ -274,6 +276,14 @@ def test_reused_pseudo_labels_drop_the_landmarks_past_the_cycle_tolerance(tmp_pa
     path.write_text(json.dumps({"training": items, "pseudo_labels": short}))
     with pytest.raises(ValueError, match=r"a.png has 3 landmarks but 2 cycle errors"):
         read_pseudo_labels(path, cycle_tolerance=2.0)
+    path.write_text(json.dumps({"training": items, "pseudo_labels": {"cycle_tolerance": None}}))
+    with pytest.raises(ValueError, match=r"pseudo_labels.json: no list of template images under"):
+        pseudo_label_templates(path)
+    for text in ("[]", json.dumps({"training": items})):
+        path.write_text(text)
+        for read in (read_pseudo_labels, pseudo_label_templates):
+            with pytest.raises(ValueError, match=r"pseudo_labels.json is not a pseudo-label datalist"):
+                read(path)
 
 
 @pytest.mark.slow

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import json
 import logging
 import os
 from pathlib import Path
@@ -278,9 +277,7 @@ def read_pseudo_labels(path: str | Path, cycle_tolerance: float | None = None) -
     become ``null``, as :func:`pseudo_labelled_items` does; the templates keep theirs. A file written with a
     stricter tolerance is refused: the landmarks it left out cannot be restored.
     """
-    data = read_json(path, "pseudo-label datalist")
-    if "pseudo_labels" not in data or "training" not in data:
-        raise ValueError(f"{path} is not a pseudo-label datalist (written by stage 2 as output_dir/pseudo_labels.json)")
+    data = _read_pseudo_label_file(path)
     items = [dict(it) for it in data["training"]]
     if cycle_tolerance is None:
         return items
@@ -309,5 +306,20 @@ def read_pseudo_labels(path: str | Path, cycle_tolerance: float | None = None) -
 
 def pseudo_label_templates(path: str | Path) -> list[dict]:
     """The template items that made the pseudo-labels of :func:`read_pseudo_labels`'s file."""
-    images = set(json.loads(Path(path).read_text())["pseudo_labels"]["templates"])
-    return [it for it in read_pseudo_labels(path) if it["image"] in images]
+    data = _read_pseudo_label_file(path)
+    images = data["pseudo_labels"].get("templates")
+    if not isinstance(images, list):
+        raise ValueError(f"{path}: no list of template images under pseudo_labels.templates")
+    return [dict(it) for it in data["training"] if it["image"] in set(images)]
+
+
+def _read_pseudo_label_file(path: str | Path) -> dict:
+    """The JSON of a pseudo-label datalist (:func:`pseudo_labelled_items`), refused naming ``path`` if not one."""
+    data = read_json(path, "pseudo-label datalist")
+    if (
+        not isinstance(data, dict)
+        or not isinstance(data.get("pseudo_labels"), dict)
+        or not isinstance(data.get("training"), list)
+    ):
+        raise ValueError(f"{path} is not a pseudo-label datalist (written by stage 2 as output_dir/pseudo_labels.json)")
+    return data
