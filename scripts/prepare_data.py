@@ -8,6 +8,7 @@ Run from the repository root::
     python -m scripts.prepare_data hand --root DIR --out ... [--spacing "[0.1,0.1]"] [--csv all.csv]
     python -m scripts.prepare_data nifti --images_dir DIR [--markups_dir DIR] --out ... [--landmark_names ...]
     python -m scripts.prepare_data dicom --root DIR --out ... [--csv marks.csv] [--spacing ...] [--markups_dir DIR]
+    python -m scripts.prepare_data mirrored --datalist D --out_dir DIR [--gamma 0.7]
 
 Options of every command: ``--name``; ``--validation_fraction 0.0 --test_fraction 0.0 --seed 0`` move a
 seeded random share of the labelled ``training`` items to ``validation`` / ``test``; ``--template ID``
@@ -341,11 +342,62 @@ def hamedan_protocol(root: str | Path, out: str | Path) -> str:
     return str(out)
 
 
+def mirrored(datalist: str, out_dir: str, gamma: float = 0.7) -> None:
+    """Another site, simulated (the annotation loop's images unlike the shipped detector's, docs/results.md): every
+    image of the 2D 8-bit ``datalist`` mirrored left-right (a face that looked right looks left) and exposed with
+    ``gamma`` (``255 (v / 255) ** gamma``), to ``out_dir/images/<name>.png``, and ``out_dir/datalist.json``: the same
+    items and sections with the landmarks mirrored too (``x -> width - 1 - x``)."""
+    from PIL import Image
+
+    if not (isinstance(gamma, (int, float)) and not isinstance(gamma, bool) and 0 < gamma < float("inf")):
+        raise ValueError(f"--gamma: expected a positive number, got {gamma!r}")
+    source = load_datalist(datalist)
+    if source["spatial_dims"] != 2:
+        raise ValueError(f"{datalist}: mirrored takes a 2D datalist, not spatial_dims {source['spatial_dims']}")
+    images = Path(out_dir) / "images"
+    images.mkdir(parents=True, exist_ok=True)
+    widths: dict[str, int] = {}
+
+    def convert(item: dict) -> dict:
+        path = Path(item["image"])
+        target = images / f"{path.stem}.png"
+        if str(path) not in widths:
+            with Image.open(path) as opened:
+                if opened.mode not in ("L", "P", "RGB", "RGBA"):
+                    raise ValueError(f"{path}: mirrored takes 8-bit images, this one is {opened.mode}")
+                pixels = np.asarray(opened.convert("L"), dtype=np.float64)
+            exposed = np.round(255.0 * (pixels / 255.0) ** gamma)[:, ::-1].astype(np.uint8)
+            with atomic_path(target) as tmp:
+                Image.fromarray(exposed).save(tmp, format="PNG")
+            widths[str(path)] = pixels.shape[1]
+        width = widths[str(path)]
+        out = dict(item, image=str(target.resolve()))
+        if item.get("landmarks"):
+            out["landmarks"] = [None if p is None else [width - 1 - p[0], p[1]] for p in item["landmarks"]]
+        return out
+
+    result = {k: [convert(it) for it in v] if k in SECTIONS else v for k, v in source.items()}
+    result["name"] = f"{source.get('name', 'datalist')}_mirrored_gamma{gamma:g}"
+    out_path = Path(out_dir) / "datalist.json"
+    with atomic_path(out_path) as tmp:
+        save_datalist(result, tmp)
+        load_datalist(tmp)
+    print(f"wrote {out_path} ({len(widths)} images)")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    """Entry point: ``python -m scripts.prepare_data {labelme|isbi2015|hand|nifti|dicom} ...``."""
+    """Entry point: ``python -m scripts.prepare_data {labelme|isbi2015|hand|nifti|dicom|mirrored} ...``."""
     try:
         fire.Fire(
-            {"labelme": labelme, "isbi2015": isbi2015, "hand": hand, "nifti": nifti, "dicom": dicom}, command=argv
+            {
+                "labelme": labelme,
+                "isbi2015": isbi2015,
+                "hand": hand,
+                "nifti": nifti,
+                "dicom": dicom,
+                "mirrored": mirrored,
+            },
+            command=argv,
         )
     except (ValueError, KeyError) as e:  # DatalistError is a ValueError: bad input, not a bug
         print(f"error: {e.args[0] if isinstance(e, KeyError) and e.args else e}", file=sys.stderr)
