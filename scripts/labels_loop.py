@@ -123,24 +123,30 @@ def train_detector(client, request: dict, probe_image: str, timeout_s: float = 7
     }
 
 
-def plot(runs: dict[str, Sequence[dict]], path: Path) -> Path:
+def plot(runs: dict[str, Sequence[dict]], path: Path, top_mm: float | None = None) -> Path:
     """MRE of the suggestions against the number of saved labels (after each step's training), one line per named
-    run's rows; t / d mark what the server served (templates, detector)."""
-    figure = Figure(figsize=(5.5, 3.4), dpi=120)
+    run's rows; t / d mark what the server served (templates, detector). ``top_mm``: the axis ends there, and an MRE
+    above it is drawn at the top with its value."""
+    figure = Figure(figsize=(5.5, 3.4 + 0.2 * len(runs)), dpi=120)
     FigureCanvasAgg(figure)
     ax = figure.add_subplot()
     for name, rows in runs.items():
         last = {row["labels"]: row for row in rows}  # the last row of each step: after its training
         labels = sorted(last)
-        ax.plot(labels, [last[n]["mre_mm"] for n in labels], "o-", label=name)
-        for n in labels:
-            ax.annotate(last[n]["predictor"][0], (n, last[n]["mre_mm"]), textcoords="offset points", xytext=(4, 4))
-    ax.set_ylim(bottom=0)
+        mre = [last[n]["mre_mm"] for n in labels]
+        shown = [min(v, top_mm) if top_mm else v for v in mre]
+        ax.plot(labels, shown, "o-", label=name)
+        for i, (n, v, y) in enumerate(zip(labels, mre, shown)):
+            if y < v and i > 0 and mre[i - 1] == v:
+                continue  # an MRE above the axis is named once while it holds
+            text = last[n]["predictor"][0] + (f" {v:.0f} mm" if y < v else "")
+            ax.annotate(text, (n, y), textcoords="offset points", xytext=(4, -12 if y < v else 4))
+    ax.set_ylim(bottom=0, top=top_mm)
     ax.set_xlabel("labels saved in MONAI Label")
     ax.set_ylabel("MRE of the suggestions (mm)")
     ax.set_title("held-out images; t = templates, d = detector served", fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="lower left")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=1, frameon=False)
     figure.tight_layout()
     with atomic_path(path) as tmp:
         figure.savefig(tmp, format="png")
