@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 
 import fire
 import numpy as np
+from bundle.configs import as_number
 from bundle.data.annotations import MultiAnnotatorSet, image_stem, natural_key
 from bundle.data.datalist import SECTIONS, load_datalist, save_datalist
 from bundle.data.dicom import dicom_series_datalist, dicom_xray_datalist, find_dicom_files
@@ -349,8 +350,8 @@ def mirrored(datalist: str, out_dir: str, gamma: float = 0.7) -> None:
     items and sections with the landmarks mirrored too (``x -> width - 1 - x``)."""
     from PIL import Image
 
-    if not (isinstance(gamma, (int, float)) and not isinstance(gamma, bool) and 0 < gamma < float("inf")):
-        raise ValueError(f"--gamma: expected a positive number, got {gamma!r}")
+    if as_number(gamma, "--gamma", minimum=0) == 0:
+        raise ValueError(f"--gamma: expected a number > 0, got {gamma!r}")
     source = load_datalist(datalist)
     if source["spatial_dims"] != 2:
         raise ValueError(f"{datalist}: mirrored takes a 2D datalist, not spatial_dims {source['spatial_dims']}")

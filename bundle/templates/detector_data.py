@@ -310,7 +310,8 @@ def pseudo_label_templates(path: str | Path) -> list[dict]:
     images = data["pseudo_labels"].get("templates")
     if not isinstance(images, list):
         raise ValueError(f"{path}: no list of template images under pseudo_labels.templates")
-    return [dict(it) for it in data["training"] if it["image"] in set(images)]
+    images = set(images)
+    return [dict(it) for it in data["training"] if it["image"] in images]
 
 
 def _read_pseudo_label_file(path: str | Path) -> dict:
