@@ -15,6 +15,7 @@ import torch
 from monai.metrics import CumulativeIterationMetric
 
 DEFAULT_THRESHOLDS = (2.0, 2.5, 3.0, 4.0)
+GROSS_ERROR_MM = 10.0  # an error above this is a gross failure (a match on the wrong structure)
 
 
 def radial_errors(pred, ref):

@@ -39,6 +39,7 @@ import numpy as np
 from bundle.configs import config_files
 from bundle.data.datalist import load_datalist
 from bundle.io_utils import write_json_atomic, write_text_atomic
+from bundle.metrics import GROSS_ERROR_MM
 from bundle.reporting import read_predictions_csv
 from bundle.templates.resolution import labelled_training_items
 from scripts.bundle_commands import run_command
@@ -435,9 +436,6 @@ def template_rules(datalist: str, run_dir: str, pool_size: int = 32) -> dict:
     return result
 
 
-GROSS_MM = 10.0  # an error above this is a gross failure (a match on the wrong structure)
-
-
 def load_results(out: str | Path) -> list[dict]:
     """Every ``result.json`` under ``out``, with the median error and the share of gross errors (> 10 mm)
     from the run's ``eval/predictions.csv`` when it exists."""
@@ -449,7 +447,7 @@ def load_results(out: str | Path) -> list[dict]:
             errors = np.array([row["error_mm"] for row in read_predictions_csv(predictions)])
             errors = errors[np.isfinite(errors)]
             result["median_mm"] = float(np.median(errors))
-            result["gross_pct"] = float(100.0 * np.mean(errors > GROSS_MM))
+            result["gross_pct"] = float(100.0 * np.mean(errors > GROSS_ERROR_MM))
         results.append(result)
     return results
 
@@ -510,7 +508,7 @@ METRIC_HEADER = [
     "SDR 3 mm %",
     "SDR 4 mm %",
     "median error mm",
-    f"errors > {GROSS_MM:g} mm %",
+    f"errors > {GROSS_ERROR_MM:g} mm %",
     "selection MRE mm (labelled non-test images)",
 ]
 

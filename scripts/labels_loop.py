@@ -4,7 +4,7 @@ Run from the repository root (needs ``make monailabel``)::
 
     python -m scripts.labels_loop --datalist runs/hamedan/protocol.json --out runs/labels_loop \\
         [--steps "[1,3,5,10]"] [--heldout 30] [--train "{}"] [--threads null] \\
-        [--server_datalist D --unlabelled 30 --detector false]
+        [--server_datalist D] [--unlabelled 30] [--detector false]
 
 A MONAI Label server of the app as a user starts it (no ``--conf``: the shipped weights, their built-in templates
 and the detector shipped beside them, served from the start) over copies of the datalist's labelled training images
@@ -34,16 +34,15 @@ from typing import Any, Sequence
 
 import fire
 import numpy as np
-from bundle.configs import as_flag, bundle_parser, config_files
+from bundle.configs import as_flag
 from bundle.data.datalist import load_datalist
 from bundle.data.markups import ControlPoint, write_mrk_json
 from bundle.io_utils import atomic_path, write_json_atomic
+from bundle.metrics import GROSS_ERROR_MM
 from bundle.template_file import load_template
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from scripts.monailabel_server import ROOT, serving
-
-GROSS_MM = 10.0
 
 
 def point_list(path: Path, names: Sequence[str], landmarks: Sequence) -> Path:
@@ -75,10 +74,11 @@ def score(client, items: Sequence[dict], names: Sequence[str]) -> dict[str, Any]
         "median_mm": float(np.median(e)),
         "sdr_2mm": float((e <= 2.0).mean()),
         "sdr_4mm": float((e <= 4.0).mean()),
-        "gross_10mm": float((e > GROSS_MM).mean()),
+        "gross_10mm": float((e > GROSS_ERROR_MM).mean()),
         "landmarks_scored": int(e.size),
         "suggestion_s_median": float(np.median(seconds)),
         "predictor": replies[-1]["predictor"],
+        "predictor_choice": replies[-1]["predictor_choice"],
         "templates": [t["image"] for t in replies[-1]["templates"]],
         "checkpoint": replies[-1]["checkpoint"],
     }
@@ -153,13 +153,14 @@ def plot(runs: dict[str, Sequence[dict]], path: Path, top_mm: float | None = Non
     return path
 
 
-def wait_for_pseudo_templates(client, image: str, timeout_s: float) -> float | None:
-    """Seconds until a suggestion for ``image`` names pseudo-templates (the app computes them in the background after
-    the labels change), None when none came within ``timeout_s`` (they do not apply, or are slow)."""
+def wait_for_background(client, image: str, timeout_s: float) -> float | None:
+    """Seconds until a suggestion for ``image`` names no background work under way (its ``pending``: auto's choice and
+    pseudo-templates, which the app computes after the labels or the served models change), None when some is still
+    under way after ``timeout_s``."""
     started = time.monotonic()
     while time.monotonic() < started + timeout_s:
         _, reply = client.infer("landmarks", "", {}, file=image)
-        if any(t["source"] == "pseudo" for t in reply["templates"]):
+        if not reply["pending"]:
             return time.monotonic() - started
         time.sleep(2)
     return None
@@ -175,7 +176,7 @@ def run(
     detector: bool = True,
     server_datalist: str | None = None,
     unlabelled: int = 0,
-    pseudo_wait_s: float = 600,
+    settle_s: float = 600,
 ) -> Path:
     """The loop (module doc); returns the path of ``learning_curve.json``. ``detector=False`` requests no detector
     training (the suggestions of what is served as the labels are saved, minutes instead of hours).
@@ -183,13 +184,11 @@ def run(
     ``server_datalist``: the server's ``--conf datalist`` (its templates stand in before the first label, and no
     built-in template joins the saved labels: the loop of a new anatomy). ``unlabelled``: that many of the datalist's
     training images that the loop never labels are copied into the studies folder too, unlabelled: with few saved
-    labels (at most the bundle's ``pseudo_max_labelled``) the app makes pseudo-templates of them, and each such step
-    waits for them (up to ``pseudo_wait_s``) before it scores (``pseudo_ready_s`` in the row)."""
+    labels (at most the bundle's ``pseudo_max_labelled``) and no built-in template joining them, the app makes
+    pseudo-templates of them. After saving the labels of a step and after its training, the loop waits (up to
+    ``settle_s``) until the app's background work is done (auto's choice, pseudo-templates) before it scores
+    (``settled_s`` in the row)."""
     detector = as_flag(detector, "detector")  # the command line gives "false" as a string
-    if unlabelled and not server_datalist:
-        raise ValueError(
-            "--unlabelled needs --server_datalist: beside the built-in templates no pseudo-template is made"
-        )
     data = load_datalist(datalist)
     names = list(data["landmark_names"])
     builtin = set()
@@ -228,7 +227,6 @@ def run(
         )
 
     conf = ("datalist", str(Path(server_datalist).resolve())) if server_datalist else ()
-    pseudo_max_labelled = bundle_parser(config_files("evaluate"), ROOT).get_parsed_content("pseudo_max_labelled")
     with serving(work / "server", studies, conf, threads=threads) as server:
         client = server["client"]
         served_names = list(server["info"]["models"]["landmarks"]["labels"])
@@ -244,17 +242,25 @@ def run(
                 client.save_label(stem, str(label), tag="final")
             saved = n
             step_s = time.monotonic() - started
-            pseudo = {}
-            if extra and (pseudo_max_labelled is None or n <= pseudo_max_labelled):
-                pseudo["pseudo_ready_s"] = wait_for_pseudo_templates(client, held[0]["image"], pseudo_wait_s)
-            record({"labels": n, "stage": "labels saved", "step_s": step_s, **pseudo, **score(client, held, names)})
+            settled_s = wait_for_background(client, held[0]["image"], settle_s)
+            record(
+                {
+                    "labels": n,
+                    "stage": "labels saved",
+                    "step_s": step_s,
+                    "settled_s": settled_s,
+                    **score(client, held, names),
+                }
+            )
             if detector and n >= 2:
                 trained = train_detector(client, dict(train or {}), held[0]["image"])
+                settled_s = wait_for_background(client, held[0]["image"], settle_s)
                 record(
                     {
                         "labels": n,
                         "stage": "trained",
                         "step_s": trained["train_s"],
+                        "settled_s": settled_s,
                         **trained,
                         **score(client, held, names),
                     }

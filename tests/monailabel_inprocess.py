@@ -138,7 +138,7 @@ def device(work: str, datalist: str, studies: str, template_id: str, template_la
     app.infer({"model": "landmarks", "image": target})
     # that suggestion started the pseudo-templates of the saved label, on the background worker's own network,
     # which is gone with the worker
-    while app.context._pseudo_worker is not None:
+    while app.context.pseudo.pending():
         time.sleep(0.1)
     tiny = {"epochs": 1, "epoch_length": 1, "batch_size": 1, "image_size": [64, 64], "crop_size": [32, 32]}
     out["train_device"] = app.train({"model": "landmarks", **tiny, "num_queries": 4})["device"]

@@ -209,7 +209,8 @@ def test_default_serves_the_shipped_cephalometric_model(tmp_path):
     detector shipped beside the built-in templates (``models/finetune``), for their 19 landmark names; a request's
     ``predictor: templates`` matches from the built-in templates as ``inferring --pipeline templates`` does, and a
     saved label joins them (a real cephalogram when ../shared/data is there, else a synthetic image). Training is
-    refused until 2 images are labelled, naming the count."""
+    refused until 2 images are labelled, naming the count. After the save, auto's choice is made in the background
+    by scores that the server's own suggestions for the labelled image reproduce."""
     from bundle.data.embedded import open_datalist
     from bundle.data.synthetic import generate_synthetic_2d
     from bundle.template_file import load_template
@@ -248,14 +249,110 @@ def test_default_serves_the_shipped_cephalometric_model(tmp_path):
         assert status == 422 and "at least 2 labelled images" in reply["detail"] and "has 0 labelled" in reply["detail"]
         # a saved label joins the built-in templates (they fit the served shipped weights): matched from an upload
         # (a datastore image is never its own template), the label first, then the built-in ones
-        label = mrk_json(tmp_path / "label.mrk.json", builtin["landmark_names"], [expected[n] for n in expected])
+        # (the matched points moved by (6, -4) pixels: a label that no candidate reproduces exactly)
+        label_points = {image.stem: [np.add(expected[n], (6.0, -4.0)).tolist() for n in builtin["landmark_names"]]}
+        label = mrk_json(tmp_path / "label.mrk.json", builtin["landmark_names"], label_points[image.stem])
         running["client"].save_label(image.stem, str(label), tag="final")
         _, joined = running["client"].infer("landmarks", "", {"predictor": "templates"}, file=str(image))
         assert joined["templates"] == [{"image": image.stem, "source": "datastore"}] + [
             {"image": Path(s).name, "source": "built-in"} for s in builtin["sources"]
         ]
-        _, served = running["client"].infer("landmarks", "", {}, file=str(image))  # the detector until one is trained
-        assert served["predictor"] == "detector" and served["templates"] == []
+        # the first suggestion after the save is served as before it, and starts auto's choice in the background
+        _, served = running["client"].infer("landmarks", "", {}, file=str(image))
+        assert served["predictor"] == "detector" and served["templates"] == [] and served["predictor_choice"] is None
+        assert served["pending"] == ["predictor_choice"]
+        # the choice's scores are the errors of the server's own suggestions for the labelled image
+        choice = _settled(running["client"], str(image), 1)["predictor_choice"]
+        assert choice["scored_on"] == [image.stem] and choice["units"] == "pixels"
+        assert set(choice["mre"]) == {"detector", "templates_builtin"}  # not the one label alone: nothing to match
+        for candidate, predictor in (("detector", "detector"), ("templates_builtin", "templates")):
+            served_mre = _served_error(
+                running["client"], [image.stem], label_points, builtin["landmark_names"], predictor
+            )
+            assert choice["mre"][candidate] == pytest.approx(served_mre, rel=1e-4), candidate
+
+
+def _settled(client, image: str, labels: int, timeout_s: float = 180) -> dict:
+    """An upload's suggestion once the app's background work for ``labels`` saved labels is done (no ``pending``;
+    auto's choice, when it has one, made for that many)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        _, reply = client.infer("landmarks", "", {}, file=image)
+        choice = reply["predictor_choice"]
+        if not reply["pending"] and (choice is None or choice["labels"] == labels):
+            return reply
+        assert time.monotonic() < deadline, f"still pending after {timeout_s} s: {reply['pending']}"
+        time.sleep(1)
+
+
+def _served_error(client, image_ids: list[str], labels: dict, names: list[str], predictor: str) -> float:
+    """Mean radial error (pixels) of the server's suggestions for datastore images (their own label is never their
+    template) by ``predictor``, against ``labels`` (id -> pixel landmarks)."""
+    errors = []
+    for image_id in image_ids:
+        _, reply = client.infer("landmarks", image_id, {"predictor": predictor})
+        errors += [np.linalg.norm(np.subtract(reply["landmarks"][n], p)) for n, p in zip(names, labels[image_id])]
+    return float(np.mean(errors))
+
+
+def test_auto_serves_what_the_saved_labels_show_best_on_another_site(tmp_path):
+    """Cephalograms of another site (``prepare_data mirrored``: mirrored and exposed otherwise), which the shipped
+    detector and the built-in templates miss, on the default server: after one saved label, auto serves matching from
+    it alone with its pseudo-templates (the unlabelled datastore images), far better than the detector; after two,
+    the candidate with the lowest error on them, by scores that the server's own suggestions reproduce. Skipped
+    without ../shared/data."""
+    if not CEPHALOGRAM.is_file():
+        pytest.skip("no ../shared/data/hamedan_ceph")
+    from bundle.data.datalist import load_datalist, save_datalist
+    from bundle.template_file import load_template
+    from scripts.prepare_data import hamedan_protocol, mirrored
+
+    protocol = load_datalist(hamedan_protocol(CEPHALOGRAM.parents[1], tmp_path / "protocol.json"))
+    builtin = {Path(s).stem for s in load_template(ROOT / "models" / "template_features.pt")["sources"]}
+    chosen = [it for it in protocol["training"] if it.get("landmarks") and Path(it["image"]).stem not in builtin]
+    names = list(protocol["landmark_names"])
+    save_datalist({"spatial_dims": 2, "landmark_names": names, "training": chosen[:5]}, tmp_path / "five.json")
+    mirrored(str(tmp_path / "five.json"), str(tmp_path / "site"))
+    site = load_datalist(tmp_path / "site" / "datalist.json")["training"]
+    studies = tmp_path / "studies"
+    studies.mkdir()
+    for item in site[:4]:  # two to label, two unlabelled
+        shutil.copy(item["image"], studies)
+    labels = {Path(it["image"]).stem: it["landmarks"] for it in site}
+    first, second = (Path(it["image"]).stem for it in site[:2])
+    upload = site[4]["image"]
+    with app_server(tmp_path, studies) as running:
+        client = running["client"]
+        client.save_label(first, str(mrk_json(tmp_path / "first.mrk.json", names, labels[first])), tag="final")
+        reply = _settled(client, upload, 1)
+        choice = reply["predictor_choice"]
+        assert choice["predictor"] == "templates" and choice["builtin_templates"] is False, choice
+        assert "one saved label" in choice["reason"] and set(choice["mre"]) == {"detector", "templates_builtin"}
+        assert reply["predictor"] == "templates" and reply["templates"][0] == {"image": first, "source": "datastore"}
+        assert {t["source"] for t in reply["templates"][1:]} == {"pseudo"}, reply["templates"]
+        upload_label = {"upload": site[4]["landmarks"]}
+
+        def upload_error(predictor: str) -> float:
+            _, answer = client.infer("landmarks", "", {"predictor": predictor}, file=upload)
+            found = [answer["landmarks"][n] for n in names]
+            return float(np.mean(np.linalg.norm(np.subtract(found, upload_label["upload"]), axis=-1)))
+
+        assert upload_error("auto") < 0.25 * upload_error("detector")
+
+        client.save_label(second, str(mrk_json(tmp_path / "second.mrk.json", names, labels[second])), tag="final")
+        choice = _settled(client, upload, 2)["predictor_choice"]
+        assert set(choice["mre"]) == {"detector", "templates_builtin", "templates"} and choice["scored_on"] == [
+            second,
+            first,
+        ]
+        best = min(choice["mre"], key=choice["mre"].get)
+        assert choice["predictor"] == ("detector" if best == "detector" else "templates")
+        assert choice["builtin_templates"] == (choice["mre"]["templates_builtin"] <= choice["mre"]["templates"])
+        served = {"detector": "detector"}
+        served["templates_builtin" if choice["builtin_templates"] else "templates"] = "templates"
+        for candidate, predictor in served.items():
+            served_mre = _served_error(client, [second, first], labels, names, predictor)
+            assert choice["mre"][candidate] == pytest.approx(served_mre, rel=1e-4), candidate
 
 
 def _cli_evaluation(datalist: Path, out: Path) -> dict:

@@ -59,9 +59,9 @@ def _images(folder: Path, *ids: str) -> list[dict]:
 
 def _settled(context) -> None:
     deadline = time.monotonic() + 60
-    while context._pseudo_worker is not None and time.monotonic() < deadline:
+    while context.pseudo.pending() and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert context._pseudo_worker is None, "the pseudo-template worker did not finish"
+    assert not context.pseudo.pending(), "the pseudo-template worker did not finish"
 
 
 def _sources(items: list[dict]) -> list[tuple[str, str]]:

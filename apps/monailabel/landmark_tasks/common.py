@@ -17,7 +17,7 @@ import os
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -138,6 +138,67 @@ def device_expression(device: torch.device) -> str:
     return f"$torch.device({str(device)!r})"
 
 
+# the niceness of the app's background work (trainings' child processes, pseudo-templates, auto's choice): on cores
+# that it shares with the server, suggestions come first
+BACKGROUND_NICENESS = 10
+
+
+def lower_priority(pid: int, what: str) -> None:
+    """Give process or thread ``pid`` (``what`` it is, for the warning) ``BACKGROUND_NICENESS`` where the system has
+    niceness. The threads it starts later inherit it."""
+    if hasattr(os, "setpriority"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, pid, BACKGROUND_NICENESS)
+        except OSError as e:  # a process that has already ended, or a system that refuses
+            logger.warning(f"{what} {pid} keeps its priority: {e}")
+
+
+class BackgroundValue:
+    """A value computed in the background for the newest key asked for, by one daemon thread at a time at
+    ``BACKGROUND_NICENESS``; the last computed ``(key, value)`` stays readable meanwhile. A failure is logged and gives
+    ``fallback`` for its key."""
+
+    def __init__(self, name: str, compute: Callable[..., Any], fallback: Any = None) -> None:
+        self.name, self.compute, self.fallback = name, compute, fallback
+        self._lock = threading.Lock()
+        self._last: tuple[Any, Any] | None = None
+        self._wanted: tuple[Any, tuple] | None = None
+        self._worker: threading.Thread | None = None
+
+    def get(self, key: Any, *args: Any) -> tuple[Any, Any] | None:
+        """The last computed ``(key, value)`` (None before the first). Unless its key is ``key``, ``compute(*args)`` is
+        wanted for ``key``: started now, or after the computation running (a newer wish replaces an older one)."""
+        with self._lock:
+            if self._last is None or self._last[0] != key:
+                self._wanted = (key, args)
+                if self._worker is None:
+                    self._worker = threading.Thread(target=self._work, name=self.name, daemon=True)
+                    self._worker.start()
+            return self._last
+
+    def pending(self) -> bool:
+        """Whether a computation is running or wanted."""
+        with self._lock:
+            return self._worker is not None
+
+    def _work(self) -> None:
+        lower_priority(threading.get_native_id(), f"the {self.name} thread")
+        while True:
+            with self._lock:
+                wanted = self._wanted
+                if wanted is None or (self._last is not None and self._last[0] == wanted[0]):
+                    self._worker = None
+                    return
+            key, args = wanted
+            try:
+                value = self.compute(*args)
+            except Exception:
+                logger.exception(f"{self.name}: not computed")
+                value = self.fallback
+            with self._lock:
+                self._last = (key, value)
+
+
 class BundleContext:
     """The bundle as the app uses it: configs, device, preprocessing, network and templates (all lazy)."""
 
@@ -213,11 +274,8 @@ class BundleContext:
             self.pseudo_choice["pseudo_max_labelled"] = as_number(
                 self.pseudo_choice["pseudo_max_labelled"], "pseudo_max_labelled", minimum=0, integer=True
             )
-        # pseudo-templates of the saved labels: the last computed (key, items), the newest wanted (key, labelled,
-        # candidates, checkpoint) and the one background worker computing it
-        self._pseudo: tuple[tuple, list[dict]] | None = None
-        self._pseudo_wanted: tuple | None = None
-        self._pseudo_worker: threading.Thread | None = None
+        # pseudo-templates of the saved labels, computed in the background (one set at a time, on a network of its own)
+        self.pseudo = BackgroundValue("pseudo-templates", self._background_pseudo, fallback=[])
         self._preprocessing = None
         self._network = None  # the stage-1 network of the device, and the file whose weights it holds
         self._network_key = None
@@ -380,30 +438,35 @@ class BundleContext:
         checkpoint: str | Path,
         exclude: str | None = None,
         wait: bool = False,
+        builtin: bool = True,
     ) -> list[dict]:
         """The templates of a suggestion with ``checkpoint``'s weights: :meth:`templates` (the saved labels but the
-        image ``exclude``, else the bundle's), and while the saved labels are few, their :meth:`pseudo_templates`
-        (``wait``: computed now when not ready, as the train task's scoring needs them). A labelled image's own
-        suggestion gets none: they are made from all the saved labels, its own among them."""
+        image ``exclude``, else the bundle's), and while the saved labels are few and no built-in template joins them
+        (``builtin``: they join where they fit the weights), their :meth:`pseudo_templates` (``wait``: computed now
+        when not ready, as the train task's scoring needs them). A labelled image's own suggestion gets none: they are
+        made from all the saved labels, its own among them."""
         items = self.templates(labelled, exclude)
         own_label = any(it.get("id") == exclude for it in labelled) if exclude is not None else False
         if items and items[0]["source"] == "datastore" and not own_label:
-            if self._pseudo_apply(labelled, unlabelled, checkpoint):
+            if self._pseudo_apply(labelled, unlabelled, checkpoint, builtin):
                 items += [
                     it for it in self.pseudo_templates(labelled, unlabelled, checkpoint, wait) if it["id"] != exclude
                 ]
         return items
 
-    def _pseudo_apply(self, labelled: Sequence[dict], unlabelled: Sequence[dict], checkpoint: str | Path) -> bool:
+    def _pseudo_apply(
+        self, labelled: Sequence[dict], unlabelled: Sequence[dict], checkpoint: str | Path, builtin: bool = True
+    ) -> bool:
         """Whether pseudo-templates join ``labelled``: ``pseudo_templates`` > 0, some saved labels but no more than
-        ``pseudo_max_labelled``, some unlabelled image, and no built-in template joining the saved labels."""
+        ``pseudo_max_labelled``, some unlabelled image, and no built-in template joining the saved labels
+        (``builtin`` False, or none fitting ``checkpoint``)."""
         limit = self.pseudo_choice["pseudo_max_labelled"]
         return bool(
             labelled
             and unlabelled
             and self.pseudo_choice["pseudo_templates"] > 0
             and (limit is None or len(labelled) <= limit)
-            and self.builtin_template(checkpoint) is None
+            and not (builtin and self.builtin_template(checkpoint) is not None)
         )
 
     def pseudo_templates(
@@ -414,9 +477,9 @@ class BundleContext:
         most reliable kept (:func:`bundle.templates.resolution.resolve_templates` with the evaluation config's keys),
         each with ``source`` ``"pseudo"``.
 
-        They take many network passes, so unless ``wait`` one background worker, on a network of its own, computes
-        them once per weights, labels and candidates (the newest asked for; a failure is logged and gives none for
-        that set): [] until they are ready. ``wait``: computed now with the context's network, errors raised.
+        They take many network passes, so unless ``wait`` they are computed in the background (:attr:`pseudo`) once
+        per weights, labels and candidates (a failure is logged and gives none for that set): [] until they are
+        ready. ``wait``: computed now with the context's network, errors raised.
         """
         candidates = list(unlabelled)[: int(self.pseudo_choice["pseudo_candidates"])]
         plain = [[{k: it[k] for k in ITEM_KEYS if k in it} for it in part] for part in (labelled, candidates)]
@@ -428,34 +491,15 @@ class BundleContext:
             tuple((it["id"], json.dumps(it["landmarks"])) for it in labelled),
             tuple(it["id"] for it in candidates),
         )
-        with self._lock:
-            if self._pseudo is not None and self._pseudo[0] == key:
-                return self._pseudo[1]
-            self._pseudo_wanted = (key, *plain, Path(checkpoint))
-            if self._pseudo_worker is None:
-                self._pseudo_worker = threading.Thread(target=self._pseudo_work, name="pseudo-templates", daemon=True)
-                self._pseudo_worker.start()
-        return []
+        last = self.pseudo.get(key, *plain, Path(checkpoint))
+        return last[1] if last is not None and last[0] == key else []
 
-    def _pseudo_work(self) -> None:
-        """The background worker of :meth:`pseudo_templates`: computes the newest wanted set until it is computed,
-        on a copy of the context's network (taken with the set's weights; the requests keep the original)."""
-        while True:
-            with self._lock:
-                wanted = self._pseudo_wanted
-                if wanted is None or (self._pseudo is not None and self._pseudo[0] == wanted[0]):
-                    self._pseudo_worker = None
-                    return
-            key, labelled, candidates, checkpoint = wanted
-            try:
-                with self.network(checkpoint) as network:
-                    network = copy.deepcopy(network)
-                pseudo = self._compute_pseudo(labelled, candidates, network)
-            except Exception:  # the saved labels alone stay the templates of this set
-                logger.exception(f"pseudo-templates of {len(labelled)} saved label(s) not computed")
-                pseudo = []
-            with self._lock:
-                self._pseudo = (key, pseudo)
+    def _background_pseudo(self, labelled: list[dict], candidates: list[dict], checkpoint: Path) -> list[dict]:
+        """:meth:`pseudo_templates` in the background, on a copy of the context's network taken with ``checkpoint``'s
+        weights (the requests keep the original)."""
+        with self.network(checkpoint) as network:
+            network = copy.deepcopy(network)
+        return self._compute_pseudo(labelled, candidates, network)
 
     def _compute_pseudo(self, labelled: list[dict], candidates: list[dict], network: torch.nn.Module) -> list[dict]:
         """The pseudo-templates of ``labelled`` among ``candidates`` (an unreadable one is skipped, named)."""
@@ -473,10 +517,11 @@ class BundleContext:
         return pseudo
 
     def template_inferer(
-        self, items: Sequence[dict], checkpoint: str | Path, network: torch.nn.Module
+        self, items: Sequence[dict], checkpoint: str | Path, network: torch.nn.Module, builtin: bool = True
     ) -> tuple[TemplateFeatureInferer, list[dict]]:
-        """The k-shot inferer of template ``items`` (:meth:`templates`) and, while they fit ``checkpoint``, the
-        built-in templates, with the template records ``{"image": id or file name, "source"}`` it holds.
+        """The k-shot inferer of template ``items`` (:meth:`templates`) and, while they fit ``checkpoint`` (and
+        ``builtin``), the built-in templates, with the template records ``{"image": id or file name, "source"}`` it
+        holds.
 
         ``network`` holds ``checkpoint``'s weights. An item's features are computed once per checkpoint and label,
         so a request matches stored features only (``OneShotInferer.feature_inferer``: the same predictions).
@@ -497,12 +542,14 @@ class BundleContext:
                     )
                 parts.append(self._item_features[key])
                 sources.append({"image": item.get("id") or Path(item["image"]).name, "source": item["source"]})
-        builtin = self.builtin_template(checkpoint)
-        if builtin is not None:
-            parts.append(builtin)
-            sources += [{"image": Path(name).name, "source": "built-in"} for name in builtin["sources"]]
+        features = self.builtin_template(checkpoint) if builtin else None
+        if features is not None:
+            parts.append(features)
+            sources += [{"image": Path(name).name, "source": "built-in"} for name in features["sources"]]
         if not parts:
-            self._check_builtin(Path(checkpoint))  # raises, naming the way back
+            if builtin:
+                self._check_builtin(Path(checkpoint))  # raises, naming the way back
+            raise ValueError("no template to match from: no image of the datastore is labelled")
         return self.oneshot.feature_inferer(join_templates(parts)), sources
 
     @property

@@ -15,10 +15,18 @@ Once the train task has published a stage-2 heatmap detector (``model/detector.p
 the detector is served instead: ``bundle.inferers.heatmap.HeatmapInferer`` (5 forward passes with the default
 test-time shifts, ``shift_tta``), no template. Without a datalist the detector shipped beside the built-in templates
 (``models/finetune``, what ``inferring`` takes without a datalist: ``BundleContext.shipped_detector``) is served until
-then. The reply's
-``predictor`` says which (``"detector"`` | ``"templates"``); the request key ``predictor`` (or the app's conf key
-of that name: ``auto``, the default, ``detector`` or ``templates``) forces one, e.g. template matching beside a
-served detector.
+then.
+
+``predictor`` ``auto`` (the default) lets the saved labels decide: once they can score two candidates (the served
+detector, matching with the built-in templates, matching from the saved labels alone), the one with the lowest error
+on the newest saved labels that the detector has not trained on is served (``scoring.choose_predictor``; computed in
+the background after the labels or the served models change, so the first suggestions after a save are served by the
+previous choice). The same choice says whether the built-in templates join the saved labels. The reply's
+``predictor`` says what served it (``"detector"`` | ``"templates"``), ``predictor_choice`` the scores it was chosen by
+(None before any), and ``pending`` the background work under way (``predictor_choice``: also when the choice served
+is not yet that of the labels of now; ``pseudo_templates``), after which the suggestions may change. The request key
+``predictor`` (or the app's conf key of that name: ``auto``, ``detector`` or ``templates``) forces one, e.g. template
+matching beside a served detector.
 
 The result is returned in the forms viewers read: a 3D Slicer markups file (``.mrk.json``, also under
 ``markups`` in the result JSON, in the image's own LPS frame so that Slicer shows it over the image), the
@@ -35,6 +43,7 @@ import logging
 import os
 import tempfile
 import threading
+from functools import partial
 from pathlib import Path
 from typing import Any, Callable
 
@@ -43,7 +52,8 @@ import torch
 from bundle.data.markups import ControlPoint, write_mrk_json
 from monailabel.interfaces.tasks.infer_v2 import InferTask, InferType
 
-from .common import PREDICTORS, BundleContext, file_key
+from .common import ITEM_KEYS, PREDICTORS, BackgroundValue, BundleContext, file_key
+from .scoring import choose_predictor
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +118,7 @@ class LandmarkInferTask(InferTask):
         # loaded on the first request (start-up stays fast); the network is the context's (one per device)
         self.detector = None  # (network, preprocessing, inferer) of the served detector
         self.detector_key = None
+        self.choice = BackgroundValue("predictor-choice", partial(choose_predictor, context))
 
     def is_valid(self) -> bool:
         return self.context.served_checkpoint().is_file()
@@ -125,15 +136,34 @@ class LandmarkInferTask(InferTask):
         self.detector_key = key
         logger.info(f"serving the detector {path}")
 
-    def _predictor(self, request: dict) -> str:
-        """``detector`` or ``templates`` for this request
-        (its ``predictor`` key over the conf's; ``auto``: the detector when one is served)."""
+    def _choice(self, labelled: list[dict]) -> tuple[dict | None, bool]:
+        """``auto``'s last choice (:func:`scoring.choose_predictor`; None before the first, or when there is nothing to
+        choose between) and whether it is that of the saved labels and served models of now (else that one is
+        computed in the background)."""
+        if not labelled:
+            return None, True
+        checkpoint, detector = self.context.served_checkpoint(), self.context.served_detector()
+        info = self.context.detector_info() if detector else {}
+        key = (
+            file_key(checkpoint),
+            file_key(detector) if detector else None,
+            json.dumps(info, sort_keys=True),
+            tuple((it["id"], json.dumps(it["landmarks"])) for it in labelled),
+        )
+        plain = [{k: it[k] for k in (*ITEM_KEYS, "label") if k in it} for it in labelled]
+        last = self.choice.get(key, plain, checkpoint, detector, info)
+        return (None, False) if last is None else (last[1], last[0] == key)
+
+    def _predictor(self, request: dict, choice: dict | None) -> str:
+        """``detector`` or ``templates`` for this request (its ``predictor`` key over the conf's; ``auto``: that of
+        ``choice``, else the detector when one is served)."""
         wanted = request.get("predictor") or self.predictor
         if wanted not in PREDICTORS:
             raise ValueError(f"predictor must be one of {', '.join(PREDICTORS)}, got {wanted!r:.40}")
+        served = self.context.served_detector() is not None
         if wanted == "auto":
-            return "detector" if self.context.served_detector() else "templates"
-        if wanted == "detector" and not self.context.served_detector():
+            return "detector" if served and (choice is None or choice["predictor"] == "detector") else "templates"
+        if wanted == "detector" and not served:
             raise ValueError(
                 'no detector is served yet (train one: POST /train/landmarks with {"network": "detector"})'
             )
@@ -151,7 +181,9 @@ class LandmarkInferTask(InferTask):
         name = request.get("image_name") or (Path(image).name if image else image)
         if not image or not Path(image).exists():  # a file, or a DICOM series folder from a DICOMweb datastore
             raise FileNotFoundError(f"landmarks infer: image not found: {name!r}")
-        predictor = self._predictor(request)
+        labelled, unlabelled = self._datastore_items()
+        choice, choice_current = self._choice(labelled)
+        predictor = self._predictor(request, choice)
         data = self.context.prepare({"image": str(image)}, name)
         with self._lock, torch.no_grad():
             if predictor == "detector":
@@ -166,12 +198,14 @@ class LandmarkInferTask(InferTask):
             else:
                 # one checkpoint for the whole request: the train task may publish new weights meanwhile
                 checkpoint = self.context.served_checkpoint()
-                labelled, unlabelled = self._datastore_items()
-                items = self.context.suggestion_templates(labelled, unlabelled, checkpoint, request.get("image_id"))
+                builtin = choice is None or choice["builtin_templates"]
+                items = self.context.suggestion_templates(
+                    labelled, unlabelled, checkpoint, request.get("image_id"), builtin=builtin
+                )
                 batch = torch.as_tensor(data["image"]).unsqueeze(0).to(self.context.device)
                 g2p = torch.as_tensor(data["grid_to_physical"]).unsqueeze(0).to(self.context.device)
                 with self.context.network(checkpoint) as network:
-                    inferer, templates = self.context.template_inferer(items, checkpoint, network)
+                    inferer, templates = self.context.template_inferer(items, checkpoint, network, builtin)
                     points_mm = inferer(batch, network, g2p)[0].cpu().numpy()
         spacing = np.asarray(torch.as_tensor(data["spacing"]).cpu(), dtype=np.float64).reshape(-1)
         result = landmark_result(self.names, points_mm, spacing)
@@ -196,5 +230,8 @@ class LandmarkInferTask(InferTask):
         result["checkpoint"] = checkpoint.name
         result["checkpoint_source"] = "published" if self.context.is_published(checkpoint) else "shipped"
         result["predictor"] = predictor
+        result["predictor_choice"] = choice
+        result["pending"] = ["predictor_choice"] if not choice_current or self.choice.pending() else []
+        result["pending"] += ["pseudo_templates"] if self.context.pseudo.pending() else []
         result["device"] = str(self.context.device)
         return path, result

@@ -52,7 +52,7 @@ candidate replaces the served weights whatever it scores; the decision says so).
 ``<name>.<YYYYmmdd-HHMMSS>.<ext>`` (``kept_previous`` in the stats): copying it back restores it.
 
 The bundle's training runs on the app's device (``--conf device``) in a child process of lower priority (niceness
-``TRAINING_NICENESS``: suggestions requested meanwhile get the shared cores first), within a time budget
+``BACKGROUND_NICENESS``: suggestions requested meanwhile get the shared cores first), within a time budget
 (``max_minutes``, request key or ``--conf max_minutes``, default 12: the training ends after the last epoch that fits,
 its learning-rate schedule shortened to end there; ``epoch`` in the stats is the number of epochs run). Scoring uses
 the app's one stage-1 network of that device, and a CUDA device's cache is emptied after each training.
@@ -69,7 +69,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import shutil
 import subprocess
 import sys
@@ -77,7 +76,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import torch
 from bundle.checkpoints import read_checkpoint
 from bundle.data.datalist import is_finite_number
@@ -86,7 +84,8 @@ from bundle.templates.detector_data import base_grid, detector_info
 from monailabel.interfaces.datastore import Datastore
 from monailabel.interfaces.tasks.train import TrainTask
 
-from .common import BundleContext, device_expression
+from .common import BundleContext, device_expression, lower_priority
+from .scoring import score_checkpoint, score_detector, scoring_cases
 
 logger = logging.getLogger(__name__)
 
@@ -297,72 +296,6 @@ def training_datalist(
     }
 
 
-def _radial_errors(context: BundleContext, item: dict, network, inferer, preprocessing=None) -> list[float]:
-    """Radial errors (mm, or pixels without spacing) of ``inferer(image, network)`` on a labelled ``item``."""
-    data = context.prepare(
-        {k: v for k, v in item.items() if k in ("image", "landmarks", "spacing")}, preprocessing=preprocessing
-    )
-    image = torch.as_tensor(data["image"]).unsqueeze(0).to(context.device)
-    g2p = torch.as_tensor(data["grid_to_physical"]).unsqueeze(0).to(context.device)
-    pred = inferer(image, network, g2p)[0].cpu().numpy().astype(np.float64)
-    truth = np.asarray(torch.as_tensor(data["label"]).cpu(), dtype=np.float64)
-    e = np.linalg.norm(pred - truth, axis=-1)
-    return e[np.isfinite(e)].tolist()
-
-
-def _mean(errors: list[float]) -> float:
-    if not errors:
-        raise ValueError("no landmark to score on")
-    return float(np.mean(errors))
-
-
-def score_checkpoint(
-    context: BundleContext, checkpoint: str | Path, cases: list[tuple[dict, list[dict]]], unlabelled: list[dict]
-) -> float:
-    """Mean radial error (mm, or pixels without spacing) of ``checkpoint`` over ``cases`` (item, the saved labels it
-    is matched from), matched as the infer task matches with those weights: from those labels (else the bundle's
-    templates) and, while they are few, their pseudo-templates among ``unlabelled`` computed with those weights
-    (:meth:`BundleContext.suggestion_templates`)."""
-    errors: list[float] = []
-    for item, labelled in cases:
-        # first: choosing the templates may run the network with other weights (the bundle's template choice)
-        templates = context.suggestion_templates(labelled, unlabelled, checkpoint, wait=True)
-        with torch.no_grad(), context.network(checkpoint) as network:
-            inferer, _ = context.template_inferer(templates, checkpoint, network)
-            errors += _radial_errors(context, item, network, inferer)
-    return _mean(errors)
-
-
-def score_detector(
-    context: BundleContext, checkpoint: str | Path, image_size: list[int] | None, items: list[dict]
-) -> float:
-    """Mean radial error of a detector checkpoint (at its training grid ``image_size``) over labelled ``items``."""
-    network, preprocessing, inferer = context.new_detector(checkpoint, image_size)
-    errors: list[float] = []
-    with torch.no_grad():
-        for item in items:
-            errors += _radial_errors(context, item, network, inferer, preprocessing)
-    return _mean(errors)
-
-
-def scoring_cases(context: BundleContext, labelled: list[dict]) -> tuple[list[tuple[dict, list[dict]]], str]:
-    """(item, the saved labels it is matched from) pairs of the publication rule and a sentence saying what they
-    are: each labelled image from the other ones (leave-one-out), else the bundle datalist's validation images from
-    its templates (no saved label)."""
-    if labelled:
-        cases = [(it, [o for o in labelled if o is not it]) for it in labelled]
-        return cases, f"{len(labelled)} labelled datastore images, each from the other templates (leave-one-out)"
-    template_images = {t["image"] for t in context.templates([])}
-    validation = [
-        it
-        for it in context.parser.get_parsed_content("dataset").get("validation", [])
-        if it["image"] not in template_images
-    ]
-    return [
-        (it, []) for it in validation
-    ], f"the bundle datalist's {len(validation)} validation images, from its templates"
-
-
 def publication(
     new: float | None, old: float | None, kept: str, min_improvement: float, publish: str
 ) -> tuple[bool, str]:
@@ -403,20 +336,6 @@ def detector_training_grid(options: dict, spatial_dims: int, served_grid: list[i
     iteration is past a background training's budget on a CPU)."""
     grid = options.get("image_size") or served_grid
     return [int(v) for v in grid] if grid else base_grid(spatial_dims)
-
-
-# the training child's niceness: on cores that a training shares with the server, suggestions come first
-TRAINING_NICENESS = 10
-
-
-def lower_priority(pid: int) -> None:
-    """Give process ``pid`` ``TRAINING_NICENESS`` (where the system has niceness; nothing otherwise). The threads
-    it starts later inherit it."""
-    if hasattr(os, "setpriority"):
-        try:
-            os.setpriority(os.PRIO_PROCESS, pid, TRAINING_NICENESS)
-        except OSError as e:  # a process that has already ended, or a system that refuses
-            logger.warning(f"the training process {pid} keeps its priority: {e}")
 
 
 def training_command(
@@ -477,12 +396,12 @@ class BundleTrainTask(TrainTask):
         return ("detector", str(detector)) if detector else ("templates", str(self.context.served_checkpoint()))
 
     def _run_bundle(self, command: list[str], candidate: Path) -> int:
-        """Run the bundle's training (``TRAINING_NICENESS``: suggestions come first on shared cores) until it has
+        """Run the bundle's training (``BACKGROUND_NICENESS``: suggestions come first on shared cores) until it has
         written ``candidate``; returns the epochs it ran (``max_minutes`` may end it early)."""
         process = subprocess.Popen(
             command, cwd=self.context.bundle_root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
-        lower_priority(process.pid)
+        lower_priority(process.pid, "the training process")
         _, stderr = process.communicate()
         if process.returncode != 0:
             raise RuntimeError(f"bundle training failed (exit {process.returncode}):\n{stderr[-4000:]}")

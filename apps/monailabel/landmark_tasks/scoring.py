@@ -1,0 +1,180 @@
+"""How the app scores its predictors on the saved labels: the train task's publication rule and the infer task's
+``auto`` choice.
+
+A score is the mean radial error (mm, or pixels where an image has no spacing) of a predictor's suggestions on
+labelled images: template matching from the OTHER saved labels (leave-one-out, as the infer task answers an image
+that has no label yet), or a detector on images it has not trained on.
+
+``auto`` (:func:`choose_predictor`): the served detector, template matching with the saved labels and the built-in
+templates, or template matching with the saved labels alone (and, while they are few, their pseudo-templates), as
+their errors on the newest saved labels that the detector has not trained on say. On a site unlike the shipped
+model's, the built-in templates and the shipped detector are what the saved labels show to be worse.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from bundle.geometry import apply_homogeneous
+
+from .common import BundleContext
+
+# the newest saved labels that auto's choice is scored on (a detector pass and two matchings each)
+CHOICE_MAX_IMAGES = 10
+# with one saved label, a candidate whose error on it is above this share of the image's diagonal fails on these
+# images (about 10 mm on a cephalogram of 230 x 290 mm, what docs/results.md counts a gross error)
+GROSS_DIAGONAL_SHARE = 0.03
+
+
+def radial_errors(context: BundleContext, item: dict, network, inferer, preprocessing=None) -> list[float]:
+    """Radial errors (mm, or pixels without spacing) of ``inferer(image, network)`` on a labelled ``item``."""
+    data = context.prepare(
+        {k: v for k, v in item.items() if k in ("image", "landmarks", "spacing")}, preprocessing=preprocessing
+    )
+    image = torch.as_tensor(data["image"]).unsqueeze(0).to(context.device)
+    g2p = torch.as_tensor(data["grid_to_physical"]).unsqueeze(0).to(context.device)
+    pred = inferer(image, network, g2p)[0].cpu().numpy().astype(np.float64)
+    truth = np.asarray(torch.as_tensor(data["label"]).cpu(), dtype=np.float64)
+    e = np.linalg.norm(pred - truth, axis=-1)
+    return e[np.isfinite(e)].tolist()
+
+
+def mean_error(errors: list[float]) -> float:
+    if not errors:
+        raise ValueError("no landmark to score on")
+    return float(np.mean(errors))
+
+
+def score_checkpoint(
+    context: BundleContext,
+    checkpoint: str | Path,
+    cases: list[tuple[dict, list[dict]]],
+    unlabelled: list[dict] = (),
+    builtin: bool = True,
+) -> float:
+    """Mean radial error of ``checkpoint`` over ``cases`` (item, the saved labels it is matched from), matched as the
+    infer task matches with those weights: from those labels (else the bundle's templates), with the built-in
+    templates where they fit and ``builtin``, else, while the labels are few, with their pseudo-templates among
+    ``unlabelled`` computed with those weights (:meth:`BundleContext.suggestion_templates`)."""
+    errors: list[float] = []
+    for item, labelled in cases:
+        # first: choosing the templates may run the network with other weights (the bundle's template choice)
+        templates = context.suggestion_templates(labelled, unlabelled, checkpoint, wait=True, builtin=builtin)
+        with torch.no_grad(), context.network(checkpoint) as network:
+            inferer, _ = context.template_inferer(templates, checkpoint, network, builtin)
+            errors += radial_errors(context, item, network, inferer)
+    return mean_error(errors)
+
+
+def score_detector(
+    context: BundleContext, checkpoint: str | Path, image_size: list[int] | None, items: list[dict]
+) -> float:
+    """Mean radial error of a detector checkpoint (at its training grid ``image_size``) over labelled ``items``."""
+    network, preprocessing, inferer = context.new_detector(checkpoint, image_size)
+    errors: list[float] = []
+    with torch.no_grad():
+        for item in items:
+            errors += radial_errors(context, item, network, inferer, preprocessing)
+    return mean_error(errors)
+
+
+def scoring_cases(context: BundleContext, labelled: list[dict]) -> tuple[list[tuple[dict, list[dict]]], str]:
+    """(item, the saved labels it is matched from) pairs of the publication rule and a sentence saying what they
+    are: each labelled image from the other ones (leave-one-out), else the bundle datalist's validation images from
+    its templates (no saved label)."""
+    if labelled:
+        cases = [(it, [o for o in labelled if o is not it]) for it in labelled]
+        return cases, f"{len(labelled)} labelled datastore images, each from the other templates (leave-one-out)"
+    template_images = {t["image"] for t in context.templates([])}
+    validation = [
+        it
+        for it in context.parser.get_parsed_content("dataset").get("validation", [])
+        if it["image"] not in template_images
+    ]
+    return [
+        (it, []) for it in validation
+    ], f"the bundle datalist's {len(validation)} validation images, from its templates"
+
+
+def image_diagonal(context: BundleContext, item: dict) -> float:
+    """The length of ``item``'s image diagonal in the units of its radial errors (mm, or pixels without spacing)."""
+    frame = context.frame(item["image"])
+    corners = np.stack([np.zeros_like(frame["grid_shape"]), frame["grid_shape"] - 1])
+    ends = apply_homogeneous(frame["grid_to_physical"], corners).numpy()
+    return float(np.linalg.norm(ends[1] - ends[0]))
+
+
+def newest_labels(labelled: list[dict], exclude: set[str], limit: int = CHOICE_MAX_IMAGES) -> list[dict]:
+    """The ``limit`` most recently saved labels (their label file's time; ids break ties) but the ids ``exclude``."""
+
+    def saved(item: dict) -> float:
+        try:
+            return os.path.getmtime(item["label"])
+        except (KeyError, OSError):
+            return -math.inf
+
+    kept = [it for it in labelled if it["id"] not in exclude]
+    return sorted(kept, key=lambda it: (saved(it), it["id"]), reverse=True)[:limit]
+
+
+def choose_predictor(
+    context: BundleContext, labelled: list[dict], checkpoint: Path, detector: Path | None, detector_info: dict
+) -> dict | None:
+    """``auto``'s predictor for the saved labels ``labelled`` (datastore items): each candidate is scored on the
+    newest saved labels that the served ``detector`` (``detector_info``: its record) has not trained on, and the one
+    with the lowest mean radial error is chosen (ties: the order below):
+
+    - ``detector``: the served detector;
+    - ``templates_builtin``: matching with the ``checkpoint`` weights from the other saved labels and the built-in
+      templates (where they fit those weights);
+    - ``templates``: matching from the other saved labels alone (at least 2 saved labels). Pseudo-templates, which
+      join them when served while they are few, are left out of the score (a pass over the unlabelled images per
+      scored image): matching is scored at or above its served error.
+
+    With one saved label, matching from it alone cannot be scored: it is chosen when every candidate that can be
+    misses that label by more than ``GROSS_DIAGONAL_SHARE`` of the image's diagonal on average (the served models
+    fail on these images; one-shot matching with pseudo-templates is a few mm on the bundle's own data).
+
+    Returns ``{"predictor": "detector" | "templates", "builtin_templates": whether the built-in templates join the
+    saved labels (the better matching), "reason", "mre": {candidate: score}, "scored_on": ids, "units", "labels":
+    how many saved labels}``, or None when nothing is to be chosen (the app's default stands)."""
+    trained_on = set(detector_info.get("trained_on", [])) if detector else set()
+    images = newest_labels(labelled, trained_on)
+    if not images:
+        return None
+    candidates = [
+        name
+        for name, possible in (
+            ("detector", detector is not None),
+            ("templates_builtin", context.builtin_template(checkpoint) is not None),
+            ("templates", len(labelled) >= 2),
+        )
+        if possible
+    ]
+    if candidates in ([], ["templates"]):
+        return None
+    cases = [(it, [o for o in labelled if o["id"] != it["id"]]) for it in images]
+    mre: dict[str, float] = {}
+    for name in candidates:
+        if name == "detector":
+            mre[name] = score_detector(context, detector, detector_info.get("image_size"), images)
+        else:
+            mre[name] = score_checkpoint(context, checkpoint, cases, builtin=name == "templates_builtin")
+    units = context.error_units(images)
+    scored = {"scored_on": [it["id"] for it in images], "units": units, "labels": len(labelled), "mre": mre}
+    if "templates" not in mre and mre and min(mre.values()) > GROSS_DIAGONAL_SHARE * image_diagonal(context, images[0]):
+        reason = f"the scored candidates miss the one saved label by over {GROSS_DIAGONAL_SHARE:.0%} of its diagonal"
+        return {"predictor": "templates", "builtin_templates": False, "reason": reason, **scored}
+    if len(mre) < 2:
+        return None
+    best = min(mre, key=mre.get)
+    return {
+        "predictor": "detector" if best == "detector" else "templates",
+        "builtin_templates": mre.get("templates_builtin", math.inf) <= mre.get("templates", math.inf),
+        "reason": "the lowest mean error on the saved labels",
+        **scored,
+    }

@@ -1,0 +1,159 @@
+"""The MONAI Label app's ``auto`` choice (``landmark_tasks.scoring.choose_predictor``) in-process: which candidates
+are scored, on which saved labels, and what is chosen. The scores themselves (the detector's and template
+matching's radial errors, tested through the server in tests/test_monailabel_apps.py) are replaced by a table, so
+that these tests see what the rule asks for and decides; and the background computation it runs in."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def app_modules():
+    sys.path.insert(0, str(ROOT / "apps" / "monailabel"))
+    try:
+        import landmark_tasks.common as common
+        import landmark_tasks.scoring as scoring
+    finally:
+        sys.path.remove(str(ROOT / "apps" / "monailabel"))
+    yield common, scoring
+    for name in [m for m in sys.modules if m == "landmark_tasks" or m.startswith("landmark_tasks.")]:
+        del sys.modules[name]
+
+
+@pytest.fixture
+def rule(app_modules, monkeypatch):
+    """``(choose, calls)``: ``choose(labelled, detector, info, table, builtin=True, diagonal=1000.0)`` runs
+    ``choose_predictor`` with scores from ``table`` (candidate -> score) on a stand-in context whose built-in
+    templates fit (``builtin``) and whose images have that diagonal; ``calls`` records (candidate, scored ids,
+    templates' ids per case)."""
+    _, scoring = app_modules
+    calls = []
+    table = {}
+
+    def score_detector(context, checkpoint, image_size, items):
+        calls.append(("detector", [it["id"] for it in items], None))
+        return table["detector"]
+
+    def score_checkpoint(context, checkpoint, cases, unlabelled=(), builtin=True):
+        assert list(unlabelled) == []  # pseudo-templates are not scored
+        name = "templates_builtin" if builtin else "templates"
+        calls.append((name, [it["id"] for it, _ in cases], [[o["id"] for o in others] for _, others in cases]))
+        return table[name]
+
+    monkeypatch.setattr(scoring, "score_detector", score_detector)
+    monkeypatch.setattr(scoring, "score_checkpoint", score_checkpoint)
+
+    def choose(labelled, detector, info, scores, builtin=True, diagonal=1000.0):
+        table.clear()
+        table.update(scores)
+        calls.clear()
+        context = SimpleNamespace(
+            builtin_template=lambda checkpoint: {"sources": []} if builtin else None,
+            error_units=lambda items: "pixels",
+            frame=lambda image: {
+                "grid_shape": np.array([9.0, 9.0]),
+                "grid_to_physical": np.diag([diagonal / 8.0 / np.sqrt(2)] * 2 + [1.0]),
+            },
+        )
+        return scoring.choose_predictor(context, labelled, Path("model.pt"), detector, info)
+
+    return choose, calls
+
+
+def _labels(folder: Path, n: int) -> list[dict]:
+    """``n`` saved labels ``l00``... whose label files were saved in that order (one second apart)."""
+    items = []
+    for i in range(n):
+        label = folder / f"l{i:02d}.mrk.json"
+        label.write_text("{}")
+        os.utime(label, (1000 + i, 1000 + i))
+        items.append(
+            {"id": f"l{i:02d}", "image": str(folder / f"l{i:02d}.png"), "landmarks": [[1, 2]], "label": str(label)}
+        )
+    return items
+
+
+def test_the_lowest_error_on_the_newest_labels_the_detector_did_not_train_on(rule, tmp_path):
+    choose, calls = rule
+    labelled = _labels(tmp_path, 14)
+    info = {"trained_on": ["l11", "l02"], "image_size": [64, 64]}
+    choice = choose(labelled, Path("detector.pt"), info, {"detector": 5.0, "templates_builtin": 3.0, "templates": 4.0})
+    newest = [f"l{i:02d}" for i in (13, 12, 10, 9, 8, 7, 6, 5, 4, 3)]  # 10, the detector's training images left out
+    assert [c[:2] for c in calls] == [("detector", newest), ("templates_builtin", newest), ("templates", newest)]
+    # each scored label matched from every other saved label (the detector's training images among them)
+    assert all(len(others) == 13 and scored not in others for scored, others in zip(newest, calls[1][2]))
+    assert choice["predictor"] == "templates" and choice["builtin_templates"] is True
+    assert choice["scored_on"] == newest and choice["labels"] == 14
+    assert choice["mre"] == {"detector": 5.0, "templates_builtin": 3.0, "templates": 4.0}
+
+    choice = choose(labelled, Path("detector.pt"), info, {"detector": 2.0, "templates_builtin": 3.0, "templates": 1.0})
+    assert choice["predictor"] == "templates" and choice["builtin_templates"] is False
+    choice = choose(labelled, Path("detector.pt"), info, {"detector": 3.0, "templates_builtin": 3.0, "templates": 4.0})
+    assert choice["predictor"] == "detector" and choice["builtin_templates"] is True  # a tie keeps the detector
+
+
+def test_nothing_to_choose_between_keeps_the_default(rule, tmp_path):
+    choose, calls = rule
+    labelled = _labels(tmp_path, 3)
+    # every saved label trained the detector: it cannot be scored
+    assert choose(labelled, Path("d.pt"), {"trained_on": ["l00", "l01", "l02"]}, {}) is None and calls == []
+    # a datalist's templates (no built-in one) and no detector: matching is the only candidate
+    assert choose(labelled, None, {}, {"templates": 1.0}, builtin=False) is None and calls == []
+    # one label, no detector: the built-in templates are scored (they could miss it grossly), not the label alone
+    assert choose(labelled[:1], None, {}, {"templates_builtin": 29.0}) is None
+    assert [c[:2] for c in calls] == [("templates_builtin", ["l00"])]
+
+
+def test_one_label_that_the_served_models_miss_grossly_is_matched_alone(rule, tmp_path):
+    """With one saved label, matching from it alone cannot be scored; it is chosen when the shipped detector and the
+    built-in templates both miss that label by more than 3 % of the image diagonal (here 1000)."""
+    choose, calls = rule
+    (label,) = _labels(tmp_path, 1)
+    scores = {"detector": 55.0, "templates_builtin": 31.0}
+    choice = choose([label], Path("d.pt"), {}, scores)
+    assert [c[:2] for c in calls] == [("detector", ["l00"]), ("templates_builtin", ["l00"])]
+    assert calls[1][2] == [[]]  # the built-in templates alone
+    assert choice["predictor"] == "templates" and choice["builtin_templates"] is False
+    assert "3%" in choice["reason"] and choice["mre"] == scores
+    kept = choose([label], Path("d.pt"), {}, scores, diagonal=1100.0)  # 31 < 33: the lower of the two scored
+    assert kept["predictor"] == "templates" and kept["builtin_templates"] is True and "lowest" in kept["reason"]
+    assert choose([label], None, {}, {"templates_builtin": 31.0})["predictor"] == "templates"
+
+
+def test_the_background_value_is_the_newest_wish_and_a_failure_its_fallback(app_modules):
+    common, _ = app_modules
+    gate, started = threading.Event(), []
+
+    def compute(x):
+        started.append(x)
+        gate.wait(30)
+        if x == "bad":
+            raise RuntimeError("out of memory")
+        return x * 2
+
+    value = common.BackgroundValue("test", compute, fallback="none")
+    assert value.get("a", "a") is None and value.pending()
+    while not started:
+        time.sleep(0.01)
+    value.get("b", "b")
+    value.get("c", "c")  # replaces the wish for "b": only the newest is computed after "a"
+    gate.set()
+    deadline = time.monotonic() + 30
+    while value.pending() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert started == ["a", "c"] and value.get("c", "c") == ("c", "cc") and not value.pending()
+    assert value.get("bad", "bad") == ("c", "cc")  # the last value stays readable while the next is computed
+    while value.pending():
+        time.sleep(0.01)
+    assert value.get("bad", "bad") == ("bad", "none") and not value.pending()  # failed once, not retried
