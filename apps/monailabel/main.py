@@ -32,8 +32,9 @@ uses them),
 ``ckpt_path`` (default: the shipped 2D weights; 3D: ``output/models/ct3d/model.pt``, where the default 3D
 training writes), ``epochs`` (default 10), ``max_minutes`` (a background training's time budget: it ends after the last
 epoch that fits; default 12, so that a training and its scoring end within 15 minutes; ``none``: no budget),
-``predictor`` (``auto``: the detector once one is published or shipped, else template matching; ``detector``;
-``templates``),
+``predictor`` (``auto``: what the saved labels show to be best of the served detector, matching with the built-in
+templates and matching from the saved labels alone; before they can show it, the detector once one is published or
+shipped, else template matching; ``detector``; ``templates``),
 ``pseudo_templates`` (default: the bundle's, 20; 0: none): how many pseudo-templates join few saved labels (the
 infer task computes them in the background after the labels change) or the datalist's few templates,
 ``device`` (``cpu``, ``cuda``, ``cuda:N``; default ``cuda`` when available, else ``cpu``; one this machine lacks
@@ -43,8 +44,8 @@ stops the start naming it): where the server infers and scores and the bundle tr
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
-import math
 import os
 import sys
 from pathlib import Path
@@ -83,19 +84,23 @@ def import_bundle(bundle_root: Path) -> None:
 
 
 def training_defaults(conf: dict[str, str]) -> dict:
-    """The train task's defaults from the conf keys ``epochs`` and ``max_minutes`` (ValueError naming a bad one)."""
+    """The train task's defaults from the conf keys ``epochs`` and ``max_minutes`` (``none``: no budget), checked as
+    a train request's values are (ValueError naming a bad one)."""
+    from landmark_tasks.train import BUNDLE_OPTIONS
+
     defaults = {}
-    for key, default, kind in (("epochs", "10", int), ("max_minutes", str(DEFAULT_MAX_MINUTES), float)):
+    for key, default in (("epochs", 10), ("max_minutes", DEFAULT_MAX_MINUTES)):
         text = str(conf.get(key, default)).strip()
         if key == "max_minutes" and text.lower() in ("none", "null"):
             continue
         try:
-            value = kind(text)
+            value = json.loads(text)
         except ValueError:
-            value = None
-        if value is None or not math.isfinite(value) or value <= 0:
-            raise ValueError(f"--conf {key}: expected a positive {kind.__name__}, got {text!r}")
-        defaults[key] = value
+            value = text  # not a number: refused below, saying what it must be
+        try:
+            defaults[key] = BUNDLE_OPTIONS[key](value)
+        except ValueError as e:
+            raise ValueError(f"--conf {key}: expected {e}, got {text!r}") from None
     return defaults
 
 
