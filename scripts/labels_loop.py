@@ -162,7 +162,7 @@ def wait_for_background(client, image: str, timeout_s: float) -> float | None:
         _, reply = client.infer("landmarks", "", {}, file=image)
         if not reply["pending"]:
             return time.monotonic() - started
-        time.sleep(2)
+        time.sleep(5)  # a suggestion per poll: few, so that the work waited for gets the cores
     return None
 
 

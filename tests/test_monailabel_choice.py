@@ -34,7 +34,8 @@ def app_modules():
 @pytest.fixture
 def rule(app_modules, monkeypatch):
     """``(choose, calls)``: ``choose(labelled, detector, info, table, builtin=True, diagonal=1000.0)`` runs
-    ``choose_predictor`` with scores from ``table`` (candidate -> score) on a stand-in context whose built-in
+    ``choose_predictor`` with scores from ``table`` (candidate -> score, or an error it raises) on a stand-in context
+    whose built-in
     templates fit (``builtin``) and whose images have that diagonal; ``calls`` records (candidate, scored ids,
     templates' ids per case)."""
     _, scoring = app_modules
@@ -43,12 +44,17 @@ def rule(app_modules, monkeypatch):
 
     def score_detector(context, checkpoint, image_size, items):
         calls.append(("detector", [it["id"] for it in items], None))
-        return table["detector"]
+        return score("detector")
 
-    def score_checkpoint(context, checkpoint, cases, unlabelled=(), builtin=True):
-        assert list(unlabelled) == []  # pseudo-templates are not scored
+    def score_checkpoint(context, checkpoint, cases, unlabelled=(), builtin=True, network=None):
+        assert network == "private copy" and [it["id"] for it in unlabelled] == ["u0"]  # pseudo-template candidates
         name = "templates_builtin" if builtin else "templates"
         calls.append((name, [it["id"] for it, _ in cases], [[o["id"] for o in others] for _, others in cases]))
+        return score(name)
+
+    def score(name: str) -> float:
+        if isinstance(table[name], Exception):
+            raise table[name]
         return table[name]
 
     monkeypatch.setattr(scoring, "score_detector", score_detector)
@@ -59,6 +65,7 @@ def rule(app_modules, monkeypatch):
         table.update(scores)
         calls.clear()
         context = SimpleNamespace(
+            private_network=lambda checkpoint: "private copy",
             builtin_template=lambda checkpoint: {"sources": []} if builtin else None,
             error_units=lambda items: "pixels",
             frame=lambda image: {
@@ -66,7 +73,8 @@ def rule(app_modules, monkeypatch):
                 "grid_to_physical": np.diag([diagonal / 8.0 / np.sqrt(2)] * 2 + [1.0]),
             },
         )
-        return scoring.choose_predictor(context, labelled, Path("model.pt"), detector, info)
+        unlabelled = [{"id": "u0", "image": "u0.png"}]
+        return scoring.choose_predictor(context, labelled, unlabelled, Path("model.pt"), detector, info)
 
     return choose, calls
 
@@ -101,6 +109,17 @@ def test_the_lowest_error_on_the_newest_labels_the_detector_did_not_train_on(rul
     assert choice["predictor"] == "templates" and choice["builtin_templates"] is False
     choice = choose(labelled, Path("detector.pt"), info, {"detector": 3.0, "templates_builtin": 3.0, "templates": 4.0})
     assert choice["predictor"] == "detector" and choice["builtin_templates"] is True  # a tie keeps the detector
+
+
+def test_a_candidate_that_cannot_be_scored_is_left_out(rule, tmp_path):
+    choose, calls = rule
+    labelled = _labels(tmp_path, 3)
+    scores = {"detector": RuntimeError("out of memory"), "templates_builtin": 3.0, "templates": 2.0}
+    choice = choose(labelled, Path("d.pt"), {}, scores)
+    assert [c[0] for c in calls] == ["detector", "templates_builtin", "templates"]
+    assert choice["mre"] == {"templates_builtin": 3.0, "templates": 2.0} and choice["predictor"] == "templates"
+    scores = {"detector": 1.0, "templates_builtin": RuntimeError("no landmark to score on")}
+    assert choose(labelled[:1], Path("d.pt"), {}, scores) is None  # one candidate left: nothing to compare
 
 
 def test_nothing_to_choose_between_keeps_the_default(rule, tmp_path):
@@ -144,7 +163,8 @@ def test_the_background_value_is_the_newest_wish_and_a_failure_its_fallback(app_
 
     value = common.BackgroundValue("test", compute, fallback="none")
     assert value.get("a", "a") is None and value.pending()
-    while not started:
+    deadline = time.monotonic() + 30
+    while not started and time.monotonic() < deadline:
         time.sleep(0.01)
     value.get("b", "b")
     value.get("c", "c")  # replaces the wish for "b": only the newest is computed after "a"
@@ -154,6 +174,6 @@ def test_the_background_value_is_the_newest_wish_and_a_failure_its_fallback(app_
         time.sleep(0.01)
     assert started == ["a", "c"] and value.get("c", "c") == ("c", "cc") and not value.pending()
     assert value.get("bad", "bad") == ("c", "cc")  # the last value stays readable while the next is computed
-    while value.pending():
+    while value.pending() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert value.get("bad", "bad") == ("bad", "none") and not value.pending()  # failed once, not retried

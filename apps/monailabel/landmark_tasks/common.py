@@ -99,6 +99,11 @@ def file_key(path: str | Path) -> tuple[str, int, int]:
     return (str(path), st.st_mtime_ns, st.st_size)
 
 
+def labels_key(labelled: Sequence[dict]) -> tuple:
+    """What of saved labels a result computed from them depends on: each image's id and landmarks."""
+    return tuple((it["id"], json.dumps(it["landmarks"])) for it in labelled)
+
+
 def datalist_dims(path: Path) -> int:
     """The ``spatial_dims`` of the datalist at ``path`` (2 when the file does not exist yet: the embedded
     synthetic 2D set, generated on start)."""
@@ -156,7 +161,7 @@ def lower_priority(pid: int, what: str) -> None:
 class BackgroundValue:
     """A value computed in the background for the newest key asked for, by one daemon thread at a time at
     ``BACKGROUND_NICENESS``; the last computed ``(key, value)`` stays readable meanwhile. A failure is logged and gives
-    ``fallback`` for its key."""
+    ``fallback`` for its key (computed again once another key is asked for)."""
 
     def __init__(self, name: str, compute: Callable[..., Any], fallback: Any = None) -> None:
         self.name, self.compute, self.fallback = name, compute, fallback
@@ -183,20 +188,23 @@ class BackgroundValue:
 
     def _work(self) -> None:
         lower_priority(threading.get_native_id(), f"the {self.name} thread")
-        while True:
+        try:
+            while True:
+                with self._lock:
+                    wanted = self._wanted
+                    if wanted is None or (self._last is not None and self._last[0] == wanted[0]):
+                        return
+                key, args = wanted
+                try:
+                    value = self.compute(*args)
+                except Exception:
+                    logger.exception(f"{self.name}: not computed")
+                    value = self.fallback
+                with self._lock:
+                    self._last = (key, value)
+        finally:
             with self._lock:
-                wanted = self._wanted
-                if wanted is None or (self._last is not None and self._last[0] == wanted[0]):
-                    self._worker = None
-                    return
-            key, args = wanted
-            try:
-                value = self.compute(*args)
-            except Exception:
-                logger.exception(f"{self.name}: not computed")
-                value = self.fallback
-            with self._lock:
-                self._last = (key, value)
+                self._worker = None
 
 
 class BundleContext:
@@ -282,8 +290,8 @@ class BundleContext:
         self._bundle_templates: list[dict] | None = None
         self._builtin: tuple[tuple, dict | None] | None = None  # (checkpoint key, built-in features fitting it)
         self._oneshot: OneShotInferer | None = None
-        self._item_features: dict[tuple, dict] = {}  # (image, landmarks) -> its template features
-        self._features_checkpoint: tuple | None = None  # the weights that computed them
+        # template features of items: {weights' file key: {(image, landmarks): features}}, the newest weights last
+        self._item_features: dict[tuple, dict[tuple, dict]] = {}
         self._frames: dict[tuple, dict] = {}
         self._detector_parsers: dict[tuple, Any] = {}
 
@@ -358,11 +366,25 @@ class BundleContext:
                 self._network_key = key
             yield self._network
 
+    def private_network(self, checkpoint: str | Path) -> torch.nn.Module:
+        """A copy of the stage-1 network holding ``checkpoint``'s weights, for background work that should not hold
+        the shared one (and the requests waiting for it) for long."""
+        with self.network(checkpoint) as network:
+            return copy.deepcopy(network)
+
     # ---- the stage-2 detector ------------------------------------------------------------------------
     def served_detector(self) -> Path | None:
         """``model/detector.pt`` once the train task published a detector, else the shipped one without a datalist
         (:attr:`shipped_detector`), else None (template matching is served)."""
         return self.detector_path if self.detector_path.is_file() else self.shipped_detector
+
+    def detector_key(self) -> tuple | None:
+        """What identifies the served detector: its file's and its record's keys (None: no detector served)."""
+        detector = self.served_detector()
+        if detector is None:
+            return None
+        info = self.detector_info_path
+        return file_key(detector), file_key(info) if detector == self.detector_path and info.is_file() else None
 
     def detector_info(self) -> dict:
         """What is known of the served detector: ``model/detector.json`` of a published one (``image_size``,
@@ -439,19 +461,19 @@ class BundleContext:
         exclude: str | None = None,
         wait: bool = False,
         builtin: bool = True,
+        network: torch.nn.Module | None = None,
     ) -> list[dict]:
         """The templates of a suggestion with ``checkpoint``'s weights: :meth:`templates` (the saved labels but the
         image ``exclude``, else the bundle's), and while the saved labels are few and no built-in template joins them
         (``builtin``: they join where they fit the weights), their :meth:`pseudo_templates` (``wait``: computed now
-        when not ready, as the train task's scoring needs them). A labelled image's own suggestion gets none: they are
-        made from all the saved labels, its own among them."""
+        when not ready, as scoring needs them, with ``network`` when given). A labelled image's own suggestion gets
+        none: they are made from all the saved labels, its own among them."""
         items = self.templates(labelled, exclude)
         own_label = any(it.get("id") == exclude for it in labelled) if exclude is not None else False
         if items and items[0]["source"] == "datastore" and not own_label:
             if self._pseudo_apply(labelled, unlabelled, checkpoint, builtin):
-                items += [
-                    it for it in self.pseudo_templates(labelled, unlabelled, checkpoint, wait) if it["id"] != exclude
-                ]
+                pseudo = self.pseudo_templates(labelled, unlabelled, checkpoint, wait, network)
+                items += [it for it in pseudo if it["id"] != exclude]
         return items
 
     def _pseudo_apply(
@@ -470,7 +492,12 @@ class BundleContext:
         )
 
     def pseudo_templates(
-        self, labelled: Sequence[dict], unlabelled: Sequence[dict], checkpoint: str | Path, wait: bool = False
+        self,
+        labelled: Sequence[dict],
+        unlabelled: Sequence[dict],
+        checkpoint: str | Path,
+        wait: bool = False,
+        network: torch.nn.Module | None = None,
     ) -> list[dict]:
         """Pseudo-templates of the saved labels, as the evaluating command adds them: the first ``pseudo_candidates``
         unlabelled datastore images (sorted ids) labelled by matching from ``labelled``, the ``pseudo_templates``
@@ -479,27 +506,24 @@ class BundleContext:
 
         They take many network passes, so unless ``wait`` they are computed in the background (:attr:`pseudo`) once
         per weights, labels and candidates (a failure is logged and gives none for that set): [] until they are
-        ready. ``wait``: computed now with the context's network, errors raised.
+        ready. ``wait``: computed now with ``network`` (holding ``checkpoint``'s weights; default: the context's
+        network), errors raised.
         """
         candidates = list(unlabelled)[: int(self.pseudo_choice["pseudo_candidates"])]
         plain = [[{k: it[k] for k in ITEM_KEYS if k in it} for it in part] for part in (labelled, candidates)]
+        if wait and network is not None:
+            return self._compute_pseudo(*plain, network)
         if wait:
-            with self.network(checkpoint) as network:
-                return self._compute_pseudo(*plain, network)
-        key = (
-            file_key(checkpoint),
-            tuple((it["id"], json.dumps(it["landmarks"])) for it in labelled),
-            tuple(it["id"] for it in candidates),
-        )
+            with self.network(checkpoint) as shared:
+                return self._compute_pseudo(*plain, shared)
+        key = (file_key(checkpoint), labels_key(labelled), tuple(it["id"] for it in candidates))
         last = self.pseudo.get(key, *plain, Path(checkpoint))
         return last[1] if last is not None and last[0] == key else []
 
     def _background_pseudo(self, labelled: list[dict], candidates: list[dict], checkpoint: Path) -> list[dict]:
-        """:meth:`pseudo_templates` in the background, on a copy of the context's network taken with ``checkpoint``'s
-        weights (the requests keep the original)."""
-        with self.network(checkpoint) as network:
-            network = copy.deepcopy(network)
-        return self._compute_pseudo(labelled, candidates, network)
+        """:meth:`pseudo_templates` in the background, on a :meth:`private_network` (the requests keep the shared
+        one)."""
+        return self._compute_pseudo(labelled, candidates, self.private_network(checkpoint))
 
     def _compute_pseudo(self, labelled: list[dict], candidates: list[dict], network: torch.nn.Module) -> list[dict]:
         """The pseudo-templates of ``labelled`` among ``candidates`` (an unreadable one is skipped, named)."""
@@ -523,25 +547,28 @@ class BundleContext:
         ``builtin``), the built-in templates, with the template records ``{"image": id or file name, "source"}`` it
         holds.
 
-        ``network`` holds ``checkpoint``'s weights. An item's features are computed once per checkpoint and label,
-        so a request matches stored features only (``OneShotInferer.feature_inferer``: the same predictions).
-        No template at all (the built-in features do not fit published weights and no image is labelled):
-        ValueError saying so.
+        ``network`` holds ``checkpoint``'s weights. An item's features are computed once per checkpoint and label
+        (those of the two newest checkpoints are kept: the served weights and a candidate being scored), so a request
+        matches stored features only (``OneShotInferer.feature_inferer``: the same predictions). They are computed
+        outside the context's lock, with ``network``. No template at all (the built-in features do not fit published
+        weights and no image is labelled): ValueError saying so.
         """
-        parts, sources = [], []
         checkpoint_key = file_key(checkpoint)
+        keys = [(item["image"], json.dumps(item["landmarks"])) for item in items]
         with self._lock:
-            if self._features_checkpoint != checkpoint_key:
-                self._item_features, self._features_checkpoint = {}, checkpoint_key
-            for item in items:
-                key = (item["image"], json.dumps(item["landmarks"]))
-                if key not in self._item_features:
-                    plain = {k: v for k, v in item.items() if k in ITEM_KEYS}
-                    self._item_features[key] = compute_template(
-                        network, [plain], self.preprocessing, self.names, self.device, checkpoint
-                    )
-                parts.append(self._item_features[key])
-                sources.append({"image": item.get("id") or Path(item["image"]).name, "source": item["source"]})
+            known = dict(self._item_features.get(checkpoint_key, {}))
+        for key, item in zip(keys, items):
+            if key not in known:
+                plain = {k: v for k, v in item.items() if k in ITEM_KEYS}
+                known[key] = compute_template(network, [plain], self.preprocessing, self.names, self.device, checkpoint)
+        with self._lock:
+            cache = self._item_features.pop(checkpoint_key, {})
+            cache.update({key: known[key] for key in keys})
+            self._item_features[checkpoint_key] = cache  # the newest last
+            while len(self._item_features) > 2:
+                del self._item_features[next(iter(self._item_features))]
+        parts = [known[key] for key in keys]
+        sources = [{"image": it.get("id") or Path(it["image"]).name, "source": it["source"]} for it in items]
         features = self.builtin_template(checkpoint) if builtin else None
         if features is not None:
             parts.append(features)

@@ -20,8 +20,9 @@ then.
 ``predictor`` ``auto`` (the default) lets the saved labels decide: once they can score two candidates (the served
 detector, matching with the built-in templates, matching from the saved labels alone), the one with the lowest error
 on the newest saved labels that the detector has not trained on is served (``scoring.choose_predictor``; computed in
-the background after the labels or the served models change, so the first suggestions after a save are served by the
-previous choice). The same choice says whether the built-in templates join the saved labels. The reply's
+the background after the labels, the datastore's images or the served models change, so the first suggestions after
+a save are served by the previous choice). The same choice says whether the built-in templates join the saved labels
+(always for a labelled image's own suggestion when no other label is saved). The reply's
 ``predictor`` says what served it (``"detector"`` | ``"templates"``), ``predictor_choice`` the scores it was chosen by
 (None before any), and ``pending`` the background work under way (``predictor_choice``: also when the choice served
 is not yet that of the labels of now; ``pseudo_templates``), after which the suggestions may change. The request key
@@ -52,7 +53,7 @@ import torch
 from bundle.data.markups import ControlPoint, write_mrk_json
 from monailabel.interfaces.tasks.infer_v2 import InferTask, InferType
 
-from .common import ITEM_KEYS, PREDICTORS, BackgroundValue, BundleContext, file_key
+from .common import ITEM_KEYS, PREDICTORS, BackgroundValue, BundleContext, file_key, labels_key
 from .scoring import choose_predictor
 
 logger = logging.getLogger(__name__)
@@ -126,48 +127,47 @@ class LandmarkInferTask(InferTask):
     def _load_detector(self, path: Path) -> None:
         """The served detector (``model/detector.pt`` at the grid recorded in ``model/detector.json``),
         reloaded when republished."""
-        key = (
-            file_key(path),
-            file_key(self.context.detector_info_path) if self.context.detector_info_path.is_file() else None,
-        )
+        key = self.context.detector_key()
         if key == self.detector_key:
             return
         self.detector = self.context.new_detector(path, self.context.detector_info().get("image_size"))
         self.detector_key = key
         logger.info(f"serving the detector {path}")
 
-    def _choice(self, labelled: list[dict]) -> tuple[dict | None, bool]:
+    def _choice(self, labelled: list[dict], unlabelled: list[dict]) -> tuple[dict | None, bool]:
         """``auto``'s last choice (:func:`scoring.choose_predictor`; None before the first, or when there is nothing to
         choose between) and whether it is that of the saved labels and served models of now (else that one is
         computed in the background)."""
         if not labelled:
             return None, True
         checkpoint, detector = self.context.served_checkpoint(), self.context.served_detector()
+        unlabelled_ids = tuple(it["id"] for it in unlabelled)
+        key = (file_key(checkpoint), self.context.detector_key(), labels_key(labelled), unlabelled_ids)
+        keep = (*ITEM_KEYS, "label")  # the label file's time orders the saved labels
+        plain = [[{k: it[k] for k in keep if k in it} for it in part] for part in (labelled, unlabelled)]
         info = self.context.detector_info() if detector else {}
-        key = (
-            file_key(checkpoint),
-            file_key(detector) if detector else None,
-            json.dumps(info, sort_keys=True),
-            tuple((it["id"], json.dumps(it["landmarks"])) for it in labelled),
-        )
-        plain = [{k: it[k] for k in (*ITEM_KEYS, "label") if k in it} for it in labelled]
-        last = self.choice.get(key, plain, checkpoint, detector, info)
+        last = self.choice.get(key, *plain, checkpoint, detector, info)
         return (None, False) if last is None else (last[1], last[0] == key)
 
-    def _predictor(self, request: dict, choice: dict | None) -> str:
-        """``detector`` or ``templates`` for this request (its ``predictor`` key over the conf's; ``auto``: that of
-        ``choice``, else the detector when one is served)."""
+    def _predictor(self, request: dict, labelled: list[dict], unlabelled: list[dict]) -> tuple[str, dict | None, bool]:
+        """``(predictor, choice, current)`` of this request: ``detector`` or ``templates`` (its ``predictor`` key over
+        the conf's; ``auto``: that of :meth:`_choice`, else the detector when one is served), and the choice that
+        decided it and whether the built-in templates join (:meth:`_choice`; not asked for a forced detector)."""
         wanted = request.get("predictor") or self.predictor
         if wanted not in PREDICTORS:
             raise ValueError(f"predictor must be one of {', '.join(PREDICTORS)}, got {wanted!r:.40}")
         served = self.context.served_detector() is not None
+        if wanted == "detector":
+            if not served:
+                raise ValueError(
+                    'no detector is served yet (train one: POST /train/landmarks with {"network": "detector"})'
+                )
+            return wanted, None, True
+        choice, current = self._choice(labelled, unlabelled)
         if wanted == "auto":
-            return "detector" if served and (choice is None or choice["predictor"] == "detector") else "templates"
-        if wanted == "detector" and not served:
-            raise ValueError(
-                'no detector is served yet (train one: POST /train/landmarks with {"network": "detector"})'
-            )
-        return wanted
+            detector = served and (choice is None or choice["predictor"] == "detector")
+            return "detector" if detector else "templates", choice, current
+        return wanted, choice, current
 
     def _datastore_items(self) -> tuple[list[dict], list[dict]]:
         """The datastore's images with a saved label, and those without."""
@@ -182,8 +182,7 @@ class LandmarkInferTask(InferTask):
         if not image or not Path(image).exists():  # a file, or a DICOM series folder from a DICOMweb datastore
             raise FileNotFoundError(f"landmarks infer: image not found: {name!r}")
         labelled, unlabelled = self._datastore_items()
-        choice, choice_current = self._choice(labelled)
-        predictor = self._predictor(request, choice)
+        predictor, choice, choice_current = self._predictor(request, labelled, unlabelled)
         data = self.context.prepare({"image": str(image)}, name)
         with self._lock, torch.no_grad():
             if predictor == "detector":
@@ -198,7 +197,9 @@ class LandmarkInferTask(InferTask):
             else:
                 # one checkpoint for the whole request: the train task may publish new weights meanwhile
                 checkpoint = self.context.served_checkpoint()
-                builtin = choice is None or choice["builtin_templates"]
+                # the built-in templates join as the choice says, and always when no other saved label would match
+                others = [it for it in labelled if it["id"] != request.get("image_id")]
+                builtin = choice is None or choice["builtin_templates"] or not others
                 items = self.context.suggestion_templates(
                     labelled, unlabelled, checkpoint, request.get("image_id"), builtin=builtin
                 )

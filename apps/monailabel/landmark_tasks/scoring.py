@@ -13,8 +13,10 @@ model's, the built-in templates and the shipped detector are what the saved labe
 
 from __future__ import annotations
 
+import logging
 import math
 import os
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +25,7 @@ from bundle.geometry import apply_homogeneous
 
 from .common import BundleContext
 
+logger = logging.getLogger(__name__)
 # the newest saved labels that auto's choice is scored on (a detector pass and two matchings each)
 CHOICE_MAX_IMAGES = 10
 # with one saved label, a candidate whose error on it is above this share of the image's diagonal fails on these
@@ -55,18 +58,22 @@ def score_checkpoint(
     cases: list[tuple[dict, list[dict]]],
     unlabelled: list[dict] = (),
     builtin: bool = True,
+    network: torch.nn.Module | None = None,
 ) -> float:
     """Mean radial error of ``checkpoint`` over ``cases`` (item, the saved labels it is matched from), matched as the
     infer task matches with those weights: from those labels (else the bundle's templates), with the built-in
     templates where they fit and ``builtin``, else, while the labels are few, with their pseudo-templates among
-    ``unlabelled`` computed with those weights (:meth:`BundleContext.suggestion_templates`)."""
+    ``unlabelled`` computed with those weights (:meth:`BundleContext.suggestion_templates`). ``network``: a network
+    holding those weights to run (default: the context's shared one, held case by case)."""
     errors: list[float] = []
     for item, labelled in cases:
-        # first: choosing the templates may run the network with other weights (the bundle's template choice)
-        templates = context.suggestion_templates(labelled, unlabelled, checkpoint, wait=True, builtin=builtin)
-        with torch.no_grad(), context.network(checkpoint) as network:
-            inferer, _ = context.template_inferer(templates, checkpoint, network, builtin)
-            errors += radial_errors(context, item, network, inferer)
+        # first: choosing the templates may run the shared network with other weights (the bundle's template choice)
+        templates = context.suggestion_templates(
+            labelled, unlabelled, checkpoint, wait=True, builtin=builtin, network=network
+        )
+        with torch.no_grad(), nullcontext(network) if network is not None else context.network(checkpoint) as net:
+            inferer, _ = context.template_inferer(templates, checkpoint, net, builtin)
+            errors += radial_errors(context, item, net, inferer)
     return mean_error(errors)
 
 
@@ -82,12 +89,17 @@ def score_detector(
     return mean_error(errors)
 
 
+def leave_one_out(labelled: list[dict], scored: list[dict]) -> list[tuple[dict, list[dict]]]:
+    """(item, the saved labels it is matched from) for each ``scored`` item: every other one of ``labelled``."""
+    return [(it, [o for o in labelled if o["id"] != it["id"]]) for it in scored]
+
+
 def scoring_cases(context: BundleContext, labelled: list[dict]) -> tuple[list[tuple[dict, list[dict]]], str]:
     """(item, the saved labels it is matched from) pairs of the publication rule and a sentence saying what they
     are: each labelled image from the other ones (leave-one-out), else the bundle datalist's validation images from
     its templates (no saved label)."""
     if labelled:
-        cases = [(it, [o for o in labelled if o is not it]) for it in labelled]
+        cases = leave_one_out(labelled, labelled)
         return cases, f"{len(labelled)} labelled datastore images, each from the other templates (leave-one-out)"
     template_images = {t["image"] for t in context.templates([])}
     validation = [
@@ -122,22 +134,28 @@ def newest_labels(labelled: list[dict], exclude: set[str], limit: int = CHOICE_M
 
 
 def choose_predictor(
-    context: BundleContext, labelled: list[dict], checkpoint: Path, detector: Path | None, detector_info: dict
+    context: BundleContext,
+    labelled: list[dict],
+    unlabelled: list[dict],
+    checkpoint: Path,
+    detector: Path | None,
+    detector_info: dict,
 ) -> dict | None:
-    """``auto``'s predictor for the saved labels ``labelled`` (datastore items): each candidate is scored on the
-    newest saved labels that the served ``detector`` (``detector_info``: its record) has not trained on, and the one
-    with the lowest mean radial error is chosen (ties: the order below):
+    """``auto``'s predictor for the saved labels ``labelled`` (datastore items; ``unlabelled``: the datastore's other
+    images): each candidate is scored on the newest saved labels that the served ``detector`` (``detector_info``: its
+    record) has not trained on, and the one with the lowest mean radial error is chosen (ties: the order below):
 
     - ``detector``: the served detector;
     - ``templates_builtin``: matching with the ``checkpoint`` weights from the other saved labels and the built-in
       templates (where they fit those weights);
-    - ``templates``: matching from the other saved labels alone (at least 2 saved labels). Pseudo-templates, which
-      join them when served while they are few, are left out of the score (a pass over the unlabelled images per
-      scored image): matching is scored at or above its served error.
+    - ``templates``: matching from the other saved labels alone, with their pseudo-templates while they are few (at
+      least 2 saved labels), as served.
 
     With one saved label, matching from it alone cannot be scored: it is chosen when every candidate that can be
     misses that label by more than ``GROSS_DIAGONAL_SHARE`` of the image's diagonal on average (the served models
-    fail on these images; one-shot matching with pseudo-templates is a few mm on the bundle's own data).
+    fail on these images; one-shot matching with pseudo-templates is a few mm on the bundle's own data). A candidate
+    whose scoring fails is left out (logged). The matching runs on a copy of the stage-1 network, so that requests
+    wait for the shared one only while features are stored.
 
     Returns ``{"predictor": "detector" | "templates", "builtin_templates": whether the built-in templates join the
     saved labels (the better matching), "reason", "mre": {candidate: score}, "scored_on": ids, "units", "labels":
@@ -157,13 +175,18 @@ def choose_predictor(
     ]
     if candidates in ([], ["templates"]):
         return None
-    cases = [(it, [o for o in labelled if o["id"] != it["id"]]) for it in images]
+    cases = leave_one_out(labelled, images)
+    network = context.private_network(checkpoint)
     mre: dict[str, float] = {}
     for name in candidates:
-        if name == "detector":
-            mre[name] = score_detector(context, detector, detector_info.get("image_size"), images)
-        else:
-            mre[name] = score_checkpoint(context, checkpoint, cases, builtin=name == "templates_builtin")
+        try:
+            if name == "detector":
+                mre[name] = score_detector(context, detector, detector_info.get("image_size"), images)
+            else:
+                builtin = name == "templates_builtin"
+                mre[name] = score_checkpoint(context, checkpoint, cases, unlabelled, builtin, network)
+        except Exception:
+            logger.exception(f"auto's choice: {name} not scored")
     units = context.error_units(images)
     scored = {"scored_on": [it["id"] for it in images], "units": units, "labels": len(labelled), "mre": mre}
     if "templates" not in mre and mre and min(mre.values()) > GROSS_DIAGONAL_SHARE * image_diagonal(context, images[0]):

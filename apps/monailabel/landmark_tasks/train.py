@@ -85,7 +85,7 @@ from monailabel.interfaces.datastore import Datastore
 from monailabel.interfaces.tasks.train import TrainTask
 
 from .common import BundleContext, device_expression, lower_priority
-from .scoring import score_checkpoint, score_detector, scoring_cases
+from .scoring import leave_one_out, score_checkpoint, score_detector, scoring_cases
 
 logger = logging.getLogger(__name__)
 
@@ -391,7 +391,8 @@ class BundleTrainTask(TrainTask):
             return {}
 
     def served_predictor(self) -> tuple[str, str]:
-        """``(predictor, checkpoint)`` that the infer task serves by default."""
+        """``(predictor, checkpoint)`` that the infer task serves before the saved labels can choose (``auto``: the
+        detector when one is served, else matching)."""
         detector = self.context.served_detector()
         return ("detector", str(detector)) if detector else ("templates", str(self.context.served_checkpoint()))
 
@@ -557,7 +558,7 @@ class BundleTrainTask(TrainTask):
         else:
             served_predictor = "templates"
             # each held-out image as the infer task would match it, had it not been labelled
-            cases = [(it, [o for o in labelled.values() if o is not it]) for it in held]
+            cases = leave_one_out(list(labelled.values()), held)
             unlabelled = [it for it in items if not it.get("landmarks")]
             old = score_checkpoint(context, stage1, cases, unlabelled)
             kept = f"template matching ({stage1})"
