@@ -55,6 +55,15 @@ def new_app(work: Path, studies: str, datalist: str, **conf: str):
     return LandmarkApp(str(app_dir), studies, {"bundle_root": str(ROOT), "datalist": datalist, **conf})
 
 
+def settle(app) -> None:
+    """Wait until the app's background work (auto's choice, pseudo-templates) is done: a process that ends while a
+    daemon thread runs the network is aborted by PyTorch."""
+    infer = app._infers["landmarks"]
+    deadline = time.monotonic() + 300
+    while (infer.choice.pending() or app.context.pseudo.pending()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 def dicomweb(work: str, datalist: str, series_folder: str, series_uid: str, png: str) -> dict:
     work = Path(work)
     import monailabel.datastore.dicom as dicomweb
@@ -111,6 +120,7 @@ def ct(
     app.datastore().save_label(target, target_label, "final", {})  # two labels: one to train on, one held out
     out["detector_train"] = app.train({"model": "landmarks", **tiny, "network": "detector", "publish": "always"})
     out["detector"] = infer()
+    settle(app)
     return out
 
 
@@ -138,8 +148,7 @@ def device(work: str, datalist: str, studies: str, template_id: str, template_la
     app.infer({"model": "landmarks", "image": target})
     # that suggestion started the pseudo-templates of the saved label, on the background worker's own network,
     # which is gone with the worker
-    while app.context.pseudo.pending():
-        time.sleep(0.1)
+    settle(app)
     tiny = {"epochs": 1, "epoch_length": 1, "batch_size": 1, "image_size": [64, 64], "crop_size": [32, 32]}
     out["train_device"] = app.train({"model": "landmarks", **tiny, "num_queries": 4})["device"]
     out["networks_after_train"] = networks()  # the old and new weights scored here too
