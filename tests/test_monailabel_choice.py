@@ -6,6 +6,7 @@ that these tests see what the rule asks for and decides; and the background comp
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -177,3 +178,27 @@ def test_the_background_value_is_the_newest_wish_and_a_failure_its_fallback(app_
     while value.pending() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert value.get("bad", "bad") == ("bad", "none") and not value.pending()  # failed once, not retried
+
+
+def test_a_process_ending_during_background_work_stops_it_and_exits_cleanly(tmp_path):
+    """A process that ends while a background computation runs the network is not aborted (PyTorch aborts one whose
+    daemon thread is inside an operation at exit): the computation stops at its next check and is waited for."""
+    script = tmp_path / "ending.py"
+    script.write_text(
+        "import sys, time, torch\n"
+        f"sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'apps' / 'monailabel')!r}]\n"
+        "from landmark_tasks.common import BackgroundValue, check_stopping\n"
+        "def work():\n"
+        "    x, started = torch.randn(1, 1, 600, 600), time.monotonic()\n"
+        "    while time.monotonic() < started + 60:\n"
+        "        check_stopping()\n"
+        "        x = torch.nn.functional.conv2d(x, torch.randn(1, 1, 9, 9), padding=4)\n"
+        "value = BackgroundValue('ending', work)\n"
+        "value.get('key')\n"
+        "time.sleep(1)\n"
+        "print('ending', flush=True)\n"
+    )
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "ending" in done.stdout, done.stderr[-2000:]
+    assert time.monotonic() - started < 50  # stopped, not run to its end

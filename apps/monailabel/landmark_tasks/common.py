@@ -10,11 +10,14 @@ spacing; what ITK reads and ``XRayDicomd`` keeps as ``original_affine``). Saved 
 
 from __future__ import annotations
 
+import atexit
 import copy
 import json
 import logging
 import os
 import threading
+import time
+import weakref
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -158,10 +161,29 @@ def lower_priority(pid: int, what: str) -> None:
             logger.warning(f"{what} {pid} keeps its priority: {e}")
 
 
+# set when the process ends: background work stops between its steps (check_stopping), and the process waits for it
+# (a process that ends while a daemon thread runs the network is aborted by PyTorch)
+STOPPING = threading.Event()
+STOP_WAIT_S = 60.0
+
+
+class AppStopping(RuntimeError):
+    """Background work given up because the process is ending."""
+
+
+def check_stopping() -> None:
+    """Raise :class:`AppStopping` once the process is ending (called by background work between its steps)."""
+    if STOPPING.is_set():
+        raise AppStopping("the app is stopping")
+
+
 class BackgroundValue:
     """A value computed in the background for the newest key asked for, by one daemon thread at a time at
     ``BACKGROUND_NICENESS``; the last computed ``(key, value)`` stays readable meanwhile. A failure is logged and gives
-    ``fallback`` for its key (computed again once another key is asked for)."""
+    ``fallback`` for its key (computed again once another key is asked for). When the process ends, the computation
+    running is waited for (up to ``STOP_WAIT_S``; ``compute`` should call :func:`check_stopping` between its steps)."""
+
+    _instances: weakref.WeakSet[BackgroundValue] = weakref.WeakSet()
 
     def __init__(self, name: str, compute: Callable[..., Any], fallback: Any = None) -> None:
         self.name, self.compute, self.fallback = name, compute, fallback
@@ -169,6 +191,18 @@ class BackgroundValue:
         self._last: tuple[Any, Any] | None = None
         self._wanted: tuple[Any, tuple] | None = None
         self._worker: threading.Thread | None = None
+        BackgroundValue._instances.add(self)
+
+    @classmethod
+    def stop_all(cls, timeout_s: float = STOP_WAIT_S) -> None:
+        """Stop every background computation (:data:`STOPPING`) and wait for each, ``timeout_s`` in all."""
+        STOPPING.set()
+        deadline = time.monotonic() + timeout_s
+        for value in list(cls._instances):
+            with value._lock:
+                worker = value._worker
+            if worker is not None:
+                worker.join(max(0.0, deadline - time.monotonic()))
 
     def get(self, key: Any, *args: Any) -> tuple[Any, Any] | None:
         """The last computed ``(key, value)`` (None before the first). Unless its key is ``key``, ``compute(*args)`` is
@@ -192,11 +226,13 @@ class BackgroundValue:
             while True:
                 with self._lock:
                     wanted = self._wanted
-                    if wanted is None or (self._last is not None and self._last[0] == wanted[0]):
+                    if wanted is None or (self._last is not None and self._last[0] == wanted[0]) or STOPPING.is_set():
                         return
                 key, args = wanted
                 try:
                     value = self.compute(*args)
+                except AppStopping:
+                    return
                 except Exception:
                     logger.exception(f"{self.name}: not computed")
                     value = self.fallback
@@ -205,6 +241,9 @@ class BackgroundValue:
         finally:
             with self._lock:
                 self._worker = None
+
+
+atexit.register(BackgroundValue.stop_all)
 
 
 class BundleContext:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from bundle.geometry import apply_homogeneous
 
-from .common import BundleContext
+from .common import AppStopping, BundleContext, check_stopping
 
 logger = logging.getLogger(__name__)
 # the newest saved labels that auto's choice is scored on (a detector pass and two matchings each)
@@ -67,6 +67,7 @@ def score_checkpoint(
     holding those weights to run (default: the context's shared one, held case by case)."""
     errors: list[float] = []
     for item, labelled in cases:
+        check_stopping()
         # first: choosing the templates may run the shared network with other weights (the bundle's template choice)
         templates = context.suggestion_templates(
             labelled, unlabelled, checkpoint, wait=True, builtin=builtin, network=network
@@ -85,6 +86,7 @@ def score_detector(
     errors: list[float] = []
     with torch.no_grad():
         for item in items:
+            check_stopping()
             errors += radial_errors(context, item, network, inferer, preprocessing)
     return mean_error(errors)
 
@@ -179,12 +181,15 @@ def choose_predictor(
     network = context.private_network(checkpoint)
     mre: dict[str, float] = {}
     for name in candidates:
+        check_stopping()
         try:
             if name == "detector":
                 mre[name] = score_detector(context, detector, detector_info.get("image_size"), images)
             else:
                 builtin = name == "templates_builtin"
                 mre[name] = score_checkpoint(context, checkpoint, cases, unlabelled, builtin, network)
+        except AppStopping:
+            raise
         except Exception:
             logger.exception(f"auto's choice: {name} not scored")
     units = context.error_units(images)
