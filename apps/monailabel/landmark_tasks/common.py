@@ -390,9 +390,16 @@ class BundleContext:
         return Path(checkpoint).resolve().parent == self.model_dir.resolve()
 
     @contextmanager
-    def network(self, checkpoint: str | Path | None = None) -> Iterator[torch.nn.Module]:
+    def network(
+        self, checkpoint: str | Path | None = None, private: torch.nn.Module | None = None
+    ) -> Iterator[torch.nn.Module]:
         """The stage-1 network of the device holding ``checkpoint``'s weights (default: the served ones), for the
-        ``with`` block alone. One instance, built on first use, shared by inference, template choice and scoring."""
+        ``with`` block alone. One instance, built on first use, shared by inference, template choice and scoring.
+        ``private``: a network of the caller's own already holding those weights (:meth:`private_network`), given back
+        as it is, no lock taken."""
+        if private is not None:
+            yield private
+            return
         path = Path(checkpoint or self.served_checkpoint())
         with self._lock:
             if self._network is None:
@@ -550,11 +557,9 @@ class BundleContext:
         """
         candidates = list(unlabelled)[: int(self.pseudo_choice["pseudo_candidates"])]
         plain = [[{k: it[k] for k in ITEM_KEYS if k in it} for it in part] for part in (labelled, candidates)]
-        if wait and network is not None:
-            return self._compute_pseudo(*plain, network)
         if wait:
-            with self.network(checkpoint) as shared:
-                return self._compute_pseudo(*plain, shared)
+            with self.network(checkpoint, network) as held:
+                return self._compute_pseudo(*plain, held)
         key = (file_key(checkpoint), labels_key(labelled), tuple(it["id"] for it in candidates))
         last = self.pseudo.get(key, *plain, Path(checkpoint))
         return last[1] if last is not None and last[0] == key else []

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -72,7 +71,7 @@ def score_checkpoint(
         templates = context.suggestion_templates(
             labelled, unlabelled, checkpoint, wait=True, builtin=builtin, network=network
         )
-        with torch.no_grad(), nullcontext(network) if network is not None else context.network(checkpoint) as net:
+        with torch.no_grad(), context.network(checkpoint, network) as net:
             inferer, _ = context.template_inferer(templates, checkpoint, net, builtin)
             errors += radial_errors(context, item, net, inferer)
     return mean_error(errors)
