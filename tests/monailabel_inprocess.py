@@ -108,8 +108,8 @@ def ct(
     app = new_app(work, studies, datalist, ckpt_path=ckpt)
     target = sorted(app.datastore().list_images())[0]
 
-    def infer() -> dict:
-        params = app.infer({"model": "landmarks", "image": target})["params"]
+    def infer(**request) -> dict:
+        params = app.infer({"model": "landmarks", "image": target, **request})["params"]
         return {k: params[k] for k in ("landmarks", "templates", "markups", "predictor")}
 
     out.update(image=target, bundle=infer())
@@ -119,7 +119,7 @@ def ct(
     out["train"] = app.train({"model": "landmarks", **tiny, "crop_size": [32, 32, 32], "num_queries": 4})
     app.datastore().save_label(target, target_label, "final", {})  # two labels: one to train on, one held out
     out["detector_train"] = app.train({"model": "landmarks", **tiny, "network": "detector", "publish": "always"})
-    out["detector"] = infer()
+    out["detector"] = infer(predictor="detector")  # (auto serves no detector that learnt from one label)
     settle(app)
     return out
 

@@ -96,9 +96,9 @@ def _labels(folder: Path, n: int) -> list[dict]:
 def test_the_lowest_error_on_the_newest_labels_the_detector_did_not_train_on(rule, tmp_path):
     choose, calls = rule
     labelled = _labels(tmp_path, 14)
-    info = {"trained_on": ["l11", "l02"], "image_size": [64, 64]}
+    info = {"trained_on": ["l11", "l02", "l00", "l01", "l06"], "image_size": [64, 64]}
     choice = choose(labelled, Path("detector.pt"), info, {"detector": 5.0, "templates_builtin": 3.0, "templates": 4.0})
-    newest = [f"l{i:02d}" for i in (13, 12, 10, 9, 8, 7, 6, 5, 4, 3)]  # 10, the detector's training images left out
+    newest = [f"l{i:02d}" for i in (13, 12, 10, 9, 8, 7, 5, 4, 3)]  # the detector's training images left out
     assert [c[:2] for c in calls] == [("detector", newest), ("templates_builtin", newest), ("templates", newest)]
     # each scored label matched from every other saved label (the detector's training images among them)
     assert all(len(others) == 13 and scored not in others for scored, others in zip(newest, calls[1][2]))
@@ -110,6 +110,31 @@ def test_the_lowest_error_on_the_newest_labels_the_detector_did_not_train_on(rul
     assert choice["predictor"] == "templates" and choice["builtin_templates"] is False
     choice = choose(labelled, Path("detector.pt"), info, {"detector": 3.0, "templates_builtin": 3.0, "templates": 4.0})
     assert choice["predictor"] == "detector" and choice["builtin_templates"] is True  # a tie keeps the detector
+
+
+def test_a_detector_trained_on_few_saved_labels_is_not_served(rule, tmp_path):
+    """A detector that the train task made from fewer than DETECTOR_MIN_LABELS saved labels is passed over, however
+    it scores on its few held-out labels (one made from 2 labels won on its 3 and lost on 30 test images)."""
+    choose, calls = rule
+    labelled = _labels(tmp_path, 5)
+    info = {"trained_on": ["l01", "l04"], "held_out": ["l00", "l02", "l03"], "image_size": [64, 64]}
+    scores = {"detector": 1.0, "templates_builtin": 3.0, "templates": 2.0}
+    choice = choose(labelled, Path("detector.pt"), info, scores)
+    held_out = ["l03", "l02", "l00"]
+    assert [c[:2] for c in calls] == [("templates_builtin", held_out), ("templates", held_out)]
+    assert choice["predictor"] == "templates" and choice["builtin_templates"] is False
+    assert "learnt from 2 saved labels, fewer than 5" in choice["reason"] and "detector" not in choice["mre"]
+    # no built-in template: matching from the saved labels is served without scoring
+    choice = choose(labelled, Path("detector.pt"), info, scores, builtin=False)
+    assert calls == [] and choice["predictor"] == "templates" and choice["builtin_templates"] is False
+    # both matchings failing to score still leaves the detector out
+    failed = {"templates_builtin": RuntimeError("x"), "templates": RuntimeError("y")}
+    assert choose(labelled, Path("detector.pt"), info, failed)["predictor"] == "templates"
+    # from 5 saved labels it competes (here it wins); the shipped detector (no trained_on) always does
+    info = {**info, "trained_on": ["l01", "l04", "l05", "l06", "l07"]}
+    labelled = _labels(tmp_path, 8)
+    assert choose(labelled, Path("detector.pt"), info, scores)["predictor"] == "detector"
+    assert choose(labelled, Path("detector.pt"), {}, scores)["predictor"] == "detector"
 
 
 def test_a_candidate_that_cannot_be_scored_is_left_out(rule, tmp_path):

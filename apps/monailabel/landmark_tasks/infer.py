@@ -19,7 +19,8 @@ then.
 
 ``predictor`` ``auto`` (the default) lets the saved labels decide: once they can score two candidates (the served
 detector, matching with the built-in templates, matching from the saved labels alone), the one with the lowest error
-on the newest saved labels that the detector has not trained on is served (``scoring.choose_predictor``; computed in
+on the newest saved labels that the detector has not trained on is served (a detector the train task made from fewer
+than ``scoring.DETECTOR_MIN_LABELS`` saved labels is no candidate; ``scoring.choose_predictor``; computed in
 the background after the labels, the datastore's images or the served models change, so the first suggestions after
 a save are served by the previous choice). The same choice says whether the built-in templates join the saved labels
 (always for a labelled image's own suggestion when no other label is saved). The reply's

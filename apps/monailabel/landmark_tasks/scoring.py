@@ -30,6 +30,11 @@ CHOICE_MAX_IMAGES = 10
 # with one saved label, a candidate whose error on it is above this share of the image's diagonal fails on these
 # images (about 10 mm on a cephalogram of 230 x 290 mm, what docs/results.md counts a gross error)
 GROSS_DIAGONAL_SHARE = 0.03
+# a detector the train task made from fewer saved labels is not served by auto: its few held-out images cannot show
+# how often it fails. Measured: one learnt from 2 labels beat matching on its 3 held-out images (12.8 against 17.6
+# px) and lost on the next 5 (two errors of 41 and 54 px) and on 30 test images (2.78 against 2.18 mm); from 5 or 7
+# labels detectors beat matching from as many or more (docs/results.md, "The annotation loop in MONAI Label")
+DETECTOR_MIN_LABELS = 5
 
 
 def radial_errors(context: BundleContext, item: dict, network, inferer, preprocessing=None) -> list[float]:
@@ -152,6 +157,7 @@ def choose_predictor(
     - ``templates``: matching from the other saved labels alone, with their pseudo-templates while they are few (at
       least 2 saved labels), as served.
 
+    A detector that the train task made from fewer than ``DETECTOR_MIN_LABELS`` saved labels is not a candidate.
     With one saved label, matching from it alone cannot be scored: it is chosen when every candidate that can be
     misses that label by more than ``GROSS_DIAGONAL_SHARE`` of the image's diagonal on average (the served models
     fail on these images; one-shot matching with pseudo-templates is a few mm on the bundle's own data). A candidate
@@ -165,15 +171,25 @@ def choose_predictor(
     images = newest_labels(labelled, trained_on)
     if not images:
         return None
+    # trained_on is recorded for the train task's detectors only (the shipped one learnt from other labels)
+    few = 0 < len(trained_on) < DETECTOR_MIN_LABELS
     candidates = [
         name
         for name, possible in (
-            ("detector", detector is not None),
+            ("detector", detector is not None and not few),
             ("templates_builtin", context.builtin_template(checkpoint) is not None),
             ("templates", len(labelled) >= 2),
         )
         if possible
     ]
+    plural = "" if len(trained_on) == 1 else "s"
+    passed_over = f"the detector learnt from {len(trained_on)} saved label{plural}, fewer than {DETECTOR_MIN_LABELS}: "
+    passed_over = passed_over if few else ""
+    units = context.error_units(images)
+    if candidates == ["templates"] and few:  # (few implies at least 2 saved labels: matching is a candidate)
+        reason = passed_over + "matching from the saved labels, the one other candidate"
+        nothing_scored = {"scored_on": [], "units": units, "labels": len(labelled), "mre": {}}
+        return {"predictor": "templates", "builtin_templates": False, "reason": reason, **nothing_scored}
     if candidates in ([], ["templates"]):
         return None
     cases = leave_one_out(labelled, images)
@@ -191,17 +207,16 @@ def choose_predictor(
             raise
         except Exception:
             logger.exception(f"auto's choice: {name} not scored")
-    units = context.error_units(images)
     scored = {"scored_on": [it["id"] for it in images], "units": units, "labels": len(labelled), "mre": mre}
-    if "templates" not in mre and mre and min(mre.values()) > GROSS_DIAGONAL_SHARE * image_diagonal(context, images[0]):
+    if len(labelled) == 1 and mre and min(mre.values()) > GROSS_DIAGONAL_SHARE * image_diagonal(context, images[0]):
         reason = f"the scored candidates miss the one saved label by over {GROSS_DIAGONAL_SHARE:.0%} of its diagonal"
         return {"predictor": "templates", "builtin_templates": False, "reason": reason, **scored}
-    if len(mre) < 2:
+    if len(mre) < 2 and not few:
         return None
-    best = min(mre, key=mre.get)
+    best = min(mre, key=mre.get, default="templates")  # (few: matching, whatever could be scored)
     return {
         "predictor": "detector" if best == "detector" else "templates",
         "builtin_templates": mre.get("templates_builtin", math.inf) <= mre.get("templates", math.inf),
-        "reason": "the lowest mean error on the saved labels",
+        "reason": passed_over + "the lowest mean error on the saved labels",
         **scored,
     }
