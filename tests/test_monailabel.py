@@ -711,11 +711,12 @@ def test_published_detector_is_served(server):
     assert stats["predictor"] == "detector" and stats["checkpoint"] == str(model / "detector.pt")
     info = json.loads((model / "detector.json").read_text())
     assert info["image_size"] == TINY_TRAIN["image_size"] and info["held_out"] == stats["train"]["held_out"]
-    # auto passes over a detector that learnt from 1 saved label (fewer than 5): matching from the saved labels
+    # auto passes over a detector that learnt from 1 saved label (fewer than 5): matching from the saved labels, also
+    # before its choice is made (the first replies)
     deadline = time.monotonic() + 180
     while True:
         reply, status = _infer_id(server, "test_001")
-        assert status == 200, reply
+        assert status == 200 and reply["predictor"] == "templates", reply
         if not reply["pending"]:
             break
         assert time.monotonic() < deadline, reply["pending"]

@@ -139,6 +139,13 @@ def newest_labels(labelled: list[dict], exclude: set[str], limit: int = CHOICE_M
     return sorted(kept, key=lambda it: (saved(it), it["id"]), reverse=True)[:limit]
 
 
+def learnt_from_few(detector_info: dict) -> int | None:
+    """How many saved labels the served detector learnt from when the train task made it from fewer than
+    ``DETECTOR_MIN_LABELS`` (``auto`` does not serve it), else None (enough, or the shipped one: other labels)."""
+    n = len(detector_info.get("trained_on") or [])
+    return n if 0 < n < DETECTOR_MIN_LABELS else None
+
+
 def choose_predictor(
     context: BundleContext,
     labelled: list[dict],
@@ -171,8 +178,7 @@ def choose_predictor(
     images = newest_labels(labelled, trained_on)
     if not images:
         return None
-    # trained_on is recorded for the train task's detectors only (the shipped one learnt from other labels)
-    few = 0 < len(trained_on) < DETECTOR_MIN_LABELS
+    few = learnt_from_few(detector_info) if detector else None
     candidates = [
         name
         for name, possible in (
@@ -182,9 +188,10 @@ def choose_predictor(
         )
         if possible
     ]
-    plural = "" if len(trained_on) == 1 else "s"
-    passed_over = f"the detector learnt from {len(trained_on)} saved label{plural}, fewer than {DETECTOR_MIN_LABELS}: "
-    passed_over = passed_over if few else ""
+    plural = "" if few == 1 else "s"
+    passed_over = (
+        f"the detector learnt from {few} saved label{plural}, fewer than {DETECTOR_MIN_LABELS}: " if few else ""
+    )
     units = context.error_units(images)
     if candidates == ["templates"] and few:  # (few implies at least 2 saved labels: matching is a candidate)
         reason = passed_over + "matching from the saved labels, the one other candidate"
