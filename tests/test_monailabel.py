@@ -708,7 +708,8 @@ def test_published_detector_is_served(server):
     model = server["app"] / "model"
     stats = _detector_stats(server, {"publish": "always"})  # whatever the detector scores
     assert stats["published"] is True and stats["decision"].startswith("published")
-    assert stats["predictor"] == "detector" and stats["checkpoint"] == str(model / "detector.pt")
+    # what auto serves before the labels choose: matching, the detector having learnt from 1 saved label
+    assert stats["predictor"] == "templates" and stats["checkpoint"] == str(model / "model.pt")
     info = json.loads((model / "detector.json").read_text())
     assert info["image_size"] == TINY_TRAIN["image_size"] and info["held_out"] == stats["train"]["held_out"]
     # auto passes over a detector that learnt from 1 saved label (fewer than 5): matching from the saved labels, also
@@ -756,7 +757,7 @@ def test_detector_retrains_from_the_served_one_on_the_same_held_out_images(serve
     # training image stays in training, and the new one fills the held-out set (2 of 3: min_held_out 3, capped)
     assert sorted(stats["train"]["held_out"]) == sorted(before["held_out"] + ["test_001"])
     assert stats["train"]["trained_on"] == before["trained_on"]
-    assert stats["published"] is False and stats["predictor"] == "detector"
+    assert stats["published"] is False and stats["predictor"] == "templates"  # the served one learnt from 1 label
     assert json.loads((model / "detector.json").read_text()) == before
 
 

@@ -85,7 +85,7 @@ from monailabel.interfaces.datastore import Datastore
 from monailabel.interfaces.tasks.train import TrainTask
 
 from .common import BundleContext, device_expression, lower_priority
-from .scoring import leave_one_out, score_checkpoint, score_detector, scoring_cases
+from .scoring import learnt_from_few, leave_one_out, score_checkpoint, score_detector, scoring_cases
 
 logger = logging.getLogger(__name__)
 
@@ -392,9 +392,11 @@ class BundleTrainTask(TrainTask):
 
     def served_predictor(self) -> tuple[str, str]:
         """``(predictor, checkpoint)`` that the infer task serves before the saved labels can choose (``auto``: the
-        detector when one is served, else matching)."""
+        detector when one is served that did not learn from few saved labels, else matching)."""
         detector = self.context.served_detector()
-        return ("detector", str(detector)) if detector else ("templates", str(self.context.served_checkpoint()))
+        if detector and not learnt_from_few(self.context.detector_info()):
+            return "detector", str(detector)
+        return "templates", str(self.context.served_checkpoint())
 
     def _run_bundle(self, command: list[str], candidate: Path) -> int:
         """Run the bundle's training (``BACKGROUND_NICENESS``: suggestions come first on shared cores) until it has
