@@ -723,6 +723,7 @@ def test_published_detector_is_served(server):
         assert time.monotonic() < deadline, reply["pending"]
         time.sleep(2)
     assert reply["predictor"] == "templates" and "learnt from 1 saved label," in reply["predictor_choice"]["reason"]
+    assert server["client"].info()["models"]["landmarks"]["pending"] == []  # /info/ says so too, without a suggestion
     _, reply = server["client"].infer("landmarks", "test_001", {"predictor": "detector"})
     assert (
         reply["predictor"] == "detector"

@@ -26,7 +26,8 @@ a save are served by the previous choice). The same choice says whether the buil
 (always for a labelled image's own suggestion when no other label is saved). The reply's
 ``predictor`` says what served it (``"detector"`` | ``"templates"``), ``predictor_choice`` the scores it was chosen by
 (None before any), and ``pending`` the background work under way (``predictor_choice``: also when the choice served
-is not yet that of the labels of now; ``pseudo_templates``), after which the suggestions may change. The request key
+is not yet that of the labels of now; ``pseudo_templates``; ``/info/`` too, under ``models``), after which the
+suggestions may change. The request key
 ``predictor`` (or the app's conf key of that name: ``auto``, ``detector`` or ``templates``) forces one, e.g. template
 matching beside a served detector.
 
@@ -124,6 +125,17 @@ class LandmarkInferTask(InferTask):
 
     def is_valid(self) -> bool:
         return self.context.served_checkpoint().is_file()
+
+    def info(self) -> dict[str, Any]:
+        """MONAI Label's task info (``/info/``, under ``models``), with ``pending``: the background work under way
+        (:meth:`pending`), so that a client can wait for it without asking for a suggestion."""
+        return {**super().info(), "pending": self.pending()}
+
+    def pending(self, choice_current: bool = True) -> list[str]:
+        """The background work under way after which the suggestions may change: ``predictor_choice`` (also when the
+        choice served is not that of the saved labels of now, ``choice_current`` False) and ``pseudo_templates``."""
+        work = ["predictor_choice"] if not choice_current or self.choice.pending() else []
+        return work + (["pseudo_templates"] if self.context.pseudo.pending() else [])
 
     def _load_detector(self, path: Path) -> None:
         """The served detector (``model/detector.pt`` at the grid recorded in ``model/detector.json``),
@@ -237,7 +249,6 @@ class LandmarkInferTask(InferTask):
         result["checkpoint_source"] = "published" if self.context.is_published(checkpoint) else "shipped"
         result["predictor"] = predictor
         result["predictor_choice"] = choice
-        result["pending"] = ["predictor_choice"] if not choice_current or self.choice.pending() else []
-        result["pending"] += ["pseudo_templates"] if self.context.pseudo.pending() else []
+        result["pending"] = self.pending(choice_current)
         result["device"] = str(self.context.device)
         return path, result
