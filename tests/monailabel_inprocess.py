@@ -60,7 +60,7 @@ def settle(app) -> None:
     daemon thread runs the network is aborted by PyTorch."""
     infer = app._infers["landmarks"]
     deadline = time.monotonic() + 300
-    while (infer.choice.pending() or app.context.pseudo.pending()) and time.monotonic() < deadline:
+    while infer.pending() and time.monotonic() < deadline:
         time.sleep(0.1)
 
 

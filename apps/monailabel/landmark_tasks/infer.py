@@ -56,7 +56,7 @@ from bundle.data.markups import ControlPoint, write_mrk_json
 from monailabel.interfaces.tasks.infer_v2 import InferTask, InferType
 
 from .common import ITEM_KEYS, PREDICTORS, BackgroundValue, BundleContext, file_key, labels_key
-from .scoring import choose_predictor, learnt_from_few
+from .scoring import choose_predictor, served_before_choice
 
 logger = logging.getLogger(__name__)
 
@@ -164,9 +164,8 @@ class LandmarkInferTask(InferTask):
 
     def _predictor(self, request: dict, labelled: list[dict], unlabelled: list[dict]) -> tuple[str, dict | None, bool]:
         """``(predictor, choice, current)`` of this request: ``detector`` or ``templates`` (its ``predictor`` key over
-        the conf's; ``auto``: that of :meth:`_choice`, else the detector when one is served that did not learn from few
-        saved labels), and the choice that decided it and whether the built-in templates join (:meth:`_choice`; not
-        asked for a forced detector)."""
+        the conf's; ``auto``: that of :meth:`_choice`, else :func:`scoring.served_before_choice`), and the choice that
+        decided it and whether the built-in templates join (:meth:`_choice`; not asked for a forced detector)."""
         wanted = request.get("predictor") or self.predictor
         if wanted not in PREDICTORS:
             raise ValueError(f"predictor must be one of {', '.join(PREDICTORS)}, got {wanted!r:.40}")
@@ -179,11 +178,9 @@ class LandmarkInferTask(InferTask):
             return wanted, None, True
         choice, current = self._choice(labelled, unlabelled)
         if wanted == "auto":
-            if choice is None:  # before the saved labels can choose
-                detector = served and not learnt_from_few(self.context.detector_info())
-            else:
-                detector = served and choice["predictor"] == "detector"
-            return "detector" if detector else "templates", choice, current
+            if choice is None:
+                return served_before_choice(self.context)[0], choice, current
+            return "detector" if served and choice["predictor"] == "detector" else "templates", choice, current
         return wanted, choice, current
 
     def _datastore_items(self) -> tuple[list[dict], list[dict]]:

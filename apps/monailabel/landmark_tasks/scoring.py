@@ -146,6 +146,15 @@ def learnt_from_few(detector_info: dict) -> int | None:
     return n if 0 < n < DETECTOR_MIN_LABELS else None
 
 
+def served_before_choice(context: BundleContext) -> tuple[str, Path]:
+    """What ``auto`` serves before the saved labels choose: ``("detector", path)``, the served detector unless it
+    learnt from few saved labels (:func:`learnt_from_few`), else ``("templates", the served stage-1 checkpoint)``."""
+    detector = context.served_detector()
+    if detector is not None and not learnt_from_few(context.detector_info()):
+        return "detector", detector
+    return "templates", context.served_checkpoint()
+
+
 def choose_predictor(
     context: BundleContext,
     labelled: list[dict],

@@ -85,7 +85,7 @@ from monailabel.interfaces.datastore import Datastore
 from monailabel.interfaces.tasks.train import TrainTask
 
 from .common import BundleContext, device_expression, lower_priority
-from .scoring import learnt_from_few, leave_one_out, score_checkpoint, score_detector, scoring_cases
+from .scoring import leave_one_out, score_checkpoint, score_detector, scoring_cases, served_before_choice
 
 logger = logging.getLogger(__name__)
 
@@ -390,14 +390,6 @@ class BundleTrainTask(TrainTask):
         except (OSError, ValueError):
             return {}
 
-    def served_predictor(self) -> tuple[str, str]:
-        """``(predictor, checkpoint)`` that the infer task serves before the saved labels can choose (``auto``: the
-        detector when one is served that did not learn from few saved labels, else matching)."""
-        detector = self.context.served_detector()
-        if detector and not learnt_from_few(self.context.detector_info()):
-            return "detector", str(detector)
-        return "templates", str(self.context.served_checkpoint())
-
     def _run_bundle(self, command: list[str], candidate: Path) -> int:
         """Run the bundle's training (``BACKGROUND_NICENESS``: suggestions come first on shared cores) until it has
         written ``candidate``; returns the epochs it ran (``max_minutes`` may end it early)."""
@@ -429,7 +421,7 @@ class BundleTrainTask(TrainTask):
         finally:
             if self.context.device.type == "cuda":  # what scoring cached on the GPU (a server's run_sync training)
                 torch.cuda.empty_cache()
-        predictor, checkpoint = self.served_predictor()
+        predictor, checkpoint = served_before_choice(self.context)
         epochs = stats["train"]["epochs_run"]
         stats = {
             "network": network,
@@ -438,7 +430,7 @@ class BundleTrainTask(TrainTask):
             "total_time": str(datetime.timedelta(seconds=int(time.time() - start))),
             **stats,
             "predictor": predictor,
-            "checkpoint": checkpoint if network == "detector" else str(self.context.served_checkpoint()),
+            "checkpoint": str(checkpoint if network == "detector" else self.context.served_checkpoint()),
             "device": str(self.context.device),
         }
         stats["eval"]["best_metric_epoch"] = epochs
