@@ -116,3 +116,31 @@ def test_unreadable_candidates_are_skipped_and_waiting_raises(app, tmp_path, cap
     assert "pseudo-template candidate skipped: cannot read image 'junk'" in caplog.text
     with pytest.raises(RuntimeError, match="out of memory"):
         context.suggestion_templates([{**a, "id": "bad"}], unlabelled, checkpoint, wait=True)
+
+
+def test_the_app_stopping_stops_the_pseudo_templates_between_candidates(app, tmp_path, monkeypatch):
+    """At exit the worker gives up at the next candidate the bundle prepares, not after all of them."""
+    context, _, _ = app
+    common = sys.modules["landmark_tasks.common"]
+    monkeypatch.setattr(common, "STOPPING", threading.Event())  # this test's own stop, as stop_all sets it
+    prepared, first, proceed = [], threading.Event(), threading.Event()
+
+    def resolve_templates(datalist, network, preprocessing, device, **choice):
+        for item in datalist["training"]:  # the bundle prepares the candidates one by one with `preprocessing`
+            preprocessing({k: v for k, v in item.items() if k != "landmarks"})
+            prepared.append(item["id"])
+            first.set()
+            proceed.wait(30)
+        return datalist["templates"]
+
+    monkeypatch.setattr(common, "resolve_templates", resolve_templates)
+    (a,) = ({**it, "landmarks": [[10.0, 20.0]] * len(context.names)} for it in _images(tmp_path, "a"))
+    unlabelled = _images(tmp_path, *[f"u{i}" for i in range(5)])
+    context.suggestion_templates([a], unlabelled, context.served_checkpoint())
+    assert first.wait(60), "the pseudo-template worker did not start"
+    common.STOPPING.set()
+    proceed.set()
+    common.BackgroundValue.stop_all(60)
+    assert not context.pseudo.pending()
+    assert prepared == ["u0"]
+    assert context.pseudo.get("another key") is None  # nothing computed for the stopped set

@@ -177,6 +177,17 @@ def check_stopping() -> None:
         raise AppStopping("the app is stopping")
 
 
+def stoppable(transform: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``transform`` calling :func:`check_stopping` first: work that prepares its items one by one with it (the
+    bundle's pseudo-template choice, :func:`bundle.templates.resolution.resolve_templates`) stops between items."""
+
+    def run(data: Any) -> Any:
+        check_stopping()
+        return transform(data)
+
+    return run
+
+
 class BackgroundValue:
     """A value computed in the background for the newest key asked for, by one daemon thread at a time at
     ``BACKGROUND_NICENESS``; the last computed ``(key, value)`` stays readable meanwhile. A failure is logged and gives
@@ -573,13 +584,16 @@ class BundleContext:
         """The pseudo-templates of ``labelled`` among ``candidates`` (an unreadable one is skipped, named)."""
         readable = []
         for item in candidates:
+            check_stopping()
             try:
                 self.prepare(item, item.get("id"))
                 readable.append(item)
             except ImageError as e:
                 logger.warning(f"pseudo-template candidate skipped: {e}")
         datalist = {"templates": labelled, "training": readable}
-        items = resolve_templates(datalist, network.eval(), self.preprocessing, self.device, **self.pseudo_choice)
+        items = resolve_templates(
+            datalist, network.eval(), stoppable(self.preprocessing), self.device, **self.pseudo_choice
+        )
         pseudo = [dict(it, source="pseudo") for it in items if it.get("pseudo_label")]
         logger.info(f"pseudo-templates of {len(labelled)} saved label(s): {[it['id'] for it in pseudo]}")
         return pseudo
