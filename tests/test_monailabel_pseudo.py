@@ -144,3 +144,4 @@ def test_the_app_stopping_stops_the_pseudo_templates_between_candidates(app, tmp
     assert not context.pseudo.pending()
     assert prepared == ["u0"]
     assert context.pseudo.get("another key") is None  # nothing computed for the stopped set
+    common.BackgroundValue.stop_all(60)  # the worker that get() started ends at once: the app is stopping
