@@ -1,6 +1,8 @@
 # Set-up and entry points. `make demo` and `make test` work on a fresh machine: each creates the
 # virtual environment (.venv) with the pinned dependencies first.
-#   TORCH_SPEC: how torch is installed. Default: the CPU build. For a CUDA build, e.g.
+#   TORCH_SPEC: how torch is installed. Default: torch 2.13.0 from pip's configured index (a CPU build where that
+#   index serves one; from pypi.org on Linux it brings the CUDA libraries: add
+#   --index-url https://download.pytorch.org/whl/cpu). For a CUDA build, e.g.
 #   make install TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
 PYTHON ?= python3
 VENV ?= .venv
