@@ -278,14 +278,14 @@ def estimate(
     if correspondences == "encoder":
         source.update(ckpt_path=str(Path(ckpt_path).resolve()), config_file=config_file)
     augmentation: dict = {"thresholds": list(thresholds)}
+    filled = _fill_missing_groups(groups)
     if mi == "distribution":
-        filled = _fill_missing_groups(groups)
         augmentation["brightness_ranges"] = [clean(filled[g]["brightness"]) for g in GROUP_NAMES]
         augmentation["contrast_ranges"] = [clean(filled[g]["contrast"]) for g in GROUP_NAMES]
         source.update(min_factor=float(min_factor), max_factor=float(max_factor))
     else:
-        augmentation["brightness"] = [clean(groups[g]["brightness"]) for g in GROUP_NAMES]
-        augmentation["contrast"] = [clean(groups[g]["contrast"]) for g in GROUP_NAMES]
+        augmentation["brightness"] = [clean(filled[g]["brightness"]) for g in GROUP_NAMES]
+        augmentation["contrast"] = [clean(filled[g]["contrast"]) for g in GROUP_NAMES]
         source.update(max_intensity=float(max_intensity))
     augmentation.update(
         alpha_hat=float(alpha_hat),

@@ -3,12 +3,18 @@ dictionary result, seeding the wrapper reproduces the draws, and wrong input rai
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
+import bundle.transforms
 import numpy as np
 import pytest
 import torch
 from bundle.transforms import (
     EntropyMap,
     EntropyMapd,
+    GaussianHeatmap,
+    GaussianHeatmapd,
     InfoGuidedIntensity,
     InfoGuidedIntensityd,
     LandmarkTargets,
@@ -19,7 +25,6 @@ from bundle.transforms import (
     SamplingWeight,
     SamplingWeightd,
 )
-from bundle.transforms.heatmaps import GaussianHeatmap, GaussianHeatmapd
 from monai.data import MetaTensor
 
 
@@ -201,3 +206,10 @@ def test_query_sampler_draws_only_positive_weights_and_affine_crop_names_bad_arg
         RandAffineCrop((16, 16), margin=8)
     with pytest.raises(ValueError, match="padding_mode must be"):
         RandAffineCrop((16, 16), padding_mode="edge")
+
+
+def test_every_transform_that_docs_transforms_md_names_is_exported_by_bundle_transforms():
+    section = Path(__file__).parents[1].joinpath("docs", "transforms.md").read_text().split("\n## ")[1]
+    names = set(re.findall(r"`([A-Z][A-Za-z]+)[`(]", section))
+    assert {"EntropyMapd", "GaussianHeatmap", "RandViewPaird"} <= names
+    assert sorted(n for n in names if not hasattr(bundle.transforms, n)) == []

@@ -246,6 +246,33 @@ def test_script_default_is_the_distribution_estimate_and_merges_into_training(tm
         script.estimate(str(datalist), str(tmp_path / "x.yaml"), correspondences="encoder")
 
 
+@pytest.mark.parametrize("mi", ["distribution", "joint"])
+def test_a_group_without_key_points_takes_a_neighbours_estimate_so_the_yaml_trains(tmp_path, mi):
+    """Thresholds below every key point's IIE leave the low and medium groups empty: both estimators fill them from
+    the high group (``filled_from``) instead of writing null, and the YAML instantiates the training's transform."""
+    from bundle.configs import bundle_parser
+
+    out = tmp_path / "augmentation.yaml"
+    estimate_augmentation.estimate(
+        str(_write_png_datalist(tmp_path)),
+        str(out),
+        mi=mi,
+        thresholds=(1e-6, 2e-6),
+        n_images=3,
+        patch_size=8,
+        radius=8,
+        stride=8,
+        step=0.1,
+    )
+    aug = yaml.safe_load(out.read_text())["augmentation"]
+    assert [aug["groups"][g].get("filled_from") for g in ("low", "medium", "high")] == ["high", "high", None]
+    kinds = ("brightness_ranges", "contrast_ranges") if mi == "distribution" else ("brightness", "contrast")
+    for kind in kinds:
+        assert aug[kind][0] == aug[kind][1] == aug[kind][2] is not None
+    transform = bundle_parser(["configs/train.yaml", str(out)]).get_parsed_content("train#crop_augmentation")
+    assert transform.thresholds == (1e-6, 2e-6)
+
+
 def test_authors_ranges_config_merges():
     from bundle.configs import bundle_parser
 

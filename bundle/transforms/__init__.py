@@ -2,6 +2,7 @@
 docs/transforms.md documents)."""
 
 from bundle.transforms.entropy import EntropyMap, EntropyMapd, local_entropy
+from bundle.transforms.heatmaps import GaussianHeatmap, GaussianHeatmapd
 from bundle.transforms.intensity import (
     InfoGuidedIntensity,
     InfoGuidedIntensityd,
@@ -18,6 +19,8 @@ __all__ = [
     "RandContrastRemapd",
     "EntropyMap",
     "EntropyMapd",
+    "GaussianHeatmap",
+    "GaussianHeatmapd",
     "InfoGuidedIntensity",
     "InfoGuidedIntensityd",
     "LandmarkTargets",
