@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+import fire.parser
 import numpy as np
 import torch
 from bundle.data.datalist import is_finite_number
@@ -167,18 +168,18 @@ def seed_everything(seed: int, cudnn_benchmark: bool = False) -> int:
 RUN_OPTIONS = {"run_id", "init_id", "final_id", "meta_file", "config_file", "logging_file", "tracking", "args_file"}
 
 
-def command_line_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
-    """(config files, override keys) of a ``python -m monai.bundle run ID --config_file F --key value ...`` command
-    line; two empty lists for any other."""
+def command_line_overrides(argv: Sequence[str]) -> tuple[list[str], dict[str, str | None]]:
+    """(config files, ``{override key: its text}``) of a ``python -m monai.bundle run ID --config_file F --key value
+    ...`` command line, the text None for a key given without a value; empty for any other command line."""
     if len(argv) < 2 or Path(argv[0]).parts[-2:] != ("bundle", "__main__.py") or argv[1] != "run":
-        return [], []
+        return [], {}
     options: dict[str, str | None] = {}
     for i, token in enumerate(argv[2:], start=2):
         if token.startswith("--") and len(token) > 2:
-            key, _, value = token[2:].partition("=")
+            key, equals, value = token[2:].partition("=")
             following = argv[i + 1] if i + 1 < len(argv) else None
-            options[key.replace("-", "_")] = value or (
-                following if following and not following.startswith("--") else None
+            options[key.replace("-", "_")] = (
+                value if equals else following if following is not None and not following.startswith("--") else None
             )
     files = options.get("config_file") or ""
     try:
@@ -186,27 +187,59 @@ def command_line_overrides(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     except (ValueError, SyntaxError):
         parsed = files
     files = [parsed] if isinstance(parsed, str) else list(parsed)
-    return [f for f in files if f], [k for k in options if k not in RUN_OPTIONS]
+    return [f for f in files if f], {k: v for k, v in options.items() if k not in RUN_OPTIONS}
 
 
 def check_command_line(argv: Sequence[str] | None = None) -> None:
-    """Refuse a ``monai.bundle run`` override of a key that none of its config files defines (a typo such as
-    ``--gamma`` for ``--sampling_gamma`` would otherwise be accepted and do nothing), naming the closest keys.
+    """Refuse, before any work, a ``monai.bundle run`` override that would be accepted and do something else:
+
+    - a key that none of its config files defines (a typo such as ``--gamma`` for ``--sampling_gamma`` would be a
+      new key that nothing reads), naming the closest keys;
+    - a key given without a value (``--epochs`` alone: MONAI's command line makes it ``True``, which counts as 1)
+      unless the config's value is a yes/no;
+    - a value that is not a number where the config's value is one (``--max_templates two``), or not an integer
+      where it is an integer (``2.7``); ``null`` / ``none`` pass (:func:`is_unset`), ranges are the configs' checks.
+
     The first step of every command; a no-op outside ``python -m monai.bundle run``."""
-    files, keys = command_line_overrides(sys.argv if argv is None else argv)
-    if not files or not keys:
+    files, overrides = command_line_overrides(sys.argv if argv is None else argv)
+    if not files or not overrides:
         return
     parser = ConfigParser()
     parser.read_config(files)
     config = parser.get()
     known = _config_ids(config)
-    unknown = [k for k in keys if k not in known and not _argument_of_a_component(config, k)]
+    unknown = [k for k in overrides if k not in known and not _argument_of_a_component(config, k)]
     if unknown:
         hints = "; ".join(
             f"--{k}: {', '.join(difflib.get_close_matches(k, sorted(known), n=3, cutoff=0.5)) or 'no key is close'}"
             for k in unknown
         )
         raise ValueError(f"unknown config key(s) {unknown} on the command line (closest: {hints}): see {files}")
+    problems = [
+        problem
+        for key, text in overrides.items()
+        if key in known and (problem := _override_problem(key, text, parser[key]))
+    ]
+    if problems:
+        raise ValueError(f"command line: {'; '.join(problems)} (config files {files})")
+
+
+def _override_problem(key: str, text: str | None, default: Any) -> str | None:
+    """What is wrong with the command line's ``text`` for ``key`` given the config's own value, or None."""
+    if isinstance(default, bool):
+        return None  # yes/no words are read by as_flag
+    if text is None:
+        return f"--{key} needs a value (--{key} VALUE; the config's is {default!r})"
+    if not isinstance(default, (int, float)):
+        return None
+    value = fire.parser.DefaultParseValue(text)
+    if is_unset(value):
+        return None
+    if isinstance(default, int) and not (isinstance(value, int) and not isinstance(value, bool)):
+        return f"--{key}: expected an integer as the config's {default!r}, got {text!r}"
+    if not is_finite_number(value):
+        return f"--{key}: expected a number as the config's {default!r}, got {text!r}"
+    return None
 
 
 def _argument_of_a_component(config: dict, ident: str) -> bool:

@@ -34,7 +34,6 @@ import json
 from pathlib import Path
 from typing import NamedTuple
 
-import fire
 import numpy as np
 from bundle.configs import config_files
 from bundle.data.datalist import load_datalist
@@ -43,6 +42,7 @@ from bundle.metrics import GROSS_ERROR_MM
 from bundle.reporting import read_predictions_csv
 from bundle.templates.resolution import labelled_training_items
 from scripts.bundle_commands import run_command
+from scripts.cli import run_fire
 
 ROWS = {  # the paper's ablation rows: (entropy_sampling, adaptive_augmentation)
     "baseline": (False, False),
@@ -808,7 +808,7 @@ def report_plan(out: str, plan: str = "converged", docs: str = "docs") -> None:
 
 
 if __name__ == "__main__":
-    fire.Fire(
+    run_fire(
         {
             "run": run,
             "select": select,

@@ -27,8 +27,8 @@ import json
 import time
 from pathlib import Path
 
-import fire
 import numpy as np
+from scripts.cli import run_fire
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -354,4 +354,4 @@ def main(
 
 
 if __name__ == "__main__":
-    fire.Fire(main)
+    run_fire(main)

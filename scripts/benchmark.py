@@ -11,8 +11,8 @@ import tracemalloc
 from pathlib import Path
 from typing import Any, Callable
 
-import fire
 import numpy as np
+from scripts.cli import run_fire
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -527,4 +527,4 @@ COMMANDS = {
 }
 
 if __name__ == "__main__":
-    fire.Fire(COMMANDS)
+    run_fire(COMMANDS)

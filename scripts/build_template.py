@@ -26,7 +26,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import fire
 import torch
 from bundle.configs import bundle_parser
 from bundle.data.annotations import image_stem
@@ -34,6 +33,7 @@ from bundle.data.embedded import open_datalist
 from bundle.template_file import save_template
 from bundle.templates.features import compute_template
 from bundle.templates.resolution import labelled_training_items
+from scripts.cli import run_fire
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -110,4 +110,4 @@ def build(
 
 
 if __name__ == "__main__":
-    fire.Fire(build)
+    run_fire(build)

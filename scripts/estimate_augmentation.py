@@ -39,7 +39,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import fire
 import numpy as np
 import torch
 import yaml
@@ -50,6 +49,7 @@ from bundle.information_groups import GROUP_NAMES, check_thresholds
 from bundle.io_utils import write_text_atomic
 from bundle.transforms.entropy import local_entropy
 from monai.transforms import Resize
+from scripts.cli import run_fire
 
 CORRESPONDENCE_SOURCES = ("landmarks", "encoder")
 MI_KINDS = ("distribution", "joint")
@@ -346,4 +346,4 @@ def _print_table(groups: dict, mi: str) -> None:
 
 
 if __name__ == "__main__":
-    fire.Fire(estimate, serialize=lambda result: None)
+    run_fire(estimate, serialize=lambda result: None)

@@ -23,12 +23,12 @@ import itertools
 import json
 from pathlib import Path
 
-import fire
 import torch
 from bundle.configs import bundle_parser
 from bundle.io_utils import write_json_atomic
 from bundle.losses.infonce import window_offsets
 from bundle.losses.mixing import HardNegativeMixing
+from scripts.cli import run_fire
 
 
 class KeySetRecorder:
@@ -154,4 +154,4 @@ def main(**kwargs) -> None:
 
 
 if __name__ == "__main__":
-    fire.Fire(main)
+    run_fire(main)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import fire
 import numpy as np
 from bundle.configs import config_files
 from bundle.data.datalist import load_datalist, save_datalist
@@ -33,6 +32,7 @@ from bundle.io_utils import write_json_atomic
 from bundle.reporting import read_predictions_csv
 from bundle.templates.resolution import labelled_training_items
 from scripts.bundle_commands import run_command
+from scripts.cli import run_fire
 
 
 def _find(items: list[dict], stem: str) -> dict:
@@ -275,4 +275,4 @@ def few_labels(
 
 
 if __name__ == "__main__":
-    fire.Fire({"selection": selection, "test": test, "vote_weights": vote_weights, "few_labels": few_labels})
+    run_fire({"selection": selection, "test": test, "vote_weights": vote_weights, "few_labels": few_labels})

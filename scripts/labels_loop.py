@@ -32,7 +32,6 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-import fire
 import numpy as np
 from bundle.configs import as_flag
 from bundle.data.datalist import load_datalist
@@ -42,6 +41,7 @@ from bundle.metrics import GROSS_ERROR_MM
 from bundle.template_file import load_template
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from scripts.cli import run_fire
 from scripts.monailabel_server import ROOT, serving
 
 
@@ -270,4 +270,4 @@ def run(
 
 
 if __name__ == "__main__":
-    fire.Fire(run)
+    run_fire(run)

@@ -18,9 +18,9 @@ import json
 import zipfile
 from pathlib import Path
 
-import fire
 import yaml
 from bundle.io_utils import atomic_path
+from scripts.cli import run_fire
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -119,4 +119,4 @@ def package(output_dir: str = "dist", name: str = DEFAULT_NAME, root: str | None
 
 
 if __name__ == "__main__":
-    fire.Fire(package)
+    run_fire(package)

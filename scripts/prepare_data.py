@@ -26,7 +26,6 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import fire
 import numpy as np
 from bundle.configs import as_number
 from bundle.data.annotations import MultiAnnotatorSet, image_stem, natural_key
@@ -38,6 +37,7 @@ from bundle.data.isbi2015 import ISBI_2015_LANDMARK_NAMES, ISBI_2015_SPACING_MM,
 from bundle.data.labelme import read_labelme_set
 from bundle.data.nifti import nifti_datalist
 from bundle.io_utils import atomic_path
+from scripts.cli import run_fire
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -389,7 +389,7 @@ def mirrored(datalist: str, out_dir: str, gamma: float = 0.7) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point: ``python -m scripts.prepare_data {labelme|isbi2015|hand|nifti|dicom|mirrored} ...``."""
     try:
-        fire.Fire(
+        run_fire(
             {
                 "labelme": labelme,
                 "isbi2015": isbi2015,
@@ -398,7 +398,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 "dicom": dicom,
                 "mirrored": mirrored,
             },
-            command=argv,
+            argv,
         )
     except (ValueError, KeyError) as e:  # DatalistError is a ValueError: bad input, not a bug
         print(f"error: {e.args[0] if isinstance(e, KeyError) and e.args else e}", file=sys.stderr)

@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-import fire
 import numpy as np
 from bundle.data.datalist import landmarks_array, load_datalist
 from bundle.data.images import load_grey
@@ -24,6 +23,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 from monai.transforms import Resize
+from scripts.cli import run_fire
 
 
 def _shrink(image_xy: np.ndarray, width: int, mode: str = "area") -> tuple[np.ndarray, float]:
@@ -96,4 +96,4 @@ def overlays(datalist: str, eval_dir: str, output_dir: str = "docs", n: int = 2,
 
 
 if __name__ == "__main__":
-    fire.Fire({"iie": iie, "overlays": overlays})
+    run_fire({"iie": iie, "overlays": overlays})

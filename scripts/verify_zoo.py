@@ -32,8 +32,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-import fire
 from scripts import package as packaging
+from scripts.cli import run_fire
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -105,4 +105,4 @@ def verify(zoo: str, mode: str = "full", workdir: str | None = None, name: str =
 
 
 if __name__ == "__main__":
-    sys.exit(fire.Fire(verify))
+    sys.exit(run_fire(verify))

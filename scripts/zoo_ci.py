@@ -27,8 +27,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-import fire
 from scripts import package as packaging
+from scripts.cli import run_fire
 from scripts.verify_zoo import stage
 
 ZOO_PYTHON = "3.10"
@@ -145,4 +145,4 @@ def zoo_ci(
 
 
 if __name__ == "__main__":
-    sys.exit(fire.Fire(zoo_ci))
+    sys.exit(run_fire(zoo_ci))

@@ -380,6 +380,51 @@ def test_an_unknown_key_on_the_command_line_is_refused_naming_the_closest(data2d
 
 
 @pytest.mark.parametrize(
+    "override, expected",
+    [
+        (["--epochs"], "--epochs needs a value (--epochs VALUE; the config's is 10)"),
+        (["--max_templates", "two"], "--max_templates: expected an integer as the config's 32, got 'two'"),
+        (["--max_templates=2.7"], "--max_templates: expected an integer as the config's 32, got '2.7'"),
+        (["--learning_rate", "fast"], "--learning_rate: expected a number as the config's 0.001, got 'fast'"),
+        (["--temperature", "--epochs", "2"], "--temperature needs a value"),
+        (["--max_templates", "null"], None),
+        (["--entropy_sampling"], None),
+        (["--rotate_range", "7.5", "--epochs", "2", "--learning_rate", "1e-3"], None),
+    ],
+)
+def test_a_value_missing_or_not_a_number_where_the_config_has_one_is_refused_before_any_work(override, expected):
+    """MONAI's command line makes ``--epochs`` alone ``True`` (one epoch) and passes ``two`` on as text."""
+    main = str(Path(sys.executable).parent / "monai" / "bundle" / "__main__.py")  # how argv[0] reads under -m
+    argv = [main, "run", "training", "--config_file", str(ROOT / TRAIN[0]), *override]
+    if expected is None:
+        check_command_line(argv)
+    else:
+        with pytest.raises(ValueError, match=re.escape(expected)):
+            check_command_line(argv)
+
+
+def test_a_script_refuses_an_unknown_option_or_one_without_a_value_before_it_writes(tmp_path, capsys):
+    """Fire would run ``build`` / ``labelme`` with the defaults and report the misspelled option afterwards, its
+    output written (a shipped template file overwritten), and make ``--spacing`` alone a spacing of 1."""
+    from scripts import build_template
+    from scripts.cli import option_errors, run_fire
+
+    out = tmp_path / "template_features.pt"
+    with pytest.raises(SystemExit) as exit_:
+        run_fire(build_template.build, ["--datalist", "x.json", "--output", str(out), "--templtes", "['a']"])
+    assert exit_.value.code == 2 and not out.exists()
+    assert "build: unknown option --templtes (closest: --templates" in capsys.readouterr().err
+    datalist = tmp_path / "datalist.json"
+    with pytest.raises(SystemExit) as exit_:
+        prepare_data.main(["labelme", str(tmp_path), str(datalist), "--names", "isbi", "--spacing"])
+    assert exit_.value.code == 2 and not datalist.exists()
+    assert "labelme: --spacing needs a value (--spacing VALUE)" in capsys.readouterr().err
+    # yes/no options may stand alone (Fire's --flag / --noflag), hyphens name the same option
+    for args in (["--keep_held_out_images"], ["--nokeep_held_out_images"], ["--validation-fraction", "0.1"]):
+        assert option_errors(prepare_data.labelme, args) == []
+
+
+@pytest.mark.parametrize(
     "key, value, part, expected",
     [
         ("learning_rate", float("nan"), "optimizer", "learning_rate: expected a finite number >= 0, got nan"),

@@ -1,0 +1,72 @@
+"""The scripts' command line: Python Fire, with the options checked before the command runs.
+
+Fire reports an option that the called function does not take only after the call (``prepare_data labelme ...
+--spacng X`` wrote its datalist without spacing, then failed), and makes an option given without a value ``True``
+(``--spacing`` alone became a spacing of 1). :func:`run_fire` refuses both first, naming the option and the
+closest ones the command takes, and exits with status 2 as Fire does for a usage error.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import sys
+from typing import Any, Callable, Sequence
+
+import fire
+
+
+def _called_function(component: Any, args: Sequence[str]) -> tuple[Callable | None, list[str], str]:
+    """The function that ``args`` call on ``component`` (a function, or a dict of them named by the first argument),
+    the arguments left for it and its name on the command line; None when Fire is to report the command itself."""
+    if isinstance(component, dict):
+        if not args or args[0] not in component:
+            return None, [], ""
+        return component[args[0]], list(args[1:]), args[0]
+    return component, list(args), getattr(component, "__name__", "command")
+
+
+def _is_yes_no(parameter: inspect.Parameter | None) -> bool:
+    return parameter is not None and (isinstance(parameter.default, bool) or parameter.annotation in (bool, "bool"))
+
+
+def option_errors(function: Callable, args: Sequence[str]) -> list[str]:
+    """What is wrong with the ``--options`` of ``args`` for ``function``: options it does not take (with the closest
+    it does) and options without a value that are not yes/no ones. Arguments after a lone ``--`` are Fire's own."""
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return []
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    errors = []
+    for i, token in enumerate(args):
+        if token == "--":
+            break
+        if not token.startswith("--") or token == "--help":
+            continue
+        name, equals, _ = token[2:].partition("=")
+        name = name.replace("-", "_")
+        parameter = parameters.get(name)
+        if parameter is None:
+            if takes_any or (name.startswith("no") and _is_yes_no(parameters.get(name[2:]))):
+                continue  # Fire's --noflag is flag=False
+            close = difflib.get_close_matches(name, list(parameters), n=3, cutoff=0.5)
+            hint = f" (closest: {', '.join('--' + c for c in close)})" if close else ""
+            errors.append(f"unknown option --{name}{hint}")
+            continue
+        following = args[i + 1] if i + 1 < len(args) else None
+        if not equals and (following is None or following.startswith("--")) and not _is_yes_no(parameter):
+            errors.append(f"--{name} needs a value (--{name} VALUE)")
+    return errors
+
+
+def run_fire(component: Any, argv: Sequence[str] | None = None, **fire_kwargs: Any) -> Any:
+    """``fire.Fire(component, command=argv)`` once :func:`option_errors` finds nothing wrong; else the errors on
+    standard error and exit status 2, before the command does any work."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    function, rest, name = _called_function(component, args)
+    errors = option_errors(function, rest) if function is not None else []
+    if errors:
+        print(f"error: {name}: {'; '.join(errors)} (--help lists the options)", file=sys.stderr)
+        sys.exit(2)
+    return fire.Fire(component, command=args, **fire_kwargs)
