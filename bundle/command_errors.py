@@ -16,6 +16,8 @@ import sys
 from types import TracebackType
 
 MONAI_WRAPPERS = ("Failed to evaluate ", "Failed to instantiate ")
+# MONAI's wrapper of an error raised by a transform of a Compose (``monai.transforms.apply_transform``)
+TRANSFORM_WRAPPER = "applying transform "
 
 
 def root_cause(error: BaseException) -> BaseException:
@@ -25,11 +27,19 @@ def root_cause(error: BaseException) -> BaseException:
     return error
 
 
+def _is_wrapper(error: BaseException) -> bool:
+    return isinstance(error, RuntimeError) and str(error).startswith((*MONAI_WRAPPERS, TRANSFORM_WRAPPER))
+
+
 def innermost_cause(error: BaseException) -> BaseException | None:
-    """The error at the root of MONAI's config-evaluation wrappers around ``error``, or None if it is not one."""
+    """The error that MONAI's config-evaluation (and transform) wrappers around ``error`` wrap, or None if ``error`` is
+    not such a wrapper. It is the first error of the ``__cause__`` chain that is not a wrapper: the bundle's own
+    message naming the file or key (an ``ImageError`` is raised from the reader's error, which it names)."""
     if not (isinstance(error, RuntimeError) and str(error).startswith(MONAI_WRAPPERS)):
         return None
-    cause = root_cause(error)
+    cause = error
+    while _is_wrapper(cause) and cause.__cause__ is not None:
+        cause = cause.__cause__
     return None if cause is error else cause
 
 

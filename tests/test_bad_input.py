@@ -730,25 +730,25 @@ def test_hook_repeats_the_cause_of_a_wrapped_config_error_only():
             report_cause_last(type(error), error, None, previous=previous)
         printed.append(buffer.getvalue())
 
+    def chain(*errors):
+        """``errors[0]`` raised from ``errors[1]``, raised from ``errors[2]``, ..."""
+        for outer, inner in zip(errors, errors[1:]):
+            outer.__cause__ = inner
+        return errors[0]
+
     def wrapped(message):
-        try:
-            try:
-                raise FileNotFoundError("x.json: no such file")
-            except FileNotFoundError as inner:
-                raise ValueError("reading the datalist") from inner
-        except ValueError as middle:
-            try:
-                raise RuntimeError(message) from middle
-            except RuntimeError as outer:
-                return outer
+        # the bundle's message (naming the file) raised from the library's error, under MONAI's transform wrapper
+        bundle_error = chain(ValueError("cannot read image x.png: OSError: truncated"), OSError("truncated"))
+        return chain(RuntimeError(message), RuntimeError("applying transform <LoadImaged>"), bundle_error)
 
     report(wrapped("Failed to evaluate ConfigExpression: $f(1)"))
     report(wrapped("Failed to instantiate component 'x' with keywords: a"))
+    report(chain(RuntimeError("Failed to evaluate ConfigExpression: $f(1)"), FileNotFoundError("x.json: no such file")))
     report(wrapped("something else failed"))
     report(RuntimeError("Failed to evaluate ConfigExpression: $f(1)"))  # nothing underneath
-    assert len(seen) == 4  # the usual report always comes first
-    assert printed[:2] == ["\nThe cause (above): FileNotFoundError: x.json: no such file\n"] * 2
-    assert printed[2:] == ["", ""]
+    assert len(seen) == 5  # the usual report always comes first
+    assert printed[:2] == ["\nThe cause (above): ValueError: cannot read image x.png: OSError: truncated\n"] * 2
+    assert printed[2:] == ["\nThe cause (above): FileNotFoundError: x.json: no such file\n", "", ""]
 
 
 def test_bundle_command_ends_on_the_message_naming_the_file(data2d, tmp_path):
@@ -759,3 +759,12 @@ def test_bundle_command_ends_on_the_message_naming_the_file(data2d, tmp_path):
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(f"The cause (above): DatalistError: {datalist}: the 'test' list is empty"), last
+    # an unreadable image: the bundle's message naming it, not the readers' errors it was raised from
+    empty = tmp_path / "empty.png"
+    empty.touch()
+    command = [sys.executable, "-m", "monai.bundle", "run", "inferring", "--config_file", "configs/inference.yaml"]
+    command += ["--images", f"['{empty}']", "--output_dir", str(tmp_path / "inferred")]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0 and not (tmp_path / "inferred").exists()
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"The cause (above): ImageError: cannot read image {empty} (empty file, 0 bytes)"), last

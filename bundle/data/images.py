@@ -48,8 +48,10 @@ def _what_is_wrong(file: Any) -> str:
     if not isinstance(file, (str, os.PathLike)):
         return ""  # a list of files (a series), or not a path at all
     path = Path(file)
+    if path.is_dir():
+        return " (a folder: read as a DICOM series, and no series could be read from it)"
     if not path.is_file():
-        return "" if path.is_dir() else " (no such file)"
+        return " (no such file)"
     with path.open("rb") as f:
         head = f.read(132)
     if not head:
@@ -63,7 +65,8 @@ def _read_error(files: list, error: Exception) -> ImageError:
     """The error for ``files`` (what the reader was given: one entry per key) that ``error`` stopped; a single
     file is also diagnosed (:func:`_what_is_wrong`)."""
     hint = _what_is_wrong(files[0]) if len(files) == 1 else ""
-    return ImageError(f"cannot read image {', '.join(map(str, files))}{hint}: {type(error).__name__}: {error}")
+    reason = (str(error).strip().splitlines() or [""])[0]  # MONAI's LoadImage appends every reader's traceback
+    return ImageError(f"cannot read image {', '.join(map(str, files))}{hint}: {type(error).__name__}: {reason}")
 
 
 # PIL modes whose stored values are not the grey levels a viewer shows (palette indices, alpha, other colour
