@@ -75,6 +75,7 @@ def check_crop_size(crop_size: Any, image_size: Any, spatial_dims: int, batch_si
     """``crop_size`` checked as :func:`check_image_size` does (naming ``crop_size``), no larger than ``image_size``,
     and large enough that a batch's coarsest crop features hold more than one value per channel (BatchNorm of
     the light encoder fails on one: ``crop_size`` 16 with ``batch_size`` 1, say)."""
+    batch_size = as_number(batch_size, "batch_size", minimum=1, integer=True)
     crop = check_image_size(crop_size, spatial_dims, stride, key="crop_size")
     image = check_image_size(image_size, spatial_dims, stride)
     if any(c > i for c, i in zip(crop, image)):

@@ -431,6 +431,10 @@ def test_a_script_refuses_an_unknown_option_or_one_without_a_value_before_it_wri
         ("learning_rate", -0.1, "optimizer", "learning_rate: expected a finite number >= 0, got -0.1"),
         ("learning_rate", True, "optimizer", "learning_rate: expected a finite number >= 0, got True"),
         ("embed_dim", 0, "network_def", "embed_dim: expected an integer >= 1, got 0"),
+        ("epochs", 0, "train#trainer#max_epochs", "epochs: expected an integer >= 1, got 0"),
+        ("epoch_length", 0, "train#trainer#epoch_length", "epoch_length: expected an integer >= 1, got 0"),
+        ("val_interval", 0, "train#validation_handler#interval", "val_interval: expected an integer >= 1, got 0"),
+        ("batch_size", -4, "train#view_pair_transforms#3#crop_size", "batch_size: expected an integer >= 1, got -4"),
         (
             "sampling_gamma",
             float("nan"),
