@@ -47,16 +47,15 @@ def summarize_errors(
 ) -> dict[str, Any]:
     """Summary of per-instance errors ``(n_images, n_landmarks)`` (NaN = missing) in the metrics.json layout.
 
-    Returns ``n_images``, ``n_landmarks``, ``mre_mm``, ``mre_std_mm`` (population std over instances),
-    ``mre_px`` (over the same instances), ``sdr`` ``{"2.0": %, ...}`` and ``per_landmark_mre_mm`` ``{name: mm}``
-    (``None`` for a
-    landmark never measured).
+    Returns ``n_images`` (those with at least one measured landmark), ``n_landmarks``, ``mre_mm``, ``mre_std_mm``
+    (population std over instances), ``mre_px`` (over the same instances), ``sdr`` ``{"2.0": %, ...}`` and
+    ``per_landmark_mre_mm`` ``{name: mm}`` (``None`` for a landmark never measured).
     """
     mm = np.asarray(errors_mm, dtype=np.float64)
     px = np.asarray(errors_px, dtype=np.float64)
     if mm.ndim != 2 or mm.shape != px.shape:
         raise ValueError(f"errors must be (n_images, n_landmarks) arrays of equal shape, got {mm.shape} and {px.shape}")
-    n_images, n_landmarks = mm.shape
+    n_landmarks = mm.shape[1]
     names = [f"landmark_{i}" for i in range(n_landmarks)] if landmark_names is None else list(landmark_names)
     if len(names) != n_landmarks:
         raise ValueError(f"{len(names)} landmark_names for {n_landmarks} landmarks")
@@ -69,7 +68,7 @@ def summarize_errors(
         column = column[~np.isnan(column)]
         per_landmark[name] = float(column.mean()) if column.size else None
     return {
-        "n_images": int(n_images),
+        "n_images": int(mask.any(axis=1).sum()),
         "n_landmarks": int(n_landmarks),
         "mre_mm": float(measured.mean()),
         "mre_std_mm": float(measured.std()),

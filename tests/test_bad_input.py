@@ -141,6 +141,34 @@ def test_a_test_list_without_landmarks_is_refused_naming_the_datalist(data2d, tm
     assert not (tmp_path / "eval").exists()
 
 
+def test_a_misspelled_or_misplaced_item_key_is_refused_naming_the_item(data2d, tmp_path):
+    """``lanmarks`` would make the item silently unlabelled; per-item ``landmark_names`` would be ignored."""
+    content = json.loads(variant(data2d, tmp_path).read_text())
+    test = [dict(content["test"][0]), *content["test"][1:]]
+    test[0]["lanmarks"] = test[0].pop("landmarks")
+    with pytest.raises(DatalistError, match=re.escape("test[0]: unknown key 'lanmarks': did you mean 'landmarks'?")):
+        load_datalist(variant(data2d, tmp_path, test=test))
+    test[0] = dict(content["test"][0], landmark_names=content["landmark_names"][::-1])
+    with pytest.raises(DatalistError, match=re.escape("test[0].landmark_names: landmark names are read only at")):
+        load_datalist(variant(data2d, tmp_path, test=test))
+    test[0] = dict(content["test"][0], patient="P-17")  # a key of the user's own passes
+    assert load_datalist(variant(data2d, tmp_path, test=test))["test"][0]["patient"] == "P-17"
+
+
+def test_scored_items_twice_are_refused_and_unlabelled_ones_are_named(data2d, tmp_path):
+    from bundle.data.datalist import section_items
+
+    content = json.loads(variant(data2d, tmp_path).read_text())
+    test = content["test"]
+    datalist = variant(data2d, tmp_path, test=[*test, test[0]])
+    with pytest.raises(DatalistError, match=re.escape(f"'test' items 0 and {len(test)} are the same image")):
+        section_items(load_datalist(datalist), "test", datalist, labelled=True)
+    unlabelled = dict(test[1], landmarks=None)
+    datalist = variant(data2d, tmp_path, test=[test[0], unlabelled, *test[2:]])
+    with pytest.warns(UserWarning, match=re.escape("'test' items [1] carry no landmark: they are predicted, not")):
+        assert len(section_items(load_datalist(datalist), "test", datalist, labelled=True)) == len(test)
+
+
 def test_empty_training_list_is_refused_naming_the_datalist(data2d, tmp_path):
     datalist = variant(data2d, tmp_path, training=[])
     text = raises(

@@ -129,3 +129,13 @@ def test_missing_spacing_warns_and_bad_spacing_raises(tmp_path):
     np.testing.assert_allclose(out["label"].numpy(), [[1, 2], [3, 4]])
     with pytest.raises(ValueError, match="spacing"):
         LandmarkTargetsd("image", n_landmarks=2)(load(dict(base, spacing=[0.1, 0.1, 0.1])))
+
+
+def test_a_header_spacing_outside_the_datalists_range_is_refused_naming_the_file():
+    """A NIfTI header of 1e-5 mm voxels gave MREs of hundreds of mm; the datalist's range applies to it too."""
+    image = MetaTensor(torch.zeros(1, 8, 8, 8), affine=torch.diag(torch.tensor([1e-5, 1e-5, 1e-5, 1.0])))
+    image.meta["filename_or_obj"] = "tiny_voxels.nii.gz"
+    with pytest.raises(ValueError, match=r"tiny_voxels.nii.gz: its header gives a spacing of \[1e-05, 1e-05, 1e-05\]"):
+        LandmarkTargets(n_landmarks=1)(image, [[0.0, 0.0, 0.0]])
+    image.affine = torch.diag(torch.tensor([2.0, 2.0, 2.0, 1.0]))
+    assert LandmarkTargets(n_landmarks=1)(image, [[0.0, 0.0, 0.0]])[2].tolist() == [2.0, 2.0, 2.0]

@@ -68,6 +68,9 @@ def test_summarize_errors_leaves_missing_out():
     never = expected_mm.copy()
     never[:, 1] = NAN
     assert summarize_errors(never, expected_px)["per_landmark_mre_mm"]["landmark_1"] is None
+    # an image without any reference landmark is not counted among the scored images
+    unscored = np.vstack([expected_mm, np.full((1, 3), NAN)])
+    assert summarize_errors(unscored, np.vstack([expected_px, np.full((1, 3), NAN)]))["n_images"] == 2
     with pytest.raises(ValueError, match="undefined"):
         summarize_errors(np.full((2, 3), NAN), expected_px)
     with pytest.raises(ValueError, match="landmark_names"):

@@ -14,8 +14,10 @@ Relative image paths resolve against the datalist file's folder.
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -49,9 +51,28 @@ def is_finite_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+# the keys of an item that the bundle reads; an item may carry others of its own (an id, a note)
+ITEM_KEYS = ("image", "landmarks", "spacing")
+
+
+def _check_item_keys(item: dict, where: str) -> None:
+    """Refuse a key that reads as a misspelling of one of :data:`ITEM_KEYS` (``lanmarks``: the item would silently
+    count as unlabelled) and per-item ``landmark_names`` (the datalist's top-level list names every item's)."""
+    if "landmark_names" in item:
+        raise DatalistError(
+            f"{where}.landmark_names: landmark names are read only at the datalist's top level ('landmark_names'), "
+            "which every item's landmarks follow in order"
+        )
+    for key in item:
+        close = difflib.get_close_matches(str(key), ITEM_KEYS, n=1, cutoff=0.75)
+        if close and key not in ITEM_KEYS:
+            raise DatalistError(f"{where}: unknown key {key!r}: did you mean {close[0]!r}?")
+
+
 def _check_item(item: Any, where: str, spatial_dims: int, n_landmarks: int, base: Path, check_files: bool) -> dict:
     if not isinstance(item, dict) or "image" not in item:
         raise DatalistError(f"{where}: an item must be an object with an 'image' key, got {item!r:.80}")
+    _check_item_keys(item, where)
     if not isinstance(item["image"], str) or not item["image"].strip():
         raise DatalistError(f"{where}.image: expected a file path, got {item['image']!r}")
     out = dict(item)
@@ -154,11 +175,26 @@ def section_items(
             f"{path}: the '{section}' list is empty: nothing to {'train on' if section == 'training' else 'run on'} "
             f"(the sections hold {', '.join(f'{s}: {len(datalist.get(s) or [])}' for s in SECTIONS)})"
         )
-    if labelled and not any(p is not None for it in items for p in it.get("landmarks") or []):
-        raise DatalistError(
-            f"{path}: no '{section}' item carries a landmark: nothing to score (for landmarks on unlabelled images, "
-            "run the inferring command)"
-        )
+    if labelled:
+        unlabelled = [i for i, it in enumerate(items) if not any(p is not None for p in it.get("landmarks") or [])]
+        if len(unlabelled) == len(items):
+            raise DatalistError(
+                f"{path}: no '{section}' item carries a landmark: nothing to score (for landmarks on unlabelled "
+                "images, run the inferring command)"
+            )
+        if unlabelled:
+            warnings.warn(
+                f"{path}: '{section}' items {unlabelled} carry no landmark: they are predicted, not scored "
+                "(metrics.json's n_images counts the scored images)",
+                stacklevel=2,
+            )
+        first: dict[str, int] = {}
+        for i, it in enumerate(items):
+            j = first.setdefault(os.path.normcase(it["image"]), i)
+            if j != i:
+                raise DatalistError(
+                    f"{path}: '{section}' items {j} and {i} are the same image {it['image']}: it would be scored twice"
+                )
     return items
 
 

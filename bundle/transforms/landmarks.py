@@ -26,7 +26,7 @@ from typing import Any, Hashable, Mapping, Sequence
 
 import numpy as np
 import torch
-from bundle.data.datalist import landmarks_array
+from bundle.data.datalist import SPACING_RANGE_MM, landmarks_array
 from bundle.geometry import grid_to_physical, physical_to_datalist, world_axis_spacing
 from monai.config import KeysCollection
 from monai.data import MetaTensor
@@ -97,9 +97,16 @@ class LandmarkTargets(Transform):
 
     @classmethod
     def _spacing(cls, image, dims: int) -> np.ndarray:
-        """The header's spacing; 1.0 with a warning when absent."""
+        """The header's spacing, refused outside the datalist's range (:data:`SPACING_RANGE_MM`); 1.0 with a warning
+        when absent."""
         spacing = cls.header_spacing(image, dims)
         if spacing is not None:
+            low, high = SPACING_RANGE_MM
+            if not np.all((spacing >= low) & (spacing <= high)):
+                raise ValueError(
+                    f"{_file(image)}: its header gives a spacing of {np.round(spacing, 8).tolist()} mm, outside "
+                    f"{low:g} to {high:g} mm per pixel: give the item a 'spacing' in the datalist"
+                )
             return spacing
         warnings.warn(
             f"no spacing for {_file(image)}: neither the datalist item nor the header gives one; using 1.0 "
