@@ -137,14 +137,21 @@ def as_flag(value: Any, key: str, path: bool = False) -> bool | str:
     raise ValueError(f"{key}: expected true or false (yes/no, 1/0, any case), got {value!r}")
 
 
+def check_cpu_threads(cpu_threads: int | str | None) -> int | str | None:
+    """``cpu_threads`` as given (null, ``auto`` or a positive integer); another value raises ValueError naming the
+    key."""
+    if cpu_threads is None or cpu_threads == "auto":
+        return cpu_threads
+    if isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int) or cpu_threads < 1:
+        raise ValueError(f"cpu_threads must be null, 'auto' or a positive integer, got {cpu_threads!r}")
+    return cpu_threads
+
+
 def apply_cpu_threads(cpu_threads: int | str | None) -> int:
     """``cpu_threads`` for a whole command that has no stage-1 step (stage 2, fine-tuning, evaluation; the stage-1 step
     sets its own: :class:`bundle.engines.contrastive.ContrastiveIterationUpdate`): an int sets torch's intra-op
-    threads, ``auto`` or null leave torch's setting (one thread per core). Returns the threads in use; another value
-    raises ValueError naming the key."""
-    if cpu_threads is not None and cpu_threads != "auto":
-        if isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int) or cpu_threads < 1:
-            raise ValueError(f"cpu_threads must be null, 'auto' or a positive integer, got {cpu_threads!r}")
+    threads, ``auto`` or null leave torch's setting (one thread per core). Returns the threads in use."""
+    if isinstance(check_cpu_threads(cpu_threads), int):
         torch.set_num_threads(cpu_threads)
     return torch.get_num_threads()
 

@@ -19,7 +19,10 @@ GROUP_NAMES = ("low", "medium", "high")
 
 def check_thresholds(thresholds: Sequence[float]) -> tuple[float, float]:
     """Validate the two IIE thresholds (bits) and return them as floats."""
-    t = tuple(float(v) for v in thresholds)
+    try:
+        t = tuple(float(v) for v in thresholds)
+    except (TypeError, ValueError):
+        t = ()
     if len(t) != 2 or not all(math.isfinite(v) for v in t) or not t[0] < t[1]:
         raise ValueError(f"thresholds must be two finite increasing numbers (bits), got {thresholds!r}")
     return t

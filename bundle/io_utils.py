@@ -135,6 +135,8 @@ class StagedOutputs:
 
     def __init__(self, output_dir: str | os.PathLike) -> None:
         self.output_dir = Path(output_dir)
+        if self.output_dir.exists() and not self.output_dir.is_dir():
+            raise NotADirectoryError(f"output_dir {self.output_dir}: a file, not a folder (give a folder)")
         self._folder: Path | None = None
 
     @property

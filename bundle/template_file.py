@@ -120,7 +120,12 @@ def load_template(path: str | os.PathLike, checkpoint: str | os.PathLike | None 
         raise FileNotFoundError(
             f"template feature file not found: {path} (build one with python -m scripts.build_template)"
         )
-    template = check_template(torch.load(path, map_location="cpu", weights_only=True), str(path))
+    try:
+        content = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated, not a torch file, or pickled objects beyond tensors
+        reason = (str(e).strip().splitlines() or [""])[0]
+        raise ValueError(f"{path}: not a readable template feature file ({type(e).__name__}: {reason})") from e
+    template = check_template(content, str(path))
     expected = template.get("checkpoint_sha256")
     if checkpoint is not None and expected and Path(checkpoint).is_file() and file_sha256(checkpoint) != expected:
         raise ValueError(

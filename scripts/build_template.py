@@ -27,7 +27,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from bundle.configs import bundle_parser
+from bundle.configs import as_number, bundle_parser
 from bundle.data.annotations import image_stem
 from bundle.data.embedded import open_datalist
 from bundle.template_file import save_template
@@ -56,7 +56,8 @@ def select_items(datalist: dict, templates: list[str] | None = None, first_label
         if not matches:
             raise ValueError(f"template {name!r}: no item with landmarks of that name in the datalist")
         chosen.append(matches[0])
-    for item in labelled_training_items(datalist)[: max(int(first_labelled), 0)]:
+    count = as_number(first_labelled, "first_labelled", minimum=0, integer=True)
+    for item in labelled_training_items(datalist)[:count]:
         chosen.append(item)
     unique, seen = [], set()
     for item in chosen:

@@ -169,6 +169,15 @@ def test_scored_items_twice_are_refused_and_unlabelled_ones_are_named(data2d, tm
         assert len(section_items(load_datalist(datalist), "test", datalist, labelled=True)) == len(test)
 
 
+def test_a_truncated_template_feature_file_is_refused_naming_it(tmp_path):
+    from bundle.template_file import load_template
+
+    truncated = tmp_path / "template_features.pt"
+    truncated.write_bytes((ROOT / "models" / "template_features.pt").read_bytes()[:1000])
+    with pytest.raises(ValueError, match=re.escape(f"{truncated}: not a readable template feature file (")):
+        load_template(truncated)
+
+
 def test_empty_training_list_is_refused_naming_the_datalist(data2d, tmp_path):
     datalist = variant(data2d, tmp_path, training=[])
     text = raises(
@@ -669,6 +678,17 @@ def test_an_evaluation_replaces_only_the_files_runs_write(data2d, tmp_path):
     assert staging_leftovers(out) == []
 
 
+def test_an_output_dir_that_is_a_file_is_refused_before_the_run(tmp_path):
+    """It failed at the very end, after every prediction, with a bare FileExistsError."""
+    from bundle.io_utils import StagedOutputs
+
+    existing = tmp_path / "results"
+    existing.write_text("a user's file")
+    with pytest.raises(NotADirectoryError, match=re.escape(f"output_dir {existing}: a file, not a folder")):
+        StagedOutputs(existing)
+    assert existing.read_text() == "a user's file"
+
+
 def test_an_output_folder_on_another_file_system_gets_its_report(data2d, tmp_path):
     """An output folder linked to (or mounted from) another disk: the report is staged on that disk, where the
     final renames can reach it (they failed with a cross-device error after the whole evaluation)."""
@@ -800,3 +820,18 @@ def test_bundle_command_ends_on_the_message_naming_the_file(data2d, tmp_path):
     assert result.returncode != 0 and not (tmp_path / "inferred").exists()
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(f"The cause (above): ImageError: cannot read image {empty} (empty file, 0 bytes)"), last
+
+
+@pytest.mark.parametrize("thresholds", [2, "ab", [1, "x"], [4, 2], [1, float("nan")]])
+def test_iie_thresholds_that_are_not_two_increasing_numbers_are_refused_naming_them(thresholds):
+    from bundle.information_groups import check_thresholds
+
+    with pytest.raises(ValueError, match="thresholds must be two finite increasing numbers"):
+        check_thresholds(thresholds)
+
+
+def test_build_template_refuses_a_negative_first_labelled():
+    from scripts.build_template import select_items
+
+    with pytest.raises(ValueError, match=re.escape("first_labelled: expected an integer >= 0, got -2")):
+        select_items({"training": []}, None, -2)
