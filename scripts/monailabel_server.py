@@ -25,6 +25,11 @@ MONAILABEL_PYTHON = Path(os.environ.get("MONAILABEL_PYTHON", ROOT / ".venv-monai
 def client_classes(python: Path = MONAILABEL_PYTHON) -> tuple[type, type]:
     """``(MONAILabelClient, MONAILabelClientException)`` from the server's environment (its ``requests`` is not
     in the project's environment)."""
+    if not Path(python).is_file():
+        raise FileNotFoundError(
+            f"MONAI Label's Python not found: {python} (make monailabel sets up .venv-monailabel; or set "
+            "MONAILABEL_PYTHON to the Python of an environment with monailabel)"
+        )
     purelib = subprocess.run(
         [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
         capture_output=True,

@@ -835,3 +835,10 @@ def test_build_template_refuses_a_negative_first_labelled():
 
     with pytest.raises(ValueError, match=re.escape("first_labelled: expected an integer >= 0, got -2")):
         select_items({"training": []}, None, -2)
+
+
+def test_the_loop_names_a_missing_monailabel_environment_and_how_to_make_it(tmp_path):
+    from scripts.monailabel_server import client_classes
+
+    with pytest.raises(FileNotFoundError, match=re.escape("(make monailabel sets up .venv-monailabel; or set")):
+        client_classes(tmp_path / "bin" / "python")
