@@ -37,6 +37,8 @@ def read_checkpoint(path: str | Path, device: torch.device | str = "cpu", what: 
     holds something else than a dict, raises :class:`CheckpointError`; both name the file.
     """
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{what} {path} is a folder: give the checkpoint file in it (a model.pt)")
     if not path.is_file():
         raise FileNotFoundError(f"{what} not found: {path} (train first, or pass --ckpt_path)")
     size = path.stat().st_size

@@ -555,6 +555,11 @@ def test_unusable_checkpoints_are_refused_naming_the_file(data2d, tmp_path, case
     assert expected in str(info.value)
 
 
+def test_a_folder_given_as_checkpoint_is_named_as_a_folder(tmp_path):
+    with pytest.raises(IsADirectoryError, match=re.escape(f"checkpoint {tmp_path} is a folder: give the checkpoint")):
+        load_weights(ContrastiveLandmarkNet(spatial_dims=2), tmp_path)
+
+
 def test_unusable_resume_checkpoints_are_refused_naming_the_file(data2d, tmp_path):
     network = ContrastiveLandmarkNet(spatial_dims=2)
 
