@@ -275,6 +275,28 @@ def _config_ids(config: Any, prefix: str = "") -> set[str]:
     return ids
 
 
+def positive_numbers(value: Any, key: str, count: int) -> list[float]:
+    """``count`` positive finite numbers (a per-axis spacing in mm, say), refused naming ``key`` otherwise (MONAI's
+    ``Spacingd`` pads a short list and ignores extra or zero entries)."""
+    if (
+        not isinstance(value, (list, tuple))
+        or len(value) != count
+        or not all(is_finite_number(v) and v > 0 for v in value)
+    ):
+        raise ValueError(f"{key}: expected {count} positive numbers, got {value!r}")
+    return [float(v) for v in value]
+
+
+def intensity_window(value: Any, key: str) -> tuple[float, float]:
+    """``[low, high]`` with low < high (a CT window in HU), refused naming ``key`` otherwise (reversed, it inverts
+    the contrast; equal, it divides by zero)."""
+    if not isinstance(value, (list, tuple)) or len(value) != 2 or not all(is_finite_number(v) for v in value):
+        raise ValueError(f"{key}: expected [low, high], two numbers, got {value!r}")
+    if not value[0] < value[1]:
+        raise ValueError(f"{key}: expected low < high, got {list(value)!r}")
+    return float(value[0]), float(value[1])
+
+
 def as_number(value: Any, key: str, minimum: float | None = None, integer: bool = False, maximum: float | None = None):
     """A numeric config value (an int when ``integer``), refused (``ValueError`` naming ``key`` and the value) when
     it is not a finite number (a bool, NaN, text), below ``minimum`` or above ``maximum``."""

@@ -3,7 +3,10 @@
 Fire reports an option that the called function does not take only after the call (``prepare_data labelme ...
 --spacng X`` wrote its datalist without spacing, then failed), and makes an option given without a value ``True``
 (``--spacing`` alone became a spacing of 1). :func:`run_fire` refuses both first, naming the option and the
-closest ones the command takes, and exits with status 2 as Fire does for a usage error.
+closest ones the command takes, and exits with status 2 as Fire does for a usage error. A yes/no option's value
+is read as the bundle's configs read one (``--keep_held_out_images no`` is false; Fire took any word as true). An
+error the command raises for bad input (:data:`BAD_INPUT`) is printed as ``error: <message>`` with status 2, without
+the traceback.
 """
 
 from __future__ import annotations
@@ -14,6 +17,10 @@ import sys
 from typing import Any, Callable, Sequence
 
 import fire
+from bundle.configs import FLAG_WORDS
+
+# what the scripts raise for bad input (a DatalistError or ImageError is a ValueError), reported as a usage error
+BAD_INPUT = (ValueError, KeyError, FileNotFoundError, IsADirectoryError, NotADirectoryError)
 
 
 def _called_function(component: Any, args: Sequence[str]) -> tuple[Callable | None, list[str], str]:
@@ -28,6 +35,38 @@ def _called_function(component: Any, args: Sequence[str]) -> tuple[Callable | No
 
 def _is_yes_no(parameter: inspect.Parameter | None) -> bool:
     return parameter is not None and (isinstance(parameter.default, bool) or parameter.annotation in (bool, "bool"))
+
+
+def yes_no_values(function: Callable, args: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``args`` with the value of each yes/no option (``--flag no``, ``--flag=False``) written as Fire's ``True`` /
+    ``False`` (Fire reads ``no`` as a non-empty, so true, string), and the errors for values that are not
+    true/false/yes/no/1/0 (any case)."""
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return list(args), []
+    out, errors = list(args), []
+    for i, token in enumerate(args):
+        if token == "--":
+            break
+        if not token.startswith("--"):
+            continue
+        name, equals, value = token[2:].partition("=")
+        name = name.replace("-", "_")
+        if not _is_yes_no(parameters.get(name)):
+            continue
+        following = args[i + 1] if i + 1 < len(args) else None
+        if not equals and (following is None or following.startswith("--")):
+            continue  # --flag alone: True
+        text = value if equals else following
+        word = FLAG_WORDS.get(text.strip().casefold())
+        if word is None:
+            errors.append(f"--{name}: expected true/false/yes/no/1/0, got {text!r}")
+        elif equals:
+            out[i] = f"--{name}={word}"
+        else:
+            out[i + 1] = str(word)
+    return out, errors
 
 
 def option_errors(function: Callable, args: Sequence[str]) -> list[str]:
@@ -65,8 +104,16 @@ def run_fire(component: Any, argv: Sequence[str] | None = None, **fire_kwargs: A
     standard error and exit status 2, before the command does any work."""
     args = list(sys.argv[1:] if argv is None else argv)
     function, rest, name = _called_function(component, args)
-    errors = option_errors(function, rest) if function is not None else []
+    errors = []
+    if function is not None:
+        rest, errors = yes_no_values(function, rest)
+        errors = option_errors(function, rest) + errors
+        args = args[: len(args) - len(rest)] + rest
     if errors:
         print(f"error: {name}: {'; '.join(errors)} (--help lists the options)", file=sys.stderr)
         sys.exit(2)
-    return fire.Fire(component, command=args, **fire_kwargs)
+    try:
+        return fire.Fire(component, command=args, **fire_kwargs)
+    except BAD_INPUT as e:
+        print(f"error: {e.args[0] if isinstance(e, KeyError) and e.args else e}", file=sys.stderr)
+        sys.exit(2)

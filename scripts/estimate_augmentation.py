@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import yaml
+from bundle.configs import as_number
 from bundle.data.datalist import landmarks_array, load_datalist
 from bundle.data.images import load_grey
 from bundle.information import estimate_group_intensities, estimate_group_ranges, offset_correspondences
@@ -210,8 +211,14 @@ def estimate(
         )
     if correspondences == "encoder" and not ckpt_path:
         raise ValueError("correspondences='encoder' needs --ckpt_path (a trained stage-1 checkpoint)")
+    as_number(alpha_hat, "alpha_hat", minimum=1e-6, maximum=1)  # a share of the MI of different images
+    window, n_images = (
+        as_number(window, "window", minimum=1, integer=True),
+        as_number(n_images, "n_images", minimum=1, integer=True),
+    )
     d_patch, d_size, d_bins, d_step = MI_DEFAULTS[mi]
-    patch_size = d_patch if patch_size is None else int(patch_size)
+    # a patch of fewer than 8 x 8 pixels has too few grey values for a histogram's MI (3 x 3 gave contrast 0)
+    patch_size = d_patch if patch_size is None else as_number(patch_size, "patch_size", minimum=8, integer=True)
     bins = d_bins if bins is None else int(bins)
     step = d_step if step is None else float(step)
     thresholds = check_thresholds(thresholds)

@@ -15,10 +15,12 @@ bundle's network from ``configs/<workflow_type>.json`` only. The default name fo
 from __future__ import annotations
 
 import json
+import re
 import zipfile
 from pathlib import Path
 
 import yaml
+from bundle.configs import as_number
 from bundle.io_utils import atomic_path
 from scripts.cli import run_fire
 
@@ -103,6 +105,9 @@ def check_metadata(root: Path) -> str:
 
 def package(output_dir: str = "dist", name: str = DEFAULT_NAME, root: str | None = None, max_mb: float = MAX_MB) -> str:
     """Write ``output_dir/<name>_v<version>.zip`` (top-level folder ``<name>/``) and return its path."""
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", str(name)):
+        raise PackagingError(f"--name {name!r}: a bundle name is letters, digits, '_', '.' and '-' (no folders)")
+    as_number(max_mb, "max_mb", minimum=1)
     root_path = Path(root).resolve() if root else ROOT
     version = check_metadata(root_path)
     files = bundle_files(root_path, max_mb=max_mb)

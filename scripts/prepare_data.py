@@ -21,7 +21,6 @@ missing labels, …) are printed, then a summary.
 
 from __future__ import annotations
 
-import sys
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -388,21 +387,10 @@ def mirrored(datalist: str, out_dir: str, gamma: float = 0.7) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point: ``python -m scripts.prepare_data {labelme|isbi2015|hand|nifti|dicom|mirrored} ...``."""
-    try:
-        run_fire(
-            {
-                "labelme": labelme,
-                "isbi2015": isbi2015,
-                "hand": hand,
-                "nifti": nifti,
-                "dicom": dicom,
-                "mirrored": mirrored,
-            },
-            argv,
-        )
-    except (ValueError, KeyError) as e:  # DatalistError is a ValueError: bad input, not a bug
-        print(f"error: {e.args[0] if isinstance(e, KeyError) and e.args else e}", file=sys.stderr)
-        sys.exit(2)
+    run_fire(
+        {"labelme": labelme, "isbi2015": isbi2015, "hand": hand, "nifti": nifti, "dicom": dicom, "mirrored": mirrored},
+        argv,
+    )
 
 
 if __name__ == "__main__":

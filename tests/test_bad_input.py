@@ -419,6 +419,21 @@ def test_an_unknown_key_on_the_command_line_is_refused_naming_the_closest(data2d
 @pytest.mark.parametrize(
     "override, expected",
     [
+        ({"target_spacing": [2, 2]}, "target_spacing: expected 3 positive numbers, got [2, 2]"),
+        ({"target_spacing": [0, 2, 2]}, "target_spacing: expected 3 positive numbers, got [0, 2, 2]"),
+        ({"hu_window": [400, -200]}, "hu_window: expected low < high, got [400, -200]"),
+        ({"hu_window": [0, 0]}, "hu_window: expected low < high, got [0, 0]"),
+    ],
+)
+def test_a_3d_spacing_or_ct_window_monai_would_bend_is_refused_naming_the_key(override, expected):
+    """MONAI's Spacingd pads a short spacing and ignores a zero; a reversed window inverts the contrast."""
+    parser = bundle_parser(config_files("train", spatial_dims=3), ROOT, **override)
+    assert expected in raises(parser.get_parsed_content, "load_transforms")
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
         (["--epochs"], "--epochs needs a value (--epochs VALUE; the config's is 10)"),
         (["--max_templates", "two"], "--max_templates: expected an integer as the config's 32, got 'two'"),
         (["--max_templates=2.7"], "--max_templates: expected an integer as the config's 32, got '2.7'"),
@@ -444,7 +459,7 @@ def test_a_script_refuses_an_unknown_option_or_one_without_a_value_before_it_wri
     """Fire would run ``build`` / ``labelme`` with the defaults and report the misspelled option afterwards, its
     output written (a shipped template file overwritten), and make ``--spacing`` alone a spacing of 1."""
     from scripts import build_template
-    from scripts.cli import option_errors, run_fire
+    from scripts.cli import option_errors, run_fire, yes_no_values
 
     out = tmp_path / "template_features.pt"
     with pytest.raises(SystemExit) as exit_:
@@ -459,6 +474,16 @@ def test_a_script_refuses_an_unknown_option_or_one_without_a_value_before_it_wri
     # yes/no options may stand alone (Fire's --flag / --noflag), hyphens name the same option
     for args in (["--keep_held_out_images"], ["--nokeep_held_out_images"], ["--validation-fraction", "0.1"]):
         assert option_errors(prepare_data.labelme, args) == []
+    # a yes/no option's words are read as the configs read them: Fire took "no" (a non-empty string) as true
+    assert yes_no_values(prepare_data.labelme, ["--keep_held_out_images", "no", "--seed", "1"]) == (
+        ["--keep_held_out_images", "False", "--seed", "1"],
+        [],
+    )
+    assert yes_no_values(prepare_data.labelme, ["--keep-held-out-images=YES"])[0] == ["--keep_held_out_images=True"]
+    with pytest.raises(SystemExit) as exit_:
+        prepare_data.main(["labelme", str(tmp_path), str(datalist), "--keep_held_out_images", "maybe"])
+    assert exit_.value.code == 2 and not datalist.exists()
+    assert "--keep_held_out_images: expected true/false/yes/no/1/0, got 'maybe'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -139,3 +139,14 @@ def test_a_header_spacing_outside_the_datalists_range_is_refused_naming_the_file
         LandmarkTargets(n_landmarks=1)(image, [[0.0, 0.0, 0.0]])
     image.affine = torch.diag(torch.tensor([2.0, 2.0, 2.0, 1.0]))
     assert LandmarkTargets(n_landmarks=1)(image, [[0.0, 0.0, 0.0]])[2].tolist() == [2.0, 2.0, 2.0]
+
+
+def test_a_3d_datalist_spacing_other_than_the_header_is_refused():
+    """In 3D the affine places voxels and landmarks: an item's spacing changed only mre_px, silently."""
+    image = MetaTensor(torch.zeros(1, 8, 8, 8), affine=torch.diag(torch.tensor([2.0, 2.0, 2.0, 1.0])))
+    image.meta["filename_or_obj"] = "ct.nii.gz"
+    with pytest.raises(
+        ValueError, match=r"ct.nii.gz: the datalist's spacing \[1.0, 1.0, 1.0\] differs from its header"
+    ):
+        LandmarkTargets(n_landmarks=1)(image, [[0.0, 0.0, 0.0]], spacing=[1.0, 1.0, 1.0])
+    assert LandmarkTargets(n_landmarks=1)(image, [[0.0, 0.0, 0.0]], spacing=[2.0, 2.0, 2.0])[2].tolist() == [2.0] * 3

@@ -152,6 +152,14 @@ class LandmarkTargets(Transform):
         owner = type(self).__name__
         dims = _check_image(img, owner, "the image")
         spacing = _check_spacing(spacing, dims, img, owner, "the spacing")
+        if spacing is not None and dims == 3:
+            header = self.header_spacing(img, dims)
+            if header is not None and not np.allclose(spacing, header, rtol=1e-3):
+                raise ValueError(
+                    f"{_file(img)}: the datalist's spacing {spacing.tolist()} differs from its header's "
+                    f"{np.round(header, 6).tolist()} mm; in 3D the header's affine places the voxels and the landmarks "
+                    "(world mm), so a spacing cannot override it: fix the header, or leave 'spacing' out"
+                )
         spacing = self._spacing(img, dims) if spacing is None else spacing
         points = landmarks_array({"landmarks": landmarks}, self.n_landmarks, dims)
         label = points * spacing if dims == 2 else points  # 2D: original pixels x spacing; 3D: world mm as given
