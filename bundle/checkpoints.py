@@ -40,7 +40,9 @@ def read_checkpoint(path: str | Path, device: torch.device | str = "cpu", what: 
     if path.is_dir():
         raise IsADirectoryError(f"{what} {path} is a folder: give the checkpoint file in it (a model.pt)")
     if not path.is_file():
-        raise FileNotFoundError(f"{what} not found: {path} (train first, or pass --ckpt_path)")
+        raise FileNotFoundError(
+            f"{what} not found: {path} (train first, or check the path: --ckpt_path, --init_weights)"
+        )
     size = path.stat().st_size
     if size == 0:
         raise CheckpointError(f"{what} {path} is empty (0 bytes): a write that was interrupted, or not a checkpoint")

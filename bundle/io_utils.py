@@ -81,6 +81,8 @@ def atomic_path(path: str | os.PathLike, keep_suffix: bool = True) -> Iterator[P
     ``keep_suffix`` is false (checkpoints: a ``*.pt`` pattern must never match a half-written file).
     """
     path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{path}: a folder; give the name of the file to write")
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(path)
     suffix = ".tmp" + ("".join(path.suffixes) if keep_suffix else "")

@@ -21,6 +21,7 @@ missing labels, …) are printed, then a summary.
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -185,6 +186,8 @@ def write(
 ) -> None:
     """Run the reader, check that every image reads as the pipeline reads it, print the warnings, split, write
     ``out`` atomically (validated), print a summary."""
+    seed = as_number(seed, "seed", minimum=0, integer=True)  # before the images are read
+    out = os.path.expanduser(out)  # a quoted ~/... reaches us unexpanded
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         datalist, extra = read()

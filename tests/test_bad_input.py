@@ -872,3 +872,16 @@ def test_the_loop_names_a_missing_monailabel_environment_and_how_to_make_it(tmp_
 
     with pytest.raises(FileNotFoundError, match=re.escape("(make monailabel sets up .venv-monailabel; or set")):
         client_classes(tmp_path / "bin" / "python")
+
+
+def test_a_folder_as_output_file_a_fractional_seed_and_a_quoted_home_are_handled(data2d, tmp_path, monkeypatch):
+    from bundle.io_utils import atomic_path
+
+    with pytest.raises(IsADirectoryError, match=re.escape(f"{tmp_path}: a folder; give the name of the file")):
+        with atomic_path(tmp_path):
+            pass
+    with pytest.raises(SystemExit) as exit_:
+        prepare_data.main(["hand", str(tmp_path), str(tmp_path / "d.json"), "--seed", "1.5"])
+    assert exit_.value.code == 2
+    monkeypatch.setenv("HOME", str(data2d["datalist"].parent))  # '~/datalist.json' as a quoted argument gives it
+    assert load_datalist(f"~/{data2d['datalist'].name}")["landmark_names"] == data2d["content"]["landmark_names"]

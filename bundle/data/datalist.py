@@ -117,7 +117,7 @@ def load_datalist(path: str | os.PathLike, check_files: bool = True) -> dict:
     Raises:
         DatalistError: naming the file and the key at fault (missing file, wrong landmark count, ...).
     """
-    path = Path(path)
+    path = Path(os.path.expanduser(path))  # a quoted ~/... reaches us unexpanded
     if not path.is_file():
         raise DatalistError(f"datalist not found: {path}")
     data = read_json(path, "datalist JSON file")
