@@ -367,6 +367,15 @@ def test_nan_volume_in_3d_evaluation_is_refused_naming_it(tmp_path):
     assert f"{volume}: 2 of 13824 values are NaN or infinite" in text
 
 
+def test_a_4d_volume_in_3d_evaluation_is_refused_naming_it(tmp_path):
+    """Two contrasts in one NIfTI reached the network as two channels: a shape error naming no file."""
+    data = np.random.default_rng(0).normal(size=(24, 24, 24, 2)).astype(np.float32) * 100
+    volume = tmp_path / "two_contrasts.nii.gz"
+    nib.save(nib.Nifti1Image(data, np.diag([2.0, 2.0, 2.0, 1.0])), volume)
+    pipeline = preprocessing(EVALUATE_3D, volume_datalist(tmp_path, volume), image_size=[32, 32, 32])
+    assert f"{volume}: a volume of 2 channels (a 4D file" in raises(pipeline, {"image": str(volume)})
+
+
 # ---------------------------------------------------------------- landmarks outside the image
 
 

@@ -170,7 +170,7 @@ def check_image(
     image, spatial_dims: int, min_size: int | None = None, name: str | None = None, warn_constant: bool = True
 ):
     """``image`` (channel-first) made 2D if it is a one-slice volume in 2D (:func:`single_slice_as_2d`), then refused
-    (:class:`ImageError`) if it is not ``spatial_dims``-D, smaller than ``min_size`` (default
+    (:class:`ImageError`) if it is not ``spatial_dims``-D (in 3D: of one channel), smaller than ``min_size`` (default
     :data:`MIN_IMAGE_SIZE`) along an axis, or not finite; a constant one is warned about (unless ``warn_constant``
     is false). Returns the (possibly 2D-made) image."""
     name = name or image_name(image)
@@ -185,6 +185,11 @@ def check_image(
         raise ImageError(
             f"{name}: a {len(shape)}D image (spatial shape {list(shape)}), but this configuration expects "
             f"{spatial_dims}D images (spatial_dims: {spatial_dims}){hint}"
+        )
+    if spatial_dims == 3 and image.shape[0] != 1:
+        raise ImageError(
+            f"{name}: a volume of {image.shape[0]} channels (a 4D file: a time series or several contrasts); the 3D "
+            "configuration reads one grey volume: save the one to use as a 3D file"
         )
     min_size = MIN_IMAGE_SIZE.get(spatial_dims, 1) if min_size is None else int(min_size)
     if min(shape) < min_size:
