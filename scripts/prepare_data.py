@@ -357,6 +357,14 @@ def mirrored(datalist: str, out_dir: str, gamma: float = 0.7) -> None:
     source = load_datalist(datalist)
     if source["spatial_dims"] != 2:
         raise ValueError(f"{datalist}: mirrored takes a 2D datalist, not spatial_dims {source['spatial_dims']}")
+    for path in sorted({it["image"] for section in SECTIONS for it in source.get(section) or []}):
+        try:  # every image's header first, so that nothing is written for a datalist it cannot convert
+            with Image.open(path) as opened:
+                mode = opened.mode
+        except OSError as e:
+            raise ValueError(f"{path}: mirrored reads 8-bit PNG, JPEG or BMP pictures, not this file ({e})") from e
+        if mode not in ("L", "P", "RGB", "RGBA"):
+            raise ValueError(f"{path}: mirrored takes 8-bit images, this one is {mode}")
     images = Path(out_dir) / "images"
     images.mkdir(parents=True, exist_ok=True)
     widths: dict[str, int] = {}
@@ -366,8 +374,6 @@ def mirrored(datalist: str, out_dir: str, gamma: float = 0.7) -> None:
         target = images / f"{path.stem}.png"
         if str(path) not in widths:
             with Image.open(path) as opened:
-                if opened.mode not in ("L", "P", "RGB", "RGBA"):
-                    raise ValueError(f"{path}: mirrored takes 8-bit images, this one is {opened.mode}")
                 pixels = np.asarray(opened.convert("L"), dtype=np.float64)
             exposed = np.round(255.0 * (pixels / 255.0) ** gamma)[:, ::-1].astype(np.uint8)
             with atomic_path(target) as tmp:

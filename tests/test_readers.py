@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 import warnings
@@ -564,3 +565,14 @@ def test_mirrored_site_flips_images_and_landmarks_together(tmp_path):
                 assert new[y, old.shape[1] - 1 - x] == np.round(255 * (old[y, x] / 255) ** 0.5)
     with pytest.raises(SystemExit):
         prepare_data.main(["mirrored", "--datalist", str(datalist), "--out_dir", str(tmp_path / "x"), "--gamma", "0"])
+    # a picture PIL cannot read (a MetaImage, say) is named before anything is written
+    content = json.loads(datalist.read_text())
+    other = datalist.parent / "volume.mha"
+    other.write_bytes(b"ObjectType = Image\nNDims = 2\n")
+    content["test"][0]["image"] = str(other)
+    del content["test"][0]["landmarks"]
+    odd = datalist.parent / "odd.json"
+    odd.write_text(json.dumps(content))
+    with pytest.raises(ValueError, match=re.escape(f"{other}: mirrored reads 8-bit PNG, JPEG or BMP pictures")):
+        prepare_data.mirrored(str(odd), str(tmp_path / "odd_site"))
+    assert not (tmp_path / "odd_site").exists()
