@@ -20,6 +20,12 @@ from pathlib import Path
 from typing import Any, Iterator
 
 
+def error_summary(error: BaseException) -> str:
+    """``<type>: <first line of its message>``: a reader's error in one line (MONAI's ``LoadImage`` appends every
+    reader's traceback to its message, ``torch.load`` paragraphs of advice)."""
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+
+
 def _current_umask() -> int:
     mask = os.umask(0)
     os.umask(mask)

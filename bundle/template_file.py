@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
-from bundle.io_utils import atomic_path
+from bundle.io_utils import atomic_path, error_summary
 
 TEMPLATE_FORMAT = "infoguided-landmarks-template/1"
 BUNDLE_DIR = Path(__file__).resolve().parents[1]
@@ -123,8 +123,7 @@ def load_template(path: str | os.PathLike, checkpoint: str | os.PathLike | None 
     try:
         content = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated, not a torch file, or pickled objects beyond tensors
-        reason = (str(e).strip().splitlines() or [""])[0]
-        raise ValueError(f"{path}: not a readable template feature file ({type(e).__name__}: {reason})") from e
+        raise ValueError(f"{path}: not a readable template feature file ({error_summary(e)})") from e
     template = check_template(content, str(path))
     expected = template.get("checkpoint_sha256")
     if checkpoint is not None and expected and Path(checkpoint).is_file() and file_sha256(checkpoint) != expected:

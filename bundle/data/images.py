@@ -22,6 +22,7 @@ import monai.transforms
 import numpy as np
 import torch
 from bundle.data.dicom import XRayDicomd, plane_affine
+from bundle.io_utils import error_summary
 from monai.config import KeysCollection
 from monai.data import MetaTensor, PILReader
 from monai.transforms import EnsureChannelFirst, LoadImage, MapTransform, ScaleIntensity
@@ -65,8 +66,7 @@ def _read_error(files: list, error: Exception) -> ImageError:
     """The error for ``files`` (what the reader was given: one entry per key) that ``error`` stopped; a single
     file is also diagnosed (:func:`_what_is_wrong`)."""
     hint = _what_is_wrong(files[0]) if len(files) == 1 else ""
-    reason = (str(error).strip().splitlines() or [""])[0]  # MONAI's LoadImage appends every reader's traceback
-    return ImageError(f"cannot read image {', '.join(map(str, files))}{hint}: {type(error).__name__}: {reason}")
+    return ImageError(f"cannot read image {', '.join(map(str, files))}{hint}: {error_summary(error)}")
 
 
 # PIL modes whose stored values are not the grey levels a viewer shows (palette indices, alpha, other colour
