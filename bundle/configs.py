@@ -176,19 +176,29 @@ def seed_everything(seed: int, cudnn_benchmark: bool = False) -> int:
 RUN_OPTIONS = {"run_id", "init_id", "final_id", "meta_file", "config_file", "logging_file", "tracking", "args_file"}
 
 
+def command_line_options(args: Sequence[str]) -> list[tuple[int, str, str | None, bool]]:
+    """The ``--key value`` / ``--key=value`` options of a command line (Fire's, as ``monai.bundle`` and the scripts
+    read it), up to a lone ``--``: ``(position, key with '-' read as '_', its text or None when it is given without a
+    value, whether the text is inline after '=')``."""
+    options = []
+    for i, token in enumerate(args):
+        if token == "--":
+            break
+        if not token.startswith("--") or len(token) <= 2:
+            continue
+        key, equals, value = token[2:].partition("=")
+        following = args[i + 1] if i + 1 < len(args) else None
+        text = value if equals else following if following is not None and not following.startswith("--") else None
+        options.append((i, key.replace("-", "_"), text, bool(equals)))
+    return options
+
+
 def command_line_overrides(argv: Sequence[str]) -> tuple[list[str], dict[str, str | None]]:
     """(config files, ``{override key: its text}``) of a ``python -m monai.bundle run ID --config_file F --key value
     ...`` command line, the text None for a key given without a value; empty for any other command line."""
     if len(argv) < 2 or Path(argv[0]).parts[-2:] != ("bundle", "__main__.py") or argv[1] != "run":
         return [], {}
-    options: dict[str, str | None] = {}
-    for i, token in enumerate(argv[2:], start=2):
-        if token.startswith("--") and len(token) > 2:
-            key, equals, value = token[2:].partition("=")
-            following = argv[i + 1] if i + 1 < len(argv) else None
-            options[key.replace("-", "_")] = (
-                value if equals else following if following is not None and not following.startswith("--") else None
-            )
+    options = {key: text for _, key, text, _ in command_line_options(argv[2:])}
     files = options.get("config_file") or ""
     try:
         parsed = ast.literal_eval(files)

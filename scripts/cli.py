@@ -17,7 +17,7 @@ import sys
 from typing import Any, Callable, Sequence
 
 import fire
-from bundle.configs import FLAG_WORDS
+from bundle.configs import FLAG_WORDS, command_line_options
 
 # what the scripts raise for bad input (a DatalistError or ImageError is a ValueError), reported as a usage error
 BAD_INPUT = (ValueError, KeyError, FileNotFoundError, IsADirectoryError, NotADirectoryError)
@@ -37,77 +37,47 @@ def _is_yes_no(parameter: inspect.Parameter | None) -> bool:
     return parameter is not None and (isinstance(parameter.default, bool) or parameter.annotation in (bool, "bool"))
 
 
-def yes_no_values(function: Callable, args: Sequence[str]) -> tuple[list[str], list[str]]:
+def checked_options(function: Callable, args: Sequence[str]) -> tuple[list[str], list[str]]:
     """``args`` with the value of each yes/no option (``--flag no``, ``--flag=False``) written as Fire's ``True`` /
-    ``False`` (Fire reads ``no`` as a non-empty, so true, string), and the errors for values that are not
-    true/false/yes/no/1/0 (any case)."""
+    ``False`` (Fire reads ``no`` as a non-empty, so true, string), and what is wrong with the options for
+    ``function``: options it does not take (with the closest it does), options without a value that are not yes/no
+    ones, yes/no values other than true/false/yes/no/1/0 (any case)."""
     try:
         parameters = inspect.signature(function).parameters
     except (TypeError, ValueError):
         return list(args), []
-    out, errors = list(args), []
-    for i, token in enumerate(args):
-        if token == "--":
-            break
-        if not token.startswith("--"):
-            continue
-        name, equals, value = token[2:].partition("=")
-        name = name.replace("-", "_")
-        if not _is_yes_no(parameters.get(name)):
-            continue
-        following = args[i + 1] if i + 1 < len(args) else None
-        if not equals and (following is None or following.startswith("--")):
-            continue  # --flag alone: True
-        text = value if equals else following
-        word = FLAG_WORDS.get(text.strip().casefold())
-        if word is None:
-            errors.append(f"--{name}: expected true/false/yes/no/1/0, got {text!r}")
-        elif equals:
-            out[i] = f"--{name}={word}"
-        else:
-            out[i + 1] = str(word)
-    return out, errors
-
-
-def option_errors(function: Callable, args: Sequence[str]) -> list[str]:
-    """What is wrong with the ``--options`` of ``args`` for ``function``: options it does not take (with the closest
-    it does) and options without a value that are not yes/no ones. Arguments after a lone ``--`` are Fire's own."""
-    try:
-        parameters = inspect.signature(function).parameters
-    except (TypeError, ValueError):
-        return []
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-    errors = []
-    for i, token in enumerate(args):
-        if token == "--":
-            break
-        if not token.startswith("--") or token == "--help":
-            continue
-        name, equals, _ = token[2:].partition("=")
-        name = name.replace("-", "_")
+    out, errors = list(args), []
+    for i, name, text, inline in command_line_options(args):
         parameter = parameters.get(name)
         if parameter is None:
-            if takes_any or (name.startswith("no") and _is_yes_no(parameters.get(name[2:]))):
-                continue  # Fire's --noflag is flag=False
+            if name == "help" or takes_any or (name.startswith("no") and _is_yes_no(parameters.get(name[2:]))):
+                continue  # Fire's --help, and its --noflag for flag=False
             close = difflib.get_close_matches(name, list(parameters), n=3, cutoff=0.5)
             hint = f" (closest: {', '.join('--' + c for c in close)})" if close else ""
             errors.append(f"unknown option --{name}{hint}")
-            continue
-        following = args[i + 1] if i + 1 < len(args) else None
-        if not equals and (following is None or following.startswith("--")) and not _is_yes_no(parameter):
-            errors.append(f"--{name} needs a value (--{name} VALUE)")
-    return errors
+        elif not _is_yes_no(parameter):
+            if text is None:
+                errors.append(f"--{name} needs a value (--{name} VALUE)")
+        elif text is not None:  # --flag alone: True
+            word = FLAG_WORDS.get(text.strip().casefold())
+            if word is None:
+                errors.append(f"--{name}: expected true/false/yes/no/1/0, got {text!r}")
+            elif inline:
+                out[i] = f"--{name}={word}"
+            else:
+                out[i + 1] = str(word)
+    return out, errors
 
 
 def run_fire(component: Any, argv: Sequence[str] | None = None, **fire_kwargs: Any) -> Any:
-    """``fire.Fire(component, command=argv)`` once :func:`option_errors` finds nothing wrong; else the errors on
+    """``fire.Fire(component, command=argv)`` once :func:`checked_options` finds nothing wrong; else the errors on
     standard error and exit status 2, before the command does any work."""
     args = list(sys.argv[1:] if argv is None else argv)
     function, rest, name = _called_function(component, args)
     errors = []
     if function is not None:
-        rest, errors = yes_no_values(function, rest)
-        errors = option_errors(function, rest) + errors
+        rest, errors = checked_options(function, rest)
         args = args[: len(args) - len(rest)] + rest
     if errors:
         print(f"error: {name}: {'; '.join(errors)} (--help lists the options)", file=sys.stderr)

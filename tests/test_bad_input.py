@@ -468,7 +468,7 @@ def test_a_script_refuses_an_unknown_option_or_one_without_a_value_before_it_wri
     """Fire would run ``build`` / ``labelme`` with the defaults and report the misspelled option afterwards, its
     output written (a shipped template file overwritten), and make ``--spacing`` alone a spacing of 1."""
     from scripts import build_template
-    from scripts.cli import option_errors, run_fire, yes_no_values
+    from scripts.cli import checked_options, run_fire
 
     out = tmp_path / "template_features.pt"
     with pytest.raises(SystemExit) as exit_:
@@ -482,13 +482,13 @@ def test_a_script_refuses_an_unknown_option_or_one_without_a_value_before_it_wri
     assert "labelme: --spacing needs a value (--spacing VALUE)" in capsys.readouterr().err
     # yes/no options may stand alone (Fire's --flag / --noflag), hyphens name the same option
     for args in (["--keep_held_out_images"], ["--nokeep_held_out_images"], ["--validation-fraction", "0.1"]):
-        assert option_errors(prepare_data.labelme, args) == []
+        assert checked_options(prepare_data.labelme, args)[1] == []
     # a yes/no option's words are read as the configs read them: Fire took "no" (a non-empty string) as true
-    assert yes_no_values(prepare_data.labelme, ["--keep_held_out_images", "no", "--seed", "1"]) == (
+    assert checked_options(prepare_data.labelme, ["--keep_held_out_images", "no", "--seed", "1"]) == (
         ["--keep_held_out_images", "False", "--seed", "1"],
         [],
     )
-    assert yes_no_values(prepare_data.labelme, ["--keep-held-out-images=YES"])[0] == ["--keep_held_out_images=True"]
+    assert checked_options(prepare_data.labelme, ["--keep-held-out-images=YES"])[0] == ["--keep_held_out_images=True"]
     with pytest.raises(SystemExit) as exit_:
         prepare_data.main(["labelme", str(tmp_path), str(datalist), "--keep_held_out_images", "maybe"])
     assert exit_.value.code == 2 and not datalist.exists()
