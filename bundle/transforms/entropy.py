@@ -36,6 +36,8 @@ __all__ = ["local_entropy", "EntropyMap", "EntropyMapd"]
 _TILE = {2: (24, 24), 3: (16, 16, 64)}
 # Indicator words per CPU batch of tiles (a few MB: stays in cache, amortises the Python calls).
 _BATCH_ELEMENTS = 1 << 20
+# Tiles per bincount of the bins present (its counts, tiles x (bins + 1), stay in cache).
+_PRESENCE_TILES = 128
 # Elements of one bin chunk on the torch path (bounds its memory to a few bytes per element).
 _TORCH_CHUNK_ELEMENTS = 1 << 25
 
@@ -176,20 +178,17 @@ def _entropy_sums_numpy(padded: np.ndarray, window: tuple[int, ...], bins: int, 
     extra = [(0, g * t + k - 1 - s) for g, t, k, s in zip(grid, tile, window, padded.shape)]
     padded = np.pad(padded, extra, constant_values=bins)
     strides = tuple(t * s for t, s in zip(tile, padded.strides)) + padded.strides
+    # every tile's block in one copy (numpy copies without the GIL, where fancy indexing holds it)
     blocks = np.lib.stride_tricks.as_strided(padded, grid + block, strides, writeable=False)
-    coords = np.unravel_index(np.arange(n_tiles), grid)
-
-    def gather(index: np.ndarray) -> np.ndarray:
-        """The blocks of tiles ``index`` (n, block_size) plus (bins + 1) * their position in ``index``."""
-        offsets = np.arange(len(index), dtype=np.int32)[:, None] * np.int32(bins + 1)
-        return blocks[tuple(c[index] for c in coords)].reshape(len(index), -1) + offsets
-
+    blocks = np.ascontiguousarray(blocks).reshape(n_tiles, block_size)
+    # the bins present in each block: one bincount per few tiles (its counts stay in cache)
     present = np.empty((n_tiles, bins + 1), dtype=bool)
-    step = max(1, (1 << 21) // block_size)
+    step = _PRESENCE_TILES
+    offsets = np.arange(step, dtype=np.int32)[:, None] * np.int32(bins + 1)
     for first in range(0, n_tiles, step):
-        index = np.arange(first, min(first + step, n_tiles))
-        counts = np.bincount(gather(index).ravel(), minlength=len(index) * (bins + 1))
-        present[index] = counts.reshape(len(index), bins + 1) > 0
+        chunk = blocks[first : first + step]
+        counts = np.bincount((chunk + offsets[: len(chunk)]).ravel(), minlength=len(chunk) * (bins + 1))
+        present[first : first + len(chunk)] = counts.reshape(len(chunk), bins + 1) > 0
     present[:, bins] = False  # padding
     rank = np.cumsum(present, axis=1, dtype=np.int32) - 1
     n_words = -(-present.sum(1) // per_word)
@@ -202,14 +201,19 @@ def _entropy_sums_numpy(padded: np.ndarray, window: tuple[int, ...], bins: int, 
             last += 1
         batches.append(order[first:last])
         first = last
-    sums = np.empty((n_tiles,) + tile, dtype=np.float32)
+    # the sums land in their tiles of the image through a (grid + tile) view of it
+    image = np.empty(tuple(g * t for g, t in zip(grid, tile)), dtype=np.float32)
+    tile_strides = tuple(t * s for t, s in zip(tile, image.strides)) + image.strides
+    tiles = np.lib.stride_tricks.as_strided(image, grid + tile, tile_strides)
+    coords = np.unravel_index(np.arange(n_tiles), grid)
 
     def run(index: np.ndarray) -> None:
         n, n_batch_words = len(index), int(n_words[index[-1]])
         # present bin of rank r lives in word r // per_word, byte lane r % per_word; others in none
         word_of = np.where(present[index], rank[index] // per_word, n_batch_words).astype(np.uint16)
         unit = np.where(present[index], np.left_shift(1, 8 * (rank[index] % per_word)), 0).astype(word)
-        flat = gather(index).reshape(1, -1)
+        position = np.arange(n, dtype=np.int32)[:, None] * np.int32(bins + 1)  # each tile's own table rows
+        flat = (np.take(blocks, index, axis=0) + position).reshape(1, -1)
         indicators = np.multiply(
             np.take(word_of, flat) == np.arange(n_batch_words, dtype=np.uint16)[:, None],
             np.take(unit, flat),
@@ -221,7 +225,7 @@ def _entropy_sums_numpy(padded: np.ndarray, window: tuple[int, ...], bins: int, 
             half = (len(terms) + 1) // 2
             terms[: len(terms) - half] += terms[half:]
             terms = terms[:half]
-        sums[index] = terms[0]
+        tiles[tuple(c[index] for c in coords)] = terms[0]
 
     workers = max(1, min(torch.get_num_threads(), len(batches)))
     if workers == 1:
@@ -230,9 +234,7 @@ def _entropy_sums_numpy(padded: np.ndarray, window: tuple[int, ...], bins: int, 
     else:
         with ThreadPoolExecutor(max_workers=workers) as pool:
             list(pool.map(run, batches))
-    interleave = [axis for i in range(ndim) for axis in (i, ndim + i)]
-    image = sums.reshape(grid + tile).transpose(interleave).reshape(tuple(g * t for g, t in zip(grid, tile)))
-    return np.ascontiguousarray(image[tuple(slice(0, n) for n in shape)])
+    return image[tuple(slice(0, n) for n in shape)]
 
 
 def _entropy_sums_torch(padded: torch.Tensor, window: tuple[int, ...], bins: int, table: np.ndarray) -> torch.Tensor:
@@ -289,7 +291,8 @@ def local_entropy(
     full, population = np.take(table, population), population.astype(np.float32)
     if isinstance(indices, np.ndarray):
         sums = _entropy_sums_numpy(np.pad(indices, pad, constant_values=bins), window, bins, table)
-        return torch.from_numpy((full - sums).clip(0) / population)
+        entropy = np.subtract(full, sums)
+        return torch.from_numpy(np.divide(np.maximum(entropy, 0, out=entropy), population, out=entropy))
     flat_pad = [p for before_after in reversed(pad) for p in before_after]
     sums = _entropy_sums_torch(torch.nn.functional.pad(indices, flat_pad, value=bins), window, bins, table)
     full, population = torch.from_numpy(full).to(device), torch.from_numpy(population).to(device)
