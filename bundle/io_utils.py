@@ -77,6 +77,22 @@ def remove_stale_temporaries(path: str | os.PathLike, marker: str = ".tmp") -> l
     return removed
 
 
+def check_output_file(path: str | os.PathLike) -> Path:
+    """``path`` (with ``~`` expanded) if a file can be written there: not a folder, no file among its parents.
+
+    Writers call it before their work, so that a wrong output name is refused before minutes of computing.
+    """
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise IsADirectoryError(f"{path}: a folder; give the name of the file to write")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise NotADirectoryError(f"{path}: {parent} is a file, not a folder")
+            break
+    return path
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike, keep_suffix: bool = True) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on success it is renamed onto ``path``, on error removed.
@@ -86,9 +102,7 @@ def atomic_path(path: str | os.PathLike, keep_suffix: bool = True) -> Iterator[P
     ``path``'s suffixes (writers that choose the format by suffix, such as ``nib.save``, need them) unless
     ``keep_suffix`` is false (checkpoints: a ``*.pt`` pattern must never match a half-written file).
     """
-    path = Path(path)
-    if path.is_dir():
-        raise IsADirectoryError(f"{path}: a folder; give the name of the file to write")
+    path = check_output_file(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(path)
     suffix = ".tmp" + ("".join(path.suffixes) if keep_suffix else "")

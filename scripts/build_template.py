@@ -30,6 +30,7 @@ import torch
 from bundle.configs import as_number, bundle_parser
 from bundle.data.annotations import image_stem
 from bundle.data.embedded import open_datalist
+from bundle.io_utils import check_output_file
 from bundle.template_file import save_template
 from bundle.templates.features import compute_template
 from bundle.templates.resolution import labelled_training_items
@@ -80,6 +81,7 @@ def build(
     """Compute the template features of the chosen items of ``datalist`` and write them to ``output``."""
     if isinstance(templates, (str, int)):
         templates = [str(templates)]
+    check_output_file(output)  # before the features are computed
     data = open_datalist(datalist)
     overrides = {"datalist": str(datalist), "pipeline": "templates"}  # the matching network, whatever detector
     if ckpt_path is not None:

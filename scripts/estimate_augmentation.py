@@ -47,7 +47,7 @@ from bundle.data.datalist import landmarks_array, load_datalist
 from bundle.data.images import load_grey
 from bundle.information import estimate_group_intensities, estimate_group_ranges, offset_correspondences
 from bundle.information_groups import GROUP_NAMES, check_thresholds
-from bundle.io_utils import write_text_atomic
+from bundle.io_utils import check_output_file, write_text_atomic
 from bundle.transforms.entropy import local_entropy
 from monai.transforms import Resize
 from scripts.cli import run_fire
@@ -212,6 +212,7 @@ def estimate(
     if correspondences == "encoder" and not ckpt_path:
         raise ValueError("correspondences='encoder' needs --ckpt_path (a trained stage-1 checkpoint)")
     as_number(alpha_hat, "alpha_hat", minimum=1e-6, maximum=1)  # a share of the MI of different images
+    check_output_file(output)  # before the images are read
     window, n_images = (
         as_number(window, "window", minimum=1, integer=True),
         as_number(n_images, "n_images", minimum=1, integer=True),

@@ -21,7 +21,6 @@ missing labels, …) are printed, then a summary.
 
 from __future__ import annotations
 
-import os
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -36,7 +35,7 @@ from bundle.data.images import ImageError, check_image_file
 from bundle.data.isbi2015 import ISBI_2015_LANDMARK_NAMES, ISBI_2015_SPACING_MM, read_isbi2015_set
 from bundle.data.labelme import read_labelme_set
 from bundle.data.nifti import nifti_datalist
-from bundle.io_utils import atomic_path
+from bundle.io_utils import atomic_path, check_output_file
 from scripts.cli import run_fire
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -187,7 +186,7 @@ def write(
     """Run the reader, check that every image reads as the pipeline reads it, print the warnings, split, write
     ``out`` atomically (validated), print a summary."""
     seed = as_number(seed, "seed", minimum=0, integer=True)  # before the images are read
-    out = os.path.expanduser(out)  # a quoted ~/... reaches us unexpanded
+    out_path = check_output_file(out)  # before the images are read; a quoted ~/... reaches us unexpanded
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         datalist, extra = read()
@@ -197,7 +196,6 @@ def write(
         print(f"warning: {w.message}")
     datalist = set_template(datalist, template)
     datalist = split_training(datalist, validation_fraction, test_fraction, seed, keep_held_out_images)
-    out_path = Path(out)
     with atomic_path(out_path) as tmp:  # the file appears only once it passes load_datalist
         save_datalist(datalist, tmp)
         load_datalist(tmp)

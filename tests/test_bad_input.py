@@ -876,6 +876,25 @@ def test_build_template_refuses_a_negative_first_labelled():
         select_items({"training": []}, None, -2)
 
 
+def test_output_files_are_refused_before_the_work(tmp_path, monkeypatch):
+    """A folder, or a path under a file, as the output of a script that computes for minutes: refused before any of
+    it (build_template used to compute the features first; estimate_augmentation and prepare_data read the images)."""
+    from scripts import build_template, estimate_augmentation
+
+    work = []
+    monkeypatch.setattr(build_template, "open_datalist", lambda *args: work.append("features"))
+    monkeypatch.setattr(estimate_augmentation, "load_datalist", lambda *args: work.append("estimate"))
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("not a folder")
+    with pytest.raises(IsADirectoryError, match=re.escape(f"{tmp_path}: a folder; give the name of the file")):
+        build_template.build("datalist.json", output=str(tmp_path))
+    with pytest.raises(NotADirectoryError, match=re.escape(f"{blocker / 'a' / 'aug.yaml'}: {blocker} is a file")):
+        estimate_augmentation.estimate("datalist.json", output=str(blocker / "a" / "aug.yaml"))
+    with pytest.raises(IsADirectoryError, match=re.escape(f"{tmp_path}: a folder")):
+        prepare_data.write(lambda: work.append("read"), str(tmp_path), 0.0, 0.0, 0, None)
+    assert work == [] and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
 def test_the_loop_names_a_missing_monailabel_environment_and_how_to_make_it(tmp_path):
     from scripts.monailabel_server import client_classes
 
