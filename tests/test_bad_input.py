@@ -356,6 +356,21 @@ def test_2d_png_in_the_3d_configuration_is_refused(data2d, tmp_path):
     )
 
 
+def test_a_datalist_of_the_other_dimensionality_is_refused_naming_both(data2d, tmp_path):
+    """A 2D datalist under the 3D configuration (and a 3D one under the 2D): refused when the datalist is read, with
+    what to run instead (it was refused later as an image too small, or as landmarks of the wrong length)."""
+    path = data2d["datalist"]
+    parser = bundle_parser(config_files("train", spatial_dims=3), ROOT, datalist=str(path))
+    text = raises(parser.get_parsed_content, "dataset")
+    assert (
+        f"DatalistError: {path}: a 2D datalist (spatial_dims: 2), but this configuration is 3D (spatial_dims: 3); 2D "
+        "images need the 2D configuration (configs/train.yaml without configs/train_3d.yaml)" in text
+    )
+    volumes = volume_datalist(tmp_path, tmp_path / "ct.nii.gz")
+    text = raises(bundle_parser(TRAIN, ROOT, datalist=str(volumes)).get_parsed_content, "dataset")
+    assert "a 3D datalist (spatial_dims: 3), but this configuration is 2D (spatial_dims: 2); volumes need" in text
+
+
 def test_nan_volume_in_3d_evaluation_is_refused_naming_it(tmp_path):
     data = np.random.default_rng(0).normal(size=(24, 24, 24)).astype(np.float32) * 100
     data[3, 4, 5] = np.nan

@@ -111,8 +111,19 @@ def _check_item(item: Any, where: str, spatial_dims: int, n_landmarks: int, base
     return out
 
 
-def load_datalist(path: str | os.PathLike, check_files: bool = True) -> dict:
+def configuration_hint(found_dims: int, expected_dims: int) -> str:
+    """What to run instead when data of ``found_dims`` spatial dimensions meet a configuration of ``expected_dims``."""
+    return {
+        (3, 2): "; volumes need the 3D configuration (merge configs/train_3d.yaml, and configs/evaluate_3d.yaml to "
+        "evaluate)",
+        (2, 3): "; 2D images need the 2D configuration (configs/train.yaml without configs/train_3d.yaml)",
+    }.get((found_dims, expected_dims), "")
+
+
+def load_datalist(path: str | os.PathLike, check_files: bool = True, spatial_dims: int | None = None) -> dict:
     """Read and validate a datalist; return it with absolute image paths.
+
+    ``spatial_dims``: the configuration's, which the datalist's own must equal (None: either).
 
     Raises:
         DatalistError: naming the file and the key at fault (missing file, wrong landmark count, ...).
@@ -123,9 +134,14 @@ def load_datalist(path: str | os.PathLike, check_files: bool = True) -> dict:
     data = read_json(path, "datalist JSON file")
     if not isinstance(data, dict):
         raise DatalistError(f"{path}: the top level must be an object")
-    spatial_dims = data.get("spatial_dims")
+    expected_dims, spatial_dims = spatial_dims, data.get("spatial_dims")
     if spatial_dims not in (2, 3):
         raise DatalistError(f"{path}: 'spatial_dims' must be 2 or 3, got {spatial_dims!r}")
+    if expected_dims is not None and spatial_dims != expected_dims:
+        raise DatalistError(
+            f"{path}: a {spatial_dims}D datalist (spatial_dims: {spatial_dims}), but this configuration is "
+            f"{expected_dims}D (spatial_dims: {expected_dims}){configuration_hint(spatial_dims, expected_dims)}"
+        )
     names = data.get("landmark_names")
     if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
         raise DatalistError(f"{path}: 'landmark_names' must be a non-empty list of strings")

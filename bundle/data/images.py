@@ -21,6 +21,7 @@ from typing import Any, Hashable, Mapping, Sequence
 import monai.transforms
 import numpy as np
 import torch
+from bundle.data.datalist import configuration_hint
 from bundle.data.dicom import XRayDicomd, plane_affine
 from bundle.io_utils import error_summary
 from monai.config import KeysCollection
@@ -177,14 +178,9 @@ def check_image(
     image = single_slice_as_2d(image, spatial_dims)
     shape = tuple(int(s) for s in image.shape[1:])
     if len(shape) != spatial_dims:
-        hint = {
-            (3, 2): "; volumes need the 3D configuration (merge configs/train_3d.yaml, "
-            "and configs/evaluate_3d.yaml to evaluate)",
-            (2, 3): "; 2D images need the 2D configuration (configs/train.yaml without configs/train_3d.yaml)",
-        }.get((len(shape), spatial_dims), "")
         raise ImageError(
             f"{name}: a {len(shape)}D image (spatial shape {list(shape)}), but this configuration expects "
-            f"{spatial_dims}D images (spatial_dims: {spatial_dims}){hint}"
+            f"{spatial_dims}D images (spatial_dims: {spatial_dims}){configuration_hint(len(shape), spatial_dims)}"
         )
     if spatial_dims == 3 and image.shape[0] != 1:
         raise ImageError(
