@@ -160,8 +160,10 @@ def test_ct_volumes_are_served_with_the_3d_configs(tmp_path):
     for item in (target, template):
         shutil.copy(item["image"], studies)
     names = content["landmark_names"]
+    # the saved label's points as a clinician may type them: another case, a trailing blank (matched all the same)
     label = write_mrk_json(
-        tmp_path / "template.mrk.json", [ControlPoint(n, tuple(p)) for n, p in zip(names, template["landmarks"])]
+        tmp_path / "template.mrk.json",
+        [ControlPoint(f"{n.upper()} ", tuple(p)) for n, p in zip(names, template["landmarks"])],
     )
     template_id = Path(template["image"]).name.split(".")[0]
     target_label = write_mrk_json(

@@ -403,6 +403,26 @@ def test_nifti_markups_warnings_and_errors(tmp_path):
         nifti_datalist(images, tmp_path)
 
 
+def test_nifti_labels_equal_but_for_case_or_blanks_are_one_landmark(tmp_path):
+    """``Nasion`` in two files and ``nasion `` in a third are one landmark, spelt as most files spell it (they were
+    two landmarks, each missing where the other was); names given on the command line match labels the same way."""
+    images = tmp_path / "ct"
+    for stem, label in (("a", "Nasion"), ("b", "Nasion"), ("c", "nasion ")):
+        write_nifti(images / f"{stem}.nii.gz")
+        write_markups(images / f"{stem}.mrk.json", [ControlPoint(label, (1.0, 2.0, 3.0)), ControlPoint("Sella", None)])
+    with pytest.warns(UserWarning) as record:
+        dl = nifti_datalist(images)
+    assert dl["landmark_names"] == ["Nasion", "Sella"]
+    assert [it["landmarks"] for it in dl["training"]] == [[[1.0, 2.0, 3.0], None]] * 3
+    assert has_warning(record, str(images), "['Nasion', 'nasion ']", "one landmark 'Nasion'")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        named = nifti_datalist(images, landmark_names=["NASION"])
+    assert [it["landmarks"] for it in named["training"]] == [[[1.0, 2.0, 3.0]]] * 3
+    with pytest.raises(DatalistError, match=re.escape("landmark names ['Nasion', 'nasion'] differ only in case")):
+        nifti_datalist(images, landmark_names=["Nasion", "nasion"])
+
+
 def test_split_is_seeded_and_keeps_the_template():
     items = [{"image": f"/d/{i:03d}.png", "landmarks": [[float(i), 0.0]]} for i in range(20)]
     items.append({"image": "/d/900.png"})  # unlabelled: never moved to validation / test

@@ -39,7 +39,7 @@ import torch
 from bundle.data.annotations import natural_key
 from bundle.data.datalist import DatalistError, unsplit_datalist
 from bundle.data.hand_csv import read_landmark_csv
-from bundle.data.markups import MARKUPS_SUFFIXES, read_markups
+from bundle.data.markups import MARKUPS_SUFFIXES, names_of_labels, read_markups
 from bundle.data.nifti import find_markups, markups_landmarks
 from monai.config import KeysCollection
 from monai.data import MetaTensor
@@ -444,11 +444,7 @@ def dicom_series_datalist(
     for stem in sorted(set(files) - set(folders), key=natural_key):
         warnings.warn(f"{files[stem]}: no series folder named {stem!r} in {root}: ignored", stacklevel=2)
     points = {stem: read_markups(files[stem]) for stem in folders if stem in files}
-    names = (
-        sorted({p.label for pts in points.values() for p in pts}, key=natural_key)
-        if landmark_names is None
-        else [str(n) for n in landmark_names]
-    )
+    names = names_of_labels(points, markups_dir) if landmark_names is None else [str(n) for n in landmark_names]
     if not names:
         raise DatalistError(f"{markups_dir}: the markups files hold no control points")
     items = []

@@ -11,11 +11,12 @@ from __future__ import annotations
 import csv
 import io
 import warnings
+from collections import Counter
 from pathlib import Path
-from typing import NamedTuple, Sequence
+from typing import Mapping, NamedTuple, Sequence
 
 import numpy as np
-from bundle.data.annotations import strip_suffix
+from bundle.data.annotations import natural_key, strip_suffix
 from bundle.data.datalist import DatalistError, is_finite_number, read_json
 from bundle.io_utils import write_json_atomic, write_text_atomic
 
@@ -35,6 +36,33 @@ class ControlPoint(NamedTuple):
 
     label: str
     position: tuple[float, float, float] | None
+
+
+def label_key(label: str) -> str:
+    """A control-point label as it is compared with landmark names: case and runs of blanks ignored."""
+    return " ".join(str(label).split()).casefold()
+
+
+def names_of_labels(points: Mapping[Path, Sequence[ControlPoint]], where: str | Path) -> list[str]:
+    """Landmark names of every label in ``points`` (per file), in natural order.
+
+    Labels equal but for case or blanks (``Nasion`` in one file, ``nasion `` in another) are one landmark, spelt
+    as most points spell it; a warning names the spellings. They were separate landmarks, each missing elsewhere.
+    """
+    spellings: dict[str, Counter] = {}
+    for file_points in points.values():
+        for p in file_points:
+            spellings.setdefault(label_key(p.label), Counter())[p.label] += 1
+    names = []
+    for counts in spellings.values():
+        name = min(counts, key=lambda label: (-counts[label], label))
+        if len(counts) > 1:
+            warnings.warn(
+                f"{where}: labels {sorted(counts)} differ only in case or blanks: read as one landmark {name!r}",
+                stacklevel=2,
+            )
+        names.append(name)
+    return sorted(names, key=natural_key)
 
 
 def markups_stem(path: str | Path) -> str | None:

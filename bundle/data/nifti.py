@@ -17,7 +17,7 @@ from typing import Sequence
 import numpy as np
 from bundle.data.annotations import find_images, natural_key
 from bundle.data.datalist import DatalistError, unsplit_datalist
-from bundle.data.markups import MARKUPS_SUFFIXES, ControlPoint, markups_stem, read_markups
+from bundle.data.markups import MARKUPS_SUFFIXES, ControlPoint, label_key, markups_stem, names_of_labels, read_markups
 
 VOLUME_SUFFIXES = (".nii.gz", ".nii")
 
@@ -58,22 +58,28 @@ def landmarks_outside(volume: Path, landmarks: Sequence[Sequence[float] | None])
 
 
 def markups_landmarks(path: Path, points: Sequence[ControlPoint], names: Sequence[str]) -> list[list[float] | None]:
-    """Positions of ``names`` among ``points`` (by label); missing, repeated or unplaced -> None, warned."""
-    counts = Counter(p.label for p in points)
-    by_label = {p.label: p.position for p in points}
-    extra = sorted(set(counts) - set(names), key=natural_key)
+    """Positions of ``names`` among ``points`` (by label, case and blanks ignored: :func:`label_key`); missing,
+    repeated or unplaced -> None, warned."""
+    clashes = sorted({n for n in names if sum(label_key(m) == label_key(n) for m in names) > 1})
+    if clashes:
+        raise DatalistError(f"landmark names {clashes} differ only in case or blanks: markups labels cannot tell them")
+    counts = Counter(label_key(p.label) for p in points)
+    by_label = {label_key(p.label): p.position for p in points}
+    keys = {label_key(n) for n in names}
+    extra = sorted({p.label for p in points if label_key(p.label) not in keys}, key=natural_key)
     if extra:
         warnings.warn(f"{path}: labels {extra} are not landmark names: ignored", stacklevel=2)
     out: list[list[float] | None] = []
     for label in names:
-        if counts[label] == 0:
+        key = label_key(label)
+        if counts[key] == 0:
             warnings.warn(f"{path}: label {label!r} is missing: null", stacklevel=2)
-        elif counts[label] > 1:
-            warnings.warn(f"{path}: label {label!r} appears {counts[label]} times: null", stacklevel=2)
-        elif by_label[label] is None:
+        elif counts[key] > 1:
+            warnings.warn(f"{path}: label {label!r} appears {counts[key]} times: null", stacklevel=2)
+        elif by_label[key] is None:
             warnings.warn(f"{path}: label {label!r} has no position (not placed): null", stacklevel=2)
         else:
-            out.append(list(by_label[label]))
+            out.append(list(by_label[key]))
             continue
         out.append(None)
     return out
@@ -102,7 +108,7 @@ def nifti_datalist(
         warnings.warn(f"{files[stem]}: no volume named {stem!r} in {images_dir}: ignored", stacklevel=2)
     points = {stem: read_markups(files[stem]) for stem in volumes if stem in files}
     if landmark_names is None:
-        names = sorted({p.label for pts in points.values() for p in pts}, key=natural_key)
+        names = names_of_labels(points, markups_dir)
         if not names:
             raise DatalistError(f"{markups_dir}: the markups files hold no control points")
     else:

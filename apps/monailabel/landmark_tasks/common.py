@@ -29,7 +29,7 @@ from bundle.command_errors import root_cause
 from bundle.configs import as_number, bundle_parser, config_files
 from bundle.data.datalist import DatalistError, read_json
 from bundle.data.dicom import dicom_tags
-from bundle.data.markups import ControlPoint, read_markups
+from bundle.data.markups import ControlPoint, label_key, read_markups
 from bundle.inferers.oneshot import OneShotInferer, TemplateFeatureInferer
 from bundle.io_utils import write_json_atomic
 from bundle.template_file import join_templates, load_template
@@ -738,9 +738,11 @@ class BundleContext:
 
     def points_to_landmarks(self, points: Sequence[ControlPoint], image_path: str | Path, where: str) -> list:
         """Landmarks (2D: pixel ``[x, y]``; 3D: world ``[x, y, z]``; None where missing) of ``points`` on the image,
-        each checked to lie on it (LabelError naming the landmark and ``where``)."""
-        by_name = {p.label: p.position for p in points}
-        if self.spatial_dims == 2 and not any(n in by_name for n in self.names):
+        each checked to lie on it (LabelError naming the landmark and ``where``). Labels match names with case and
+        blanks ignored (:func:`bundle.data.markups.label_key`)."""
+        by_label = {label_key(p.label): p.position for p in points}
+        by_name = {n: by_label[label_key(n)] for n in self.names if label_key(n) in by_label}
+        if self.spatial_dims == 2 and not by_name:
             if len(points) != len(self.names):
                 raise LabelError(
                     f"label of {where}: its {len(points)} points name none of the {len(self.names)} landmarks "
