@@ -391,6 +391,29 @@ def test_a_4d_volume_in_3d_evaluation_is_refused_naming_it(tmp_path):
     assert f"{volume}: a volume of 2 channels (a 4D file" in raises(pipeline, {"image": str(volume)})
 
 
+def test_a_volume_not_in_hu_is_warned_about_and_a_ct_is_not(tmp_path):
+    """Intensities scaled to [0, 1] under the CT window [-200, 400] HU are nearly constant: matching failed silently
+    (16.7 mm on the probe's volume). Warned, naming the file, its range and the option to set; a CT in HU is not."""
+    from bundle.data.synthetic import generate_synthetic_3d
+
+    rng = np.random.default_rng(0)
+    data = rng.random((24, 24, 24)).astype(np.float32)
+    volume = tmp_path / "mri_scaled.nii.gz"
+    nib.save(nib.Nifti1Image(data, np.diag([2.0, 2.0, 2.0, 1.0])), volume)
+    ct = json.loads(generate_synthetic_3d(tmp_path / "ct", 1, 0, 0, shape=(32, 32, 32)).read_text())
+    ct_volume = tmp_path / "ct" / ct["training"][0]["image"]
+    pipeline = preprocessing(EVALUATE_3D, volume_datalist(tmp_path, volume), image_size=[32, 32, 32])
+    with pytest.warns(UserWarning) as record:
+        pipeline({"image": str(volume)})
+        pipeline({"image": str(ct_volume)})
+    warned = [str(w.message) for w in record if "intensity window" in str(w.message)]
+    assert len(warned) == 1 and warned[0].startswith(
+        f"{volume}: the intensity window [-200, 400] (hu_window) leaves it nearly constant (standard deviation 0.00"
+    )
+    assert "its values run from 0.00996 to 0.992 (1st to 99th percentile), not CT Hounsfield units" in warned[0]
+    assert '--hu_window "[0.00996, 0.992]"' in warned[0] and "percentile window (docs/3d.md)" in warned[0]
+
+
 # ---------------------------------------------------------------- landmarks outside the image
 
 

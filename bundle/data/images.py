@@ -32,6 +32,8 @@ from PIL import Image as PILImage
 # an image smaller than this along an axis is refused (2D: the coarsest output stride, 16; 3D: raw voxels before
 # resampling, where a single slice is no volume)
 MIN_IMAGE_SIZE = {2: 16, 3: 2}
+# below this standard deviation on [0, 1] after the CT window, a volume is warned about as nearly constant
+MIN_WINDOWED_SPREAD = 0.01
 
 
 class ImageError(ValueError):
@@ -168,12 +170,18 @@ def _plane(affine, spacing: np.ndarray) -> np.ndarray:
 
 
 def check_image(
-    image, spatial_dims: int, min_size: int | None = None, name: str | None = None, warn_constant: bool = True
+    image,
+    spatial_dims: int,
+    min_size: int | None = None,
+    name: str | None = None,
+    warn_constant: bool = True,
+    intensity_window: Sequence[float] | None = None,
 ):
     """``image`` (channel-first) made 2D if it is a one-slice volume in 2D (:func:`single_slice_as_2d`), then refused
     (:class:`ImageError`) if it is not ``spatial_dims``-D (in 3D: of one channel), smaller than ``min_size`` (default
     :data:`MIN_IMAGE_SIZE`) along an axis, or not finite; a constant one is warned about (unless ``warn_constant``
-    is false). Returns the (possibly 2D-made) image."""
+    is false), and so is one that the CT ``intensity_window`` ``[low, high]`` (``hu_window``) leaves nearly constant
+    (:func:`check_intensity_window`). Returns the (possibly 2D-made) image."""
     name = name or image_name(image)
     image = single_slice_as_2d(image, spatial_dims)
     shape = tuple(int(s) for s in image.shape[1:])
@@ -211,7 +219,29 @@ def check_image(
             "predicted on it (and errors measured on it) are meaningless",
             stacklevel=2,
         )
+    elif intensity_window is not None:
+        check_intensity_window(values, intensity_window, name)
     return image
+
+
+def check_intensity_window(values: torch.Tensor, window: Sequence[float], name: str) -> None:
+    """Warn when the window ``[low, high]`` leaves ``values`` nearly constant once scaled to [0, 1] (standard
+    deviation below :data:`MIN_WINDOWED_SPREAD`): a volume not in HU (an MRI, intensities scaled to [0, 1]) under
+    the CT window shows almost no structure, and matching on it fails without an error."""
+    low, high = float(window[0]), float(window[1])
+    windowed = ((values.float() - low) / (high - low)).clamp(0.0, 1.0)
+    spread = float(windowed.std())
+    if spread >= MIN_WINDOWED_SPREAD:
+        return
+    sample = values.float().flatten()[:: max(1, values.numel() // 1_000_000)].numpy()
+    p1, p99 = (float(v) for v in np.percentile(sample, [1, 99]))
+    warnings.warn(
+        f"{name}: the intensity window [{low:g}, {high:g}] (hu_window) leaves it nearly constant (standard deviation "
+        f"{spread:.2g} on [0, 1]): its values run from {p1:.3g} to {p99:.3g} (1st to 99th percentile), not CT "
+        f'Hounsfield units. Give hu_window their range (--hu_window "[{p1:.3g}, {p99:.3g}]"), or for MRI a '
+        "percentile window (docs/3d.md)",
+        stacklevel=2,
+    )
 
 
 class CheckImaged(MapTransform):
@@ -222,21 +252,29 @@ class CheckImaged(MapTransform):
         keys: the image key(s).
         spatial_dims: 2 or 3, the configuration's ``spatial_dims``.
         min_size: the smallest size accepted along each spatial axis (default :data:`MIN_IMAGE_SIZE`).
+        intensity_window: the CT window ``[low, high]`` that follows (``hu_window``): an image it leaves nearly
+            constant is warned about.
     """
 
     def __init__(
-        self, keys: KeysCollection, spatial_dims: int, min_size: int | None = None, allow_missing_keys: bool = False
+        self,
+        keys: KeysCollection,
+        spatial_dims: int,
+        min_size: int | None = None,
+        intensity_window: Sequence[float] | None = None,
+        allow_missing_keys: bool = False,
     ) -> None:
         super().__init__(keys, allow_missing_keys)
         if spatial_dims not in (2, 3):
             raise ValueError(f"spatial_dims must be 2 or 3, got {spatial_dims!r}")
         self.spatial_dims = int(spatial_dims)
         self.min_size = min_size
+        self.intensity_window = intensity_window
 
     def __call__(self, data: Mapping[Hashable, Any]) -> dict:
         d = dict(data)
         for key in self.key_iterator(d):
-            d[key] = check_image(d[key], self.spatial_dims, self.min_size)
+            d[key] = check_image(d[key], self.spatial_dims, self.min_size, intensity_window=self.intensity_window)
         return d
 
 
