@@ -414,6 +414,69 @@ def test_a_volume_not_in_hu_is_warned_about_and_a_ct_is_not(tmp_path):
     assert '--hu_window "[0.00996, 0.992]"' in warned[0] and "percentile window (docs/3d.md)" in warned[0]
 
 
+def test_real_world_picture_files_are_read_as_shown_or_refused_naming_them(data2d, tmp_path):
+    """Files as X-ray pictures come: a JPEG turned by its EXIF orientation is read as a viewer (and labelme) shows
+    it (it was read lying on its side, landmarks 500 px off); a multi-page TIFF is refused (its first page was read
+    and the others dropped); macOS's hidden ``._*`` companions in an image folder are skipped (one stopped the run)."""
+    from bundle.data.annotations import find_images
+    from bundle.data.images import ImageError, image_items, load_image
+
+    png = Path(data2d["datalist"].parent / data2d["content"]["test"][0]["image"])
+    picture = Image.open(png).convert("L")
+    picture.save(tmp_path / "upright.jpg", quality=95)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # "rotate 90 degrees clockwise to display"
+    picture.transpose(Image.Transpose.ROTATE_90).save(tmp_path / "turned.jpg", quality=95, exif=exif.tobytes())
+    upright, turned = (np.asarray(load_image(str(tmp_path / f"{n}.jpg")), np.float64) for n in ("upright", "turned"))
+    assert turned.shape == upright.shape == (64, 72) and np.abs(turned - upright).mean() < 2.0
+    pages = tmp_path / "pages.tif"
+    picture.save(pages, save_all=True, append_images=[picture.point(lambda v: 255 - v)])
+    with pytest.raises(ImageError, match=re.escape(f"{pages}: a picture of 2 pages (a multi-page TIFF")):
+        load_image(str(pages))
+    folder = tmp_path / "studies"
+    folder.mkdir()
+    shutil.copy(png, folder / "a.png")
+    (folder / "._a.png").write_bytes(b"\x00\x05\x16\x07\x00\x02\x00\x00Mac OS X")
+    assert image_items(None, folder) == [{"image": str(folder / "a.png")}]
+    assert list(find_images(folder)) == ["a"]
+
+
+def test_an_almost_flat_picture_is_warned_about_and_a_radiograph_is_not(data2d):
+    """A hot pixel or a burned-in marker squeezes the rest of the image into a sliver of [0, 1] once scaled by its min
+    and max, as does an image empty but for a few pixels: the landmarks were 500 to 1000 px off without a word."""
+    from bundle.data.images import check_image
+
+    png = Path(data2d["datalist"].parent / data2d["content"]["test"][0]["image"])
+    radiograph = np.asarray(Image.open(png).convert("L"), dtype=np.float32)[None] * 16  # a 12-bit range
+    hot = radiograph.copy()
+    hot[0, 0, 0] = 65535.0
+    sparse = np.zeros_like(radiograph)
+    sparse[0, 10, 10], sparse[0, 30, 40] = 255.0, 200.0
+    with pytest.warns(UserWarning) as record:
+        for name, image in (("radiograph", radiograph), ("hot", hot), ("sparse", sparse)):
+            check_image(torch.from_numpy(image), 2, name=name)
+    flat = [str(w.message) for w in record if "almost flat" in str(w.message)]
+    assert [m.split(":")[0] for m in flat] == ["hot", "sparse"]
+    assert flat[0].startswith("hot: 98 % of its values lie within 4.2 % of its range (0 to 2752 of 0 to 6.554e+04)")
+    assert "A hot pixel, a burned-in marker or an almost empty image does this" in flat[1]
+
+
+def test_a_datalist_written_on_windows_reads(data2d, tmp_path):
+    """Relative image paths with backslashes (a datalist written on Windows) were 'file not found'."""
+    content = json.loads(json.dumps(data2d["content"]))
+    base = data2d["datalist"].parent
+    for item in content["training"]:
+        item["image"] = item["image"].replace("/", "\\")
+    path = write_json(base / "windows.json", content)
+    try:
+        loaded = load_datalist(path)
+    finally:
+        path.unlink()
+    assert "\\" in content["training"][0]["image"]
+    expected = [str(base / item["image"]) for item in data2d["content"]["training"]]
+    assert [item["image"] for item in loaded["training"]] == expected
+
+
 # ---------------------------------------------------------------- landmarks outside the image
 
 

@@ -38,14 +38,20 @@ def natural_key(text: str) -> list:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text.casefold())]
 
 
+def visible_files(folder: Path) -> list[Path]:
+    """The files of ``folder``, sorted, without hidden ones (names starting with a dot: the ``._*`` companions
+    that macOS writes beside every file on a foreign disk, ``.DS_Store``)."""
+    return [p for p in sorted(folder.iterdir()) if p.is_file() and not p.name.startswith(".")]
+
+
 def find_images(folder: Path, suffixes: Sequence[str] = IMAGE_SUFFIXES) -> dict[str, Path]:
     """Image files (absolute paths) of ``folder`` by stem; two files with one stem are an error naming both."""
     if not folder.is_dir():
         raise DatalistError(f"image folder not found: {folder}")
     found: dict[str, Path] = {}
-    for path in sorted(folder.iterdir()):
+    for path in visible_files(folder):
         stem = strip_suffix(path.name, suffixes)
-        if stem is None or not path.is_file():
+        if stem is None:
             continue
         if stem in found:
             raise DatalistError(f"two images share the id {stem!r}: {found[stem]} and {path}")

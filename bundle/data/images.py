@@ -21,6 +21,7 @@ from typing import Any, Hashable, Mapping, Sequence
 import monai.transforms
 import numpy as np
 import torch
+from bundle.data.annotations import visible_files
 from bundle.data.datalist import configuration_hint
 from bundle.data.dicom import XRayDicomd, plane_affine
 from bundle.io_utils import error_summary
@@ -28,12 +29,15 @@ from monai.config import KeysCollection
 from monai.data import MetaTensor, PILReader
 from monai.transforms import EnsureChannelFirst, LoadImage, MapTransform, ScaleIntensity
 from PIL import Image as PILImage
+from PIL import ImageOps as PILImageOps
 
 # an image smaller than this along an axis is refused (2D: the coarsest output stride, 16; 3D: raw voxels before
 # resampling, where a single slice is no volume)
 MIN_IMAGE_SIZE = {2: 16, 3: 2}
 # below this standard deviation on [0, 1] after the CT window, a volume is warned about as nearly constant
 MIN_WINDOWED_SPREAD = 0.01
+# a 2D image whose 1st to 99th percentile spans less than this share of its min to max is warned about
+MIN_CONTRAST_SHARE = 0.1
 
 
 class ImageError(ValueError):
@@ -78,8 +82,10 @@ _PIL_MODES_KEPT = {"L", "I", "I;16", "I;16B", "I;16L", "F", "RGB"}
 
 
 def pil_as_displayed(image):
-    """A PIL image as the grey (or RGB) picture a viewer shows: a palette image's colours instead of its indices,
-    no alpha channel. The converter of the PNG / JPEG / BMP reader of :class:`LoadImaged` and :func:`load_image`."""
+    """A PIL image as the grey (or RGB) picture a viewer shows: turned as its EXIF orientation says (as labelme
+    shows and annotates it), a palette image's colours instead of its indices, no alpha channel. The converter of
+    the PNG / JPEG / BMP / TIFF reader of :class:`LoadImaged` and :func:`load_image`."""
+    image = PILImageOps.exif_transpose(image)
     return image if image.mode in _PIL_MODES_KEPT else image.convert("L")
 
 
@@ -93,16 +99,23 @@ def _readers(kwargs: dict) -> dict:
 MAX_PICTURE_PIXELS = 50_000_000
 
 
-def check_picture_size(path: Any, max_pixels: int = MAX_PICTURE_PIXELS) -> None:
-    """Refuse (:class:`ImageError`) a picture file whose header gives more than ``max_pixels`` pixels; files that
+def check_picture(path: Any, max_pixels: int = MAX_PICTURE_PIXELS) -> None:
+    """Refuse (:class:`ImageError`) a picture file whose header gives more than ``max_pixels`` pixels, or several
+    pages (a multi-page TIFF: a reader would take its first page and drop the others without a word); files that
     PIL cannot open (DICOM, NIfTI, MetaImage) are left to their readers."""
     if not isinstance(path, (str, os.PathLike)) or not Path(path).is_file():
         return
     try:
         with PILImage.open(path) as picture:
             width, height = picture.size
+            pages = getattr(picture, "n_frames", 1)
     except Exception:
         return
+    if pages > 1:
+        raise ImageError(
+            f"{path}: a picture of {pages} pages (a multi-page TIFF or an animation): only one image per file can be "
+            "read; save the page to use as a file of its own"
+        )
     if width * height > max_pixels:
         raise ImageError(
             f"{path}: {width} x {height} pixels, more than the {max_pixels:,} an X-ray picture may have "
@@ -119,7 +132,7 @@ class LoadImaged(monai.transforms.LoadImaged):
 
     def __call__(self, data, reader=None):
         for key in self.key_iterator(dict(data)) if isinstance(data, Mapping) else []:
-            check_picture_size(data[key])
+            check_picture(data[key])
         try:
             return super().__call__(data, reader)
         except ImageError:
@@ -132,7 +145,7 @@ class LoadImaged(monai.transforms.LoadImaged):
 def load_image(path: str, **kwargs: Any):
     """``monai.transforms.LoadImage(image_only=True, **kwargs)(path)``; an unreadable file raises
     :class:`ImageError`."""
-    check_picture_size(path)
+    check_picture(path)
     try:
         return LoadImage(image_only=True, **_readers(kwargs))(path)
     except Exception as e:
@@ -181,7 +194,8 @@ def check_image(
     (:class:`ImageError`) if it is not ``spatial_dims``-D (in 3D: of one channel), smaller than ``min_size`` (default
     :data:`MIN_IMAGE_SIZE`) along an axis, or not finite; a constant one is warned about (unless ``warn_constant``
     is false), and so is one that the CT ``intensity_window`` ``[low, high]`` (``hu_window``) leaves nearly constant
-    (:func:`check_intensity_window`). Returns the (possibly 2D-made) image."""
+    (:func:`check_intensity_window`) and a 2D one that its min and max leave almost flat (:func:`check_contrast`).
+    Returns the (possibly 2D-made) image."""
     name = name or image_name(image)
     image = single_slice_as_2d(image, spatial_dims)
     shape = tuple(int(s) for s in image.shape[1:])
@@ -221,7 +235,28 @@ def check_image(
         )
     elif intensity_window is not None:
         check_intensity_window(values, intensity_window, name)
+    elif spatial_dims == 2:
+        check_contrast(values, name)
     return image
+
+
+def check_contrast(values: torch.Tensor, name: str) -> None:
+    """Warn when nearly all of a 2D image lies in a sliver of its range (1st to 99th percentile within
+    :data:`MIN_CONTRAST_SHARE` of min to max): scaled by its min and max, as the 2D pipeline scales it, it is almost
+    flat. A hot pixel, a burned-in marker or an image that is empty but for a few pixels does this, and the
+    landmarks found on it are wrong without an error."""
+    sample = values.float().flatten()[:: max(1, values.numel() // 1_000_000)].numpy()
+    p1, p99 = (float(v) for v in np.percentile(sample, [1, 99]))
+    lo, hi = float(values.min()), float(values.max())
+    share = (p99 - p1) / (hi - lo)
+    if share < MIN_CONTRAST_SHARE:
+        warnings.warn(
+            f"{name}: 98 % of its values lie within {100 * share:.2g} % of its range ({p1:.4g} to {p99:.4g} of "
+            f"{lo:.4g} to {hi:.4g}): scaled to [0, 1] by its min and max, it is almost flat, and the landmarks found "
+            "on it are likely wrong. A hot pixel, a burned-in marker or an almost empty image does this: crop or "
+            "clip the outliers",
+            stacklevel=2,
+        )
 
 
 def check_intensity_window(values: torch.Tensor, window: Sequence[float], name: str) -> None:
@@ -324,9 +359,7 @@ def image_items(images: str | Sequence[str] | None, dataset_dir: str | os.PathLi
     folder = Path(dataset_dir)
     if not folder.is_dir():
         return []
-    return [
-        {"image": str(p)} for p in sorted(folder.iterdir()) if p.is_file() and p.name.lower().endswith(IMAGE_SUFFIXES)
-    ]
+    return [{"image": str(p)} for p in visible_files(folder) if p.name.lower().endswith(IMAGE_SUFFIXES)]
 
 
 def require_items(items: Sequence[Any], dataset_dir: str | os.PathLike) -> None:
