@@ -78,7 +78,7 @@ def remove_stale_temporaries(path: str | os.PathLike, marker: str = ".tmp") -> l
 
 
 def check_output_file(path: str | os.PathLike) -> Path:
-    """``path`` (with ``~`` expanded) if a file can be written there: not a folder, no file among its parents.
+    """``path`` (with ``~`` expanded), refused when it is a folder or when one of its parents is a file.
 
     Writers call it before their work, so that a wrong output name is refused before minutes of computing.
     """

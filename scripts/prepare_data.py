@@ -31,7 +31,7 @@ from bundle.data.annotations import MultiAnnotatorSet, image_stem, natural_key
 from bundle.data.datalist import SECTIONS, load_datalist, save_datalist
 from bundle.data.dicom import dicom_series_datalist, dicom_xray_datalist, find_dicom_files
 from bundle.data.hand_csv import hand_datalist
-from bundle.data.images import ImageError, check_image_file
+from bundle.data.images import ImageError, check_image_file, pil_as_displayed
 from bundle.data.isbi2015 import ISBI_2015_LANDMARK_NAMES, ISBI_2015_SPACING_MM, read_isbi2015_set
 from bundle.data.labelme import read_labelme_set
 from bundle.data.nifti import nifti_datalist
@@ -371,8 +371,8 @@ def mirrored(datalist: str, out_dir: str, gamma: float = 0.7) -> None:
         path = Path(item["image"])
         target = images / f"{path.stem}.png"
         if str(path) not in widths:
-            with Image.open(path) as opened:
-                pixels = np.asarray(opened.convert("L"), dtype=np.float64)
+            with Image.open(path) as opened:  # turned by its EXIF orientation, as the pipeline reads it
+                pixels = np.asarray(pil_as_displayed(opened).convert("L"), dtype=np.float64)
             exposed = np.round(255.0 * (pixels / 255.0) ** gamma)[:, ::-1].astype(np.uint8)
             with atomic_path(target) as tmp:
                 Image.fromarray(exposed).save(tmp, format="PNG")

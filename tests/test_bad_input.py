@@ -433,6 +433,9 @@ def test_real_world_picture_files_are_read_as_shown_or_refused_naming_them(data2
     picture.save(pages, save_all=True, append_images=[picture.point(lambda v: 255 - v)])
     with pytest.raises(ImageError, match=re.escape(f"{pages}: a picture of 2 pages (a multi-page TIFF")):
         load_image(str(pages))
+    camera = tmp_path / "camera.jpg"  # an MPO JPEG (a picture and its preview, as cameras write): the picture is read
+    picture.save(camera, "MPO", quality=95, save_all=True, append_images=[picture.resize((16, 18))])
+    assert Image.open(camera).n_frames == 2 and np.abs(np.asarray(load_image(str(camera))) - upright).mean() < 2.0
     folder = tmp_path / "studies"
     folder.mkdir()
     shutil.copy(png, folder / "a.png")

@@ -305,9 +305,10 @@ def test_files_linked_outside_the_studies_folder_are_refused(server, tmp_path):
 
 
 def _bad_label(path: Path, names: list[str], points: list, position) -> Path:
-    """A Slicer point list: ``points`` (pixels, LPS), its first landmark at ``position`` as written."""
+    """A Slicer point list: ``points`` (pixels, LPS), its first landmark at ``position`` as written (None: kept)."""
     control = [{"label": n, "position": [-p[0], -p[1], 0.0]} for n, p in zip(names, points)]
-    control[0]["position"] = position
+    if position is not None:
+        control[0]["position"] = position
     markup = {"type": "Fiducial", "coordinateSystem": "RAS", "controlPoints": control}
     path.write_text(json.dumps({"markups": [markup]}))
     return path
@@ -332,6 +333,18 @@ def test_a_label_off_the_image_is_refused_naming_the_landmark(server, tmp_path, 
     assert status == 422, reply
     assert repr(name) in reply["detail"] and "'test_001'" in reply["detail"] and why in reply["detail"], reply
     assert str(tmp_path) not in reply["detail"] and str(server["tmp"]) not in reply["detail"]
+    assert server["client"].datastore()["objects"]["test_001"]["labels"] == {}  # nothing stored
+
+
+def test_a_label_naming_a_landmark_twice_is_refused_and_another_case_is_matched(server, tmp_path):
+    """Labels match the landmark names with case and blanks ignored (a clinician's ``SELLA``): a label whose points
+    name one landmark twice that way (``sella`` and ``SELLA ``) is refused naming it, not stored with either."""
+    names, truth = server["names"], server["truth"]["test_001"]
+    twice = _bad_label(tmp_path / "twice.mrk.json", names + [f"{names[0].upper()} "], truth + [truth[0]], None)
+    reply, status = request_json(
+        f"{server['base']}/datastore/label?image=test_001&tag=final", *_multipart("label", twice), method="PUT"
+    )
+    assert status == 422 and f"landmarks [{names[0]!r}] are named by more than one point" in reply["detail"], reply
     assert server["client"].datastore()["objects"]["test_001"]["labels"] == {}  # nothing stored
 
 

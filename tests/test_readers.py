@@ -596,3 +596,15 @@ def test_mirrored_site_flips_images_and_landmarks_together(tmp_path):
     with pytest.raises(ValueError, match=re.escape(f"{other}: mirrored reads 8-bit PNG, JPEG or BMP pictures")):
         prepare_data.mirrored(str(odd), str(tmp_path / "odd_site"))
     assert not (tmp_path / "odd_site").exists()
+    # a JPEG turned by its EXIF orientation is mirrored as it is shown (it was mirrored as stored, on its side)
+    item = dict(content["training"][0], image=str(datalist.parent / "turned.jpg"))
+    upright = Image.open(datalist.parent / content["training"][0]["image"]).convert("L")
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    upright.transpose(Image.Transpose.ROTATE_90).save(item["image"], quality=95, exif=exif.tobytes())
+    turned = datalist.parent / "turned.json"
+    turned.write_text(json.dumps(dict(content, training=[item], validation=[], test=[])))
+    prepare_data.mirrored(str(turned), str(tmp_path / "turned_site"))
+    site = load_datalist(tmp_path / "turned_site" / "datalist.json")["training"][0]
+    assert Image.open(site["image"]).size == upright.size == (64, 72)
+    assert [q[0] for q in site["landmarks"]] == [63 - p[0] for p in item["landmarks"]]

@@ -79,7 +79,8 @@ def _check_item(item: Any, where: str, spatial_dims: int, n_landmarks: int, base
     image = Path(os.path.expanduser(str(item["image"])))
     image = image if image.is_absolute() else (base / image)
     if not image.exists() and "\\" in item["image"]:  # a datalist written on Windows: backslashes separate folders
-        image = base / item["image"].replace("\\", "/")
+        windows = base / os.path.expanduser(item["image"].replace("\\", "/"))
+        image = windows if windows.exists() else image
     if check_files and not image.exists():
         raise DatalistError(f"{where}.image: file not found: {image}")
     out["image"] = os.path.normpath(image)

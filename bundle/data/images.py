@@ -78,6 +78,7 @@ def _read_error(files: list, error: Exception) -> ImageError:
 
 # PIL modes whose stored values are not the grey levels a viewer shows (palette indices, alpha, other colour
 # spaces): converted to 8-bit grey ("L") on reading; grey, 16-bit, float and RGB images are read as stored
+_EXIF_ORIENTATION = 0x0112  # the EXIF tag of how a picture is turned for display (1: as stored)
 _PIL_MODES_KEPT = {"L", "I", "I;16", "I;16B", "I;16L", "F", "RGB"}
 
 
@@ -85,7 +86,8 @@ def pil_as_displayed(image):
     """A PIL image as the grey (or RGB) picture a viewer shows: turned as its EXIF orientation says (as labelme
     shows and annotates it), a palette image's colours instead of its indices, no alpha channel. The converter of
     the PNG / JPEG / BMP / TIFF reader of :class:`LoadImaged` and :func:`load_image`."""
-    image = PILImageOps.exif_transpose(image)
+    if image.getexif().get(_EXIF_ORIENTATION, 1) != 1:
+        image = PILImageOps.exif_transpose(image)
     return image if image.mode in _PIL_MODES_KEPT else image.convert("L")
 
 
@@ -101,14 +103,15 @@ MAX_PICTURE_PIXELS = 50_000_000
 
 def check_picture(path: Any, max_pixels: int = MAX_PICTURE_PIXELS) -> None:
     """Refuse (:class:`ImageError`) a picture file whose header gives more than ``max_pixels`` pixels, or several
-    pages (a multi-page TIFF: a reader would take its first page and drop the others without a word); files that
-    PIL cannot open (DICOM, NIfTI, MetaImage) are left to their readers."""
+    pages (a multi-page TIFF, an animation: a reader would take the first and drop the others without a word; a
+    camera's MPO JPEG, a picture with its previews, is read as its main picture); files that PIL cannot open (DICOM,
+    NIfTI, MetaImage) are left to their readers."""
     if not isinstance(path, (str, os.PathLike)) or not Path(path).is_file():
         return
     try:
         with PILImage.open(path) as picture:
             width, height = picture.size
-            pages = getattr(picture, "n_frames", 1)
+            pages = getattr(picture, "n_frames", 1) if picture.format != "MPO" else 1
     except Exception:
         return
     if pages > 1:
@@ -245,7 +248,7 @@ def check_contrast(values: torch.Tensor, name: str) -> None:
     :data:`MIN_CONTRAST_SHARE` of min to max): scaled by its min and max, as the 2D pipeline scales it, it is almost
     flat. A hot pixel, a burned-in marker or an image that is empty but for a few pixels does this, and the
     landmarks found on it are wrong without an error."""
-    sample = values.float().flatten()[:: max(1, values.numel() // 1_000_000)].numpy()
+    sample = values.flatten()[:: max(1, values.numel() // 1_000_000)].double().numpy()
     p1, p99 = (float(v) for v in np.percentile(sample, [1, 99]))
     lo, hi = float(values.min()), float(values.max())
     share = (p99 - p1) / (hi - lo)
@@ -268,7 +271,7 @@ def check_intensity_window(values: torch.Tensor, window: Sequence[float], name: 
     spread = float(windowed.std())
     if spread >= MIN_WINDOWED_SPREAD:
         return
-    sample = values.float().flatten()[:: max(1, values.numel() // 1_000_000)].numpy()
+    sample = values.flatten()[:: max(1, values.numel() // 1_000_000)].double().numpy()
     p1, p99 = (float(v) for v in np.percentile(sample, [1, 99]))
     warnings.warn(
         f"{name}: the intensity window [{low:g}, {high:g}] (hu_window) leaves it nearly constant (standard deviation "

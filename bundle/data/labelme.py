@@ -17,6 +17,7 @@ from typing import Sequence
 import numpy as np
 from bundle.data.annotations import IMAGE_SUFFIXES, MultiAnnotatorSet, find_images, natural_key
 from bundle.data.datalist import DatalistError, read_json
+from bundle.data.markups import label_key
 
 
 def read_labelme_points(path: str | Path) -> dict[str, list[list[float]]]:
@@ -34,7 +35,7 @@ def read_labelme_points(path: str | Path) -> dict[str, list[list[float]]]:
     for i, shape in enumerate(shapes):
         if not isinstance(shape, dict) or not isinstance(shape.get("label"), str):
             raise DatalistError(f"{path}: shapes[{i}] must be an object with a string 'label'")
-        label = shape["label"].strip().casefold()
+        label = label_key(shape["label"])
         kind = shape.get("shape_type") or "point"
         if kind != "point":
             warnings.warn(f"{path}: label {label!r} is a {kind!r} shape, not a point: ignored", stacklevel=2)

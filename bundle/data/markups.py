@@ -43,6 +43,13 @@ def label_key(label: str) -> str:
     return " ".join(str(label).split()).casefold()
 
 
+def check_label_names(names: Sequence[str]) -> None:
+    """Refuse (DatalistError) landmark names that differ only in case or blanks: labels cannot tell them apart."""
+    clashes = sorted({n for n in names if sum(label_key(m) == label_key(n) for m in names) > 1})
+    if clashes:
+        raise DatalistError(f"landmark names {clashes} differ only in case or blanks: markups labels cannot tell them")
+
+
 def names_of_labels(points: Mapping[Path, Sequence[ControlPoint]], where: str | Path) -> list[str]:
     """Landmark names of every label in ``points`` (per file), in natural order.
 

@@ -15,9 +15,17 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
-from bundle.data.annotations import find_images, natural_key
+from bundle.data.annotations import find_images, natural_key, visible_files
 from bundle.data.datalist import DatalistError, unsplit_datalist
-from bundle.data.markups import MARKUPS_SUFFIXES, ControlPoint, label_key, markups_stem, names_of_labels, read_markups
+from bundle.data.markups import (
+    MARKUPS_SUFFIXES,
+    ControlPoint,
+    check_label_names,
+    label_key,
+    markups_stem,
+    names_of_labels,
+    read_markups,
+)
 
 VOLUME_SUFFIXES = (".nii.gz", ".nii")
 
@@ -28,9 +36,9 @@ def find_markups(folder: str | Path) -> dict[str, Path]:
     if not folder.is_dir():
         raise DatalistError(f"markups folder not found: {folder}")
     found: dict[str, Path] = {}
-    for path in sorted(folder.iterdir()):
+    for path in visible_files(folder):
         stem = markups_stem(path)
-        if stem is None or not path.is_file():
+        if stem is None:
             continue
         if stem in found:
             raise DatalistError(f"two markups files for {stem!r}: {found[stem]} and {path}; keep one")
@@ -60,9 +68,7 @@ def landmarks_outside(volume: Path, landmarks: Sequence[Sequence[float] | None])
 def markups_landmarks(path: Path, points: Sequence[ControlPoint], names: Sequence[str]) -> list[list[float] | None]:
     """Positions of ``names`` among ``points`` (by label, case and blanks ignored: :func:`label_key`); missing,
     repeated or unplaced -> None, warned."""
-    clashes = sorted({n for n in names if sum(label_key(m) == label_key(n) for m in names) > 1})
-    if clashes:
-        raise DatalistError(f"landmark names {clashes} differ only in case or blanks: markups labels cannot tell them")
+    check_label_names(names)
     counts = Counter(label_key(p.label) for p in points)
     by_label = {label_key(p.label): p.position for p in points}
     keys = {label_key(n) for n in names}

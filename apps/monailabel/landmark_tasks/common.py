@@ -29,7 +29,7 @@ from bundle.command_errors import root_cause
 from bundle.configs import as_number, bundle_parser, config_files
 from bundle.data.datalist import DatalistError, read_json
 from bundle.data.dicom import dicom_tags
-from bundle.data.markups import ControlPoint, label_key, read_markups
+from bundle.data.markups import ControlPoint, check_label_names, label_key, read_markups
 from bundle.inferers.oneshot import OneShotInferer, TemplateFeatureInferer
 from bundle.io_utils import write_json_atomic
 from bundle.template_file import join_templates, load_template
@@ -318,6 +318,7 @@ class BundleContext:
             self.overrides["landmark_names"] = self._check_builtin(self.shipped_ckpt)["landmark_names"]
             self.parser["landmark_names"] = self.overrides["landmark_names"]
         self.names: list[str] = list(self.parser.get_parsed_content("landmark_names"))
+        check_label_names(self.names)  # saved labels name their points: names they cannot tell apart are refused
         self.shipped_detector = self._shipped_detector()
         self.template_combine = str(self.parser.get_parsed_content("template_combine"))
         # the template choice of the evaluating command (the keyword arguments of its evaluate#choose_templates call of
@@ -742,6 +743,9 @@ class BundleContext:
         blanks ignored (:func:`bundle.data.markups.label_key`)."""
         by_label = {label_key(p.label): p.position for p in points}
         by_name = {n: by_label[label_key(n)] for n in self.names if label_key(n) in by_label}
+        twice = [n for n in by_name if sum(label_key(p.label) == label_key(n) for p in points) > 1]
+        if twice:
+            raise LabelError(f"label of {where}: landmarks {twice} are named by more than one point")
         if self.spatial_dims == 2 and not by_name:
             if len(points) != len(self.names):
                 raise LabelError(
