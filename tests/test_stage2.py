@@ -162,7 +162,9 @@ def test_shift_tta_moves_the_input_and_brings_each_run_back():
     inferer = HeatmapInferer(activation=None, shift_tta=2)
     assert inferer._offsets(2) == [[0, 0], [2, 0], [-2, 0], [0, 2], [0, -2]]
     for offset in inferer._offsets(2):  # every run, not only their mean, lands on the landmarks
-        run = inferer._peaks(_shifted(image.clone(), offset), lambda x: x) - torch.tensor(offset, dtype=torch.float64)
+        run = inferer._peaks(_shifted(image.clone(), offset), lambda x: x)[0] - torch.tensor(
+            offset, dtype=torch.float64
+        )
         torch.testing.assert_close(run[0], points, atol=0.06, rtol=0)
     torch.testing.assert_close(inferer(image, lambda x: x)[0], points, atol=0.06, rtol=0)
     one_way = HeatmapInferer(activation=None, shift_tta=2)

@@ -1,5 +1,5 @@
-"""Ignite handlers of the configs: checkpoints and resuming, the evaluation report, TensorBoard, templates, the
-training's time budget."""
+"""Ignite handlers of the configs: checkpoints and resuming, the evaluation report, the detector's confidence,
+TensorBoard, templates, the training's time budget."""
 
 from bundle.handlers.checkpoints import (
     AtomicCheckpointSaver,
@@ -9,6 +9,7 @@ from bundle.handlers.checkpoints import (
     ResumeCheckpointLoader,
     resume_handlers,
 )
+from bundle.handlers.confidence import DetectorConfidenceHandler
 from bundle.handlers.report import LandmarkReportHandler
 from bundle.handlers.templates import TemplateHandler
 from bundle.handlers.tensorboard import DeferredSummaryWriter
@@ -19,6 +20,7 @@ __all__ = [
     "AtomicSaveHandler",
     "CheckpointDirReport",
     "DeferredSummaryWriter",
+    "DetectorConfidenceHandler",
     "LandmarkReportHandler",
     "LastCheckpointSaver",
     "ResumeCheckpointLoader",

@@ -29,7 +29,7 @@ from monai.utils import convert_to_numpy
 logger = logging.getLogger(__name__)
 
 
-def _items(data: Any) -> list[dict]:
+def batch_items(data: Any) -> list[dict]:
     """Per-image dicts from an engine's (possibly decollated) ``state.output`` / ``state.batch``."""
     if data is None:
         return []
@@ -132,7 +132,7 @@ class LandmarkReportHandler:
 
     def collect(self, engine: Engine) -> None:
         """Record the predictions of the current iteration (and draw their overlays)."""
-        outputs, batches = _items(engine.state.output), _items(engine.state.batch)
+        outputs, batches = batch_items(engine.state.output), batch_items(engine.state.batch)
         if batches and len(batches) != len(outputs):
             raise ValueError(f"LandmarkReportHandler: {len(batches)} batch items but {len(outputs)} output items")
         for i, out in enumerate(outputs):

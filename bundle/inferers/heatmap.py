@@ -13,7 +13,9 @@ class HeatmapInferer(Inferer):
     :func:`bundle.networks.matching.refine_peaks` (parabola through the peak and its neighbours), mapped to physical mm.
 
     ``__call__(inputs, network, grid_to_physical=None)`` -> ``(B, L, D)`` float64: grid positions, or
-    physical mm when ``grid_to_physical`` is given (the ``OneShotInferer`` contract).
+    physical mm when ``grid_to_physical`` is given (the ``OneShotInferer`` contract). After a call, ``peak_values``
+    ``(B, L)`` holds each landmark's heatmap peak (the mean over the runs): how surely the detector recognises it
+    (:class:`bundle.handlers.confidence.DetectorConfidenceHandler`).
 
     Args:
         activation: "sigmoid" (the logits of :class:`bundle.networks.detector.HeatmapDetector`) or None.
@@ -32,6 +34,7 @@ class HeatmapInferer(Inferer):
         self.activation = activation
         self.refine_step = int(refine_step)
         self.shift_tta = int(shift_tta)
+        self.peak_values: torch.Tensor | None = None
 
     def _offsets(self, spatial_dims: int) -> list[list[int]]:
         offsets = [[0] * spatial_dims]
@@ -40,20 +43,21 @@ class HeatmapInferer(Inferer):
                 offsets.append([sign * self.shift_tta if a == axis else 0 for a in range(spatial_dims)])
         return offsets
 
-    def _peaks(self, inputs: torch.Tensor, network) -> torch.Tensor:
+    def _peaks(self, inputs: torch.Tensor, network) -> tuple[torch.Tensor, torch.Tensor]:
         maps = torch.as_tensor(network(inputs)).float()
         if self.activation == "sigmoid":
             maps = torch.sigmoid(maps)
-        return refine_peaks(maps, step=self.refine_step)[0]
+        return refine_peaks(maps, step=self.refine_step)
 
     @torch.no_grad()
     def __call__(self, inputs: torch.Tensor, network, grid_to_physical=None) -> torch.Tensor:  # type: ignore[override]
-        runs = [
-            self._peaks(_shifted(inputs, offset), network)
-            - torch.tensor(offset, dtype=torch.float64, device=inputs.device)
-            for offset in self._offsets(inputs.ndim - 2)
-        ]
+        runs, values = [], []
+        for offset in self._offsets(inputs.ndim - 2):
+            peaks, peak_values = self._peaks(_shifted(inputs, offset), network)
+            runs.append(peaks - torch.tensor(offset, dtype=torch.float64, device=inputs.device))
+            values.append(peak_values)
         positions = torch.stack(runs).mean(dim=0)
+        self.peak_values = torch.stack(values).mean(dim=0)
         if grid_to_physical is not None:
             positions = apply_homogeneous(grid_to_physical, positions)
         return positions
