@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from bundle.configs import config_files
+from PIL import Image
 
 from tests.monailabel_helpers import (
     DETECTOR_TRAIN,
@@ -233,6 +234,11 @@ def test_default_serves_the_shipped_cephalometric_model(tmp_path):
         assert reply["landmark_names"] == builtin["landmark_names"]
         assert reply["predictor"] == "detector" and reply["templates"] == [], reply
         assert reply["checkpoint"] == "model.pt" and reply["checkpoint_source"] == "shipped"
+        if image == CEPHALOGRAM:  # the detector's confidence: high on it, low on it inverted (a MONOCHROME1 export)
+            assert reply["detector_peak"] > 0.3 and "warning" not in reply, reply
+            Image.open(image).convert("L").point(lambda v: 255 - v).save(tmp_path / "inverted.png")
+            _, inverted = running["client"].infer("landmarks", "", {}, file=str(tmp_path / "inverted.png"))
+            assert inverted["detector_peak"] < 0.1 and "the detector's heatmap peaks average" in inverted["warning"]
         expected = cli_predictions(image, None, tmp_path / "cli_auto", pipeline="auto")
         for name in builtin["landmark_names"]:
             np.testing.assert_allclose(reply["landmarks"][name], expected[name], atol=1e-3, err_msg=name)

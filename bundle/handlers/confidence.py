@@ -16,10 +16,21 @@ from bundle.data.images import image_name
 from bundle.handlers.report import batch_items
 from ignite.engine import Engine, Events
 
-__all__ = ["MIN_PEAK", "DetectorConfidenceHandler"]
+__all__ = ["MIN_PEAK", "DetectorConfidenceHandler", "low_peak_message"]
 
 # mean heatmap peak below which an image is warned about (between the 0.056 / 0.134 and 0.39 above)
 MIN_PEAK = 0.2
+
+
+def low_peak_message(name: str, mean_peak: float, min_peak: float = MIN_PEAK) -> str | None:
+    """The warning for image ``name`` whose detector peaks average ``mean_peak`` below ``min_peak``; else None."""
+    if mean_peak >= min_peak:
+        return None
+    return (
+        f"{name}: the detector's heatmap peaks average {mean_peak:.3f}, below {min_peak:g} (on the images it learnt "
+        "from they are about 0.4 to 0.9): it recognises no landmark here, and its predictions are likely wrong. An "
+        "inverted (white background) or mirrored (facing the other way) image, or another anatomy, does this"
+    )
 
 
 class DetectorConfidenceHandler:
@@ -45,17 +56,12 @@ class DetectorConfidenceHandler:
         peaks = getattr(self.inferer, "peak_values", None)
         if peaks is None:
             return
-        for item, image_peaks in zip(batch_items(engine.state.batch), peaks.mean(dim=-1).tolist()):
-            if image_peaks < self.min_peak:
-                name = image_name(item.get(self.image_key))
+        for item, mean_peak in zip(batch_items(engine.state.batch), peaks.mean(dim=-1).tolist()):
+            name = image_name(item.get(self.image_key))
+            message = low_peak_message(name, mean_peak, self.min_peak)
+            if message is not None:
                 self.low.append(name)
-                warnings.warn(
-                    f"{name}: the detector's heatmap peaks average {image_peaks:.3f}, below {self.min_peak:g} (on "
-                    "the images it learnt from they are about 0.4 to 0.9): it recognises no landmark here, and its "
-                    "predictions are likely wrong. An inverted (white background) or mirrored (facing the other "
-                    "way) image, or another anatomy, does this",
-                    stacklevel=2,
-                )
+                warnings.warn(message, stacklevel=2)
 
     def summary(self, engine: Engine) -> None:
         if self.low:

@@ -53,6 +53,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 from bundle.data.markups import ControlPoint, write_mrk_json
+from bundle.handlers.confidence import low_peak_message
 from monailabel.interfaces.tasks.infer_v2 import InferTask, InferType
 
 from .common import ITEM_KEYS, PREDICTORS, BackgroundValue, BundleContext, file_key, labels_key
@@ -207,6 +208,7 @@ class LandmarkInferTask(InferTask):
                 batch = torch.as_tensor(grid["image"]).unsqueeze(0).to(self.context.device)
                 g2p = torch.as_tensor(grid["grid_to_physical"]).unsqueeze(0).to(self.context.device)
                 points_mm = inferer(batch, network, g2p)[0].cpu().numpy()
+                detector_peak = float(inferer.peak_values[0].mean())
                 templates, checkpoint = [], detector_path
             else:
                 # one checkpoint for the whole request: the train task may publish new weights meanwhile
@@ -217,6 +219,7 @@ class LandmarkInferTask(InferTask):
                 items = self.context.suggestion_templates(
                     labelled, unlabelled, checkpoint, request.get("image_id"), builtin=builtin
                 )
+                detector_peak = None
                 batch = torch.as_tensor(data["image"]).unsqueeze(0).to(self.context.device)
                 g2p = torch.as_tensor(data["grid_to_physical"]).unsqueeze(0).to(self.context.device)
                 with self.context.network(checkpoint) as network:
@@ -248,4 +251,10 @@ class LandmarkInferTask(InferTask):
         result["predictor_choice"] = choice
         result["pending"] = self.pending(choice_current)
         result["device"] = str(self.context.device)
+        # the detector's confidence (bundle.handlers.confidence): a suggestion it does not recognise is flagged
+        result["detector_peak"] = detector_peak
+        warning = None if detector_peak is None else low_peak_message(name, detector_peak, self.context.min_peak)
+        if warning is not None:
+            logger.warning(warning)
+            result["warning"] = warning
         return path, result
