@@ -8,7 +8,9 @@ NRRD or NIfTI: ``(C, X, Y, 1)``) the 2D image ``(C, X, Y)`` with the header's x,
 (:func:`single_slice_as_2d`, the one place where that happens). It refuses, naming the file, an image of the
 wrong dimensionality (a volume of several slices given to the 2D configuration, a 2D picture given to the 3D
 one), one smaller than ``min_size`` along an axis and one holding NaN or infinite values; it warns, naming the
-file, about a constant image (nothing to match: its predictions are meaningless).
+file, about a constant image (nothing to match: its predictions are meaningless), a 2D image that its min and max
+leave almost flat and a volume that the CT window leaves nearly constant. Pictures are read as a viewer shows
+them (:func:`pil_as_displayed`); one of several pages is refused (:func:`check_picture`).
 """
 
 from __future__ import annotations
@@ -76,9 +78,9 @@ def _read_error(files: list, error: Exception) -> ImageError:
     return ImageError(f"cannot read image {', '.join(map(str, files))}{hint}: {error_summary(error)}")
 
 
+_EXIF_ORIENTATION = 0x0112  # the EXIF tag of how a picture is turned for display (1: as stored)
 # PIL modes whose stored values are not the grey levels a viewer shows (palette indices, alpha, other colour
 # spaces): converted to 8-bit grey ("L") on reading; grey, 16-bit, float and RGB images are read as stored
-_EXIF_ORIENTATION = 0x0112  # the EXIF tag of how a picture is turned for display (1: as stored)
 _PIL_MODES_KEPT = {"L", "I", "I;16", "I;16B", "I;16L", "F", "RGB"}
 
 
