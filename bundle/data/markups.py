@@ -54,7 +54,7 @@ def names_of_labels(points: Mapping[Path, Sequence[ControlPoint]], where: str | 
     """Landmark names of every label in ``points`` (per file), in natural order.
 
     Labels equal but for case or blanks (``Nasion`` in one file, ``nasion `` in another) are one landmark, spelt
-    as most points spell it; a warning names the spellings. They were separate landmarks, each missing elsewhere.
+    as most points spell it; a warning names the spellings.
     """
     spellings: dict[str, Counter] = {}
     for file_points in points.values():
