@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from bundle.configs import bundle_parser, config_files
 
 from training_args import tiny_training_args
@@ -60,6 +61,19 @@ def test_evaluations_read_the_shipped_weights_else_the_default_trainings(files, 
     else:  # whatever output_dir the evaluation writes to
         expected = ROOT / "output" / TRAININGS[expected] / "model.pt"
     assert Path(_parser(files, output_dir=str(tmp_path / "eval")).get_parsed_content("ckpt_path")) == expected
+
+
+@pytest.mark.parametrize("files", [("evaluate", 2), ("inference", 2)])
+def test_evaluation_and_inference_find_the_shipped_weights_from_another_folder(files, tmp_path, monkeypatch):
+    """Run from another working directory with the configs' ``bundle_root: .``, both commands load the shipped weights
+    from the bundle's folder (evaluating stopped with 'checkpoint not found: ./models/model.pt'; inferring worked)."""
+    monkeypatch.chdir(tmp_path)
+    name, spatial_dims = files
+    parser = bundle_parser([str(ROOT / f) for f in config_files(name, spatial_dims)], ".", pipeline="templates")
+    network = parser.get_parsed_content("network" if name == "evaluate" else "encoder")
+    shipped = torch.load(SHIPPED / "model.pt", map_location="cpu", weights_only=True)
+    assert all(torch.equal(value, shipped[key]) for key, value in network.state_dict().items() if key in shipped)
+    assert not (tmp_path / "models").exists()
 
 
 def _options(command: list[str]) -> dict[str, str]:
