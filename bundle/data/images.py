@@ -245,13 +245,19 @@ def check_image(
     return image
 
 
+def _percentiles_1_99(values: torch.Tensor) -> tuple[float, float]:
+    """The 1st and 99th percentiles of ``values``, from about a million of them (evenly strided)."""
+    sample = values.flatten()[:: max(1, values.numel() // 1_000_000)].double().numpy()
+    p1, p99 = np.percentile(sample, [1, 99])
+    return float(p1), float(p99)
+
+
 def check_contrast(values: torch.Tensor, name: str) -> None:
     """Warn when nearly all of a 2D image lies in a sliver of its range (1st to 99th percentile within
     :data:`MIN_CONTRAST_SHARE` of min to max): scaled by its min and max, as the 2D pipeline scales it, it is almost
     flat. A hot pixel, a burned-in marker or an image that is empty but for a few pixels does this, and the
     landmarks found on it are wrong without an error."""
-    sample = values.flatten()[:: max(1, values.numel() // 1_000_000)].double().numpy()
-    p1, p99 = (float(v) for v in np.percentile(sample, [1, 99]))
+    p1, p99 = _percentiles_1_99(values)
     lo, hi = float(values.min()), float(values.max())
     share = (p99 - p1) / (hi - lo)
     if share < MIN_CONTRAST_SHARE:
@@ -273,8 +279,7 @@ def check_intensity_window(values: torch.Tensor, window: Sequence[float], name: 
     spread = float(windowed.std())
     if spread >= MIN_WINDOWED_SPREAD:
         return
-    sample = values.flatten()[:: max(1, values.numel() // 1_000_000)].double().numpy()
-    p1, p99 = (float(v) for v in np.percentile(sample, [1, 99]))
+    p1, p99 = _percentiles_1_99(values)
     warnings.warn(
         f"{name}: the intensity window [{low:g}, {high:g}] (hu_window) leaves it nearly constant (standard deviation "
         f"{spread:.2g} on [0, 1]): its values run from {p1:.3g} to {p99:.3g} (1st to 99th percentile), not CT "

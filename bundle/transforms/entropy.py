@@ -181,13 +181,17 @@ def _entropy_sums_numpy(padded: np.ndarray, window: tuple[int, ...], bins: int, 
     # every tile's block in one copy (numpy copies without the GIL, where fancy indexing holds it)
     blocks = np.lib.stride_tricks.as_strided(padded, grid + block, strides, writeable=False)
     blocks = np.ascontiguousarray(blocks).reshape(n_tiles, block_size)
+
+    def in_rows(tile_blocks: np.ndarray) -> np.ndarray:
+        """Bin indices of tiles' blocks (n, block_size) moved to row i of an (n, bins + 1) table for the i-th tile."""
+        return tile_blocks + np.arange(len(tile_blocks), dtype=np.int32)[:, None] * np.int32(bins + 1)
+
     # the bins present in each block: one bincount per few tiles (its counts stay in cache)
     present = np.empty((n_tiles, bins + 1), dtype=bool)
     step = _PRESENCE_TILES
-    offsets = np.arange(step, dtype=np.int32)[:, None] * np.int32(bins + 1)
     for first in range(0, n_tiles, step):
         chunk = blocks[first : first + step]
-        counts = np.bincount((chunk + offsets[: len(chunk)]).ravel(), minlength=len(chunk) * (bins + 1))
+        counts = np.bincount(in_rows(chunk).ravel(), minlength=len(chunk) * (bins + 1))
         present[first : first + len(chunk)] = counts.reshape(len(chunk), bins + 1) > 0
     present[:, bins] = False  # padding
     rank = np.cumsum(present, axis=1, dtype=np.int32) - 1
@@ -212,8 +216,7 @@ def _entropy_sums_numpy(padded: np.ndarray, window: tuple[int, ...], bins: int, 
         # present bin of rank r lives in word r // per_word, byte lane r % per_word; others in none
         word_of = np.where(present[index], rank[index] // per_word, n_batch_words).astype(np.uint16)
         unit = np.where(present[index], np.left_shift(1, 8 * (rank[index] % per_word)), 0).astype(word)
-        position = np.arange(n, dtype=np.int32)[:, None] * np.int32(bins + 1)  # each tile's own table rows
-        flat = (np.take(blocks, index, axis=0) + position).reshape(1, -1)
+        flat = in_rows(np.take(blocks, index, axis=0)).reshape(1, -1)
         indicators = np.multiply(
             np.take(word_of, flat) == np.arange(n_batch_words, dtype=np.uint16)[:, None],
             np.take(unit, flat),

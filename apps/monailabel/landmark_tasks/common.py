@@ -18,6 +18,7 @@ import os
 import threading
 import time
 import weakref
+from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -742,9 +743,10 @@ class BundleContext:
         """Landmarks (2D: pixel ``[x, y]``; 3D: world ``[x, y, z]``; None where missing) of ``points`` on the image,
         each checked to lie on it (LabelError naming the landmark and ``where``). Labels match names with case and
         blanks ignored (:func:`bundle.data.markups.label_key`)."""
+        counts = Counter(label_key(p.label) for p in points)
         by_label = {label_key(p.label): p.position for p in points}
         by_name = {n: by_label[label_key(n)] for n in self.names if label_key(n) in by_label}
-        twice = [n for n in by_name if sum(label_key(p.label) == label_key(n) for p in points) > 1]
+        twice = [n for n in by_name if counts[label_key(n)] > 1]
         if twice:
             raise LabelError(f"label of {where}: landmarks {twice} are named by more than one point")
         if self.spatial_dims == 2 and not by_name:
