@@ -249,6 +249,13 @@ def test_default_serves_the_shipped_cephalometric_model(tmp_path):
         expected = cli_predictions(image, None, tmp_path / "cli")
         for name in builtin["landmark_names"]:
             np.testing.assert_allclose(matched["landmarks"][name], expected[name], atol=1e-3, err_msg=name)
+        assert matched["detector_peak"] is None
+        if image == CEPHALOGRAM:  # the matches' confidence: above the templates' agreement on it, below inverted
+            assert matched["match_score"] > 0.6 and "warning" not in matched, matched
+            _, inverted = running["client"].infer(
+                "landmarks", "", {"predictor": "templates"}, file=str(tmp_path / "inverted.png")
+            )
+            assert inverted["match_score"] < 0.45 and "its matches with the templates score" in inverted["warning"]
         reply, status = request_json(
             f"{running['base']}/train/landmarks?run_sync=false",
             json.dumps({"epochs": 1}).encode(),

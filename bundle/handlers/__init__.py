@@ -9,7 +9,7 @@ from bundle.handlers.checkpoints import (
     ResumeCheckpointLoader,
     resume_handlers,
 )
-from bundle.handlers.confidence import DetectorConfidenceHandler
+from bundle.handlers.confidence import ConfidenceHandler
 from bundle.handlers.report import LandmarkReportHandler
 from bundle.handlers.templates import TemplateHandler
 from bundle.handlers.tensorboard import DeferredSummaryWriter
@@ -20,7 +20,7 @@ __all__ = [
     "AtomicSaveHandler",
     "CheckpointDirReport",
     "DeferredSummaryWriter",
-    "DetectorConfidenceHandler",
+    "ConfidenceHandler",
     "LandmarkReportHandler",
     "LastCheckpointSaver",
     "ResumeCheckpointLoader",

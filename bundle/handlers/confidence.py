@@ -1,10 +1,15 @@
-"""A warning, naming the image, when the heatmap detector recognises no landmark on it (not in the paper).
+"""A warning, naming the image, when the network recognises no landmark on it (not in the paper).
 
-On an image unlike those it learnt from, the detector still puts every landmark at its heatmap's argmax, and the
-predictions look like any others. Its heatmap peaks tell the two apart: on 30 Hamedan cephalograms (images 071-100)
-the shipped detectors' peaks averaged over the 19 landmarks were 0.39-0.65 (``models/finetune``) and 0.80-0.90
-(``models/stage2``) per image, on the same images inverted (white background) 0.023-0.056 and mirrored (facing the
-other way) 0.029-0.134 (docs/results.md, "A detector's confidence").
+On an image unlike those it learnt from, a heatmap detector still puts every landmark at its heatmap's argmax and
+template matching at each template's best match, and the predictions look like any others. The detector's heatmap
+peaks and the matches' scores tell the two apart (docs/results.md, "A detector's confidence" and "How well the
+templates match"). Measured on 30 Hamedan cephalograms (images 071-100), means per image:
+
+- heatmap peaks over the 19 landmarks: 0.39-0.65 (``models/finetune``) and 0.80-0.90 (``models/stage2``); on the
+  same images inverted (white background) 0.023-0.056 and mirrored (facing the other way) 0.029-0.134;
+- match scores of the 32 built-in templates with the shipped weights: 1.17-1.31 times the templates' scores against
+  each other (:func:`bundle.inferers.oneshot.template_agreement`, 0.557); inverted 0.66-0.70 times, mirrored
+  0.71-0.76 times.
 """
 
 from __future__ import annotations
@@ -16,10 +21,15 @@ from bundle.data.images import image_name
 from bundle.handlers.report import batch_items
 from ignite.engine import Engine, Events
 
-__all__ = ["MIN_PEAK", "DetectorConfidenceHandler", "low_peak_message"]
+__all__ = ["MIN_PEAK", "MATCH_MIN_RATIO", "ConfidenceHandler", "low_peak_message", "low_match_message"]
 
 # mean heatmap peak below which an image is warned about (between the 0.056 / 0.134 and 0.39 above)
 MIN_PEAK = 0.2
+# mean match score, as a share of the templates' agreement, below which an image is warned about (between the 0.76
+# and 1.17 above)
+MATCH_MIN_RATIO = 0.9
+
+_CAUSES = "An inverted (white background) or mirrored (facing the other way) image, or another anatomy, does this"
 
 
 def low_peak_message(name: str, mean_peak: float, min_peak: float = MIN_PEAK) -> str | None:
@@ -28,21 +38,40 @@ def low_peak_message(name: str, mean_peak: float, min_peak: float = MIN_PEAK) ->
         return None
     return (
         f"{name}: the detector's heatmap peaks average {mean_peak:.3f}, below {min_peak:g} (on the images it learnt "
-        "from they are about 0.4 to 0.9): it recognises no landmark here, and its predictions are likely wrong. An "
-        "inverted (white background) or mirrored (facing the other way) image, or another anatomy, does this"
+        "from they are about 0.4 to 0.9): it recognises no landmark here, and its predictions are likely wrong. "
+        f"{_CAUSES}"
     )
 
 
-class DetectorConfidenceHandler:
-    """Ignite handler: after each iteration, warn naming each image whose mean heatmap peak (the ``peak_values`` of
-    :class:`bundle.inferers.heatmap.HeatmapInferer`) is below ``min_peak``; at the end, log how many were.
+def low_match_message(
+    name: str, mean_score: float, reference: float | None, min_ratio: float = MATCH_MIN_RATIO
+) -> str | None:
+    """The warning for image ``name`` whose matches score ``mean_score`` on average, below ``min_ratio`` times the
+    templates' agreement ``reference``; else None (and None without a reference: fewer than two templates)."""
+    if reference is None or not mean_score < min_ratio * reference:
+        return None
+    return (
+        f"{name}: its matches with the templates score {mean_score:.3f} on average, below {min_ratio:g} x "
+        f"{reference:.3f} (the templates' scores against each other; images the network recognises score above "
+        f"that): the landmarks are likely wrong. {_CAUSES}, and so does a contrast unlike the templates'"
+    )
 
-    Does nothing when ``inferer`` holds no peak values (template matching), so it can be attached either way.
+
+class ConfidenceHandler:
+    """Ignite handler: after each iteration, warn naming each image on which ``inferer`` recognises no landmark;
+    at the end, log how many there were.
+
+    A :class:`bundle.inferers.heatmap.HeatmapInferer`'s ``peak_values`` are checked by :func:`low_peak_message`, a
+    template inferer's (:mod:`bundle.inferers.oneshot`) ``match_scores`` against its ``reference_score`` by
+    :func:`low_match_message`. An inferer with neither is not checked.
     """
 
-    def __init__(self, inferer, min_peak: float = MIN_PEAK, image_key: str = "image") -> None:
+    def __init__(
+        self, inferer, min_peak: float = MIN_PEAK, min_match_ratio: float = MATCH_MIN_RATIO, image_key: str = "image"
+    ) -> None:
         self.inferer = inferer
         self.min_peak = float(min_peak)
+        self.min_match_ratio = float(min_match_ratio)
         self.image_key = image_key
         self.low: list[str] = []
         self.logger = logging.getLogger("bundle.reporting")
@@ -52,17 +81,25 @@ class DetectorConfidenceHandler:
         engine.add_event_handler(Events.ITERATION_COMPLETED, self.check)
         engine.add_event_handler(Events.COMPLETED, self.summary)
 
-    def check(self, engine: Engine) -> None:
+    def messages(self, names: list[str]) -> list[str | None]:
+        """The warning (or None) for each image of the last call of the inferer, ``names`` in batch order."""
         peaks = getattr(self.inferer, "peak_values", None)
-        if peaks is None:
-            return
-        for item, mean_peak in zip(batch_items(engine.state.batch), peaks.mean(dim=-1).tolist()):
-            name = image_name(item.get(self.image_key))
-            message = low_peak_message(name, mean_peak, self.min_peak)
+        if peaks is not None:
+            means = peaks.mean(dim=-1).tolist()
+            return [low_peak_message(n, m, self.min_peak) for n, m in zip(names, means)]
+        scores = getattr(self.inferer, "match_scores", None)
+        if scores is not None:
+            means, reference = scores.nanmean(dim=-1).tolist(), self.inferer.reference_score
+            return [low_match_message(n, m, reference, self.min_match_ratio) for n, m in zip(names, means)]
+        return [None] * len(names)
+
+    def check(self, engine: Engine) -> None:
+        names = [image_name(item.get(self.image_key)) for item in batch_items(engine.state.batch)]
+        for name, message in zip(names, self.messages(names)):
             if message is not None:
                 self.low.append(name)
                 warnings.warn(message, stacklevel=2)
 
     def summary(self, engine: Engine) -> None:
         if self.low:
-            self.logger.warning("the detector recognised no landmark on %d image(s): %s", len(self.low), self.low)
+            self.logger.warning("the network recognised no landmark on %d image(s): %s", len(self.low), self.low)

@@ -15,7 +15,7 @@ class HeatmapInferer(Inferer):
     ``__call__(inputs, network, grid_to_physical=None)`` -> ``(B, L, D)`` float64: grid positions, or
     physical mm when ``grid_to_physical`` is given (the ``OneShotInferer`` contract). After a call, ``peak_values``
     ``(B, L)`` holds each landmark's heatmap peak (the mean over the runs): how surely the detector recognises it
-    (:class:`bundle.handlers.confidence.DetectorConfidenceHandler`).
+    (:class:`bundle.handlers.confidence.ConfidenceHandler`).
 
     Args:
         activation: "sigmoid" (the logits of :class:`bundle.networks.detector.HeatmapDetector`) or None.

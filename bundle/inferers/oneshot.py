@@ -53,6 +53,22 @@ def match_queries(
     )
 
 
+def template_agreement(matcher: TemplateMatcher, queries: Sequence[torch.Tensor]) -> float | None:
+    """How well the templates match each other: the matcher's combined score of each template's landmark feature
+    against every other template's feature of the same landmark, averaged over template pairs and landmarks (not in
+    the paper). It is the score a match exactly at the landmark gets between two templates, so matches in an image
+    the network recognises score higher, and matches in an image it does not (inverted, mirrored, another anatomy or
+    contrast) lower (:class:`bundle.handlers.confidence.ConfidenceHandler`). ``queries``: per scale, unit vectors
+    ``(K, L, C)`` (NaN where a template lacks the landmark). None with fewer than two templates."""
+    k = queries[0].shape[0]
+    if k < 2:
+        return None
+    scores = matcher.combine_scales([torch.einsum("ilc,jlc->ijl", q, q) for q in queries])  # (K, K, L)
+    others = ~torch.eye(k, dtype=torch.bool, device=scores.device)
+    value = scores[others].nanmean()
+    return None if bool(torch.isnan(value)) else float(value)
+
+
 class OneShotInferer(Inferer):
     """One-shot (k-shot) inference: landmarks of annotated templates found in each input by feature matching.
 
@@ -100,6 +116,8 @@ class OneShotInferer(Inferer):
         self._cache: list[list[torch.Tensor]] = []  # the templates' feature maps (_template_features)
         self._cache_network = None  # the network that computed them (held: its id cannot be reused meanwhile)
         self._cache_key: tuple | None = None
+        self.match_scores: torch.Tensor | None = None
+        self.reference_score: float | None = None
 
     def set_template(self, image: torch.Tensor, points) -> None:
         """Use one template: its grid image ``(1, 1, *spatial)``
@@ -237,6 +255,7 @@ class OneShotInferer(Inferer):
                 for q, v in zip(queries, vectors):
                     q[k, valid] = v[0]
         matches = match_queries(self.matcher, queries, features, list(grid_size))
+        self.reference_score = template_agreement(self.matcher, queries)
         if cycle:
             errors = torch.full(matches.scores.shape, float("nan"), dtype=torch.float64, device=inputs.device)
             for k, valid, points in given:
@@ -255,6 +274,7 @@ class OneShotInferer(Inferer):
         Several templates' predictions are combined by ``template_combine`` (in the space returned).
         """
         matches = self.match_templates(inputs, network)
+        self.match_scores = matches.scores.nanmean(dim=0)
         return combine_templates(matches.positions, grid_to_physical, self.template_combine, matches.scores)
 
 
@@ -265,7 +285,8 @@ class TemplateFeatureInferer(Inferer):
     (multi-scale cosine similarity, sub-pixel refinement within ``refine_radius`` grid pixels); the K
     templates' predictions are combined per landmark by ``template_combine``
     (:func:`bundle.kshot.combine_landmarks`), in physical mm when ``grid_to_physical`` is given. With the
-    features of a template image this gives what ``OneShotInferer`` gives with that image.
+    features of a template image this gives what ``OneShotInferer`` gives with that image, ``match_scores`` and
+    ``reference_score`` included.
 
     Args:
         template: a template feature dict (:func:`bundle.template_file.load_template`).
@@ -288,6 +309,12 @@ class TemplateFeatureInferer(Inferer):
         self.landmark_names = self.template["landmark_names"]
         self.template_combine = template_combine
         self.matcher = TemplateMatcher(combine, scale_weights, refine_radius, refine_resolution)
+        self.match_scores: torch.Tensor | None = None
+
+    @property
+    def reference_score(self) -> float | None:
+        """The stored templates' :func:`template_agreement` (with this inferer's matcher)."""
+        return template_agreement(self.matcher, list(self.template["queries"].unbind(2)))
 
     def predict_per_template(self, inputs: torch.Tensor, network) -> torch.Tensor:
         """Each template's predictions ``(K, B, L, D)`` on the grid (float64, NaN where a template lacks a landmark)."""
@@ -316,4 +343,5 @@ class TemplateFeatureInferer(Inferer):
     def __call__(self, inputs: torch.Tensor, network, grid_to_physical=None) -> torch.Tensor:  # type: ignore[override]
         """Predicted landmarks ``(B, L, D)`` (float64): grid pixels, or physical mm with ``grid_to_physical``."""
         matches = self.match_templates(inputs, network)
+        self.match_scores = matches.scores.nanmean(dim=0)
         return combine_templates(matches.positions, grid_to_physical, self.template_combine, matches.scores)

@@ -323,6 +323,7 @@ class BundleContext:
         self.shipped_detector = self._shipped_detector()
         self.template_combine = str(self.parser.get_parsed_content("template_combine"))
         self.min_peak = float(self.parser.get_parsed_content("detector_min_peak"))
+        self.min_match_ratio = float(self.parser.get_parsed_content("match_min_ratio"))
         # the template choice of the evaluating command (the keyword arguments of its evaluate#choose_templates call of
         # bundle.templates.resolution.resolve_templates, but the data, network and device), for the pseudo-templates
         call = "evaluate#choose_templates"

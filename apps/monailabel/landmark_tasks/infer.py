@@ -53,7 +53,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 from bundle.data.markups import ControlPoint, write_mrk_json
-from bundle.handlers.confidence import low_peak_message
+from bundle.handlers.confidence import low_match_message, low_peak_message
 from monailabel.interfaces.tasks.infer_v2 import InferTask, InferType
 
 from .common import ITEM_KEYS, PREDICTORS, BackgroundValue, BundleContext, file_key, labels_key
@@ -209,6 +209,8 @@ class LandmarkInferTask(InferTask):
                 g2p = torch.as_tensor(grid["grid_to_physical"]).unsqueeze(0).to(self.context.device)
                 points_mm = inferer(batch, network, g2p)[0].cpu().numpy()
                 detector_peak = float(inferer.peak_values[0].mean())
+                warning = low_peak_message(name, detector_peak, self.context.min_peak)
+                match_score = None
                 templates, checkpoint = [], detector_path
             else:
                 # one checkpoint for the whole request: the train task may publish new weights meanwhile
@@ -225,6 +227,8 @@ class LandmarkInferTask(InferTask):
                 with self.context.network(checkpoint) as network:
                     inferer, templates = self.context.template_inferer(items, checkpoint, network, builtin)
                     points_mm = inferer(batch, network, g2p)[0].cpu().numpy()
+                match_score = float(inferer.match_scores[0].nanmean())
+                warning = low_match_message(name, match_score, inferer.reference_score, self.context.min_match_ratio)
         spacing = np.asarray(torch.as_tensor(data["spacing"]).cpu(), dtype=np.float64).reshape(-1)
         result = landmark_result(self.names, points_mm, spacing)
         frame = self.context.frame(image, data) if self.spatial_dims == 2 else None
@@ -251,9 +255,10 @@ class LandmarkInferTask(InferTask):
         result["predictor_choice"] = choice
         result["pending"] = self.pending(choice_current)
         result["device"] = str(self.context.device)
-        # the detector's confidence (bundle.handlers.confidence): a suggestion it does not recognise is flagged
+        # the network's confidence (bundle.handlers.confidence): a suggestion on an image it does not recognise is
+        # flagged
         result["detector_peak"] = detector_peak
-        warning = None if detector_peak is None else low_peak_message(name, detector_peak, self.context.min_peak)
+        result["match_score"] = match_score
         if warning is not None:
             logger.warning(warning)
             result["warning"] = warning
