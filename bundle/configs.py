@@ -193,6 +193,22 @@ def command_line_options(args: Sequence[str]) -> list[tuple[int, str, str | None
     return options
 
 
+def stray_words(args: Sequence[str]) -> list[str]:
+    """The words of a ``monai.bundle run`` command line (after ``run``) that are neither an option, nor an option's
+    value, nor the run id (the first such word, unless ``--run_id`` is given): Fire gives them to ``init_id``,
+    ``final_id``, ... and the command runs without them, e.g. the second file of ``--images *.png`` as the shell
+    expands it."""
+    used, keys = set(), set()
+    for i, key, text, inline in command_line_options(args):
+        used.add(i)
+        keys.add(key)
+        if text is not None and not inline:
+            used.add(i + 1)
+    end = args.index("--") if "--" in args else len(args)
+    free = [args[i] for i in range(end) if i not in used]
+    return free if "run_id" in keys else free[1:]
+
+
 def command_line_overrides(argv: Sequence[str]) -> tuple[list[str], dict[str, str | None]]:
     """(config files, ``{override key: its text}``) of a ``python -m monai.bundle run ID --config_file F --key value
     ...`` command line, the text None for a key given without a value; empty for any other command line."""
@@ -216,10 +232,19 @@ def check_command_line(argv: Sequence[str] | None = None) -> None:
     - a key given without a value (``--epochs`` alone: MONAI's command line makes it ``True``, which counts as 1)
       unless the config's value is a yes/no;
     - a value that is not a number where the config's value is one (``--max_templates two``), or not an integer
-      where it is an integer (``2.7``); ``null`` / ``none`` pass (:func:`is_unset`), ranges are the configs' checks.
+      where it is an integer (``2.7``); ``null`` / ``none`` pass (:func:`is_unset`), ranges are the configs' checks;
+    - a word that is no option's value (:func:`stray_words`): a shell wildcard or an unquoted space split a value.
 
     The first step of every command; a no-op outside ``python -m monai.bundle run``."""
-    files, overrides = command_line_overrides(sys.argv if argv is None else argv)
+    argv = sys.argv if argv is None else argv
+    files, overrides = command_line_overrides(argv)
+    stray = stray_words(argv[2:]) if files else []
+    if stray:
+        raise ValueError(
+            f"command line: {stray} follow(s) no --key: each value must be one word. A shell wildcard (--images *.png) "
+            "or a space in a value splits it; give a list as one quoted word, --images \"['a.png','b.png']\", or a "
+            "folder: --dataset_dir FOLDER"
+        )
     if not files or not overrides:
         return
     parser = ConfigParser()

@@ -514,6 +514,23 @@ def test_unknown_mixing_is_refused_naming_the_key(mixing):
         assert parser.get_parsed_content("train#trainer#iteration_update").mixing == step
 
 
+def test_images_by_a_shell_wildcard_are_refused_not_cut_to_the_first(data2d, tmp_path):
+    """``--images *.png`` as typed in a shell: the second file became MONAI's ``init_id`` and the command ran on the
+    first image alone. Refused, naming the word and the quoting that works, before any output is written."""
+    folder = tmp_path / "images"
+    folder.mkdir()
+    for item, name in zip(data2d["content"]["test"][:2], ("a.png", "b.png")):
+        shutil.copy(data2d["datalist"].parent / item["image"], folder / name)
+    config = ROOT / "configs" / "inference.yaml"
+    line = f"'{sys.executable}' -m monai.bundle run inferring --config_file '{config}' --bundle_root '{ROOT}' "
+    line += "--images *.png --output_dir out"
+    done = subprocess.run(["bash", "-c", line], cwd=folder, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "command line: ['b.png'] follow(s) no --key" in done.stderr.splitlines()[-1]
+    assert "--images \"['a.png','b.png']\"" in done.stderr.splitlines()[-1]
+    assert not (folder / "out").exists()
+
+
 def test_an_unknown_key_on_the_command_line_is_refused_naming_the_closest(data2d, tmp_path):
     """``--gamma`` (for ``--sampling_gamma``) would be a new key nothing reads: refused before any work."""
     command = [sys.executable, "-m", "monai.bundle", "run", "training", "--config_file", "configs/train.yaml"]
@@ -555,6 +572,10 @@ def test_a_3d_spacing_or_ct_window_monai_would_bend_is_refused_naming_the_key(ov
         (["--max_templates", "null"], None),
         (["--entropy_sampling"], None),
         (["--rotate_range", "7.5", "--epochs", "2", "--learning_rate", "1e-3"], None),
+        (["--seed", "-1", "--output_dir=out"], None),
+        # a shell wildcard's second file, an unquoted space: Fire would give the word to init_id and run without it
+        (["--output_dir", "my", "run", "--epochs", "2"], "command line: ['run'] follow(s) no --key: each value"),
+        (["--datalist", "a.json", "b.json"], "A shell wildcard (--images *.png) or a space in a value splits it"),
     ],
 )
 def test_a_value_missing_or_not_a_number_where_the_config_has_one_is_refused_before_any_work(override, expected):
@@ -657,6 +678,9 @@ def test_images_given_as_one_string_is_one_image(data2d, tmp_path):
     assert parser.get_parsed_content("dataset").data == [{"image": png}]
     with pytest.raises(FileNotFoundError, match=r"images not found: \['a.png,b.png'\]"):
         image_items("a.png,b.png", tmp_path)
+    # a list the command line could not read (a ' in a name ends the quoted name): the quoting that works is named
+    with pytest.raises(FileNotFoundError, match=re.escape("""--images "[\\"it's.png\\"]\"""")):
+        image_items("['it's.png','b.png']", tmp_path)
 
 
 # ---------------------------------------------------------------- checkpoints

@@ -359,6 +359,12 @@ def image_items(images: str | Sequence[str] | None, dataset_dir: str | os.PathLi
     empty, of every image file directly in ``dataset_dir`` (sorted; none when it does not exist, so that the
     config builds without data: :func:`require_items` then fails at run time)."""
     if isinstance(images, (str, os.PathLike)):
+        text = str(images).strip()
+        if text.startswith("[") and text.endswith("]") and not Path(text).is_file():
+            raise FileNotFoundError(
+                f"images: {text!r} is neither a file nor a list the command line could read; a name holding ' ends "
+                "a quoted name early: quote it with \\\" inside the list, --images \"[\\\"it's.png\\\"]\""
+            )
         images = [images]
     if images:
         paths = [Path(os.path.expanduser(str(p))) for p in images]
