@@ -363,7 +363,7 @@ def image_items(images: str | Sequence[str] | None, dataset_dir: str | os.PathLi
         if text.startswith("[") and text.endswith("]") and not Path(text).is_file():
             raise FileNotFoundError(
                 f"images: {text!r} is neither a file nor a list the command line could read; a name holding ' ends "
-                "a quoted name early: quote it with \\\" inside the list, --images \"[\\\"it's.png\\\"]\""
+                'a quoted name early: quote it with \\" inside the list, --images "[\\"it\'s.png\\"]"'
             )
         images = [images]
     if images:
