@@ -8,4 +8,5 @@ import json
 from pathlib import Path
 
 # the bundle's one version number: configs/metadata.json's (the model zoo reads it there)
-__version__ = json.loads((Path(__file__).resolve().parents[1] / "configs" / "metadata.json").read_text())["version"]
+_METADATA = Path(__file__).resolve().parents[1] / "configs" / "metadata.json"
+__version__ = json.loads(_METADATA.read_text(encoding="utf-8"))["version"]

@@ -121,7 +121,7 @@ def atomic_path(path: str | os.PathLike, keep_suffix: bool = True) -> Iterator[P
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     """Write ``text`` to ``path`` atomically and return the path."""
     with atomic_path(path) as tmp:
-        tmp.write_text(text)
+        tmp.write_text(text, encoding="utf-8")
     return Path(path)
 
 
@@ -198,7 +198,7 @@ class StagedOutputs:
         """The files (relative paths) the previous run wrote into ``output_dir``, from its manifest."""
         manifest = self.output_dir / self.MANIFEST
         try:
-            listed = json.loads(manifest.read_text())["files"]
+            listed = json.loads(manifest.read_text(encoding="utf-8"))["files"]
         except (OSError, ValueError, KeyError, TypeError):
             return []
         return [f for f in listed if isinstance(f, str) and ".." not in Path(f).parts and not Path(f).is_absolute()]

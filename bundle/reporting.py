@@ -98,7 +98,7 @@ def write_predictions_csv(path: str | os.PathLike, rows: Iterable[Mapping[str, A
 def read_predictions_csv(path: str | os.PathLike) -> list[dict[str, Any]]:
     """Rows of a predictions.csv that :func:`write_predictions_csv` wrote: ``image``, ``landmark``,
     ``point`` (float array, NaN for an empty cell) and ``error_mm`` (float, NaN when empty)."""
-    with open(path, newline="") as f:
+    with open(path, newline="", encoding="utf-8") as f:
         reader = csv.DictReader(f)
         axes = [a for a in AXES if a in (reader.fieldnames or [])]
         return [

@@ -347,12 +347,12 @@ def _evaluate_runs(datalist: str, out: str, key: str, make_datalist, describe: s
     to its ``result.json`` as ``KEY`` (metrics) and ``KEY_mre_mm``; runs that have it already are skipped."""
     full = load_datalist(datalist)
     for path in sorted(Path(out).glob("*/result.json")):
-        result = json.loads(path.read_text())
+        result = json.loads(path.read_text(encoding="utf-8"))
         if f"{key}_mre_mm" in result:
             print(f"{result['name']}: {key} done already")
             continue
         run_dir = path.parent
-        chosen = json.loads((run_dir / "eval" / "metrics.json").read_text())
+        chosen = json.loads((run_dir / "eval" / "metrics.json").read_text(encoding="utf-8"))
         write_json_atomic(run_dir / f"{key}_datalist.json", make_datalist(full, chosen))
         metrics = run_command(
             "evaluating",
@@ -441,7 +441,7 @@ def load_results(out: str | Path) -> list[dict]:
     from the run's ``eval/predictions.csv`` when it exists."""
     results = []
     for path in sorted(Path(out).glob("*/result.json")):
-        result = json.loads(path.read_text())
+        result = json.loads(path.read_text(encoding="utf-8"))
         predictions = path.parent / "eval" / "predictions.csv"
         if predictions.is_file():
             errors = np.array([row["error_mm"] for row in read_predictions_csv(predictions)])
@@ -626,7 +626,7 @@ def length_table(short: list[dict], long: list[dict]) -> str:
 def _load_augmentation(path: str) -> dict:
     import yaml
 
-    return yaml.safe_load(Path(path).read_text())["augmentation"]
+    return yaml.safe_load(Path(path).read_text(encoding="utf-8"))["augmentation"]
 
 
 def plot_mre(results: list[dict], path: Path) -> Path:
@@ -680,7 +680,7 @@ def report(out: str, docs: str = "docs", long: str | None = None) -> None:
         raise FileNotFoundError(f"{long}: no */result.json yet (run the plan there first)")
     page = Path(docs) / "results.md"
     begin, end = "<!-- ablation:begin -->", "<!-- ablation:end -->"
-    text = page.read_text() if page.is_file() else f"{begin}\n{end}\n"
+    text = page.read_text(encoding="utf-8") if page.is_file() else f"{begin}\n{end}\n"
     if begin not in text or end not in text:
         raise ValueError(f"{page}: the markers {begin} and {end} are missing")
     head, rest = text.split(begin, 1)
@@ -788,7 +788,7 @@ def report_plan(out: str, plan: str = "converged", docs: str = "docs") -> None:
         raise ValueError(f"plan must be one of {sorted(REPORTS)}, got {plan!r}")
     rows = REPORTS[plan].rows
     record = Path(docs) / REPORTS[plan].record
-    runs = {r["name"]: r for r in (json.loads(record.read_text()) if record.is_file() else [])}
+    runs = {r["name"]: r for r in (json.loads(record.read_text(encoding="utf-8")) if record.is_file() else [])}
     runs.update({r["name"]: r for r in load_results(out)})
     if not runs:
         raise FileNotFoundError(f"{out}: no */result.json yet and nothing recorded in {record}")
@@ -797,7 +797,7 @@ def report_plan(out: str, plan: str = "converged", docs: str = "docs") -> None:
         raise ValueError(f"{out}: {unknown} are not runs of the {plan} plan (rows {list(rows)})")
     page = Path(docs) / "results.md"
     begin, end = f"<!-- {plan}:begin -->", f"<!-- {plan}:end -->"
-    text = page.read_text()
+    text = page.read_text(encoding="utf-8")
     if begin not in text or end not in text:
         raise ValueError(f"{page}: the markers {begin} and {end} are missing")
     table_text = rows_table(list(runs.values()), plan)

@@ -63,7 +63,7 @@ def read_afids(path: str | os.PathLike) -> tuple[list[str], np.ndarray]:
     points = read_fcsv(path)
     descriptions: list[str] = []
     columns: list[str] = []
-    for line in Path(path).read_text().splitlines():
+    for line in Path(path).read_text(encoding="utf-8-sig").splitlines():
         if line.startswith("#"):
             key, _, value = line[1:].partition("=")
             if key.strip().casefold() == "columns":

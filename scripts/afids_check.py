@@ -39,7 +39,7 @@ def _group_errors(predictions: Path, datalist: dict, template: np.ndarray) -> di
 
     references = {Path(it["image"]).name: np.asarray(it["landmarks"], float) for it in datalist["test"]}
     groups: dict[str, dict[str, list[float]]] = {}
-    with open(predictions, newline="") as f:
+    with open(predictions, newline="", encoding="utf-8") as f:
         rows = list(csv.DictReader(f))
     names = datalist["landmark_names"]
     for row in rows:
@@ -244,7 +244,7 @@ def main(
         }
         write_json_atomic(info_path, training)
     else:
-        training = json.loads(info_path.read_text()) if info_path.is_file() else {}
+        training = json.loads(info_path.read_text(encoding="utf-8")) if info_path.is_file() else {}
         print(f"reusing {ckpt} (trained {training or 'with unrecorded settings'}); --retrain true trains again")
         if training and (training.get("spacing_mm") != spacing or training.get("image_size") != list(image_size)):
             raise ValueError(
@@ -289,7 +289,7 @@ def main(
     )
     evaluated = time.perf_counter()
 
-    metrics = json.loads((eval_dir / "metrics.json").read_text())
+    metrics = json.loads((eval_dir / "metrics.json").read_text(encoding="utf-8"))
     used = metrics.get("templates") or [metrics["template"]]
     template = np.asarray(datalist["template"]["landmarks"], float)
     groups = _group_errors(eval_dir / "predictions.csv", datalist, template)
@@ -345,7 +345,7 @@ def main(
         "groups": table,
     }
     results_path = work / "afids_check.json"
-    results = json.loads(results_path.read_text()) if results_path.is_file() else {}
+    results = json.loads(results_path.read_text(encoding="utf-8")) if results_path.is_file() else {}
     if "groups" in results:  # the single-setting file of an earlier version
         results = {"k1": results}
     results[setting] = summary

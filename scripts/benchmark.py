@@ -362,9 +362,9 @@ with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
         evaluator.run()
         seconds.append(time.perf_counter() - start)
-    with open(tmp + "/predictions.csv") as f:
+    with open(tmp + "/predictions.csv", encoding="utf-8") as f:
         points = [[float(r["x"]), float(r["y"])] for r in csv.DictReader(f)]
-json.dump({"seconds": seconds, "points": points, "threads": torch.get_num_threads()}, open(out, "w"))
+json.dump({"seconds": seconds, "points": points, "threads": torch.get_num_threads()}, open(out, "w", encoding="utf-8"))
 """
 
 
@@ -407,7 +407,7 @@ def inferring(
                 command = [sys.executable, "-c", ENGINE_PASSES, json.dumps(files), str(passes), out, template, combine]
                 env = dict(os.environ, PYTHONPATH=str(tree))
                 subprocess.run(command, cwd=tree, env=env, check=True, capture_output=True)
-                results[name] = json.loads(Path(out).read_text())
+                results[name] = json.loads(Path(out).read_text(encoding="utf-8"))
                 best[name] = min(best[name], min(results[name]["seconds"]) / len(files))
         parser = bundle_parser(
             ["configs/inference.yaml"], images=files, output_dir=tmp, overlays=False, pipeline="templates"
@@ -450,7 +450,7 @@ with tempfile.TemporaryDirectory() as tmp:
                 start = time.perf_counter()
                 client.infer("landmarks", "", request, file=image)
                 seconds.append(time.perf_counter() - start)
-json.dump({"seconds": seconds, "median": statistics.median(seconds)}, open(out, "w"))
+json.dump({"seconds": seconds, "median": statistics.median(seconds)}, open(out, "w", encoding="utf-8"))
 """
 
 
@@ -485,7 +485,7 @@ def suggestion(reference: str, images: int = 5, repeats: int = 2, rounds: int = 
                 env = dict(os.environ, PYTHONPATH=str(tree))
                 env.setdefault("MONAILABEL_PYTHON", str(ROOT / ".venv-monailabel" / "bin" / "python"))
                 subprocess.run(command, cwd=tree, env=env, check=True, capture_output=True)
-                best[name] = min(best[name], json.loads(Path(out).read_text())["median"])
+                best[name] = min(best[name], json.loads(Path(out).read_text(encoding="utf-8"))["median"])
     print(f"warm MONAI Label suggestion, built-in templates, {len(files)} uploaded images x {repeats}, {rounds} rounds")
     print(f"{'tree':<34}{'s/request':>10}")
     for name in trees:

@@ -55,7 +55,7 @@ def run_command(
     seconds = time.perf_counter() - start
     code = os.waitstatus_to_exitcode(status)
     if code != 0:
-        where = f"; see {log}:\n{Path(log).read_text()[-3000:]}" if log else ""
+        where = f"; see {log}:\n{Path(log).read_text(encoding='utf-8', errors='replace')[-3000:]}" if log else ""
         raise RuntimeError(f"{command} failed (exit {code}){where}")
     outputs = read_outputs(command, config_files, overrides, bundle_root)
     return CommandRun(outputs, seconds, usage.ru_maxrss / 1024.0)
@@ -78,7 +78,7 @@ def read_outputs(
         return Path(bundle_root) / parser.get_parsed_content(key)
 
     if command == "evaluating":
-        return json.loads((folder("output_dir") / "metrics.json").read_text())
+        return json.loads((folder("output_dir") / "metrics.json").read_text(encoding="utf-8"))
     if command == "inferring":
         return {"predictions": read_predictions_csv(folder("output_dir") / "predictions.csv")}
     if command == "training":

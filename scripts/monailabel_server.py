@@ -108,7 +108,8 @@ def serving(
                     break
                 except (OSError, client_error):
                     if process.poll() is not None or time.monotonic() > started + start_timeout_s:
-                        raise RuntimeError(f"the server did not start:\n{log_path.read_text()[-4000:]}") from None
+                        written = log_path.read_text(encoding="utf-8", errors="replace")
+                        raise RuntimeError(f"the server did not start:\n{written[-4000:]}") from None
                     time.sleep(0.5)
             yield {
                 "base": base,

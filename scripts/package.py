@@ -42,7 +42,7 @@ def large_file_paths(root: Path) -> set[str]:
     path = root / "large_files.yml"
     if not path.is_file():
         return set()
-    content = yaml.safe_load(path.read_text()) or {}
+    content = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     entries = content.get("large_files") or []
     if not isinstance(entries, list) or any(not isinstance(e, dict) or "path" not in e for e in entries):
         raise PackagingError(f"{path}: 'large_files' must be a list of mappings with a 'path' (and 'url')")
@@ -81,7 +81,7 @@ def json_configs(root: Path, files: list[Path]) -> dict[str, str]:
         if rel.parts[0] == "configs" and rel.suffix in (".yaml", ".yml"):
             target = rel.with_suffix(".json").as_posix()
             if target not in present:
-                content = yaml.safe_load((root / rel).read_text())
+                content = yaml.safe_load((root / rel).read_text(encoding="utf-8"))
                 twins[target] = json.dumps(content, indent=4) + "\n"
     return twins
 
@@ -91,7 +91,7 @@ def check_metadata(root: Path) -> str:
     meta_path = root / "configs" / "metadata.json"
     if not meta_path.is_file():
         raise PackagingError(f"missing {meta_path}")
-    meta = json.loads(meta_path.read_text())
+    meta = json.loads(meta_path.read_text(encoding="utf-8"))
     version = meta.get("version")
     if not version or version not in meta.get("changelog", {}):
         raise PackagingError(f"{meta_path}: 'version' {version!r} must be a key of 'changelog'")

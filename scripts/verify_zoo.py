@@ -67,7 +67,7 @@ def stage(workdir: Path, name: str, zoo: Path) -> Path:
         z.extractall(models)
     shutil.copy(zoo / "models" / "model_info.json", models / "model_info.json")
     bundle = models / name
-    schema_url = json.loads((bundle / "configs" / "metadata.json").read_text())["schema"]
+    schema_url = json.loads((bundle / "configs" / "metadata.json").read_text(encoding="utf-8"))["schema"]
     local = ROOT / "docs" / schema_url.rsplit("/", 1)[-1]
     if not local.is_file():
         raise FileNotFoundError(f"the metadata's schema {schema_url} has no offline copy at {local}")

@@ -82,7 +82,8 @@ def check_requirements(zoo: Path, work: Path, name: str) -> list[str]:
     )
     if done.returncode != 0 or not done.stdout.strip():
         raise RuntimeError(f"ci/get_bundle_requirements.py wrote no requirements file: {done.stderr[-2000:]}")
-    lines = [line.strip() for line in (work / done.stdout.strip()).read_text().splitlines() if line.strip()]
+    listed = (work / done.stdout.strip()).read_text(encoding="utf-8")
+    lines = [line.strip() for line in listed.splitlines() if line.strip()]
     failed = []
     with tempfile.TemporaryDirectory() as dest:
         for line in lines:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -608,3 +609,26 @@ def test_mirrored_site_flips_images_and_landmarks_together(tmp_path):
     site = load_datalist(tmp_path / "turned_site" / "datalist.json")["training"][0]
     assert Image.open(site["image"]).size == upright.size == (64, 72)
     assert [q[0] for q in site["landmarks"]] == [63 - p[0] for p in item["landmarks"]]
+
+
+def test_utf8_files_with_or_without_a_byte_order_mark_are_read_whatever_the_locale(tmp_path):
+    """Datalists, markups and the bundle's own metadata are UTF-8 (Slicer, labelme and Python's json write it; Windows
+    Notepad and Excel add a byte order mark). They were read in the locale's encoding: cp1252 on Windows, ASCII in a
+    C locale, where landmark names like 'Ünterkiefer' broke or changed."""
+    (tmp_path / "datalist.json").write_bytes(b"\xef\xbb\xbf" + json.dumps({"landmark_names": ["Ünterkiefer"]}).encode())
+    (tmp_path / "points.fcsv").write_bytes(
+        "\ufeff# Markups fiducial file version = 4.11\n# CoordinateSystem = LPS\n"
+        "# columns = id,x,y,z,ow,ox,oy,oz,vis,sel,lock,label,desc,associatedNodeID\n"
+        "1,1.5,2,3,0,0,0,1,1,1,0,Ünterkiefer,,\n".encode()
+    )
+    code = (
+        "import sys; from bundle.data.datalist import read_json; from bundle.data.markups import read_fcsv; "
+        "d = read_json(sys.argv[1]); p = read_fcsv(sys.argv[2])[0]; "
+        "assert d['landmark_names'] == ['\\u00dcnterkiefer'], d; assert p.label == '\\u00dcnterkiefer', p; "
+        "assert list(p.position) == [-1.5, -2.0, 3.0], p"
+    )
+    env = {**os.environ, "LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    files = [str(tmp_path / "datalist.json"), str(tmp_path / "points.fcsv")]
+    done = subprocess.run([sys.executable, "-c", code, *files], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

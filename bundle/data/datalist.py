@@ -36,7 +36,7 @@ def read_json(path: str | os.PathLike, what: str = "JSON file") -> Any:
     import json
 
     try:
-        return json.loads(Path(path).read_text())
+        return json.loads(Path(path).read_text(encoding="utf-8-sig"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise DatalistError(f"{path}: not a readable {what} ({e})") from e
 

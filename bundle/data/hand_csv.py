@@ -29,7 +29,7 @@ def read_landmark_csv(path: str | Path) -> dict[str, np.ndarray]:
         raise DatalistError(f"landmark CSV not found: {path}")
     out: dict[str, np.ndarray] = {}
     n_columns = None
-    with path.open(newline="") as f:
+    with path.open(newline="", encoding="utf-8-sig") as f:
         reader = csv.reader(f)
         for row in reader:
             line = f"{path}:{reader.line_num}"

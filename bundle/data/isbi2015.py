@@ -53,7 +53,7 @@ def read_isbi_annotation(path: str | Path, n_landmarks: int = ISBI_2015_N_LANDMA
     """The first ``n_landmarks`` lines ``x,y`` of an ISBI 2015 annotation file as a ``(n, 2)`` array."""
     path = Path(path)
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_text(encoding="utf-8-sig").splitlines()
     except (OSError, UnicodeDecodeError) as e:
         raise DatalistError(f"{path}: unreadable annotation file ({e})") from e
     if len(lines) < n_landmarks:

@@ -95,7 +95,7 @@ def read_fcsv(path: str | Path) -> list[ControlPoint]:
     """Control points of a Slicer ``.fcsv`` file, positions converted to RAS."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as e:
         raise DatalistError(f"{path}: unreadable markups file ({e})") from e
     system, columns = "RAS", list(FCSV_COLUMNS)

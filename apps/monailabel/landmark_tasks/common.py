@@ -453,7 +453,7 @@ class BundleContext:
         not datastore ids)."""
         if self.detector_path.is_file():
             try:
-                return json.loads(self.detector_info_path.read_text())
+                return json.loads(self.detector_info_path.read_text(encoding="utf-8"))
             except (OSError, ValueError):
                 return {}
         if self.shipped_detector is not None:
@@ -826,7 +826,7 @@ class BundleContext:
             }
             if self.templates_cache.is_file():
                 try:
-                    cached = json.loads(self.templates_cache.read_text())
+                    cached = json.loads(self.templates_cache.read_text(encoding="utf-8"))
                     if cached.get("key") == key and cached.get("templates"):
                         self._bundle_templates = cached["templates"]
                         return self._bundle_templates

@@ -241,7 +241,7 @@ class LandmarkInferTask(InferTask):
                 markups_points(self.names, points, frame),
                 coordinate_system="LPS" if self.spatial_dims == 2 else "RAS",
             )
-            result["markups"] = json.loads(Path(path).read_text())
+            result["markups"] = json.loads(Path(path).read_text(encoding="utf-8"))
         except BaseException:
             Path(path).unlink(missing_ok=True)
             raise

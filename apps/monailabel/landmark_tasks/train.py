@@ -386,7 +386,7 @@ class BundleTrainTask(TrainTask):
     def stats(self) -> dict[str, Any]:
         """The last training's statistics (``model/train_stats.json``, written by the training process)."""
         try:
-            return json.loads(self.stats_path.read_text())
+            return json.loads(self.stats_path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             return {}
 
