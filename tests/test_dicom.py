@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import struct
 import uuid
 import warnings
@@ -30,7 +31,8 @@ from bundle.data.dicom import (
     read_header,
     voi_window,
 )
-from bundle.data.images import ImageError, load_grey
+from bundle.data.images import ImageError, load_grey, load_image
+from bundle.data.images import LoadImaged as BundleLoadImaged
 from bundle.data.markups import ControlPoint, write_markups
 from bundle.data.synthetic import generate_synthetic_2d
 from bundle.transforms.landmarks import LandmarkTargetsd
@@ -611,3 +613,51 @@ def test_inferring_gives_the_same_landmarks_on_png_and_dicom(tmp_path):
         predictions[kind] = read_predictions(out / "predictions.csv")
     assert len(predictions["png"]) == 2 * 16
     assert same_predictions(predictions["png"], predictions["dcm"]) < 0.01  # pixels
+
+
+def test_a_folder_of_two_series_is_refused_naming_it(tmp_path):
+    """A reader takes one of a folder's series without a word (a registered copy 40 mm away read as the scan):
+    refused when it is read, as `prepare_data dicom` refuses it."""
+    row, col, _, affine_lps = oblique_sagittal_geometry()
+    hu = blob_volume(affine_lps, np.array([-6.0, 18.0, 27.0]))
+    write_ct_series(tmp_path / "one", hu, affine_lps, row, col)
+    assert tuple(BundleLoadImaged("image")({"image": str(tmp_path / "one")})["image"].shape) == hu.shape
+    both = write_ct_series(tmp_path / "both", hu, affine_lps, row, col)
+    moved = affine_lps.copy()
+    moved[:3, 3] += [40.0, 0.0, 0.0]
+    for file in write_ct_series(tmp_path / "moved", hu, moved, row, col).iterdir():
+        file.rename(both / f"B{file.name}")
+    with pytest.raises(ImageError, match=re.escape(f"{both}: a folder of 2 DICOM series; a reader would take one")):
+        BundleLoadImaged("image")({"image": str(both)})
+
+
+def test_a_nifti_file_read_otherwise_than_slicer_shows_it_is_refused_or_warned_about(tmp_path):
+    """nibabel takes voxel sizes in metres as millimetres, and the sform where ITK (3D Slicer) reads the qform (an
+    sform code other than 1): the first is refused, the second warned about with the distance, naming the file."""
+    data = np.zeros((20, 20, 10), np.int16)
+    data[5:15, 5:15, 3:7] = 100
+    affine = np.diag([2.0, 2.0, 3.0, 1.0])
+    metres = nib.Nifti1Image(data, affine)
+    metres.header.set_xyzt_units("meter")
+    nib.save(metres, str(tmp_path / "metres.nii.gz"))
+    with pytest.raises(ImageError, match=re.escape(f"{tmp_path / 'metres.nii.gz'}: its voxel sizes are in meters")):
+        load_image(str(tmp_path / "metres.nii.gz"))
+    moved = affine.copy()
+    moved[0, 3] += 30.0
+    for code, name in ((2, "aligned.nii.gz"), (1, "scanner.nii.gz")):
+        image = nib.Nifti1Image(data, None)
+        image.set_qform(affine, code=1)
+        image.set_sform(moved, code=code)
+        nib.save(image, str(tmp_path / name))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        loaded = load_image(str(tmp_path / "aligned.nii.gz"))
+        load_image(str(tmp_path / "scanner.nii.gz"))  # ITK reads its sform too: nothing to say
+    forms = [str(w.message) for w in record if "qform and sform" in str(w.message)]
+    assert forms == [
+        f"{tmp_path / 'aligned.nii.gz'}: its qform and sform place the volume up to 30.0 mm apart; the bundle reads "
+        "the sform (code 2), 3D Slicer and ITK the qform (code 1), so landmarks placed in Slicer lie that far off "
+        "here: make the two agree (e.g. nibabel: img.set_qform(img.get_sform())), or write the volume again with "
+        "SimpleITK"
+    ]
+    assert float(loaded.affine[0, 3]) == 30.0  # read as before: the sform

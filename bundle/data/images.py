@@ -25,7 +25,8 @@ import numpy as np
 import torch
 from bundle.data.annotations import visible_files
 from bundle.data.datalist import configuration_hint
-from bundle.data.dicom import XRayDicomd, plane_affine
+from bundle.data.dicom import XRayDicomd, plane_affine, series_ids
+from bundle.data.nifti import nifti_header_problems
 from bundle.io_utils import error_summary
 from monai.config import KeysCollection
 from monai.data import MetaTensor, PILReader
@@ -128,6 +129,29 @@ def check_picture(path: Any, max_pixels: int = MAX_PICTURE_PIXELS) -> None:
         )
 
 
+def check_volume(path: Any) -> None:
+    """Refuse (:class:`ImageError`) or warn about a volume that MONAI's readers would read otherwise than 3D Slicer
+    and ITK show it, before reading it: a folder of several DICOM series (the reader takes one without a word), and
+    what :func:`bundle.data.nifti.nifti_header_problems` finds in a NIfTI file. Other files are left to their
+    readers."""
+    if not isinstance(path, (str, os.PathLike)):
+        return
+    path = Path(path)
+    if path.is_dir():
+        series = series_ids(path)
+        if len(series) > 1:
+            raise ImageError(
+                f"{path}: a folder of {len(series)} DICOM series; a reader would take one of them without a word: "
+                "give each series a folder of its own (python -m scripts.prepare_data dicom reads one per folder)"
+            )
+        return
+    refusal, warning = nifti_header_problems(path)
+    if refusal:
+        raise ImageError(refusal)
+    if warning:
+        warnings.warn(warning, stacklevel=2)
+
+
 class LoadImaged(monai.transforms.LoadImaged):
     """MONAI's ``LoadImaged``; a file it cannot read raises :class:`ImageError` naming the file. PNG, JPEG and BMP
     files are read as a viewer shows them (:func:`pil_as_displayed`)."""
@@ -138,6 +162,7 @@ class LoadImaged(monai.transforms.LoadImaged):
     def __call__(self, data, reader=None):
         for key in self.key_iterator(dict(data)) if isinstance(data, Mapping) else []:
             check_picture(data[key])
+            check_volume(data[key])
         try:
             return super().__call__(data, reader)
         except ImageError:
@@ -151,6 +176,7 @@ def load_image(path: str, **kwargs: Any):
     """``monai.transforms.LoadImage(image_only=True, **kwargs)(path)``; an unreadable file raises
     :class:`ImageError`."""
     check_picture(path)
+    check_volume(path)
     try:
         return LoadImage(image_only=True, **_readers(kwargs))(path)
     except Exception as e:

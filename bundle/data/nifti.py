@@ -46,10 +46,61 @@ def find_markups(folder: str | Path) -> dict[str, Path]:
     return found
 
 
-def landmarks_outside(volume: Path, landmarks: Sequence[Sequence[float] | None]) -> dict[int, np.ndarray]:
-    """``{index: voxel}`` of the RAS ``landmarks`` that lie outside ``volume`` (its NIfTI affine and shape)."""
+# NIfTI spatial units (xyzt_units) that nibabel reads as millimetres where ITK and 3D Slicer convert them
+_UNITS_NOT_MM = ("meter", "micron")
+# qform and sform further apart than this (mm, at a corner of the volume) disagree
+_FORMS_TOLERANCE_MM = 0.1
+
+
+def nifti_header_problems(path: str | Path) -> tuple[str | None, str | None]:
+    """``(refusal, warning)`` messages naming a NIfTI file that the bundle (nibabel) would read otherwise than 3D
+    Slicer and ITK show it; ``(None, None)`` for other files and sound headers (an unreadable one is its reader's):
+
+    - voxel sizes in metres or microns (nibabel takes them as millimetres): refused;
+    - a qform and an sform that disagree where ITK reads the qform (an sform code other than 1, "scanner": the codes
+      2-4 that registration tools write): warned about, the bundle reads the sform."""
     import nibabel as nib
 
+    path = Path(path)
+    if not path.name.lower().endswith((".nii", ".nii.gz")) or not path.is_file():
+        return None, None
+    try:
+        header = nib.load(str(path)).header
+    except Exception:
+        return None, None
+    unit = header.get_xyzt_units()[0]
+    if unit in _UNITS_NOT_MM:
+        return (
+            f"{path}: its voxel sizes are in {unit}s (NIfTI xyzt_units), which the bundle would read as millimetres "
+            "(3D Slicer and ITK convert them): save the volume in millimetres, e.g. SimpleITK.ReadImage then "
+            "WriteImage"
+        ), None
+    qform_code, sform_code = int(header["qform_code"]), int(header["sform_code"])
+    if qform_code == 0 or sform_code in (0, 1):
+        return None, None
+    extent = np.maximum(np.asarray(header.get_data_shape()[:3], dtype=np.float64) - 1, 0)
+    corners = np.array([[*(c * extent), 1.0] for c in np.ndindex(2, 2, 2)])
+    apart = float(np.abs(corners @ (header.get_qform() - header.get_sform()).T)[:, :3].max())
+    if apart <= _FORMS_TOLERANCE_MM:
+        return None, None
+    return None, (
+        f"{path}: its qform and sform place the volume up to {apart:.1f} mm apart; the bundle reads the sform "
+        f"(code {sform_code}), 3D Slicer and ITK the qform (code {qform_code}), so landmarks placed in Slicer lie "
+        "that far off here: make the two agree (e.g. nibabel: img.set_qform(img.get_sform())), or write the volume "
+        "again with SimpleITK"
+    )
+
+
+def landmarks_outside(volume: Path, landmarks: Sequence[Sequence[float] | None]) -> dict[int, np.ndarray]:
+    """``{index: voxel}`` of the RAS ``landmarks`` that lie outside ``volume`` (its NIfTI affine and shape); a volume
+    the bundle would read otherwise than 3D Slicer is refused or warned about first (:func:`nifti_header_problems`)."""
+    import nibabel as nib
+
+    refusal, warning = nifti_header_problems(volume)
+    if refusal:
+        raise DatalistError(refusal)
+    if warning:
+        warnings.warn(warning, stacklevel=2)
     try:
         image = nib.load(str(volume))
     except Exception as e:  # nibabel raises several types for a corrupt or truncated header
