@@ -43,12 +43,16 @@ CONFIG_FILES: dict[str, tuple[str, ...]] = {
     ),
     "inference": ("configs/inference.yaml",),
 }
-THREE_D = {"configs/train.yaml": "configs/train_3d.yaml", "configs/evaluate.yaml": "configs/evaluate_3d.yaml"}
+THREE_D = {
+    "configs/train.yaml": "configs/train_3d.yaml",
+    "configs/evaluate.yaml": "configs/evaluate_3d.yaml",
+    "configs/inference.yaml": "configs/inference_3d.yaml",
+}
 
 
 def config_files(name: str, spatial_dims: int = 2) -> list[str]:
     """The config files of ``name`` (a key of ``CONFIG_FILES``) for 2D images or 3D volumes (``spatial_dims``);
-    ``ValueError`` for a name without a 3D configuration (``inference``) asked for 3D."""
+    ``ValueError`` for a name without a 3D configuration asked for 3D."""
     files = list(CONFIG_FILES[name])
     if spatial_dims == 2:
         return files

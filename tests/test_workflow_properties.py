@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from bundle.configs import config_files
+from bundle.configs import bundle_parser, config_files
 from bundle.data.datalist import load_datalist
 from bundle.data.synthetic import generate_synthetic_2d, generate_synthetic_3d
 from bundle.networks.detector import HeatmapDetector
@@ -26,6 +26,7 @@ WORKFLOWS = {
     "evaluation (eval)": ("eval", config_files("evaluate")),
     "evaluation, detector": ("eval", config_files("evaluate_detector")),
     "inference": ("inference", config_files("inference")),
+    "inference 3D": ("inference", config_files("inference", spatial_dims=3)),
 }
 
 
@@ -53,8 +54,13 @@ def test_monai_finds_every_property(name, datalists, tmp_path):
     properties themselves: the objects the commands run."""
     workflow_type, files = WORKFLOWS[name]
     settings = {"bundle_root": str(ROOT), "output_dir": str(tmp_path / "out")}
+    volumes = "configs/train_3d.yaml" in files or "configs/inference_3d.yaml" in files
     if name != "inference":
-        settings["datalist"] = str(datalists[3 if "configs/train_3d.yaml" in files else 2])
+        settings["datalist"] = str(datalists[3 if volumes else 2])
+    if name == "inference 3D":  # no 3D weights ship: an untrained network of the default 3D settings
+        network = bundle_parser(config_files("train", spatial_dims=3)).get_parsed_content("network_def")
+        torch.save(network.state_dict(), tmp_path / "untrained_3d.pt")
+        settings["ckpt_path"] = str(tmp_path / "untrained_3d.pt")
     if "configs/evaluate_detector.yaml" in files:  # a detector of the datalist's landmarks, with its record
         settings["ckpt_path"] = str(_detector(tmp_path / "detector", load_datalist(datalists[2])))
     workflow = ConfigWorkflow(

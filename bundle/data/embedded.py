@@ -24,6 +24,7 @@ def ensure_embedded_dataset(path: str | os.PathLike) -> Path:
     return path
 
 
-def open_datalist(path: str | os.PathLike) -> dict:
-    """Load a datalist; the embedded synthetic default is generated when missing (:func:`ensure_embedded_dataset`)."""
-    return load_datalist(ensure_embedded_dataset(path))
+def open_datalist(path: str | os.PathLike, spatial_dims: int | None = None) -> dict:
+    """Load a datalist (of ``spatial_dims`` when given, :func:`bundle.data.datalist.load_datalist`); the embedded
+    synthetic default is generated when missing (:func:`ensure_embedded_dataset`)."""
+    return load_datalist(ensure_embedded_dataset(path), spatial_dims=spatial_dims)

@@ -381,9 +381,9 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".dcm", ".ni
 
 
 def image_items(images: str | Sequence[str] | None, dataset_dir: str | os.PathLike) -> list[dict]:
-    """Datalist-style items ``{"image": path}`` of ``images`` (a path or a list of paths), or, when None or
-    empty, of every image file directly in ``dataset_dir`` (sorted; none when it does not exist, so that the
-    config builds without data: :func:`require_items` then fails at run time)."""
+    """Datalist-style items ``{"image": path}`` of ``images`` (a path or a list of paths: files, or DICOM series
+    folders), or, when None or empty, of every image file directly in ``dataset_dir`` (sorted; none when it does not
+    exist, so that the config builds without data: :func:`require_items` then fails at run time)."""
     if isinstance(images, (str, os.PathLike)):
         text = str(images).strip()
         if text.startswith("[") and text.endswith("]") and not Path(text).is_file():
@@ -394,7 +394,7 @@ def image_items(images: str | Sequence[str] | None, dataset_dir: str | os.PathLi
         images = [images]
     if images:
         paths = [Path(os.path.expanduser(str(p))) for p in images]
-        missing = [str(p) for p in paths if not p.is_file()]
+        missing = [str(p) for p in paths if not (p.is_file() or p.is_dir())]
         if missing:
             raise FileNotFoundError(f"images not found: {missing}")
         return [{"image": str(p)} for p in paths]

@@ -73,11 +73,14 @@ def compute_template(
 
 
 def template_source_names(
-    template_path: str | os.PathLike, template_datalist: str | os.PathLike | None = None
+    template_path: str | os.PathLike,
+    template_datalist: str | os.PathLike | None = None,
+    spatial_dims: int | None = None,
 ) -> list[str]:
-    """The landmark names of the template source: ``template_datalist`` when given, else the feature file."""
+    """The landmark names of the template source: ``template_datalist`` when given (refused when its spatial
+    dimensions are not ``spatial_dims``), else the feature file."""
     if template_datalist:
-        return list(open_datalist(template_datalist)["landmark_names"])
+        return list(open_datalist(template_datalist, spatial_dims)["landmark_names"])
     return load_template(template_path)["landmark_names"]
 
 

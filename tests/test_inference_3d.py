@@ -1,0 +1,94 @@
+"""`inferring` on volumes (configs/inference_3d.yaml): read as training and evaluating read them, so a volume's
+suggestions are evaluating's predictions, whatever the voxel order of its file; 3D data given to the 2D command are
+refused naming the 3D config."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import nibabel as nib
+import numpy as np
+import pytest
+from bundle.command_errors import root_cause
+from bundle.configs import bundle_parser, config_files
+from bundle.data.datalist import DatalistError, load_datalist
+from bundle.data.images import ImageError
+from bundle.data.synthetic import generate_synthetic_3d
+from monai.bundle import run
+
+from tests.test_3d_pipeline import TINY_3D, _evaluate, _untrained_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+INFER_3D = [str(ROOT / f) for f in config_files("inference", spatial_dims=3)]
+
+
+def _rows(path: Path) -> dict[tuple[str, str], np.ndarray]:
+    with open(path, newline="", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    return {(Path(r["image"]).name, r["landmark"]): np.array([float(r[a]) for a in "xyz"]) for r in rows}
+
+
+def test_volumes_are_loaded_as_training_loads_them():
+    """inference_3d.yaml's own copy of train_3d.yaml's load transforms (the inference config stands alone)."""
+    assert bundle_parser(INFER_3D)["load_transforms"] == bundle_parser(config_files("train", 3))["load_transforms"]
+
+
+def test_a_volume_s_suggestions_are_evaluating_s_predictions_whatever_its_voxel_order(tmp_path):
+    """The same test volume through `inferring` (as it is, and saved with its x axis flipped and its x and y axes
+    swapped, the same world geometry) and through `evaluating`: the same world points. Before inference_3d.yaml the
+    inference config read volumes as pictures (no reorientation, no resampling): 18-35 mm off for the reordered
+    files."""
+    datalist_path = generate_synthetic_3d(
+        tmp_path / "data", n_training=3, n_validation=1, n_test=1, shape=(32, 32, 32), spacing=(3.0, 3.0, 3.0), seed=4
+    )
+    datalist = load_datalist(datalist_path)
+    ckpt = _untrained_checkpoint(datalist_path, tmp_path / "untrained.pt")
+    volume = Path(datalist["test"][0]["image"])
+    image = nib.load(str(volume))
+    data, affine = np.asarray(image.dataobj), image.affine
+    flip = np.eye(4)
+    flip[0, 0], flip[0, 3] = -1, data.shape[0] - 1
+    nib.save(nib.Nifti1Image(data[::-1].copy(), affine @ flip), str(tmp_path / "flipped.nii.gz"))
+    swap = np.eye(4)[[1, 0, 2, 3]]
+    nib.save(nib.Nifti1Image(data.transpose(1, 0, 2).copy(), affine @ swap), str(tmp_path / "swapped.nii.gz"))
+
+    settings = {k: TINY_3D[k] for k in ("target_spacing", "image_size", "seed")}
+    _evaluate(datalist_path, tmp_path / "eval", ckpt, pseudo_templates=0)
+    run(
+        "inferring",
+        config_file=INFER_3D,
+        bundle_root=str(ROOT),
+        datalist=str(datalist_path),
+        images=[str(volume), str(tmp_path / "flipped.nii.gz"), str(tmp_path / "swapped.nii.gz")],
+        output_dir=str(tmp_path / "infer"),
+        ckpt_path=str(ckpt),
+        pseudo_templates=0,
+        template_cache=None,
+        **{"network_def#network#channels": TINY_3D["network_def#channels"]},
+        **settings,
+    )
+    evaluated, inferred = _rows(tmp_path / "eval" / "predictions.csv"), _rows(tmp_path / "infer" / "predictions.csv")
+    names = datalist["landmark_names"]
+    for name in names:
+        for file in (volume.name, "flipped.nii.gz", "swapped.nii.gz"):
+            np.testing.assert_allclose(inferred[(file, name)], evaluated[(volume.name, name)], atol=1e-3, err_msg=file)
+    assert (tmp_path / "infer" / f"{volume.name.split('.')[0]}.mrk.json").is_file()
+    assert not (tmp_path / "infer" / "overlays").exists()
+
+
+def test_3d_data_given_to_the_2d_inferring_are_refused_naming_the_3d_config(tmp_path):
+    datalist_path = generate_synthetic_3d(
+        tmp_path / "data", n_training=1, n_validation=1, n_test=1, shape=(32, 32, 32), spacing=(3.0, 3.0, 3.0), seed=4
+    )
+    volume = load_datalist(datalist_path)["test"][0]["image"]
+    with pytest.raises(RuntimeError) as raised:  # MONAI wraps the bundle's error
+        bundle_parser("configs/inference.yaml", datalist=str(datalist_path)).get_parsed_content("landmark_names")
+    assert isinstance(root_cause(raised.value), DatalistError)
+    assert "configs/inference_3d.yaml after configs/inference.yaml to infer" in str(root_cause(raised.value))
+    parser = bundle_parser("configs/inference.yaml", spatial_dims=3, image_size=[32, 32, 32])
+    preprocessing = parser.get_parsed_content("preprocessing")
+    with pytest.raises(RuntimeError) as raised:  # MONAI's Compose wraps it
+        preprocessing({"image": volume})
+    assert isinstance(root_cause(raised.value), ImageError)
+    assert "configs/inference_3d.yaml after configs/inference.yaml to infer" in str(root_cause(raised.value))
