@@ -55,6 +55,7 @@ EXPLICIT_LITTLE = "1.2.840.10008.1.2.1"
 ELEMENTS = {
     "SOPClassUID": (0x0008, 0x0016, "UI"),
     "SOPInstanceUID": (0x0008, 0x0018, "UI"),
+    "SeriesDate": (0x0008, 0x0021, "DA"),
     "Modality": (0x0008, 0x0060, "CS"),
     "PatientID": (0x0010, 0x0020, "LO"),
     "SliceThickness": (0x0018, 0x0050, "DS"),
@@ -388,12 +389,22 @@ def blob_volume(affine_lps: np.ndarray, centre_ras: np.ndarray) -> np.ndarray:
     return np.round(-1000.0 + 2000.0 * np.exp(-r2 / (2 * 6.0**2))).astype(np.int16)
 
 
-def write_ct_series(folder: Path, hu: np.ndarray, affine_lps: np.ndarray, row: np.ndarray, col: np.ndarray) -> Path:
-    """One CT slice file per k (unsigned stored = HU + 1024, RescaleIntercept -1024), in shuffled file names."""
+def write_ct_series(
+    folder: Path,
+    hu: np.ndarray,
+    affine_lps: np.ndarray,
+    row: np.ndarray,
+    col: np.ndarray,
+    dated: dict[int, str] | None = None,
+) -> Path:
+    """One CT slice file per k (unsigned stored = HU + 1024, RescaleIntercept -1024), in shuffled file names;
+    ``dated``: the Series Date of slices from k on (``{k: "YYYYMMDD"}``)."""
     folder.mkdir(parents=True, exist_ok=True)
     study, series, frame = new_uid(), new_uid(), new_uid()
     order = np.random.default_rng(0).permutation(hu.shape[2])
     for k in range(hu.shape[2]):
+        days = [day for first, day in sorted((dated or {}).items()) if k >= first]
+        date = {"SeriesDate": days[-1]} if days else {}
         write_dicom(
             folder / f"IM{order[k]:04d}",
             CT_STORAGE,
@@ -418,6 +429,7 @@ def write_ct_series(folder: Path, hu: np.ndarray, affine_lps: np.ndarray, row: n
             RescaleIntercept=-1024,
             RescaleSlope=1,
             PixelData=np.ascontiguousarray((hu[:, :, k].T.astype(np.int32) + 1024).astype("<u2")).tobytes(),
+            **date,
         )
     return folder
 
@@ -661,3 +673,32 @@ def test_a_nifti_file_read_otherwise_than_slicer_shows_it_is_refused_or_warned_a
         "SimpleITK"
     ]
     assert float(loaded.affine[0, 3]) == 30.0  # read as before: the sform
+
+
+def test_a_series_landmark_outside_its_volume_is_warned_about_as_for_nifti(tmp_path):
+    """`prepare_data dicom` checked no landmark against its series (the NIfTI converter did): LPS values in a file
+    declared RAS passed without a word."""
+    row, col, _, affine_lps = oblique_sagittal_geometry()
+    centre = np.array([-6.0, 18.0, 27.0])  # RAS, inside the volume
+    write_ct_series(tmp_path / "cts" / "case1", blob_volume(affine_lps, centre), affine_lps, row, col)
+    lps = centre * [-1, -1, 1]  # the same point in LPS, read as RAS: outside
+    points = [ControlPoint("inside", tuple(centre)), ControlPoint("mixed_up", tuple(lps))]
+    write_markups(tmp_path / "cts" / "case1.mrk.json", points)
+    with pytest.warns(UserWarning) as record:
+        datalist = dicom_series_datalist(tmp_path / "cts")
+    outside = [str(w.message) for w in record if "lies outside" in str(w.message)]
+    assert len(outside) == 1 and "label 'mixed_up' at RAS [6.0, -18.0, 27.0] lies outside" in outside[0], outside
+    assert datalist["training"][0]["landmarks"][1] == [6.0, -18.0, 27.0]
+
+
+def test_a_series_the_reader_splits_is_warned_about_naming_the_slices_read(tmp_path):
+    """A series crossing midnight (its later slices dated the next day): MONAI's reader reads part of it as the
+    volume; `prepare_data dicom` warns, naming how many of the folder's files it read."""
+    row, col, _, affine_lps = oblique_sagittal_geometry()
+    hu = blob_volume(affine_lps, np.array([-6.0, 18.0, 27.0]))
+    write_ct_series(tmp_path / "cts" / "case1", hu, affine_lps, row, col, dated={0: "20261128", 10: "20261129"})
+    write_markups(tmp_path / "cts" / "case1.mrk.json", [ControlPoint("a", (-6.0, 18.0, 27.0))])
+    with pytest.warns(UserWarning) as record:
+        dicom_series_datalist(tmp_path / "cts")
+    split = [str(w.message) for w in record if "the reader split the series" in str(w.message)]
+    assert len(split) == 1 and f"from {hu.shape[2]} DICOM files" in split[0], [str(w.message) for w in record]

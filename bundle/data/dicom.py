@@ -40,10 +40,10 @@ from bundle.data.annotations import natural_key
 from bundle.data.datalist import DatalistError, unsplit_datalist
 from bundle.data.hand_csv import read_landmark_csv
 from bundle.data.markups import MARKUPS_SUFFIXES, names_of_labels, read_markups
-from bundle.data.nifti import find_markups, markups_landmarks
+from bundle.data.nifti import find_markups, markups_landmarks, points_outside, warn_outside
 from monai.config import KeysCollection
 from monai.data import MetaTensor
-from monai.transforms import MapTransform
+from monai.transforms import LoadImage, MapTransform
 
 _TAG = re.compile(r"^[0-9a-fA-F]{4}\|[0-9a-fA-F]{4}$")
 
@@ -411,6 +411,22 @@ def series_ids(folder: Path) -> list[str]:
     return list(sitk.ImageSeriesReader.GetGDCMSeriesIDs(str(folder)))
 
 
+def series_geometry(folder: Path) -> tuple[np.ndarray, tuple[int, ...]]:
+    """The voxel-to-RAS affine and the shape of the volume that MONAI's reader makes of the series in ``folder``
+    (what training reads); warned about when it holds fewer slices than the folder has DICOM files (the reader split
+    the series, by its date or slice thickness: the volume is a part of it)."""
+    image = LoadImage(image_only=True)(str(folder))
+    shape = tuple(int(n) for n in image.shape[:3])
+    files = sum(1 for p in folder.iterdir() if is_dicom_file(p))
+    if len(shape) == 3 and shape[2] < files:
+        warnings.warn(
+            f"{folder}: read as a volume of {shape[2]} slices from {files} DICOM files: the reader split the series "
+            "(slices of another date, slice thickness or size); keep the slices of one volume alone in the folder",
+            stacklevel=2,
+        )
+    return np.asarray(image.affine, dtype=np.float64), shape
+
+
 def dicom_series_datalist(
     root: str | Path,
     markups_dir: str | Path | None = None,
@@ -420,8 +436,9 @@ def dicom_series_datalist(
     """3D datalist of the CT series folders ``root/X/`` (one series each) with markups ``X.fcsv`` / ``X.mrk.json``.
 
     ``markups_dir`` defaults to ``root``. Landmarks are world RAS mm, matched by label as for NIfTI
-    volumes (``bundle.data.nifti``); a folder with several series is refused (``LoadImaged`` would read
-    only the first), naming the folder.
+    volumes (``bundle.data.nifti``), and each outside the volume the reader makes of its series warned about
+    (:func:`series_geometry`); a folder with several series is refused (``LoadImaged`` would read only the first),
+    naming the folder.
     """
 
     root = Path(root)
@@ -452,6 +469,9 @@ def dicom_series_datalist(
         item: dict = {"image": str(folders[stem])}
         if stem in points:
             item["landmarks"] = markups_landmarks(files[stem], points[stem], names)
+            affine, shape = series_geometry(folders[stem])
+            outside = points_outside(affine, shape, item["landmarks"])
+            warn_outside(files[stem], folders[stem], names, item["landmarks"], outside)
         else:
             warnings.warn(
                 f"{folders[stem]}: no markups file {stem}.fcsv or {stem}.mrk.json: kept without landmarks", stacklevel=2

@@ -91,9 +91,25 @@ def nifti_header_problems(path: str | Path) -> tuple[str | None, str | None]:
     )
 
 
+def points_outside(
+    affine: np.ndarray, shape: Sequence[int], landmarks: Sequence[Sequence[float] | None]
+) -> dict[int, np.ndarray]:
+    """``{index: voxel}`` of the RAS ``landmarks`` outside a volume of ``shape`` voxels whose voxel-to-RAS map is
+    ``affine``."""
+    inverse = np.linalg.inv(np.asarray(affine, dtype=np.float64))
+    upper = np.asarray(shape[:3], dtype=np.float64) - 0.5
+    out = {}
+    for j, position in enumerate(landmarks):
+        if position is not None:
+            voxel = (inverse @ np.append(np.asarray(position, dtype=np.float64), 1.0))[:3]
+            if ((voxel < -0.5) | (voxel > upper)).any():
+                out[j] = voxel
+    return out
+
+
 def landmarks_outside(volume: Path, landmarks: Sequence[Sequence[float] | None]) -> dict[int, np.ndarray]:
-    """``{index: voxel}`` of the RAS ``landmarks`` that lie outside ``volume`` (its NIfTI affine and shape); a volume
-    the bundle would read otherwise than 3D Slicer is refused or warned about first (:func:`nifti_header_problems`)."""
+    """:func:`points_outside` of ``volume``'s NIfTI header; a volume the bundle would read otherwise than 3D Slicer
+    is refused or warned about first (:func:`nifti_header_problems`)."""
     import nibabel as nib
 
     refusal, warning = nifti_header_problems(volume)
@@ -105,15 +121,19 @@ def landmarks_outside(volume: Path, landmarks: Sequence[Sequence[float] | None])
         image = nib.load(str(volume))
     except Exception as e:  # nibabel raises several types for a corrupt or truncated header
         raise DatalistError(f"{volume}: unreadable NIfTI header ({e})") from e
-    inverse = np.linalg.inv(image.affine)
-    upper = np.asarray(image.shape[:3], dtype=np.float64) - 0.5
-    out = {}
-    for j, position in enumerate(landmarks):
-        if position is not None:
-            voxel = (inverse @ np.append(np.asarray(position, dtype=np.float64), 1.0))[:3]
-            if ((voxel < -0.5) | (voxel > upper)).any():
-                out[j] = voxel
-    return out
+    return points_outside(image.affine, image.shape, landmarks)
+
+
+def warn_outside(
+    markups: Path, volume: Path, names: Sequence[str], landmarks: Sequence, outside: dict[int, np.ndarray]
+) -> None:
+    """A warning for each landmark of ``markups`` that lies ``outside`` (:func:`points_outside`) its volume."""
+    for j, voxel in outside.items():
+        warnings.warn(
+            f"{markups}: label {names[j]!r} at RAS {landmarks[j]} lies outside {volume} "
+            f"(voxel {np.round(voxel, 1).tolist()}): LPS/RAS mix-up?",
+            stacklevel=3,
+        )
 
 
 def markups_landmarks(path: Path, points: Sequence[ControlPoint], names: Sequence[str]) -> list[list[float] | None]:
@@ -180,11 +200,7 @@ def nifti_datalist(
             )
         else:
             item["landmarks"] = markups_landmarks(files[stem], points[stem], names)
-            for j, voxel in landmarks_outside(volumes[stem], item["landmarks"]).items():
-                warnings.warn(
-                    f"{files[stem]}: label {names[j]!r} at RAS {item['landmarks'][j]} lies outside {volumes[stem]} "
-                    f"(voxel {np.round(voxel, 1).tolist()}): LPS/RAS mix-up?",
-                    stacklevel=2,
-                )
+            outside = landmarks_outside(volumes[stem], item["landmarks"])
+            warn_outside(files[stem], volumes[stem], names, item["landmarks"], outside)
         items.append(item)
     return unsplit_datalist(name or images_dir.name, 3, names, items)
