@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -150,3 +152,10 @@ def test_a_3d_datalist_spacing_other_than_the_header_is_refused():
     ):
         LandmarkTargets(n_landmarks=1)(image, [[0.0, 0.0, 0.0]], spacing=[1.0, 1.0, 1.0])
     assert LandmarkTargets(n_landmarks=1)(image, [[0.0, 0.0, 0.0]], spacing=[2.0, 2.0, 2.0])[2].tolist() == [2.0] * 3
+    # sagittal slices (voxel axes y, x, z): the voxel sizes in file order are not the spacing's world order
+    sagittal = MetaTensor(
+        torch.zeros(1, 8, 8, 8), affine=torch.tensor([[0.0, 5, 0, 0], [0.5, 0, 0, 0], [0, 0, 0.5, 0], [0, 0, 0, 1]])
+    )
+    sagittal.meta["filename_or_obj"] = "sagittal.nii.gz"
+    with pytest.raises(ValueError, match=re.escape("header's [5.0, 0.5, 0.5] mm along the world x, y, z axes")):
+        LandmarkTargets(n_landmarks=1)(sagittal, [[0.0, 0.0, 0.0]], spacing=[0.5, 5.0, 0.5])

@@ -157,8 +157,9 @@ class LandmarkTargets(Transform):
             if header is not None and not np.allclose(spacing, header, rtol=1e-3):
                 raise ValueError(
                     f"{_file(img)}: the datalist's spacing {spacing.tolist()} differs from its header's "
-                    f"{np.round(header, 6).tolist()} mm; in 3D the header's affine places the voxels and the landmarks "
-                    "(world mm), so a spacing cannot override it: fix the header, or leave 'spacing' out"
+                    f"{np.round(header, 6).tolist()} mm along the world x, y, z axes (a 3D spacing is given in that "
+                    "order, not in the file's voxel order); in 3D the header's affine places the voxels and the "
+                    "landmarks (world mm), so a spacing cannot override it: fix the header, or leave 'spacing' out"
                 )
         spacing = self._spacing(img, dims) if spacing is None else spacing
         points = landmarks_array({"landmarks": landmarks}, self.n_landmarks, dims)
