@@ -412,6 +412,13 @@ def test_a_volume_not_in_hu_is_warned_about_and_a_ct_is_not(tmp_path):
     )
     assert "its values run from 0.00996 to 0.992 (1st to 99th percentile), not CT Hounsfield units" in warned[0]
     assert '--hu_window "[0.00996, 0.992]"' in warned[0] and "percentile window (docs/3d.md)" in warned[0]
+    # the CT exported as 8-bit without its rescale (0-255): air is no longer at -1000 HU
+    image = nib.load(str(ct_volume))
+    hu = np.asarray(image.dataobj, dtype=np.float32)
+    stored = np.round((hu - hu.min()) / (hu.max() - hu.min()) * 255).astype(np.uint8)
+    nib.save(nib.Nifti1Image(stored, image.affine), tmp_path / "ct_uint8.nii.gz")
+    with pytest.warns(UserWarning, match=re.escape("ct_uint8.nii.gz: no value below 0 under the Hounsfield window")):
+        pipeline({"image": str(tmp_path / "ct_uint8.nii.gz")})
 
 
 def test_real_world_picture_files_are_read_as_shown_or_refused_naming_them(data2d, tmp_path):

@@ -299,11 +299,22 @@ def check_contrast(values: torch.Tensor, name: str) -> None:
 def check_intensity_window(values: torch.Tensor, window: Sequence[float], name: str) -> None:
     """Warn when the window ``[low, high]`` leaves ``values`` nearly constant once scaled to [0, 1] (standard
     deviation below :data:`MIN_WINDOWED_SPREAD`): a volume not in HU (an MRI, intensities scaled to [0, 1]) under
-    the CT window shows almost no structure, and matching on it fails without an error."""
+    the CT window shows almost no structure, and matching on it fails without an error. Warn too when a window
+    reaching below 0 HU meets a volume without negative values (a CT exported without its rescale: no air at -1000
+    HU; 14 mm off on a probe's volume)."""
     low, high = float(window[0]), float(window[1])
     windowed = ((values.float() - low) / (high - low)).clamp(0.0, 1.0)
     spread = float(windowed.std())
     if spread >= MIN_WINDOWED_SPREAD:
+        lowest = float(values.min())
+        if low < 0 <= lowest:
+            warnings.warn(
+                f"{name}: no value below {lowest:g} under the Hounsfield window [{low:g}, {high:g}] (hu_window), where "
+                "a CT holds air at about -1000 HU: an export without its rescale slope and intercept (8-bit, or "
+                "stored values) is matched in the wrong contrast. Export the CT in HU, or give hu_window the range of "
+                "its values",
+                stacklevel=2,
+            )
         return
     p1, p99 = _percentiles_1_99(values)
     warnings.warn(
