@@ -683,6 +683,10 @@ def test_images_given_as_one_string_is_one_image(data2d, tmp_path):
     png = str(data2d["datalist"].parent / data2d["content"]["test"][0]["image"])
     parser = bundle_parser("configs/inference.yaml", ROOT, images=png)
     assert parser.get_parsed_content("dataset").data == [{"image": png}]
+    # `--images null` (the command line gives the text): the dataset_dir's images, not a file named 'null'
+    folder = str(Path(png).parent)
+    parser = bundle_parser("configs/inference.yaml", ROOT, images="null", dataset_dir=folder)
+    assert parser.get_parsed_content("dataset").data == image_items(None, folder) != []
     with pytest.raises(FileNotFoundError, match=r"images not found: \['a.png,b.png'\]"):
         image_items("a.png,b.png", tmp_path)
     # a list the command line could not read (a ' in a name ends the quoted name): the quoting that works is named
