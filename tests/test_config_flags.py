@@ -26,6 +26,7 @@ COMMANDS = {
     "evaluation 3D": config_files("evaluate", spatial_dims=3),
     "evaluation, detector": config_files("evaluate_detector"),
     "inference": config_files("inference"),
+    "inference 3D": config_files("inference", spatial_dims=3),
 }
 FALSE = ["false", "False", "FALSE", "no", "No", "0", 0]
 TRUE = ["true", "True", "TRUE", "yes", "YES", "1", 1]
