@@ -237,24 +237,27 @@ def check_command_line(argv: Sequence[str] | None = None) -> None:
       unless the config's value is a yes/no;
     - a value that is not a number where the config's value is one (``--max_templates two``), or not an integer
       where it is an integer (``2.7``); ``null`` / ``none`` pass (:func:`is_unset`), ranges are the configs' checks;
-    - a word that is no option's value (:func:`stray_words`): a shell wildcard or an unquoted space split a value.
+    - a word that is no option's value (:func:`stray_words`) nor a config item (``init_id``, ``final_id``): a shell
+      wildcard or an unquoted space split a value.
 
     The first step of every command; a no-op outside ``python -m monai.bundle run``."""
     argv = sys.argv if argv is None else argv
     files, overrides = command_line_overrides(argv)
-    stray = stray_words(argv[2:]) if files else []
+    if not files:
+        return
+    parser = ConfigParser()
+    parser.read_config(files)
+    config = parser.get()
+    known = _config_ids(config)
+    stray = [word for word in stray_words(argv[2:]) if word not in known]  # an init_id or final_id names an item
     if stray:
         raise ValueError(
             f"command line: {stray} follow(s) no --key: each value must be one word. A shell wildcard (--images *.png) "
             "or a space in a value splits it; give a list as one quoted word, --images \"['a.png','b.png']\", or a "
             "folder: --dataset_dir FOLDER"
         )
-    if not files or not overrides:
+    if not overrides:
         return
-    parser = ConfigParser()
-    parser.read_config(files)
-    config = parser.get()
-    known = _config_ids(config)
     unknown = [k for k in overrides if k not in known and not _argument_of_a_component(config, k)]
     if unknown:
         hints = "; ".join(

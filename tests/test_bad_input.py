@@ -580,8 +580,10 @@ def test_a_3d_spacing_or_ct_window_monai_would_bend_is_refused_naming_the_key(ov
         (["--entropy_sampling"], None),
         (["--rotate_range", "7.5", "--epochs", "2", "--learning_rate", "1e-3"], None),
         (["--seed", "-1", "--output_dir=out"], None),
+        (["initialize", "--epochs", "2"], None),  # MONAI's init_id: an item of the config
+        (["--", "extra"], None),
         # a shell wildcard's second file, an unquoted space: Fire would give the word to init_id and run without it
-        (["--output_dir", "my", "run", "--epochs", "2"], "command line: ['run'] follow(s) no --key: each value"),
+        (["--output_dir", "my", "folder", "--epochs", "2"], "command line: ['folder'] follow(s) no --key: each value"),
         (["--datalist", "a.json", "b.json"], "A shell wildcard (--images *.png) or a space in a value splits it"),
     ],
 )

@@ -639,7 +639,7 @@ def test_a_folder_of_two_series_is_refused_naming_it(tmp_path):
     moved[:3, 3] += [40.0, 0.0, 0.0]
     for file in write_ct_series(tmp_path / "moved", hu, moved, row, col).iterdir():
         file.rename(both / f"B{file.name}")
-    with pytest.raises(ImageError, match=re.escape(f"{both}: a folder of 2 DICOM series; a reader would take one")):
+    with pytest.raises(ImageError, match=re.escape(f"{both}: 2 DICOM series in one folder, as the reader groups")):
         BundleLoadImaged("image")({"image": str(both)})
 
 
@@ -649,24 +649,30 @@ def test_a_nifti_file_read_otherwise_than_slicer_shows_it_is_refused_or_warned_a
     data = np.zeros((20, 20, 10), np.int16)
     data[5:15, 5:15, 3:7] = 100
     affine = np.diag([2.0, 2.0, 3.0, 1.0])
-    metres = nib.Nifti1Image(data, affine)
-    metres.header.set_xyzt_units("meter")
-    nib.save(metres, str(tmp_path / "metres.nii.gz"))
-    with pytest.raises(ImageError, match=re.escape(f"{tmp_path / 'metres.nii.gz'}: its voxel sizes are in meters")):
-        load_image(str(tmp_path / "metres.nii.gz"))
+    for unit in ("meter", "micron"):
+        scaled = nib.Nifti1Image(data, affine)
+        scaled.header.set_xyzt_units(unit)
+        nib.save(scaled, str(tmp_path / f"{unit}.nii.gz"))
+        with pytest.raises(ImageError, match=re.escape(f"{tmp_path / unit}.nii.gz: its voxel sizes are in {unit}s")):
+            load_image(str(tmp_path / f"{unit}.nii.gz"))
     moved = affine.copy()
     moved[0, 3] += 30.0
-    for code, name in ((2, "aligned.nii.gz"), (1, "scanner.nii.gz")):
+    sheared = moved.copy()
+    sheared[0, 1] = 0.5  # ITK reads the qform of a sheared sform whatever its code
+    cases = ((2, "aligned.nii.gz", moved), (1, "scanner.nii.gz", moved), (1, "sheared.nii.gz", sheared))
+    for code, name, sform in cases:
         image = nib.Nifti1Image(data, None)
         image.set_qform(affine, code=1)
-        image.set_sform(moved, code=code)
+        image.set_sform(sform, code=code)
         nib.save(image, str(tmp_path / name))
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         loaded = load_image(str(tmp_path / "aligned.nii.gz"))
         load_image(str(tmp_path / "scanner.nii.gz"))  # ITK reads its sform too: nothing to say
+        load_image(str(tmp_path / "sheared.nii.gz"))
     forms = [str(w.message) for w in record if "qform and sform" in str(w.message)]
-    assert forms == [
+    assert len(forms) == 2 and forms[1].startswith(f"{tmp_path / 'sheared.nii.gz'}: its qform and sform place")
+    assert forms[:1] == [
         f"{tmp_path / 'aligned.nii.gz'}: its qform and sform place the volume up to 30.0 mm apart; the bundle reads "
         "the sform (code 2), 3D Slicer and ITK the qform (code 1), so landmarks placed in Slicer lie that far off "
         "here: make the two agree (e.g. nibabel: img.set_qform(img.get_sform())), or write the volume again with "
@@ -691,14 +697,16 @@ def test_a_series_landmark_outside_its_volume_is_warned_about_as_for_nifti(tmp_p
     assert datalist["training"][0]["landmarks"][1] == [6.0, -18.0, 27.0]
 
 
-def test_a_series_the_reader_splits_is_warned_about_naming_the_slices_read(tmp_path):
-    """A series crossing midnight (its later slices dated the next day): MONAI's reader reads part of it as the
-    volume; `prepare_data dicom` warns, naming how many of the folder's files it read."""
+def test_a_series_the_reader_splits_is_refused_when_read_and_by_prepare_data(tmp_path):
+    """A series crossing midnight (its later slices dated the next day): MONAI's reader groups slices by date too and
+    read half the volume as the scan; one Series Instance UID let both checks pass. Refused, naming the folder."""
     row, col, _, affine_lps = oblique_sagittal_geometry()
     hu = blob_volume(affine_lps, np.array([-6.0, 18.0, 27.0]))
-    write_ct_series(tmp_path / "cts" / "case1", hu, affine_lps, row, col, dated={0: "20261128", 10: "20261129"})
+    dated = {0: "20261128", 10: "20261129"}
+    folder = write_ct_series(tmp_path / "cts" / "case1", hu, affine_lps, row, col, dated=dated)
     write_markups(tmp_path / "cts" / "case1.mrk.json", [ControlPoint("a", (-6.0, 18.0, 27.0))])
-    with pytest.warns(UserWarning) as record:
+    message = f"{folder}: 2 DICOM series in one folder, as the reader groups the slices (by series, series date"
+    with pytest.raises(DicomError, match=re.escape(message)):
         dicom_series_datalist(tmp_path / "cts")
-    split = [str(w.message) for w in record if "the reader split the series" in str(w.message)]
-    assert len(split) == 1 and f"from {hu.shape[2]} DICOM files" in split[0], [str(w.message) for w in record]
+    with pytest.raises(ImageError, match=re.escape(message)):
+        BundleLoadImaged("image")({"image": str(folder)})

@@ -30,8 +30,12 @@ def _rows(path: Path) -> dict[tuple[str, str], np.ndarray]:
 
 
 def test_volumes_are_loaded_as_training_loads_them():
-    """inference_3d.yaml's own copy of train_3d.yaml's load transforms (the inference config stands alone)."""
-    assert bundle_parser(INFER_3D)["load_transforms"] == bundle_parser(config_files("train", 3))["load_transforms"]
+    """inference_3d.yaml's own copy of train_3d.yaml's load transforms and the settings they read (the inference
+    config stands alone)."""
+    inference, training = bundle_parser(INFER_3D), bundle_parser(config_files("train", 3))
+    assert inference["load_transforms"] == training["load_transforms"]
+    for key in ("target_spacing", "hu_limits", "image_size", "min_image_size", "spatial_dims"):
+        assert inference.get_parsed_content(key) == training.get_parsed_content(key), key
 
 
 def test_a_volume_s_suggestions_are_evaluating_s_predictions_whatever_its_voxel_order(tmp_path):

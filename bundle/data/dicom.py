@@ -405,26 +405,36 @@ def dicom_xray_datalist(
 
 
 def series_ids(folder: Path) -> list[str]:
-    """The Series Instance UIDs of the DICOM files in ``folder`` (GDCM)."""
-    import SimpleITK as sitk  # noqa: N813
+    """The DICOM series in ``folder`` as MONAI's reader groups its slices (``monai.data.ITKReader``: by Series
+    Instance UID, Series Date and GDCM's series details, such as slice thickness and size), so that a series the
+    reader would read in parts counts as several."""
+    import itk
 
-    return list(sitk.ImageSeriesReader.GetGDCMSeriesIDs(str(folder)))
+    names = itk.GDCMSeriesFileNames.New()
+    names.SetUseSeriesDetails(True)
+    names.AddSeriesRestriction("0008|0021")
+    names.SetGlobalWarningDisplay(False)
+    names.SetDirectory(str(folder))
+    return list(names.GetSeriesUIDs())
+
+
+def several_series_message(folder: Path) -> str | None:
+    """What is wrong with ``folder`` when it holds more than one DICOM series (:func:`series_ids`: a reader would read
+    one of them, or a part of a split series, as the volume); None otherwise."""
+    ids = series_ids(folder)
+    if len(ids) <= 1:
+        return None
+    return (
+        f"{folder}: {len(ids)} DICOM series in one folder, as the reader groups the slices (by series, series date, "
+        "slice thickness and size); it would read one of them as the volume: keep the slices of one volume alone in "
+        "a folder"
+    )
 
 
 def series_geometry(folder: Path) -> tuple[np.ndarray, tuple[int, ...]]:
-    """The voxel-to-RAS affine and the shape of the volume that MONAI's reader makes of the series in ``folder``
-    (what training reads); warned about when it holds fewer slices than the folder has DICOM files (the reader split
-    the series, by its date or slice thickness: the volume is a part of it)."""
+    """The voxel-to-RAS affine and the shape of the volume that MONAI's reader makes of the series in ``folder``."""
     image = LoadImage(image_only=True)(str(folder))
-    shape = tuple(int(n) for n in image.shape[:3])
-    files = sum(1 for p in folder.iterdir() if is_dicom_file(p))
-    if len(shape) == 3 and shape[2] < files:
-        warnings.warn(
-            f"{folder}: read as a volume of {shape[2]} slices from {files} DICOM files: the reader split the series "
-            "(slices of another date, slice thickness or size); keep the slices of one volume alone in the folder",
-            stacklevel=2,
-        )
-    return np.asarray(image.affine, dtype=np.float64), shape
+    return np.asarray(image.affine, dtype=np.float64), tuple(int(n) for n in image.shape[:3])
 
 
 def dicom_series_datalist(
@@ -437,8 +447,8 @@ def dicom_series_datalist(
 
     ``markups_dir`` defaults to ``root``. Landmarks are world RAS mm, matched by label as for NIfTI
     volumes (``bundle.data.nifti``), and each outside the volume the reader makes of its series warned about
-    (:func:`series_geometry`); a folder with several series is refused (``LoadImaged`` would read only the first),
-    naming the folder.
+    (:func:`series_geometry`); a folder with several series, as the reader groups them, is refused
+    (:func:`several_series_message`).
     """
 
     root = Path(root)
@@ -448,9 +458,9 @@ def dicom_series_datalist(
     for folder in sorted(p for p in root.iterdir() if p.is_dir()):
         if not any(is_dicom_file(p) for p in folder.iterdir()):
             continue
-        ids = series_ids(folder)
-        if len(ids) != 1:
-            raise DicomError(f"{folder}: {len(ids)} DICOM series in one folder; keep one series per folder")
+        message = several_series_message(folder)
+        if message:
+            raise DicomError(message)
         folders[folder.name] = folder.absolute()
     if not folders:
         raise DatalistError(f"{root}: no sub-folder holds a DICOM series")

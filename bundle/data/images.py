@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from bundle.data.annotations import visible_files
 from bundle.data.datalist import configuration_hint
-from bundle.data.dicom import XRayDicomd, plane_affine, series_ids
+from bundle.data.dicom import XRayDicomd, plane_affine, several_series_message
 from bundle.data.nifti import nifti_header_problems
 from bundle.io_utils import error_summary
 from monai.config import KeysCollection
@@ -131,19 +131,17 @@ def check_picture(path: Any, max_pixels: int = MAX_PICTURE_PIXELS) -> None:
 
 def check_volume(path: Any) -> None:
     """Refuse (:class:`ImageError`) or warn about a volume that MONAI's readers would read otherwise than 3D Slicer
-    and ITK show it, before reading it: a folder of several DICOM series (the reader takes one without a word), and
+    and ITK show it, before reading it: a folder of several DICOM series
+    (:func:`bundle.data.dicom.several_series_message`: the reader would read one, or a part of a split series), and
     what :func:`bundle.data.nifti.nifti_header_problems` finds in a NIfTI file. Other files are left to their
     readers."""
     if not isinstance(path, (str, os.PathLike)):
         return
     path = Path(path)
     if path.is_dir():
-        series = series_ids(path)
-        if len(series) > 1:
-            raise ImageError(
-                f"{path}: a folder of {len(series)} DICOM series; a reader would take one of them without a word: "
-                "give each series a folder of its own (python -m scripts.prepare_data dicom reads one per folder)"
-            )
+        message = several_series_message(path)
+        if message:
+            raise ImageError(message)
         return
     refusal, warning = nifti_header_problems(path)
     if refusal:
@@ -399,8 +397,8 @@ def image_items(images: str | Sequence[str] | None, dataset_dir: str | os.PathLi
         text = str(images).strip()
         if text.startswith("[") and text.endswith("]") and not Path(text).is_file():
             raise FileNotFoundError(
-                f"images: {text!r} is neither a file nor a list the command line could read; a name holding ' ends "
-                'a quoted name early: quote it with \\" inside the list, --images "[\\"it\'s.png\\"]"'
+                f"images: {text!r} is neither a file nor a list the command line could read: quote each name inside "
+                """the list, --images "['a.png','b.png']" (a name holding ' inside \\": --images "[\\"it's.png\\"]")"""
             )
         images = [images]
     if images:

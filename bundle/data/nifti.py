@@ -52,13 +52,22 @@ _UNITS_NOT_MM = ("meter", "micron")
 _FORMS_TOLERANCE_MM = 0.1
 
 
+def _sheared(affine: np.ndarray) -> bool:
+    """Whether the voxel axes of ``affine`` are not orthogonal (a zero axis counts as sheared)."""
+    lengths = np.linalg.norm(affine[:3, :3], axis=0)
+    if not lengths.all():
+        return True
+    axes = affine[:3, :3] / lengths
+    return not np.allclose(axes.T @ axes, np.eye(3), atol=1e-4)
+
+
 def nifti_header_problems(path: str | Path) -> tuple[str | None, str | None]:
     """``(refusal, warning)`` messages naming a NIfTI file that the bundle (nibabel) would read otherwise than 3D
     Slicer and ITK show it; ``(None, None)`` for other files and sound headers (an unreadable one is its reader's):
 
     - voxel sizes in metres or microns (nibabel takes them as millimetres): refused;
     - a qform and an sform that disagree where ITK reads the qform (an sform code other than 1, "scanner": the codes
-      2-4 that registration tools write): warned about, the bundle reads the sform."""
+      2-4 that registration tools write; or a sheared sform): warned about, the bundle reads the sform."""
     import nibabel as nib
 
     path = Path(path)
@@ -76,7 +85,7 @@ def nifti_header_problems(path: str | Path) -> tuple[str | None, str | None]:
             "WriteImage"
         ), None
     qform_code, sform_code = int(header["qform_code"]), int(header["sform_code"])
-    if qform_code == 0 or sform_code in (0, 1):
+    if qform_code == 0 or sform_code == 0 or (sform_code == 1 and not _sheared(header.get_sform())):
         return None, None
     extent = np.maximum(np.asarray(header.get_data_shape()[:3], dtype=np.float64) - 1, 0)
     corners = np.array([[*(c * extent), 1.0] for c in np.ndindex(2, 2, 2)])

@@ -2,14 +2,9 @@
 
 On an image unlike those it learnt from, a heatmap detector still puts every landmark at its heatmap's argmax and
 template matching at each template's best match, and the predictions look like any others. The detector's heatmap
-peaks and the matches' scores tell the two apart (docs/results.md, "A detector's confidence" and "How well the
-templates match"). Measured on 30 Hamedan cephalograms (images 071-100), means per image:
-
-- heatmap peaks over the 19 landmarks: 0.39-0.65 (``models/finetune``) and 0.80-0.90 (``models/stage2``); on the
-  same images inverted (white background) 0.023-0.056 and mirrored (facing the other way) 0.029-0.134;
-- match scores of the 32 built-in templates with the shipped weights: 1.17-1.31 times the templates' scores against
-  each other (:func:`bundle.inferers.oneshot.template_agreement`, 0.557); inverted 0.66-0.70 times, mirrored
-  0.71-0.76 times.
+peaks and the matches' scores against the templates' agreement (:func:`bundle.inferers.oneshot.template_agreement`)
+tell the two apart; the thresholds below lie between the values measured on upright cephalograms and on the same
+images inverted or mirrored (docs/results.md, "A detector's confidence" and "How well the templates match").
 """
 
 from __future__ import annotations
@@ -23,10 +18,9 @@ from ignite.engine import Engine, Events
 
 __all__ = ["MIN_PEAK", "MATCH_MIN_RATIO", "ConfidenceHandler", "low_peak_message", "low_match_message"]
 
-# mean heatmap peak below which an image is warned about (between the 0.056 / 0.134 and 0.39 above)
+# mean heatmap peak below which an image is warned about
 MIN_PEAK = 0.2
-# mean match score, as a share of the templates' agreement, below which an image is warned about (between the 0.76
-# and 1.17 above)
+# mean match score, as a share of the templates' agreement, below which an image is warned about
 MATCH_MIN_RATIO = 0.9
 
 _CAUSES = "An inverted (white background) or mirrored (facing the other way) image, or another anatomy, does this"
@@ -47,8 +41,9 @@ def low_match_message(
     name: str, mean_score: float, reference: float | None, min_ratio: float = MATCH_MIN_RATIO
 ) -> str | None:
     """The warning for image ``name`` whose matches score ``mean_score`` on average, below ``min_ratio`` times the
-    templates' agreement ``reference``; else None (and None without a reference: fewer than two templates)."""
-    if reference is None or not mean_score < min_ratio * reference:
+    templates' agreement ``reference``; else None, and None without a positive reference (fewer than two templates,
+    or a matcher combining the scales by a sum, whose scores may be 0 or negative)."""
+    if reference is None or reference <= 0 or not mean_score < min_ratio * reference:
         return None
     return (
         f"{name}: its matches with the templates score {mean_score:.3f} on average, below {min_ratio:g} x "
