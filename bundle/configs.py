@@ -243,13 +243,14 @@ def check_command_line(argv: Sequence[str] | None = None) -> None:
     The first step of every command; a no-op outside ``python -m monai.bundle run``."""
     argv = sys.argv if argv is None else argv
     files, overrides = command_line_overrides(argv)
-    if not files:
+    stray = stray_words(argv[2:])
+    if not files or not (stray or overrides):
         return
     parser = ConfigParser()
     parser.read_config(files)
     config = parser.get()
     known = _config_ids(config)
-    stray = [word for word in stray_words(argv[2:]) if word not in known]  # an init_id or final_id names an item
+    stray = [word for word in stray if word not in known]  # an init_id or final_id names an item
     if stray:
         raise ValueError(
             f"command line: {stray} follow(s) no --key: each value must be one word. A shell wildcard (--images *.png) "

@@ -117,15 +117,10 @@ def points_outside(
 
 
 def landmarks_outside(volume: Path, landmarks: Sequence[Sequence[float] | None]) -> dict[int, np.ndarray]:
-    """:func:`points_outside` of ``volume``'s NIfTI header; a volume the bundle would read otherwise than 3D Slicer
-    is refused or warned about first (:func:`nifti_header_problems`)."""
+    """:func:`points_outside` of ``volume``'s NIfTI header (its other problems, :func:`nifti_header_problems`, are
+    found when the volume is read: ``prepare_data`` reads every image as the pipeline does)."""
     import nibabel as nib
 
-    refusal, warning = nifti_header_problems(volume)
-    if refusal:
-        raise DatalistError(refusal)
-    if warning:
-        warnings.warn(warning, stacklevel=2)
     try:
         image = nib.load(str(volume))
     except Exception as e:  # nibabel raises several types for a corrupt or truncated header

@@ -11,12 +11,20 @@ from __future__ import annotations
 
 import logging
 import warnings
+from typing import Sequence
 
 from bundle.data.images import image_name
 from bundle.handlers.report import batch_items
 from ignite.engine import Engine, Events
 
-__all__ = ["MIN_PEAK", "MATCH_MIN_RATIO", "ConfidenceHandler", "low_peak_message", "low_match_message"]
+__all__ = [
+    "MIN_PEAK",
+    "MATCH_MIN_RATIO",
+    "ConfidenceHandler",
+    "low_confidence_messages",
+    "low_peak_message",
+    "low_match_message",
+]
 
 # mean heatmap peak below which an image is warned about
 MIN_PEAK = 0.2
@@ -52,14 +60,26 @@ def low_match_message(
     )
 
 
-class ConfidenceHandler:
-    """Ignite handler: after each iteration, warn naming each image on which ``inferer`` recognises no landmark;
-    at the end, log how many there were.
+def low_confidence_messages(
+    inferer, names: Sequence[str], min_peak: float = MIN_PEAK, min_match_ratio: float = MATCH_MIN_RATIO
+) -> list[str | None]:
+    """The warning (or None) for each image of ``inferer``'s last call, ``names`` in batch order: a
+    :class:`bundle.inferers.heatmap.HeatmapInferer`'s ``peak_values`` by :func:`low_peak_message`, a template
+    inferer's (:mod:`bundle.inferers.oneshot`) ``match_scores`` against its ``reference_score`` by
+    :func:`low_match_message`; None for each with neither."""
+    peaks = getattr(inferer, "peak_values", None)
+    if peaks is not None:
+        return [low_peak_message(n, m, min_peak) for n, m in zip(names, peaks.mean(dim=-1).tolist())]
+    scores = getattr(inferer, "match_scores", None)
+    if scores is not None:
+        means, reference = scores.nanmean(dim=-1).tolist(), inferer.reference_score
+        return [low_match_message(n, m, reference, min_match_ratio) for n, m in zip(names, means)]
+    return [None] * len(names)
 
-    A :class:`bundle.inferers.heatmap.HeatmapInferer`'s ``peak_values`` are checked by :func:`low_peak_message`, a
-    template inferer's (:mod:`bundle.inferers.oneshot`) ``match_scores`` against its ``reference_score`` by
-    :func:`low_match_message`. An inferer with neither is not checked.
-    """
+
+class ConfidenceHandler:
+    """Ignite handler: after each iteration, warn naming each image on which ``inferer`` recognises no landmark
+    (:func:`low_confidence_messages`); at the end, log how many there were."""
 
     def __init__(
         self, inferer, min_peak: float = MIN_PEAK, min_match_ratio: float = MATCH_MIN_RATIO, image_key: str = "image"
@@ -76,21 +96,10 @@ class ConfidenceHandler:
         engine.add_event_handler(Events.ITERATION_COMPLETED, self.check)
         engine.add_event_handler(Events.COMPLETED, self.summary)
 
-    def messages(self, names: list[str]) -> list[str | None]:
-        """The warning (or None) for each image of the last call of the inferer, ``names`` in batch order."""
-        peaks = getattr(self.inferer, "peak_values", None)
-        if peaks is not None:
-            means = peaks.mean(dim=-1).tolist()
-            return [low_peak_message(n, m, self.min_peak) for n, m in zip(names, means)]
-        scores = getattr(self.inferer, "match_scores", None)
-        if scores is not None:
-            means, reference = scores.nanmean(dim=-1).tolist(), self.inferer.reference_score
-            return [low_match_message(n, m, reference, self.min_match_ratio) for n, m in zip(names, means)]
-        return [None] * len(names)
-
     def check(self, engine: Engine) -> None:
         names = [image_name(item.get(self.image_key)) for item in batch_items(engine.state.batch)]
-        for name, message in zip(names, self.messages(names)):
+        messages = low_confidence_messages(self.inferer, names, self.min_peak, self.min_match_ratio)
+        for name, message in zip(names, messages):
             if message is not None:
                 self.low.append(name)
                 warnings.warn(message, stacklevel=2)

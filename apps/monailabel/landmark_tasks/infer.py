@@ -53,7 +53,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 from bundle.data.markups import ControlPoint, write_mrk_json
-from bundle.handlers.confidence import low_match_message, low_peak_message
+from bundle.handlers.confidence import low_confidence_messages
 from monailabel.interfaces.tasks.infer_v2 import InferTask, InferType
 
 from .common import ITEM_KEYS, PREDICTORS, BackgroundValue, BundleContext, file_key, labels_key
@@ -208,9 +208,7 @@ class LandmarkInferTask(InferTask):
                 batch = torch.as_tensor(grid["image"]).unsqueeze(0).to(self.context.device)
                 g2p = torch.as_tensor(grid["grid_to_physical"]).unsqueeze(0).to(self.context.device)
                 points_mm = inferer(batch, network, g2p)[0].cpu().numpy()
-                detector_peak = float(inferer.peak_values[0].mean())
-                warning = low_peak_message(name, detector_peak, self.context.min_peak)
-                match_score = None
+                detector_peak, match_score = float(inferer.peak_values[0].mean()), None
                 templates, checkpoint = [], detector_path
             else:
                 # one checkpoint for the whole request: the train task may publish new weights meanwhile
@@ -228,7 +226,7 @@ class LandmarkInferTask(InferTask):
                     inferer, templates = self.context.template_inferer(items, checkpoint, network, builtin)
                     points_mm = inferer(batch, network, g2p)[0].cpu().numpy()
                 match_score = float(inferer.match_scores[0].nanmean())
-                warning = low_match_message(name, match_score, inferer.reference_score, self.context.min_match_ratio)
+            warning = low_confidence_messages(inferer, [name], self.context.min_peak, self.context.min_match_ratio)[0]
         spacing = np.asarray(torch.as_tensor(data["spacing"]).cpu(), dtype=np.float64).reshape(-1)
         result = landmark_result(self.names, points_mm, spacing)
         frame = self.context.frame(image, data) if self.spatial_dims == 2 else None
