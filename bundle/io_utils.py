@@ -20,6 +20,12 @@ from pathlib import Path
 from typing import Any, Iterator
 
 
+def cache_root() -> Path:
+    """The bundle's cache folder: ``$XDG_CACHE_HOME`` (else ``~/.cache``) ``/infoguided-landmarks``."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "infoguided-landmarks"
+
+
 def error_summary(error: BaseException) -> str:
     """``<type>: <first line of its message>``: a reader's error in one line (MONAI's ``LoadImage`` appends every
     reader's traceback to its message, ``torch.load`` paragraphs of advice)."""

@@ -8,6 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from bundle import kernels
+from bundle.transforms import entropy as entropy_module
 from bundle.transforms.entropy import (
     EntropyMapd,
     _bin_indices,
@@ -21,6 +23,18 @@ from skimage.filters.rank import entropy as skimage_entropy
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 TOL = 1e-5
+
+
+@pytest.fixture(params=["compiled", "numpy"], autouse=True)
+def cpu_path(request, monkeypatch):
+    """Every test runs on both CPU paths: the compiled sliding histogram and the numpy box sums (its fallback)."""
+    if request.param == "numpy":
+        monkeypatch.setattr(entropy_module, "_entropy_rows_kernel", lambda: None)
+    elif kernels._compiler() is None:
+        pytest.skip("no C compiler here: the compiled kernel cannot be built")
+    else:
+        assert entropy_module._entropy_rows_kernel() is not None, "a C compiler is here, but the kernel was not built"
+    return request.param
 
 
 def reference(image: np.ndarray, window: tuple[int, ...]) -> np.ndarray:
@@ -240,3 +254,15 @@ def test_real_cephalogram_crop_matches_skimage():
 
     image = np.asarray(Image.open(DATA / "hamedan_ceph" / "images" / "001.png").convert("L"))[400:620, 500:760]
     np.testing.assert_allclose(local_entropy(image, 10).numpy(), reference(image, (10, 10)), rtol=0, atol=TOL)
+
+
+def test_compiled_kernel_splits_rows_between_threads(cpu_path, monkeypatch):
+    """Row ranges of several threads (and of one) give the same map: each range starts its histogram afresh."""
+    if cpu_path != "compiled":
+        pytest.skip("the compiled kernel's row ranges")
+    rng = np.random.default_rng(10)
+    volume = rng.integers(0, 40, (7, 19, 23)).astype(np.uint8)
+    expected = reference(volume, (3, 4, 5))
+    for threads in (1, 3):
+        monkeypatch.setattr(torch, "get_num_threads", lambda threads=threads: threads)
+        np.testing.assert_allclose(local_entropy(volume, (3, 4, 5)).numpy(), expected, rtol=0, atol=TOL)

@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "bundle"
 # lowest first; a module belongs to the layer of its longest listed prefix
 LAYERS = [
-    ["bundle", "bundle.io_utils", "bundle.command_errors", "bundle.geometry"],  # coordinates, files, messages
+    # coordinates, files, messages, compiled kernels
+    ["bundle", "bundle.io_utils", "bundle.command_errors", "bundle.geometry", "bundle.kernels"],
     [  # data, config values, the matching core and the template file format: torch, MONAI and the layer below only
         "bundle.data",
         "bundle.configs",

@@ -17,6 +17,7 @@ from bundle.checkpoints import load_weights
 from bundle.configs import as_flag, is_unset
 from bundle.data.embedded import open_datalist
 from bundle.geometry import plain_tensor
+from bundle.io_utils import cache_root
 from bundle.networks.matching import feature_vectors
 from bundle.template_file import TEMPLATE_FORMAT, bundle_path, check_template, file_sha256, load_template, save_template
 from bundle.templates.resolution import check_rule, prepare_template, resolve_templates
@@ -85,10 +86,9 @@ def template_source_names(
 
 
 def default_template_cache() -> Path:
-    """Where the ``inferring`` command keeps computed template features: ``$XDG_CACHE_HOME`` (else ``~/.cache``)
-    ``/infoguided-landmarks/templates``."""
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "infoguided-landmarks" / "templates"
+    """Where the ``inferring`` command keeps computed template features: ``templates`` in
+    :func:`bundle.io_utils.cache_root`."""
+    return cache_root() / "templates"
 
 
 def template_cache_dir(value: str | os.PathLike | bool | None) -> Path | None:

@@ -5,25 +5,31 @@ it. With the window's bin counts ``c_b`` and population ``n``::
 
     H = -sum_b (c_b / n) log2(c_b / n) = (n log2 n - sum_b c_b log2 c_b) / n
 
-The counts of every bin are box sums of that bin's indicator image (separable: along each axis in turn,
-by log2(k) doubling additions on the flattened stack). On the CPU the image is cut into small tiles (24 x 24
-in 2D, plus a halo of ``k - 1``), each with only the bins present in it (on a cephalogram some 35 of 256);
-tiles are sorted by their number of bins and processed in batches of similar ones, on a few threads, so
-each numpy call covers many tiles. Counts are small integers (two bins per 16-bit word when they fit a
-byte, so one addition serves two bins) and ``c log2 c`` comes from a lookup table indexed by the word. On
-a GPU the same sums run over the whole image, a chunk of bins at a time. This replaces the per-pixel
-sliding histogram of ``skimage.filters.rank.entropy`` (same result to float32 rounding; the ratio is
-printed by ``python -m scripts.benchmark entropy`` and written in docs/results.md, "Benchmarks").
+On the CPU a compiled kernel (``bundle/csrc/local_entropy.c``, built on first use by :mod:`bundle.kernels`)
+slides each row's histogram along the row and keeps ``sum_b c_b log2 c_b`` up to date in exact fixed point,
+rows split between threads. Where no C compiler is found, and on a GPU, the counts of every bin are box sums of
+that bin's indicator image (separable: along each axis in turn, by log2(k) doubling additions on the flattened
+stack). On the CPU that fallback cuts the image into small tiles (24 x 24 in 2D, plus a halo of ``k - 1``),
+each with only the bins present in it (on a cephalogram some 35 of 256); tiles are sorted by their number of
+bins and processed in batches of similar ones, on a few threads. Counts are small integers (two bins per 16-bit
+word when they fit a byte, so one addition serves two bins) and ``c log2 c`` comes from a lookup table indexed
+by the word. On a GPU the same sums run over the whole image, a chunk of bins at a time. All paths equal
+``skimage.filters.rank.entropy`` (a per-pixel sliding histogram, each pixel's entropy summed over all bins) to
+float32 rounding; the ratios are printed by ``python -m scripts.benchmark entropy`` and written in
+docs/results.md, "Benchmarks".
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Hashable, Mapping, Sequence
 
 import numpy as np
 import torch
+from bundle.kernels import load_kernel
 from bundle.transforms.utils import like_input, output_keys_for, single_channel_spatial
 from monai.config import KeysCollection
 from monai.transforms import MapTransform, Transform
@@ -40,6 +46,8 @@ _BATCH_ELEMENTS = 1 << 20
 _PRESENCE_TILES = 128
 # Elements of one bin chunk on the torch path (bounds its memory to a few bytes per element).
 _TORCH_CHUNK_ELEMENTS = 1 << 25
+# Scale of the compiled kernel's fixed-point c log2 c (its sums are exact integers; 2^-32 bits per term).
+_FIXED_POINT = 2.0**32
 
 
 def _window_shape(window: int | Sequence[int], ndim: int) -> tuple[int, ...]:
@@ -256,6 +264,54 @@ def _entropy_sums_torch(padded: torch.Tensor, window: tuple[int, ...], bins: int
     return sums
 
 
+def _fixed_xlog2x_table(max_count: int) -> np.ndarray:
+    """``round(c log2 c * 2^32)`` for c = 0 .. max_count, int64 (the compiled kernel's exact fixed-point sums)."""
+    c = np.arange(max_count + 1, dtype=np.float64)
+    return np.rint(c * np.log2(np.maximum(c, 1.0)) * _FIXED_POINT).astype(np.int64)
+
+
+@functools.cache
+def _entropy_rows_kernel() -> Any:
+    """``local_entropy_rows`` of ``bundle/csrc/local_entropy.c`` with its argument types; None if not built."""
+    library = load_kernel("local_entropy")
+    if library is None:
+        return None
+    function = library.local_entropy_rows
+    function.restype = ctypes.c_int
+    function.argtypes = (
+        [ctypes.c_void_p] + [ctypes.c_int64] * 7 + [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p]
+    )
+    return function
+
+
+def _entropy_compiled(indices: np.ndarray, window: tuple[int, ...], bins: int) -> np.ndarray | None:
+    """The IIE map (float32) of uint16 bin ``indices`` by the compiled sliding histogram, rows split between
+    threads (ctypes releases the GIL); None when the kernel is not available or the window is too large for its
+    fixed-point sums. Same mathematics as the numpy path, summed exactly (:func:`local_entropy`)."""
+    kernel = _entropy_rows_kernel()
+    table = _fixed_xlog2x_table(math.prod(window))
+    if kernel is None or table[-1] >= 1 << 62:
+        return None
+    volume = np.ascontiguousarray(indices.reshape((1,) * (3 - indices.ndim) + indices.shape), dtype=np.uint16)
+    sizes = (1,) * (3 - len(window)) + window
+    entropy = np.empty(volume.shape, dtype=np.float32)
+    rows = volume.shape[0] * volume.shape[1]
+    workers = max(1, min(torch.get_num_threads(), rows))
+    # a few ranges per thread, so a thread slowed by other processes does not hold the others up
+    bounds = np.linspace(0, rows, min(rows, 4 * workers) + 1).astype(np.int64)
+
+    def run(first: int, last: int) -> None:
+        status = kernel(
+            volume.ctypes.data, *volume.shape, *sizes, bins, table.ctypes.data, first, last, entropy.ctypes.data
+        )
+        if status != 0:
+            raise MemoryError("local_entropy: the compiled kernel could not allocate its histogram")
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        list(pool.map(run, bounds[:-1].tolist(), bounds[1:].tolist()))
+    return entropy.reshape(indices.shape)
+
+
 def local_entropy(
     image: np.ndarray | torch.Tensor,
     window: int | Sequence[int] = 10,
@@ -272,10 +328,9 @@ def local_entropy(
     ``skimage.filters.rank.entropy(image, np.ones((k,) * ndim, bool))``. A constant image gives zeros.
     Returns a float32 tensor of the image's shape on the image's device.
     """
-    device = image.device if isinstance(image, torch.Tensor) else torch.device("cpu")
     if isinstance(image, torch.Tensor):
         image = image.detach().as_subclass(torch.Tensor)
-        if device.type == "cpu":
+        if image.device.type == "cpu":
             image = image.numpy()
     else:
         image = np.asarray(image)
@@ -286,9 +341,16 @@ def local_entropy(
     if not isinstance(bins, (int, np.integer)) or not 1 <= bins < np.iinfo(np.uint16).max:
         raise ValueError(f"bins must be an int in [1, {np.iinfo(np.uint16).max - 1}], got {bins!r}")
     window = _window_shape(window, image.ndim)
+    indices = _bin_indices(image, bins, intensity_range)
+    compiled = _entropy_compiled(indices, window, bins) if isinstance(indices, np.ndarray) else None
+    return torch.from_numpy(compiled) if compiled is not None else _entropy_box_sums(indices, window, bins)
+
+
+def _entropy_box_sums(indices: np.ndarray | torch.Tensor, window: tuple[int, ...], bins: int) -> torch.Tensor:
+    """The IIE map from per-bin box sums: numpy tiles on the CPU (where the compiled kernel is not available),
+    torch on the tensor's device (GPU). ``indices``: bin indices from :func:`_bin_indices`."""
     table = _xlog2x_table(math.prod(window))
     pad = [(k // 2, k - k // 2 - 1) for k in window]
-    indices = _bin_indices(image, bins, intensity_range)
     population = _window_population(indices.shape, window)
     # H = (n log2 n - S) / n with n log2 n from the same table as S: exactly 0 where a window holds one bin
     full, population = np.take(table, population), population.astype(np.float32)
@@ -298,7 +360,7 @@ def local_entropy(
         return torch.from_numpy(np.divide(np.maximum(entropy, 0, out=entropy), population, out=entropy))
     flat_pad = [p for before_after in reversed(pad) for p in before_after]
     sums = _entropy_sums_torch(torch.nn.functional.pad(indices, flat_pad, value=bins), window, bins, table)
-    full, population = torch.from_numpy(full).to(device), torch.from_numpy(population).to(device)
+    full, population = torch.from_numpy(full).to(indices.device), torch.from_numpy(population).to(indices.device)
     return (full - sums).clip(0) / population
 
 
