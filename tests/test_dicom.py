@@ -517,6 +517,32 @@ def test_dicom_datalists_for_xray_files_and_ct_series(tmp_path):
     assert [it.get("spacing") for it in items] == [None, [0.3, 0.3]]
 
 
+def test_dataset_dir_of_volumes_lists_dicom_series_folders(tmp_path):
+    """`inferring --dataset_dir` on volumes listed files only: a folder of DICOM series gave nothing to run on, and a
+    series' own folder gave one "volume" per slice. In 3D its series folders, and the folder itself when it holds
+    slices, are items; in 2D a DICOM X-ray file stays one picture."""
+    from bundle.data.images import image_items
+
+    row, col, _, affine_lps = oblique_sagittal_geometry()
+    studies = tmp_path / "studies"
+    for name in ("b", "a"):
+        write_ct_series(studies / name, blob_volume(affine_lps, np.array([-6.0, 18.0, 27.0])), affine_lps, row, col)
+    (studies / "notes").mkdir()
+    (studies / "notes" / "read.txt").write_text("no images here")
+    (studies / ".trash").mkdir()
+    write_ct_series(studies / ".trash" / "old", np.zeros((4, 4, 2), np.int16) - 1000, affine_lps, row, col)
+    nib.save(nib.Nifti1Image(np.zeros((4, 4, 4), np.float32), np.eye(4)), str(studies / "c.nii.gz"))
+    (studies / "c.csv").write_text("not an image")
+    assert image_items(None, studies, spatial_dims=3) == [
+        {"image": str(studies / name)} for name in ("a", "b", "c.nii.gz")
+    ]
+    assert image_items(None, studies / "a", spatial_dims=3) == [{"image": str(studies / "a")}]
+    xrays = tmp_path / "xrays"
+    write_xray(xrays / "001.dcm", ramp().astype(np.uint16), bits_stored=12, PixelSpacing=[0.1, 0.1])
+    assert image_items(None, xrays, spatial_dims=2) == [{"image": str(xrays / "001.dcm")}]
+    assert image_items(None, studies, spatial_dims=2) == [{"image": str(studies / "c.nii.gz")}]
+
+
 # ---- the target: the same landmarks from a PNG and from its DICOM copy, header spacing for mm ----
 
 
