@@ -21,8 +21,11 @@ from typing import Any, Iterator
 
 
 def cache_root() -> Path:
-    """The bundle's cache folder: ``$XDG_CACHE_HOME`` (else ``~/.cache``) ``/infoguided-landmarks``."""
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    """The bundle's cache folder: ``$XDG_CACHE_HOME`` (else ``~/.cache``; a relative one is ignored, as the XDG
+    specification asks) ``/infoguided-landmarks``."""
+    root = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(root):
+        root = os.path.join(os.path.expanduser("~"), ".cache")
     return Path(root) / "infoguided-landmarks"
 
 

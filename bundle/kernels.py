@@ -2,10 +2,12 @@
 
 A kernel is built with the system C compiler (``$CC``, else the one Python was built with, else ``cc``, ``gcc``
 or ``clang``) into ``kernels`` in :func:`bundle.io_utils.cache_root`, under a name holding the hash of its
-source and of the compiler command, so a changed source or compiler builds anew. The library is written under
-a temporary name and renamed (:func:`bundle.io_utils.atomic_path`): concurrent processes never load a
-half-written one. Without a compiler, or when the build fails, :func:`load_kernel` returns None (once per
-process, logged) and the caller runs its numpy implementation, which gives the same results.
+source, the compiler command and the machine's architecture, so a changed source or compiler, or another kind of
+processor sharing the folder, builds its own. The library is written under a temporary name, flushed to disk and
+renamed (:func:`bundle.io_utils.atomic_path`), then a ``.sha256`` file holding the hash of its bytes is written
+beside it; a library whose bytes do not match it (truncated by a crash, or damaged: loading such a file can kill
+the interpreter) is built again. Without a compiler, or when the build fails, :func:`kernel_function` returns None
+(once per process, logged) and the caller runs its numpy implementation, which gives the same results.
 """
 
 from __future__ import annotations
@@ -15,61 +17,104 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import shlex
 import shutil
 import subprocess
+import sys
 import sysconfig
 from pathlib import Path
+from typing import Any, Sequence
 
-from bundle.io_utils import atomic_path, cache_root
+from bundle.io_utils import atomic_path, cache_root, write_text_atomic
 
-__all__ = ["load_kernel", "kernel_library"]
+__all__ = ["kernel_function", "kernel_library"]
 
 logger = logging.getLogger(__name__)
 
 SOURCES = Path(__file__).resolve().parent / "csrc"
-# portable flags only: a cache folder may be shared by machines with other processors
+# portable flags only: a cache folder may be shared by machines with other processors of the same architecture
 FLAGS = ("-O3", "-std=c99", "-shared", "-fPIC")
+# seconds a build may take (a few on a slow machine) before it is given up
+BUILD_TIMEOUT = 300
 
 
 def _compiler() -> list[str] | None:
-    for command in (os.environ.get("CC"), sysconfig.get_config_var("CC"), "cc", "gcc", "clang"):
-        words = shlex.split(command) if command else []
+    """The C compiler command: ``$CC`` (a warning when it is set but not found), else the one Python was built
+    with, else ``cc``, ``gcc`` or ``clang``; None when there is none."""
+    candidates = [("$CC", os.environ.get("CC")), ("Python's", sysconfig.get_config_var("CC"))]
+    candidates += [(name, name) for name in ("cc", "gcc", "clang")]
+    for origin, command in candidates:
+        try:
+            words = shlex.split(command) if command else []
+        except ValueError:
+            words = []
         if words and shutil.which(words[0]):
             return words
+        if origin == "$CC" and command:
+            logger.warning("CC=%r is not a compiler found on PATH: trying the others (cc, gcc, clang)", command)
     return None
 
 
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _built(library: Path) -> bool:
+    """True when ``library`` is there whole: its bytes hash to what its ``.sha256`` file says."""
+    record = library.with_suffix(".sha256")
+    try:
+        return record.read_text(encoding="utf-8").strip() == _digest(library)
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
 def kernel_library(name: str) -> Path | None:
-    """The built library of ``bundle/csrc/<name>.c`` (building it if needed); None without a C compiler.
+    """The built library of ``bundle/csrc/<name>.c`` (building it if it is not there whole); None without a C
+    compiler.
 
     Raises:
-        OSError: the compiler failed (its message ends the error) or the cache folder is not writable.
+        OSError: the compiler failed (its message ends the error), wrote nothing, or the cache folder is not
+            writable. subprocess.TimeoutExpired: the build took longer than ``BUILD_TIMEOUT`` seconds.
     """
     compiler = _compiler()
     if compiler is None:
         return None
     source = SOURCES / f"{name}.c"
     command = [*compiler, *FLAGS]
-    digest = hashlib.sha256(source.read_bytes() + " ".join(command).encode()).hexdigest()[:16]
-    library = cache_root() / "kernels" / f"{name}_{digest}.so"
-    if not library.exists():
-        with atomic_path(library) as partial:
-            build = subprocess.run([*command, str(source), "-o", str(partial)], capture_output=True, text=True)
-            if build.returncode != 0:
-                raise OSError(f"{' '.join(command)} {source} failed: {build.stderr.strip()[-2000:]}")
+    identity = "\n".join([" ".join(command), sys.platform, platform.machine()]).encode()
+    library = cache_root() / "kernels" / f"{name}_{hashlib.sha256(source.read_bytes() + identity).hexdigest()[:16]}.so"
+    if _built(library):
+        return library
+    with atomic_path(library) as partial:
+        build = subprocess.run(
+            [*command, str(source), "-o", str(partial)],
+            capture_output=True,
+            text=True,
+            errors="replace",
+            timeout=BUILD_TIMEOUT,
+        )
+        if build.returncode != 0 or partial.stat().st_size == 0:
+            raise OSError(f"{' '.join(command)} {source} failed: {build.stderr.strip()[-2000:] or 'no output written'}")
+        with open(partial, "rb") as written:
+            os.fsync(written.fileno())
+    write_text_atomic(library.with_suffix(".sha256"), _digest(library) + "\n")
     return library
 
 
 @functools.cache
-def load_kernel(name: str) -> ctypes.CDLL | None:
-    """The loaded library of ``bundle/csrc/<name>.c``; None (logged once) if it cannot be built or loaded."""
+def kernel_function(name: str, symbol: str, restype: Any, argtypes: Sequence[Any]) -> Any:
+    """Function ``symbol`` of the library of ``bundle/csrc/<name>.c`` (:func:`kernel_library`) with its result and
+    argument types; None (logged once) if it cannot be built, loaded or found."""
     try:
         library = kernel_library(name)
         if library is None:
             logger.info("no C compiler found ($CC, cc, gcc, clang): %s runs its numpy implementation", name)
             return None
-        return ctypes.CDLL(str(library))
-    except OSError as error:
+        function = getattr(ctypes.CDLL(str(library)), symbol)
+    except (OSError, AttributeError, subprocess.SubprocessError) as error:
         logger.warning("could not build or load the %s kernel (%s): its numpy implementation runs instead", name, error)
         return None
+    function.restype = restype
+    function.argtypes = list(argtypes)
+    return function

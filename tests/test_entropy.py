@@ -256,6 +256,21 @@ def test_real_cephalogram_crop_matches_skimage():
     np.testing.assert_allclose(local_entropy(image, 10).numpy(), reference(image, (10, 10)), rtol=0, atol=TOL)
 
 
+def test_window_past_the_image_is_cut_to_it():
+    """A window reaching past both ends of an axis from every pixel sees the whole axis: its time and memory grew with
+    the window asked for (20000 on an 8 x 8 image: a 3 GB table, MemoryError)."""
+    image = np.random.default_rng(11).integers(0, 7, (8, 5)).astype(np.uint8)
+    expected = reference(image, (15, 9))
+    for window in [(15, 9), (16, 10), (20000, 20000)]:
+        np.testing.assert_allclose(local_entropy(image, window).numpy(), expected, rtol=0, atol=TOL)
+
+
+def test_bfloat16_tensor():
+    image = torch.arange(48, dtype=torch.float32).reshape(6, 8) / 8
+    expected = local_entropy(image.to(torch.bfloat16).float(), 3)
+    torch.testing.assert_close(local_entropy(image.to(torch.bfloat16), 3), expected, rtol=0, atol=0)
+
+
 def test_compiled_kernel_splits_rows_between_threads(cpu_path, monkeypatch):
     """Row ranges of several threads (and of one) give the same map: each range starts its histogram afresh."""
     if cpu_path != "compiled":

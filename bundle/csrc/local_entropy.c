@@ -25,23 +25,23 @@ static void window_range(int64_t i, int64_t k, int64_t n, int64_t *first, int64_
 
 /*
  * Entropy of rows [row_begin, row_end) (row r = z * ny + y) into out (nz * ny * nx floats, row-major).
- * bins: the pixels' histogram bins, each < n_bins. fixed_xlog2x: F(c) for c = 0 .. kz * ky * kx.
- * Returns 0, or -1 when its work space cannot be allocated.
+ * bins: the pixels' histogram bins, each < n_bins. fixed_xlog2x: F(c) for c = 0 .. max_count, the most pixels a
+ * window holds inside the image. Returns 0, or -1 when its work space cannot be allocated.
  */
 int local_entropy_rows(const uint16_t *bins, int64_t nz, int64_t ny, int64_t nx, int64_t kz, int64_t ky,
-                       int64_t kx, int64_t n_bins, const int64_t *fixed_xlog2x, int64_t row_begin,
-                       int64_t row_end, float *out) {
-    const int64_t window = kz * ky * kx;
+                       int64_t kx, int64_t n_bins, const int64_t *fixed_xlog2x, int64_t max_count,
+                       int64_t row_begin, int64_t row_end, float *out) {
+    int64_t lines_max = (kz < nz ? kz : nz) * (ky < ny ? ky : ny);
     uint32_t *hist = calloc((size_t)n_bins, sizeof(uint32_t));
-    int64_t *step = malloc((size_t)window * sizeof(int64_t));  /* F(c + 1) - F(c) */
-    int64_t *offsets = malloc((size_t)(kz * ky) * sizeof(int64_t));
+    int64_t *step = malloc((size_t)max_count * sizeof(int64_t));  /* F(c + 1) - F(c) */
+    int64_t *offsets = malloc((size_t)lines_max * sizeof(int64_t));
     if (hist == NULL || step == NULL || offsets == NULL) {
         free(hist);
         free(step);
         free(offsets);
         return -1;
     }
-    for (int64_t c = 0; c < window; c++) step[c] = fixed_xlog2x[c + 1] - fixed_xlog2x[c];
+    for (int64_t c = 0; c < max_count; c++) step[c] = fixed_xlog2x[c + 1] - fixed_xlog2x[c];
     const double unit = 1.0 / 4294967296.0;
     for (int64_t row = row_begin; row < row_end; row++) {
         int64_t z = row / ny, y = row % ny, z0, z1, y0, y1, x0, x1;

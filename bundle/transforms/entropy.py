@@ -22,14 +22,13 @@ docs/results.md, "Benchmarks".
 from __future__ import annotations
 
 import ctypes
-import functools
 import math
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Hashable, Mapping, Sequence
 
 import numpy as np
 import torch
-from bundle.kernels import load_kernel
+from bundle.kernels import kernel_function
 from bundle.transforms.utils import like_input, output_keys_for, single_channel_spatial
 from monai.config import KeysCollection
 from monai.transforms import MapTransform, Transform
@@ -270,28 +269,23 @@ def _fixed_xlog2x_table(max_count: int) -> np.ndarray:
     return np.rint(c * np.log2(np.maximum(c, 1.0)) * _FIXED_POINT).astype(np.int64)
 
 
-@functools.cache
 def _entropy_rows_kernel() -> Any:
-    """``local_entropy_rows`` of ``bundle/csrc/local_entropy.c`` with its argument types; None if not built."""
-    library = load_kernel("local_entropy")
-    if library is None:
-        return None
-    function = library.local_entropy_rows
-    function.restype = ctypes.c_int
-    function.argtypes = (
-        [ctypes.c_void_p] + [ctypes.c_int64] * 7 + [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p]
-    )
-    return function
+    """``local_entropy_rows`` of ``bundle/csrc/local_entropy.c`` (:func:`bundle.kernels.kernel_function`); None
+    where it cannot be built."""
+    int64 = ctypes.c_int64
+    arguments = (ctypes.c_void_p, *[int64] * 7, ctypes.c_void_p, *[int64] * 3, ctypes.c_void_p)
+    return kernel_function("local_entropy", "local_entropy_rows", ctypes.c_int, arguments)
 
 
 def _entropy_compiled(indices: np.ndarray, window: tuple[int, ...], bins: int) -> np.ndarray | None:
     """The IIE map (float32) of uint16 bin ``indices`` by the compiled sliding histogram, rows split between
-    threads (ctypes releases the GIL); None when the kernel is not available or the window is too large for its
-    fixed-point sums. Same mathematics as the numpy path, summed exactly (:func:`local_entropy`)."""
+    threads (ctypes releases the GIL); None when the kernel is not available or a window holds too many pixels for
+    its fixed-point sums. Same mathematics as the numpy path, summed exactly (:func:`local_entropy`)."""
     kernel = _entropy_rows_kernel()
-    table = _fixed_xlog2x_table(math.prod(window))
-    if kernel is None or table[-1] >= 1 << 62:
+    max_count = math.prod(min(k, n) for k, n in zip(window, indices.shape))
+    if kernel is None or max_count * math.log2(max(max_count, 2)) * _FIXED_POINT >= 2.0**62:
         return None
+    table = _fixed_xlog2x_table(max_count)
     volume = np.ascontiguousarray(indices.reshape((1,) * (3 - indices.ndim) + indices.shape), dtype=np.uint16)
     sizes = (1,) * (3 - len(window)) + window
     entropy = np.empty(volume.shape, dtype=np.float32)
@@ -302,7 +296,15 @@ def _entropy_compiled(indices: np.ndarray, window: tuple[int, ...], bins: int) -
 
     def run(first: int, last: int) -> None:
         status = kernel(
-            volume.ctypes.data, *volume.shape, *sizes, bins, table.ctypes.data, first, last, entropy.ctypes.data
+            volume.ctypes.data,
+            *volume.shape,
+            *sizes,
+            bins,
+            table.ctypes.data,
+            max_count,
+            first,
+            last,
+            entropy.ctypes.data,
         )
         if status != 0:
             raise MemoryError("local_entropy: the compiled kernel could not allocate its histogram")
@@ -331,7 +333,7 @@ def local_entropy(
     if isinstance(image, torch.Tensor):
         image = image.detach().as_subclass(torch.Tensor)
         if image.device.type == "cpu":
-            image = image.numpy()
+            image = (image.float() if image.dtype == torch.bfloat16 else image).numpy()  # numpy has no bfloat16
     else:
         image = np.asarray(image)
     if image.ndim not in (2, 3) or 0 in image.shape:
@@ -340,7 +342,8 @@ def local_entropy(
         )
     if not isinstance(bins, (int, np.integer)) or not 1 <= bins < np.iinfo(np.uint16).max:
         raise ValueError(f"bins must be an int in [1, {np.iinfo(np.uint16).max - 1}], got {bins!r}")
-    window = _window_shape(window, image.ndim)
+    # a window reaching past both ends of an axis from every pixel (2n - 1 or more) sees the whole axis, as 2n - 1 does
+    window = tuple(min(k, 2 * n - 1) for k, n in zip(_window_shape(window, image.ndim), image.shape))
     indices = _bin_indices(image, bins, intensity_range)
     compiled = _entropy_compiled(indices, window, bins) if isinstance(indices, np.ndarray) else None
     return torch.from_numpy(compiled) if compiled is not None else _entropy_box_sums(indices, window, bins)
