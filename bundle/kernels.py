@@ -2,12 +2,13 @@
 
 A kernel is built with the system C compiler (``$CC``, else the one Python was built with, else ``cc``, ``gcc``
 or ``clang``) into ``kernels`` in :func:`bundle.io_utils.cache_root`, under a name holding the hash of its
-source, the compiler command and the machine's architecture, so a changed source or compiler, or another kind of
-processor sharing the folder, builds its own. The library is written under a temporary name, flushed to disk and
+source, the compiler command and the machine's architecture, so a changed source or compiler command, or another
+kind of processor sharing the folder, builds its own. The library is written under a temporary name, flushed to disk and
 renamed (:func:`bundle.io_utils.atomic_path`), then a ``.sha256`` file holding the hash of its bytes is written
 beside it; a library whose bytes do not match it (truncated by a crash, or damaged: loading such a file can kill
-the interpreter) is built again. Without a compiler, or when the build fails, :func:`kernel_function` returns None
-(once per process, logged) and the caller runs its numpy implementation, which gives the same results.
+the interpreter) is built again. Without a compiler, when the build fails, or with ``INFOGUIDED_LANDMARKS_KERNELS=0``
+in the environment, :func:`kernel_function` returns None (once per process, logged) and the caller runs its numpy
+implementation, which gives the same results.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import threading
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -37,6 +39,9 @@ SOURCES = Path(__file__).resolve().parent / "csrc"
 FLAGS = ("-O3", "-std=c99", "-shared", "-fPIC")
 # seconds a build may take (a few on a slow machine) before it is given up
 BUILD_TIMEOUT = 300
+# the environment variable that turns the kernels off ("0"): the numpy implementations run
+SWITCH = "INFOGUIDED_LANDMARKS_KERNELS"
+_BUILDING = threading.Lock()
 
 
 def _compiler() -> list[str] | None:
@@ -52,7 +57,9 @@ def _compiler() -> list[str] | None:
         if words and shutil.which(words[0]):
             return words
         if origin == "$CC" and command:
-            logger.warning("CC=%r is not a compiler found on PATH: trying the others (cc, gcc, clang)", command)
+            logger.warning(
+                "CC=%r is not a compiler found on PATH: trying the others (Python's, cc, gcc, clang)", command
+            )
     return None
 
 
@@ -105,14 +112,19 @@ def kernel_library(name: str) -> Path | None:
 @functools.cache
 def kernel_function(name: str, symbol: str, restype: Any, argtypes: Sequence[Any]) -> Any:
     """Function ``symbol`` of the library of ``bundle/csrc/<name>.c`` (:func:`kernel_library`) with its result and
-    argument types; None (logged once) if it cannot be built, loaded or found."""
+    argument types; None (logged once) if the kernels are switched off or it cannot be built, loaded or found."""
+    if os.environ.get(SWITCH, "").strip() == "0":
+        logger.info("%s=0: %s runs its numpy implementation", SWITCH, name)
+        return None
     try:
-        library = kernel_library(name)
+        with _BUILDING:  # threads of one process build once
+            library = kernel_library(name)
         if library is None:
-            logger.info("no C compiler found ($CC, cc, gcc, clang): %s runs its numpy implementation", name)
+            logger.info("no C compiler found ($CC, Python's, cc, gcc, clang): %s runs its numpy implementation", name)
             return None
         function = getattr(ctypes.CDLL(str(library)), symbol)
-    except (OSError, AttributeError, subprocess.SubprocessError) as error:
+    except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as error:
+        # RuntimeError: pathlib finds no home folder for the cache
         logger.warning("could not build or load the %s kernel (%s): its numpy implementation runs instead", name, error)
         return None
     function.restype = restype

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import subprocess
 
 import numpy as np
@@ -116,6 +115,24 @@ def test_missing_symbol_and_unreadable_cc_fall_back(fresh_cache, monkeypatch, ca
     assert 'CC="\'unclosed" is not a compiler found on PATH' in caplog.text
 
 
+def test_switched_off_or_no_cache_folder_means_no_kernel(fresh_cache, monkeypatch, caplog):
+    monkeypatch.setenv(kernels.SWITCH, "0")
+    with caplog.at_level(logging.INFO, logger="bundle.kernels"):
+        assert kernels.kernel_function(*ROWS) is None
+    assert f"{kernels.SWITCH}=0" in caplog.text
+    entropy_runs_by_numpy()
+    monkeypatch.delenv(kernels.SWITCH)
+    kernels.kernel_function.cache_clear()
+
+    def no_home():
+        raise RuntimeError("Could not determine home directory.")  # pathlib, where no home folder is known
+
+    monkeypatch.setattr(kernels, "cache_root", no_home)
+    with caplog.at_level(logging.WARNING, logger="bundle.kernels"):
+        assert kernels.kernel_function(*ROWS) is None
+    assert "home directory" in caplog.text
+
+
 def test_no_compiler_means_no_kernel(fresh_cache, monkeypatch, caplog):
     monkeypatch.setattr(kernels, "_compiler", lambda: None)
     assert kernels.kernel_library("local_entropy") is None
@@ -130,4 +147,3 @@ def test_relative_cache_home_is_ignored(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")
     monkeypatch.setenv("HOME", str(tmp_path))
     assert cache_root() == tmp_path / ".cache" / "infoguided-landmarks"
-    assert os.path.isabs(cache_root())

@@ -3,9 +3,10 @@
  *
  * For each output row (one (z, y) pair of a (nz, ny, nx) volume; nz = 1 in 2D) the window's histogram
  * slides along x: one column of kz x ky pixels leaves and one enters per pixel. The sum S = sum_b F(c_b)
- * is kept up to date from the differences F(c + 1) - F(c), where F(c) = round(c log2 c * 2^32) is an
- * integer (fixed point), so S is exact whatever the order of additions and a window with one bin gives
- * exactly 0. The entropy is H = (F(n) - S) / (2^32 n) bits, n the number of in-image pixels of the window
+ * is kept up to date from the differences F(c + 1) - F(c), where F(c) = round(c log2 c / unit) is an
+ * integer (fixed point; the caller gives the table and its unit), so S is exact whatever the order of additions
+ * and a window with one bin gives exactly 0. The entropy is H = (F(n) - S) unit / n bits, n the number of in-image
+ * pixels of the window
  * (the window is cut at the borders and covers offsets -k/2 .. k - k/2 - 1 along each axis, as
  * skimage.filters.rank footprints do).
  *
@@ -26,10 +27,10 @@ static void window_range(int64_t i, int64_t k, int64_t n, int64_t *first, int64_
 /*
  * Entropy of rows [row_begin, row_end) (row r = z * ny + y) into out (nz * ny * nx floats, row-major).
  * bins: the pixels' histogram bins, each < n_bins. fixed_xlog2x: F(c) for c = 0 .. max_count, the most pixels a
- * window holds inside the image. Returns 0, or -1 when its work space cannot be allocated.
+ * window holds inside the image, in units of unit bits. Returns 0, or -1 when its work space cannot be allocated.
  */
 int local_entropy_rows(const uint16_t *bins, int64_t nz, int64_t ny, int64_t nx, int64_t kz, int64_t ky,
-                       int64_t kx, int64_t n_bins, const int64_t *fixed_xlog2x, int64_t max_count,
+                       int64_t kx, int64_t n_bins, const int64_t *fixed_xlog2x, int64_t max_count, double unit,
                        int64_t row_begin, int64_t row_end, float *out) {
     int64_t lines_max = (kz < nz ? kz : nz) * (ky < ny ? ky : ny);
     uint32_t *hist = calloc((size_t)n_bins, sizeof(uint32_t));
@@ -42,7 +43,6 @@ int local_entropy_rows(const uint16_t *bins, int64_t nz, int64_t ny, int64_t nx,
         return -1;
     }
     for (int64_t c = 0; c < max_count; c++) step[c] = fixed_xlog2x[c + 1] - fixed_xlog2x[c];
-    const double unit = 1.0 / 4294967296.0;
     for (int64_t row = row_begin; row < row_end; row++) {
         int64_t z = row / ny, y = row % ny, z0, z1, y0, y1, x0, x1;
         window_range(z, kz, nz, &z0, &z1);

@@ -36,7 +36,7 @@ from typing import Hashable, Mapping, Sequence
 
 import numpy as np
 import torch
-from bundle.data.annotations import natural_key
+from bundle.data.annotations import natural_key, visible_files
 from bundle.data.datalist import DatalistError, unsplit_datalist
 from bundle.data.hand_csv import read_landmark_csv
 from bundle.data.markups import MARKUPS_SUFFIXES, names_of_labels, read_markups
@@ -418,6 +418,16 @@ def series_ids(folder: Path) -> list[str]:
     return list(names.GetSeriesUIDs())
 
 
+def holds_dicom_files(folder: Path) -> bool:
+    """True when a visible file of ``folder`` is DICOM (by its preamble, any suffix)."""
+    return any(is_dicom_file(path) for path in visible_files(folder))
+
+
+def series_folders(root: Path) -> list[Path]:
+    """The visible sub-folders of ``root`` holding DICOM files (a series each), sorted."""
+    return [p for p in sorted(root.iterdir()) if p.is_dir() and not p.name.startswith(".") and holds_dicom_files(p)]
+
+
 def several_series_message(folder: Path) -> str | None:
     """What is wrong with ``folder`` when it holds more than one DICOM series (:func:`series_ids`: a reader would read
     one of them, or a part of a split series, as the volume); None otherwise."""
@@ -455,9 +465,7 @@ def dicom_series_datalist(
     if not root.is_dir():
         raise DatalistError(f"DICOM folder not found: {root}")
     folders = {}
-    for folder in sorted(p for p in root.iterdir() if p.is_dir()):
-        if not any(is_dicom_file(p) for p in folder.iterdir()):
-            continue
+    for folder in series_folders(root):
         message = several_series_message(folder)
         if message:
             raise DicomError(message)

@@ -25,7 +25,14 @@ import numpy as np
 import torch
 from bundle.data.annotations import visible_files
 from bundle.data.datalist import configuration_hint
-from bundle.data.dicom import XRayDicomd, is_dicom_file, plane_affine, several_series_message
+from bundle.data.dicom import (
+    XRayDicomd,
+    holds_dicom_files,
+    is_dicom_file,
+    plane_affine,
+    series_folders,
+    several_series_message,
+)
 from bundle.data.nifti import nifti_header_problems
 from bundle.io_utils import error_summary
 from monai.config import KeysCollection
@@ -389,19 +396,14 @@ def check_image_file(
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".dcm", ".nii", ".nii.gz", ".mha", ".mhd", ".nrrd")
 
 
-def holds_dicom_files(folder: Path) -> bool:
-    """True when a visible file of ``folder`` is DICOM (by its preamble, any suffix)."""
-    return any(is_dicom_file(path) for path in visible_files(folder))
-
-
 def image_items(
     images: str | Sequence[str] | None, dataset_dir: str | os.PathLike, spatial_dims: int = 2
 ) -> list[dict]:
     """Datalist-style items ``{"image": path}`` of ``images`` (a path or a list of paths: files, or DICOM series
     folders), or, when None or empty, of what ``dataset_dir`` holds (sorted; none when it does not exist, so that the
     config builds without data: :func:`require_items` then fails at run time): in 2D every image file directly in
-    it; in 3D every volume file directly in it, every subfolder holding DICOM files (a series each) and
-    ``dataset_dir`` itself when it holds DICOM files (the slices of one series, not volumes of their own)."""
+    it; in 3D ``dataset_dir`` itself when it holds DICOM files (the slices of one series, not volumes of their own),
+    then every sub-folder holding DICOM files (a series each), then every volume file directly in it."""
     if isinstance(images, (str, os.PathLike)):
         text = str(images).strip()
         if text.startswith("[") and text.endswith("]") and not Path(text).is_file():
@@ -422,17 +424,24 @@ def image_items(
     files = [p for p in visible_files(folder) if p.name.lower().endswith(IMAGE_SUFFIXES)]
     if spatial_dims == 2:
         return [{"image": str(p)} for p in files]
-    volumes = [p for p in files if not is_dicom_file(p)]
-    series = [p for p in sorted(folder.iterdir()) if p.is_dir() and not p.name.startswith(".") and holds_dicom_files(p)]
     itself = [folder] if holds_dicom_files(folder) else []
-    return [{"image": str(p)} for p in itself + series + volumes]
+    volumes = [p for p in files if not is_dicom_file(p)]
+    return [{"image": str(p)} for p in itself + series_folders(folder) + volumes]
 
 
-def require_items(items: Sequence[Any], dataset_dir: str | os.PathLike) -> None:
-    """Raise FileNotFoundError (naming ``dataset_dir``) when there is no image to run on."""
-    if len(items) == 0:
+def require_items(items: Sequence[Any], dataset_dir: str | os.PathLike, spatial_dims: int = 2) -> None:
+    """Raise FileNotFoundError (naming ``dataset_dir``) when there is no image to run on; in 2D, one that names
+    configs/inference_3d.yaml when ``dataset_dir`` holds DICOM series folders."""
+    if len(items) > 0:
+        return
+    folder = Path(dataset_dir)
+    if spatial_dims == 2 and folder.is_dir() and series_folders(folder):
         raise FileNotFoundError(
-            f"nothing to run on: no --images given and dataset_dir {dataset_dir} holds no image file "
-            f"({', '.join(IMAGE_SUFFIXES)}) and, for volumes, no DICOM series folder; pass --images \"['a.png', ...]\" "
-            "or --dataset_dir FOLDER"
+            f"nothing to run on: dataset_dir {dataset_dir} holds DICOM series folders (volumes), which the 2D command "
+            "does not read: merge configs/inference_3d.yaml after configs/inference.yaml"
         )
+    raise FileNotFoundError(
+        f"nothing to run on: no --images given and dataset_dir {dataset_dir} holds no image file "
+        f"({', '.join(IMAGE_SUFFIXES)}) and, for volumes, no DICOM series folder; pass --images \"['a.png', ...]\" "
+        "or --dataset_dir FOLDER"
+    )

@@ -273,7 +273,7 @@ def _entropy_rows_kernel() -> Any:
     """``local_entropy_rows`` of ``bundle/csrc/local_entropy.c`` (:func:`bundle.kernels.kernel_function`); None
     where it cannot be built."""
     int64 = ctypes.c_int64
-    arguments = (ctypes.c_void_p, *[int64] * 7, ctypes.c_void_p, *[int64] * 3, ctypes.c_void_p)
+    arguments = (ctypes.c_void_p, *[int64] * 7, ctypes.c_void_p, int64, ctypes.c_double, int64, int64, ctypes.c_void_p)
     return kernel_function("local_entropy", "local_entropy_rows", ctypes.c_int, arguments)
 
 
@@ -302,6 +302,7 @@ def _entropy_compiled(indices: np.ndarray, window: tuple[int, ...], bins: int) -
             bins,
             table.ctypes.data,
             max_count,
+            1.0 / _FIXED_POINT,
             first,
             last,
             entropy.ctypes.data,
