@@ -117,7 +117,7 @@ def entropy(repeats: int = 5, seed: int = 0) -> None:
                 time_once, maps[key] = best_time(call, 1)
                 times[key] = min(times[key], time_once)
         # largest difference (bits) of each map from skimage's
-        diff = {key: float(np.abs(maps[key].numpy().astype(np.float64) - maps["skimage"]).max()) for key in maps}
+        diff = {key: float(np.abs(np.asarray(maps[key], np.float64) - maps["skimage"]).max()) for key in maps}
         peak = peak_memory_mb(calls["compiled"])
         flag = "" if max(diff.values()) <= 1e-5 else "  DISAGREE"
         ratio = {key: times["skimage"] / times[key] for key in calls}
