@@ -18,6 +18,7 @@ from bundle.data.synthetic import generate_synthetic_3d
 from monai.bundle import run
 
 from tests.test_3d_pipeline import TINY_3D, _evaluate, _untrained_checkpoint
+from tests.test_dicom import write_ct_series
 
 ROOT = Path(__file__).resolve().parents[1]
 INFER_3D = [str(ROOT / f) for f in config_files("inference", spatial_dims=3)]
@@ -79,6 +80,35 @@ def test_a_volume_s_suggestions_are_evaluating_s_predictions_whatever_its_voxel_
             np.testing.assert_allclose(inferred[(file, name)], evaluated[(volume.name, name)], atol=1e-3, err_msg=file)
     assert (tmp_path / "infer" / f"{volume.name.split('.')[0]}.mrk.json").is_file()
     assert not (tmp_path / "infer" / "overlays").exists()
+
+    # --dataset_dir: a folder holding a DICOM series folder (the same volume, lossless: int16 HU in 12 bits) and a
+    # volume file; the folder of series gave nothing to run on before, and a series' own folder one item per slice
+    studies = tmp_path / "studies"
+    affine_lps = np.diag([-1.0, -1.0, 1.0, 1.0]) @ affine
+    directions = affine_lps[:3, :3] / np.linalg.norm(affine_lps[:3, :3], axis=0)
+    write_ct_series(studies / "series_a", data.astype(np.int16), affine_lps, directions[:, 0], directions[:, 1])
+    (studies / "flipped.nii.gz").write_bytes((tmp_path / "flipped.nii.gz").read_bytes())
+    run(
+        "inferring",
+        config_file=INFER_3D,
+        bundle_root=str(ROOT),
+        datalist=str(datalist_path),
+        dataset_dir=str(studies),
+        output_dir=str(tmp_path / "infer_dir"),
+        ckpt_path=str(ckpt),
+        pseudo_templates=0,
+        template_cache=None,
+        **{"network_def#network#channels": TINY_3D["network_def#channels"]},
+        **settings,
+    )
+    from_folder = _rows(tmp_path / "infer_dir" / "predictions.csv")
+    assert {file for file, _ in from_folder} == {"series_a", "flipped.nii.gz"}
+    for name in names:
+        for file in ("series_a", "flipped.nii.gz"):
+            np.testing.assert_allclose(
+                from_folder[(file, name)], evaluated[(volume.name, name)], atol=1e-3, err_msg=file
+            )
+    assert (tmp_path / "infer_dir" / "series_a.mrk.json").is_file()
 
 
 def test_3d_data_given_to_the_2d_inferring_are_refused_naming_the_3d_config(tmp_path):
