@@ -59,21 +59,29 @@ def test_a_volume_s_suggestions_are_evaluating_s_predictions_whatever_its_voxel_
     nib.save(nib.Nifti1Image(data.transpose(1, 0, 2).copy(), affine @ swap), str(tmp_path / "swapped.nii.gz"))
 
     settings = {k: TINY_3D[k] for k in ("target_spacing", "image_size", "seed")}
+    settings["network_def#network#channels"] = TINY_3D["network_def#channels"]
+
+    def infer(out: Path, **source) -> dict[tuple[str, str], np.ndarray]:
+        """`inferring` with the untrained checkpoint on ``source`` (``images`` or ``dataset_dir``): its predictions."""
+        run(
+            "inferring",
+            config_file=INFER_3D,
+            bundle_root=str(ROOT),
+            datalist=str(datalist_path),
+            output_dir=str(out),
+            ckpt_path=str(ckpt),
+            pseudo_templates=0,
+            template_cache=None,
+            **source,
+            **settings,
+        )
+        return _rows(out / "predictions.csv")
+
     _evaluate(datalist_path, tmp_path / "eval", ckpt, pseudo_templates=0)
-    run(
-        "inferring",
-        config_file=INFER_3D,
-        bundle_root=str(ROOT),
-        datalist=str(datalist_path),
-        images=[str(volume), str(tmp_path / "flipped.nii.gz"), str(tmp_path / "swapped.nii.gz")],
-        output_dir=str(tmp_path / "infer"),
-        ckpt_path=str(ckpt),
-        pseudo_templates=0,
-        template_cache=None,
-        **{"network_def#network#channels": TINY_3D["network_def#channels"]},
-        **settings,
+    inferred = infer(
+        tmp_path / "infer", images=[str(volume), str(tmp_path / "flipped.nii.gz"), str(tmp_path / "swapped.nii.gz")]
     )
-    evaluated, inferred = _rows(tmp_path / "eval" / "predictions.csv"), _rows(tmp_path / "infer" / "predictions.csv")
+    evaluated = _rows(tmp_path / "eval" / "predictions.csv")
     names = datalist["landmark_names"]
     for name in names:
         for file in (volume.name, "flipped.nii.gz", "swapped.nii.gz"):
@@ -88,20 +96,7 @@ def test_a_volume_s_suggestions_are_evaluating_s_predictions_whatever_its_voxel_
     directions = affine_lps[:3, :3] / np.linalg.norm(affine_lps[:3, :3], axis=0)
     write_ct_series(studies / "series_a", data.astype(np.int16), affine_lps, directions[:, 0], directions[:, 1])
     (studies / "flipped.nii.gz").write_bytes((tmp_path / "flipped.nii.gz").read_bytes())
-    run(
-        "inferring",
-        config_file=INFER_3D,
-        bundle_root=str(ROOT),
-        datalist=str(datalist_path),
-        dataset_dir=str(studies),
-        output_dir=str(tmp_path / "infer_dir"),
-        ckpt_path=str(ckpt),
-        pseudo_templates=0,
-        template_cache=None,
-        **{"network_def#network#channels": TINY_3D["network_def#channels"]},
-        **settings,
-    )
-    from_folder = _rows(tmp_path / "infer_dir" / "predictions.csv")
+    from_folder = infer(tmp_path / "infer_dir", dataset_dir=str(studies))
     assert {file for file, _ in from_folder} == {"series_a", "flipped.nii.gz"}
     for name in names:
         for file in ("series_a", "flipped.nii.gz"):

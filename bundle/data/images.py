@@ -25,14 +25,7 @@ import numpy as np
 import torch
 from bundle.data.annotations import visible_files
 from bundle.data.datalist import configuration_hint
-from bundle.data.dicom import (
-    XRayDicomd,
-    holds_dicom_files,
-    is_dicom_file,
-    plane_affine,
-    series_folders,
-    several_series_message,
-)
+from bundle.data.dicom import XRayDicomd, is_dicom_file, plane_affine, series_folders, several_series_message
 from bundle.data.nifti import nifti_header_problems
 from bundle.io_utils import error_summary
 from monai.config import KeysCollection
@@ -421,12 +414,12 @@ def image_items(
     folder = Path(dataset_dir)
     if not folder.is_dir():
         return []
-    files = [p for p in visible_files(folder) if p.name.lower().endswith(IMAGE_SUFFIXES)]
     if spatial_dims == 2:
-        return [{"image": str(p)} for p in files]
-    itself = [folder] if holds_dicom_files(folder) else []
-    volumes = [p for p in files if not is_dicom_file(p)]
-    return [{"image": str(p)} for p in itself + series_folders(folder) + volumes]
+        return [{"image": str(p)} for p in visible_files(folder) if p.name.lower().endswith(IMAGE_SUFFIXES)]
+    listed = visible_files(folder)
+    slices = {p for p in listed if is_dicom_file(p)}  # each file's preamble read once
+    volumes = [p for p in listed if p.name.lower().endswith(IMAGE_SUFFIXES) and p not in slices]
+    return [{"image": str(p)} for p in ([folder] if slices else []) + series_folders(folder) + volumes]
 
 
 def require_items(items: Sequence[Any], dataset_dir: str | os.PathLike, spatial_dims: int = 2) -> None:
