@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
@@ -27,6 +28,42 @@ def cache_root() -> Path:
     if not os.path.isabs(root):
         root = os.path.join(os.path.expanduser("~"), ".cache")
     return Path(root) / "infoguided-landmarks"
+
+
+def not_private(path: str | os.PathLike) -> str | None:
+    """Why ``path`` may not be trusted (a symbolic link, another user's, writable by its group or others: the rule
+    of ssh and pip); None when it is the current user's alone or is not there."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(info.st_mode):
+        return f"{path} is a symbolic link"
+    if info.st_uid != os.getuid() or info.st_mode & 0o022:
+        return (
+            f"{path} has owner uid {info.st_uid} and mode {stat.S_IMODE(info.st_mode):#o} (it must be yours, uid "
+            f"{os.getuid()}, and writable by no one else)"
+        )
+    return None
+
+
+def private_folder(root: str | os.PathLike, *parts: str) -> Path:
+    """``root/<parts>``, each level from ``root`` down made (mode 0700) where missing and checked with
+    :func:`not_private`.
+
+    Raises:
+        PermissionError: a level is a link, another user's or writable by others (the reason names it).
+    """
+    folder = Path(root)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    for part in ("", *parts):
+        folder = folder / part if part else folder
+        with contextlib.suppress(FileExistsError):
+            folder.mkdir(mode=0o700)
+        reason = not_private(folder)
+        if reason:
+            raise PermissionError(reason)
+    return folder
 
 
 def error_summary(error: BaseException) -> str:

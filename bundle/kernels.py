@@ -6,13 +6,18 @@ source, the compiler command and the machine's architecture, so a changed source
 kind of processor sharing the folder, builds its own. The library is written under a temporary name, flushed to disk and
 renamed (:func:`bundle.io_utils.atomic_path`), then a ``.sha256`` file holding the hash of its bytes is written
 beside it; a library whose bytes do not match it (truncated by a crash, or damaged: loading such a file can kill
-the interpreter) is built again. Without a compiler, when the build fails, or with ``INFOGUIDED_LANDMARKS_KERNELS=0``
-in the environment, :func:`kernel_function` returns None (once per process, logged) and the caller runs its numpy
-implementation, which gives the same results.
+the interpreter) is built again. The cache is trusted only when its folders (from ``infoguided-landmarks`` down) and
+files are the current user's and writable by no one else, and none is a symbolic link
+(:func:`bundle.io_utils.not_private`): a library planted there would run as the user. Otherwise the kernels are
+built in a fresh private temporary folder (mode 0700, removed at exit), logged once with the reason. Without a
+compiler, when the build fails, or with ``INFOGUIDED_LANDMARKS_KERNELS=0`` in the environment,
+:func:`kernel_function` returns None (once per process, logged) and the caller runs its numpy implementation, which
+gives the same results.
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import functools
 import hashlib
@@ -24,11 +29,12 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any, Sequence
 
-from bundle.io_utils import atomic_path, cache_root, write_text_atomic
+from bundle.io_utils import atomic_path, cache_root, not_private, private_folder
 
 __all__ = ["kernel_function", "kernel_library"]
 
@@ -42,6 +48,7 @@ BUILD_TIMEOUT = 300
 # the environment variable that turns the kernels off ("0"): the numpy implementations run
 SWITCH = "INFOGUIDED_LANDMARKS_KERNELS"
 _BUILDING = threading.Lock()
+_PRIVATE: list[Path] = []  # the private temporary folder, once one is made
 
 
 def _compiler() -> list[str] | None:
@@ -67,6 +74,29 @@ def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def _private_folder(reason: str) -> Path:
+    """This process's own temporary folder for the kernels (mode 0700, removed at exit), made and logged once."""
+    if not _PRIVATE:
+        folder = Path(tempfile.mkdtemp(prefix="infoguided-landmarks-kernels."))
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        _PRIVATE.append(folder)
+        logger.warning(
+            "kernel cache not trusted: %s; kernels are built in %s instead (removed at exit)", reason, folder
+        )
+    return _PRIVATE[0]
+
+
+def _kernel_path(file_name: str) -> Path:
+    """Where the library ``file_name`` goes: the cache's ``kernels`` folder when it and the files there are the
+    user's alone, else the private temporary folder."""
+    try:
+        library = private_folder(cache_root(), "kernels") / file_name
+        reason = not_private(library) or not_private(library.with_suffix(".sha256"))
+    except PermissionError as error:
+        reason = str(error)
+    return _private_folder(reason) / file_name if reason else library
+
+
 def _built(library: Path) -> bool:
     """True when ``library`` is there whole: its bytes hash to what its ``.sha256`` file says."""
     record = library.with_suffix(".sha256")
@@ -90,7 +120,7 @@ def kernel_library(name: str) -> Path | None:
     source = SOURCES / f"{name}.c"
     command = [*compiler, *FLAGS]
     identity = "\n".join([" ".join(command), sys.platform, platform.machine()]).encode()
-    library = cache_root() / "kernels" / f"{name}_{hashlib.sha256(source.read_bytes() + identity).hexdigest()[:16]}.so"
+    library = _kernel_path(f"{name}_{hashlib.sha256(source.read_bytes() + identity).hexdigest()[:16]}.so")
     if _built(library):
         return library
     with atomic_path(library) as partial:
@@ -105,7 +135,10 @@ def kernel_library(name: str) -> Path | None:
             raise OSError(f"{' '.join(command)} {source} failed: {build.stderr.strip()[-2000:] or 'no output written'}")
         with open(partial, "rb") as written:
             os.fsync(written.fileno())
-    write_text_atomic(library.with_suffix(".sha256"), _digest(library) + "\n")
+        partial.chmod(0o755)  # writable by no one else, whatever the umask
+    with atomic_path(library.with_suffix(".sha256")) as record:
+        record.write_text(_digest(library) + "\n", encoding="utf-8")
+        record.chmod(0o644)
     return library
 
 

@@ -4,7 +4,9 @@ the numpy implementation run instead."""
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import logging
+import os
 import subprocess
 
 import numpy as np
@@ -21,6 +23,7 @@ ROWS = ("local_entropy", "local_entropy_rows", ctypes.c_int, ())
 @pytest.fixture
 def fresh_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(kernels, "_PRIVATE", [], raising=False)  # no private folder made yet
     kernels.kernel_function.cache_clear()
     yield tmp_path / "infoguided-landmarks" / "kernels"
     kernels.kernel_function.cache_clear()
@@ -54,6 +57,85 @@ def test_kernel_is_built_once_into_the_cache(fresh_cache, monkeypatch):
     monkeypatch.setattr(subprocess, "run", no_build)
     assert kernels.kernel_library("local_entropy") == library and library.stat().st_mtime_ns == built
     assert kernels.kernel_function(*ROWS) is not None
+
+
+@needs_compiler
+def test_a_cache_built_under_an_open_umask_is_trusted(fresh_cache, monkeypatch, caplog):
+    """Under umask 002 (user private groups) the folders and files are still made writable by their owner only, so
+    the next run trusts them."""
+    mask = os.umask(0o002)
+    try:
+        library = kernels.kernel_library("local_entropy")
+    finally:
+        os.umask(mask)
+    made = (fresh_cache.parent, fresh_cache, library, library.with_suffix(".sha256"))
+    modes = [p.stat().st_mode & 0o777 for p in made]
+    assert modes == [0o700, 0o700, 0o755, 0o644]
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("built again"))
+    with caplog.at_level(logging.WARNING, logger="bundle.kernels"):
+        assert kernels.kernel_library("local_entropy") == library
+    assert caplog.text == ""
+
+
+def planted_library(folder, marker) -> bytes:
+    """A real shared library whose constructor, run as it is loaded, writes ``marker``."""
+    source = folder / "planted.c"
+    source.write_text(
+        "#include <stdio.h>\n__attribute__((constructor)) static void planted(void) "
+        f'{{ FILE *f = fopen("{marker}", "w"); if (f) fclose(f); }}\n'
+    )
+    command = [*kernels._compiler(), "-shared", "-fPIC", str(source), "-o", str(folder / "planted.so")]
+    subprocess.run(command, check=True)
+    return (folder / "planted.so").read_bytes()
+
+
+@needs_compiler
+@pytest.mark.parametrize("plant", ["open folder", "foreign file", "linked library", "linked folder"])
+def test_a_library_planted_in_the_cache_is_not_loaded(fresh_cache, tmp_path, monkeypatch, caplog, plant):
+    """Any library in the cache whose .sha256 matched was loaded: another user who could write there (a cache folder
+    of mode 0777, a link to their folder) had their code run as the training's user. The cache is now trusted only
+    when it is the user's alone: the kernels are built in a private temporary folder instead, said once."""
+    if plant == "foreign file" and os.geteuid() != 0:
+        pytest.skip("giving a file to another user needs root")
+    library = kernels.kernel_library("local_entropy")  # its name, which the planter can predict
+    kernels.kernel_function.cache_clear()
+    marker = tmp_path / "planted_code_ran"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    planted = planted_library(elsewhere, marker)
+    record = f"{hashlib.sha256(planted).hexdigest()}\n"
+    library.unlink()
+    if plant == "linked library":
+        library.symlink_to(elsewhere / "planted.so")
+    elif plant == "linked folder":
+        (elsewhere / library.name).write_bytes(planted)
+        (elsewhere / library.with_suffix(".sha256").name).write_text(record)
+        for p in fresh_cache.iterdir():
+            p.unlink()
+        fresh_cache.rmdir()
+        fresh_cache.symlink_to(elsewhere, target_is_directory=True)
+    else:
+        library.write_bytes(planted)
+    library.with_suffix(".sha256").write_text(record)
+    if plant == "open folder":
+        fresh_cache.chmod(0o777)
+    if plant == "foreign file":
+        os.chown(library, 12345, 12345)
+    with caplog.at_level(logging.WARNING, logger="bundle.kernels"):
+        entropy_runs_by_numpy()  # the map is computed (by the kernel built elsewhere)
+        assert not marker.exists(), "the planted library was loaded"
+        assert kernels.kernel_function(*ROWS) is not None  # a second kernel_library call: no second warning
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    why = {
+        "open folder": f"{fresh_cache} has owner uid {os.getuid()} and mode 0o777",
+        "foreign file": f"{library} has owner uid 12345 and mode 0o644",
+        "linked library": f"{library} is a symbolic link",
+        "linked folder": f"{fresh_cache} is a symbolic link",
+    }[plant]
+    assert len(warnings) == 1 and f"kernel cache not trusted: {why}" in warnings[0], warnings
+    private = kernels._PRIVATE[0]
+    assert f"kernels are built in {private} instead" in warnings[0] and private.stat().st_mode & 0o777 == 0o700
+    assert kernels.kernel_library("local_entropy") == private / library.name
 
 
 @needs_compiler
