@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import hashlib
 import json
+import logging
 import os
 import re
 import shutil
 import stat
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
+
+logger = logging.getLogger(__name__)
 
 
 def cache_root() -> Path:
@@ -64,6 +68,15 @@ def private_folder(root: str | os.PathLike, *parts: str) -> Path:
         if reason:
             raise PermissionError(reason)
     return folder
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """SHA-256 (hex) of a file's bytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(2**20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def error_summary(error: BaseException) -> str:
@@ -192,10 +205,12 @@ class StagedOutputs:
     ``folder`` is ``<base>/.<output_dir name>.<pid>.<random>.staging`` (:attr:`base`: the parent folder, or
     ``output_dir`` itself when it is on another file system): write every output there, then
     :meth:`commit` moves them into ``output_dir``, or :meth:`discard` removes the folder after a failure,
-    leaving ``output_dir`` as it was. A run replaces only files that runs write: the new ones, and those the
-    previous run listed in its manifest (``output_dir/.outputs.json``), so that old and new outputs never mix;
-    every other file of ``output_dir`` (a user's figures, training logs) is left alone. A staging folder that a
-    killed process left behind is removed by the next staging of the same folder.
+    leaving ``output_dir`` as it was. A run replaces or removes only files that it can prove a run wrote: those
+    the manifest ``output_dir/.outputs.json`` lists with the size and SHA-256 they still have. The previous run's
+    files that this one does not write again are removed, so that old and new outputs never mix (one changed since
+    is left, with a warning); a file the run would write that no run wrote (a user's) is refused, and so is a
+    symbolic link on the way to any file (:meth:`check`), before anything is moved. A staging folder that a killed
+    process left behind is removed by the next staging of the same folder.
     """
 
     MARKER = ".staging"
@@ -240,29 +255,103 @@ class StagedOutputs:
             _ACTIVE_STAGING.discard(self._folder)
             self._folder = None
 
-    def previous_outputs(self) -> list[str]:
-        """The files (relative paths) the previous run wrote into ``output_dir``, from its manifest."""
-        manifest = self.output_dir / self.MANIFEST
+    def _target(self, name: str) -> Path:
+        """``output_dir/name``; FileExistsError when a folder or the file on the way is a symbolic link (a write
+        or removal there would reach outside ``output_dir``) or a folder on the way is a file."""
+        path = self.output_dir
+        for i, part in enumerate(Path(name).parts):
+            path = path / part
+            if path.is_symlink():
+                raise FileExistsError(
+                    f"{path}: a symbolic link in output_dir {self.output_dir}, on the way to {name}; outputs are never "
+                    "written or removed through a link: remove it or choose another output_dir"
+                )
+            if i < len(Path(name).parts) - 1 and os.path.lexists(path) and not path.is_dir():
+                raise FileExistsError(
+                    f"{path}: a file where the run needs a folder for {name}: remove it or choose another output_dir"
+                )
+        return path
+
+    def previous_outputs(self) -> dict[str, dict]:
+        """The files (relative paths) runs wrote into ``output_dir``, each with the ``size`` and ``sha256`` the
+        manifest records; entries without them (a manifest of an older version, or written by hand) are left out."""
         try:
-            listed = json.loads(manifest.read_text(encoding="utf-8"))["files"]
+            listed = json.loads(self._target(self.MANIFEST).read_text(encoding="utf-8"))["files"]
         except (OSError, ValueError, KeyError, TypeError):
-            return []
-        return [f for f in listed if isinstance(f, str) and ".." not in Path(f).parts and not Path(f).is_absolute()]
+            return {}
+        if not isinstance(listed, dict):
+            return {}
+        return {
+            f: r
+            for f, r in listed.items()
+            if ".." not in Path(f).parts
+            and not Path(f).is_absolute()
+            and isinstance(r, dict)
+            and isinstance(r.get("size"), int)
+            and isinstance(r.get("sha256"), str)
+        }
+
+    @staticmethod
+    def _record(path: Path) -> dict:
+        return {"size": path.stat().st_size, "sha256": file_sha256(path)}
+
+    @staticmethod
+    def _unchanged(path: Path, record: dict | None) -> bool:
+        """Whether ``path`` is a file with the size and SHA-256 of ``record``."""
+        return (
+            record is not None
+            and path.is_file()
+            and path.stat().st_size == record["size"]
+            and (file_sha256(path) == record["sha256"])
+        )
+
+    def check(self, names: Iterable[str]) -> None:
+        """Refuse outputs ``names`` (relative paths) that would replace a file no run wrote, and any link on the way
+        to them or to the previous run's files (which the commit removes): FileExistsError naming the file.
+
+        The writer calls it as soon as it knows a name, so that the refusal comes before the work; :meth:`commit`
+        calls it again with every file before it moves anything.
+        """
+        self._target(self.MANIFEST)
+        previous = self.previous_outputs()
+        for name in previous:
+            self._target(name)
+        for name in names:
+            target = self._target(name)
+            if os.path.lexists(target) and not self._unchanged(target, previous.get(name)):
+                raise FileExistsError(
+                    f"{target}: the run would replace this file, which no run of this bundle wrote (or which changed "
+                    f"since, by {self.output_dir / self.MANIFEST}): remove it or choose another output_dir"
+                )
 
     def commit(self) -> list[Path]:
         """Move the staged outputs into ``output_dir``, in place of the previous run's; return the new paths.
 
         The files being replaced are first moved aside (into a hidden folder beside the staging one, removed at the
-        end), so that ``output_dir`` never holds old and new outputs together; then the manifest lists the new files.
+        end), so that ``output_dir`` never holds old and new outputs together; then the manifest lists the new files
+        with their sizes and SHA-256.
         """
         staged = self.folder
+        new = {str(p.relative_to(staged)): self._record(p) for p in sorted(staged.rglob("*")) if p.is_file()}
+        try:
+            self.check(new)
+        except BaseException:
+            self.discard()
+            raise
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        new = sorted(str(p.relative_to(staged)) for p in staged.rglob("*") if p.is_file())
-        replaced = [self.output_dir / f for f in sorted(set(self.previous_outputs()) | set(new))]
+        replaced = [self.output_dir / f for f in new]
+        for name, record in self.previous_outputs().items():
+            path = self.output_dir / name
+            if name in new or not os.path.lexists(path):
+                continue
+            if self._unchanged(path, record):
+                replaced.append(path)
+            else:
+                logger.warning("%s: an earlier run's output, changed since: left as it is", path)
         trash = Path(tempfile.mkdtemp(prefix=_temp_prefix(self.output_dir.name), suffix=self.MARKER, dir=staged.parent))
         try:
             for i, p in enumerate(replaced):
-                if p.is_file() or p.is_symlink():
+                if p.is_file():
                     os.replace(p, trash / f"{i}_{p.name}")
             for folder in sorted({p.parent for p in replaced}, key=lambda d: len(d.parts), reverse=True):
                 if folder != self.output_dir and folder.is_dir() and not any(folder.iterdir()):

@@ -23,25 +23,15 @@ Matched by :class:`bundle.inferers.oneshot.TemplateFeatureInferer` (the Python p
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
-from bundle.io_utils import atomic_path, error_summary
+from bundle.io_utils import atomic_path, error_summary, file_sha256
 
 TEMPLATE_FORMAT = "infoguided-landmarks-template/1"
 BUNDLE_DIR = Path(__file__).resolve().parents[1]
-
-
-def file_sha256(path: str | os.PathLike) -> str:
-    """SHA-256 (hex) of a file's bytes."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(2**20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def check_template(template: Mapping[str, Any], where: str = "template") -> dict:

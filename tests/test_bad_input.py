@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import logging
 import os
 import re
 import shutil
@@ -856,6 +857,107 @@ def test_an_evaluation_replaces_only_the_files_runs_write(data2d, tmp_path):
     runs = sorted(k for k in after if k.startswith("overlays/") and k != "overlays/my_figure.png")
     assert runs == ["overlays/test_001.png"] and json.loads(after["metrics.json"])["n_images"] == 1
     assert staging_leftovers(out) == []
+
+
+def staged_run(out: Path, files: dict[str, bytes]):
+    """A run's StagedOutputs of ``out`` with ``files`` (relative name -> bytes) written into its staging folder."""
+    from bundle.io_utils import StagedOutputs
+
+    staging = StagedOutputs(out)
+    for name, content in files.items():
+        (staging.folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (staging.folder / name).write_bytes(content)
+    return staging
+
+
+@pytest.mark.parametrize("manifest", ["a list of names", "a wrong record"])
+def test_a_manifest_is_not_trusted_to_remove_a_users_file(tmp_path, manifest):
+    """Every relative path .outputs.json listed was deleted by the next run: a hand-written one, or a previous run's
+    edited, removed the user's data. A file is now removed only with the size and SHA-256 recorded by the run."""
+    out = tmp_path / "eval"
+    out.mkdir()
+    (out / "mydata.csv").write_bytes(b"mine")
+    listed = ["mydata.csv"] if manifest == "a list of names" else {"mydata.csv": {"size": 4, "sha256": "0" * 64}}
+    write_json(out / ".outputs.json", {"files": listed})
+    staged_run(out, {"metrics.json": b"{}"}).commit()
+    assert snapshot(out) == {
+        "mydata.csv": b"mine",
+        "metrics.json": b"{}",
+        ".outputs.json": snapshot(out)[".outputs.json"],
+    }
+    assert staging_leftovers(out) == []
+
+
+def test_a_previous_output_changed_since_is_left_alone(tmp_path, caplog):
+    """A run's own output that the user edited (or hard-linked, then edited through the link) is theirs now: the next
+    run leaves it, with a warning naming it, and refuses to replace it."""
+    out = tmp_path / "eval"
+    staged_run(out, {"predictions.csv": b"run 1", "notes.csv": b"run 1", "sdr_curve.png": b"run 1"}).commit()
+    (out / "notes.csv").write_bytes(b"edited by the user")
+    os.link(out / "sdr_curve.png", tmp_path / "kept.png")  # a hard link: replacing the entry keeps its bytes
+    with caplog.at_level(logging.WARNING, logger="bundle.io_utils"):
+        staged_run(out, {"predictions.csv": b"run 2", "sdr_curve.png": b"run 2"}).commit()
+    assert f"{out / 'notes.csv'}: an earlier run's output, changed since: left as it is" in caplog.text
+    after = snapshot(out)
+    assert (
+        after["notes.csv"] == b"edited by the user" and after["predictions.csv"] == after["sdr_curve.png"] == b"run 2"
+    )
+    assert (tmp_path / "kept.png").read_bytes() == b"run 1"
+    staging = staged_run(out, {"notes.csv": b"run 3"})
+    with pytest.raises(FileExistsError, match=re.escape(f"{out / 'notes.csv'}: the run would replace this file")):
+        staging.commit()
+    assert snapshot(out) == after and staging_leftovers(out) == []
+
+
+@pytest.mark.parametrize("link", ["overlays folder", "metrics file"])
+def test_no_output_is_written_or_removed_through_a_link(tmp_path, link):
+    """An overlays folder linked to another folder got the overlays written there, and a later run without overlays
+    deleted files from it (those the manifest listed); now a link on the way is refused, naming it, nothing moved."""
+    out, elsewhere = tmp_path / "eval", tmp_path / "elsewhere"
+    staged_run(out, {"metrics.json": b"run 1", "overlays/a.png": b"run 1"}).commit()
+    if link == "overlays folder":  # the user moves the overlays away and links them back
+        (out / "overlays").rename(elsewhere)
+        (out / "overlays").symlink_to(elsewhere, target_is_directory=True)
+        linked, second = out / "overlays", {"metrics.json": b"run 2"}  # a run with --overlays false
+    else:
+        elsewhere.mkdir()
+        (elsewhere / "metrics.json").write_bytes(b"run 1")
+        (out / "metrics.json").unlink()
+        (out / "metrics.json").symlink_to(elsewhere / "metrics.json")
+        linked, second = out / "metrics.json", {"metrics.json": b"run 2", "overlays/a.png": b"run 2"}
+    before, theirs = snapshot(out), snapshot(elsewhere)
+    staging = staged_run(out, second)
+    with pytest.raises(FileExistsError, match=re.escape(f"{linked}: a symbolic link in output_dir {out}")):
+        staging.commit()
+    with pytest.raises(FileExistsError, match=re.escape(f"{linked}: a symbolic link") + ".*choose another output_dir"):
+        staging.check(["metrics.json"])  # what the writer calls before its work
+    assert snapshot(out) == before and snapshot(elsewhere) == theirs and staging_leftovers(out) == []
+
+
+def test_a_users_file_the_run_would_write_is_refused(tmp_path):
+    """A user's overlays/005.png, a name the run writes but never wrote there, was replaced without a word."""
+    out = tmp_path / "eval"
+    (out / "overlays").mkdir(parents=True)
+    (out / "overlays" / "005.png").write_bytes(b"mine")
+    staging = staged_run(out, {"metrics.json": b"{}", "overlays/004.png": b"new", "overlays/005.png": b"new"})
+    message = re.escape(f"{out / 'overlays' / '005.png'}: the run would replace this file, which no run of this bundle")
+    with pytest.raises(FileExistsError, match=message + ".*remove it or choose another output_dir"):
+        staging.commit()
+    with pytest.raises(FileExistsError, match=message):
+        staging.check(["metrics.json", "overlays/005.png"])  # what the writer calls before its work
+    assert snapshot(out) == {"overlays/005.png": b"mine"} and staging_leftovers(out) == []
+
+
+def test_an_evaluation_refuses_a_users_file_it_would_replace(data2d, tmp_path):
+    """End to end: a user's overlay-named file is refused naming it (as the image comes, before the report is
+    written), the file intact and no report moved in."""
+    out = tmp_path / "eval"
+    (out / "overlays").mkdir(parents=True)
+    (out / "overlays" / "test_001.png").write_bytes(b"mine")
+    text = raises(evaluate, data2d["datalist"], out, data2d["ckpt"])
+    assert f"{out / 'overlays' / 'test_001.png'}: the run would replace this file" in text
+    assert "remove it or choose another output_dir" in text
+    assert snapshot(out) == {"overlays/test_001.png": b"mine"} and staging_leftovers(out) == []
 
 
 def test_an_output_dir_that_is_a_file_is_refused_before_the_run(tmp_path):

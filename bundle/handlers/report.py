@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+from bundle.data.annotations import image_stem
 from bundle.geometry import apply_homogeneous, physical_to_datalist
 from bundle.io_utils import StagedOutputs, write_json_atomic
 from bundle.metrics import DEFAULT_THRESHOLDS, radial_errors, summarize_errors
@@ -64,7 +65,10 @@ class LandmarkReportHandler:
     Everything is written at ``COMPLETED`` (the overlays drawn as their images come, kept in memory) into a
     staging folder beside ``output_dir``, which replaces the previous run's report files only when complete
     (:class:`bundle.io_utils.StagedOutputs`): after a failure ``output_dir`` is as it was, and files that no
-    run wrote are never touched.
+    run wrote are never touched. Each report file is checked (:meth:`bundle.io_utils.StagedOutputs.check`) as
+    soon as its name is known (predictions.csv as the epoch starts, metrics.json and sdr_curve.png with the first
+    labelled image, an overlay or markup file with its image), so that a user's file in the way is refused before
+    the work.
     """
 
     def __init__(
@@ -98,6 +102,8 @@ class LandmarkReportHandler:
         self.logger = logging.getLogger(logger_name)
         self.records: list[dict] = []
         self._stems: set[str] = set()
+        self._markups: set[str] = set()  # the 3D markup files' stems (as write_markups_per_image names them)
+        self._labelled = False  # whether an image with reference landmarks came
         self._overlays: dict[str, bytes] = {}  # overlay file name -> PNG, written with the report
         self._staging = StagedOutputs(self.output_dir)
 
@@ -109,8 +115,11 @@ class LandmarkReportHandler:
     def reset(self, engine: Engine | None = None) -> None:
         self.records = []
         self._stems = set()
+        self._markups = set()
+        self._labelled = False
         self._overlays = {}
         self._staging.discard()
+        self._staging.check(["predictions.csv"])
 
     def _array(self, item: Mapping, key: str, shape_hint: str) -> np.ndarray:
         if key not in item:
@@ -146,12 +155,18 @@ class LandmarkReportHandler:
                     f"fit {len(self.landmark_names)} landmarks"
                 )
             record = {"image": self._image_name(item), "pred": pred, "ref": ref, "spacing": spacing}
+            if not self._labelled and np.isfinite(ref).any():  # the first labelled image: a scored run
+                self._staging.check(["metrics.json", "sdr_curve.png"])
+                self._labelled = True
+            if spacing.size == 3:
+                self._staging.check([f"{unique_name(image_stem(record['image']), self._markups)}.mrk.json"])
             self.records.append(record)
             if self.overlays and spacing.size == 2 and self.image_key in item and self.grid_key in item:
                 self._overlay(record, item)
 
     def _overlay(self, record: dict, item: Mapping) -> None:
         name = unique_name(Path(record["image"]).stem, self._stems)
+        self._staging.check([f"overlays/{name}.png"])
         matrix = np.asarray(convert_to_numpy(item[self.grid_key]), dtype=np.float64)
         ref_grid = apply_homogeneous(matrix, record["ref"], inverse=True).numpy()
         pred_grid = apply_homogeneous(matrix, record["pred"], inverse=True).numpy()
