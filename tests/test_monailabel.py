@@ -555,6 +555,8 @@ def test_saved_labels_become_the_templates(server):
         ({"epochs": "abc"}, "epochs"),
         ({"batch_size": 0}, "batch_size"),
         ({"image_size": [64]}, "image_size"),
+        ({"image_size": [17, 17]}, "image_size"),  # not divisible by 16: queued, then failed in the training
+        ({"image_size": [64, 64], "crop_size": [128, 64]}, "crop_size"),
         ({"learning_rate": "fast"}, "learning_rate"),
         ({"min_improvement": [1]}, "min_improvement"),
         ({"network": "unet"}, "network"),
@@ -609,7 +611,7 @@ def test_training_reads_the_labels_and_keeps_the_served_model_when_not_better(se
     )
     stats = client.info()["train_stats"]["landmarks"]  # written by the training process, shown by /info/
     assert stats["published"] is False and "kept the served model" in stats["decision"]
-    assert stats["train"]["init_weights"] == str(ROOT / "models" / "model.pt")  # fine-tuned from the served weights
+    assert stats["train"]["init_weights"] == "model.pt"  # fine-tuned from the served (shipped) weights, by name
     assert stats["eval"]["key_metric_name"] == "mre" and stats["eval"]["metrics"]["mre_trained"] > 0
     assert "leave-one-out" in stats["eval"]["scored_on"] and stats["epoch"] == 1 and "total_time" in stats
     assert (model / "candidate" / "model_final.pt").is_file() and not (model / "model.pt").exists()
@@ -631,7 +633,7 @@ def test_training_publishes_and_keeps_the_previous_model(server):
     request = {k: v for k, v in TINY_TRAIN.items() if k not in ("epochs", "batch_size")}
     stats = _publish_always(server, dict(request, max_epochs=1, train_batch_size=1))
     assert stats["epoch"] == 1  # not the default 10
-    assert stats["published"] is True and stats["checkpoint"] == str(model / "model.pt")
+    assert stats["published"] is True and stats["checkpoint"] == "model.pt"
     assert stats["decision"].startswith("published (publish 'always')")
     assert stats["best_metric"] == stats["eval"]["metrics"]["mre_trained"]
     assert stats["kept_previous"] == {}  # the shipped weights were served: nothing replaced
@@ -701,7 +703,7 @@ def test_detector_is_kept_out_when_not_better(server):
     assert stats["published"] is False and "kept template matching" in stats["decision"]
     assert stats["predictor"] == "templates" and stats["eval"]["served_predictor"] == "templates"
     # the encoder starts from the served stage-1 weights (published by the contrastive training above)
-    assert stats["train"]["init_checkpoint"] == str(model / "model.pt") and stats["train"]["init_weights"] is None
+    assert stats["train"]["init_checkpoint"] == "model.pt" and stats["train"]["init_weights"] is None
     # two labelled images: one trained on, one held out and scored on; the child never sees the held-out one
     trained, held = stats["train"]["trained_on"], stats["train"]["held_out"]
     assert len(trained) == len(held) == 1 and sorted(trained + held) == ["test_000", "test_003"]
@@ -722,7 +724,7 @@ def test_published_detector_is_served(server):
     stats = _detector_stats(server, {"publish": "always"})  # whatever the detector scores
     assert stats["published"] is True and stats["decision"].startswith("published")
     # what auto serves before the labels choose: matching, the detector having learnt from 1 saved label
-    assert stats["predictor"] == "templates" and stats["checkpoint"] == str(model / "model.pt")
+    assert stats["predictor"] == "templates" and stats["checkpoint"] == "model.pt"
     info = json.loads((model / "detector.json").read_text())
     assert info["image_size"] == TINY_TRAIN["image_size"] and info["held_out"] == stats["train"]["held_out"]
     # auto passes over a detector that learnt from 1 saved label (fewer than 5): matching from the saved labels, also
@@ -765,7 +767,7 @@ def test_detector_retrains_from_the_served_one_on_the_same_held_out_images(serve
     label = mrk_json(tmp_path / "test_001.mrk.json", server["names"], server["truth"]["test_001"])
     server["client"].save_label("test_001", str(label), tag="final")  # a third labelled image
     stats = _detector_stats(server, {"min_improvement": 1e9})
-    assert stats["train"]["init_weights"] == str(model / "detector.pt") and stats["train"]["init_checkpoint"] is None
+    assert stats["train"]["init_weights"] == "detector.pt" and stats["train"]["init_checkpoint"] is None
     assert stats["eval"]["served_predictor"] == "detector" and "kept the served detector" in stats["decision"]
     # the served detector is scored only on images it never trained on: its held-out image stays held out, its
     # training image stays in training, and the new one fills the held-out set (2 of 3: min_held_out 3, capped)
@@ -786,3 +788,89 @@ def test_a_giant_picture_is_refused_before_it_is_decoded(server, tmp_path):
     assert status == 422, (status, reply)
     assert "12000 x 12000 pixels, more than the 50,000,000" in reply["detail"], reply
     assert _tree(server["studies"]) == before
+
+
+def _strings(value) -> list[str]:
+    """Every string of a JSON value, keys included."""
+    if isinstance(value, dict):
+        return [s for k, v in value.items() for s in [k, *_strings(v)]]
+    if isinstance(value, list):
+        return [s for v in value for s in _strings(v)]
+    return [value] if isinstance(value, str) else []
+
+
+def test_replies_name_no_server_path_and_the_log_is_not_served(server):
+    """``/info/`` (the training statistics' checkpoints), ``/activelearning/``, the datastore's image info and datalist
+    and the task status replies carry names, not server paths; the server log (``/logs/``, also a task's
+    ``details``) is served only where the operator turns it on (``--conf serve_logs true``)."""
+    base = server["base"]
+    reply, status = request_json(f"{base}/logs/")
+    assert status == 403 and "--conf serve_logs true" in reply["detail"], reply
+    assert request_json(f"{base}/logs/gpu")[1] == 403
+    sample, status = request_json(f"{base}/activelearning/first", b"{}", {"Content-Type": "application/json"})
+    assert status == 200 and sample["id"], sample  # an unlabelled image is left
+    replies = {
+        "info": request_json(f"{base}/info/"),
+        "activelearning": (sample, status),
+        "train": request_json(f"{base}/train/?all=true"),
+        "image_info": request_json(f"{base}/datastore/image/info?image=test_000"),
+        "datalist": request_json(f"{base}/datastore/?output=train"),
+        "batch": request_json(f"{base}/batch/infer/landmarks", b"{}", {"Content-Type": "application/json"}),
+    }
+    assert replies["info"][0]["train_stats"]["landmarks"]["checkpoint"] == "model.pt"  # the trainings above ran
+    assert replies["train"][1] == 200 and replies["train"][0]
+    assert {"image": "test_000.png", "label": "test_000.mrk.json"} in replies["datalist"][0]  # file names
+    for name, (reply, _) in replies.items():
+        for text in _strings(reply):
+            assert not text.startswith("/") and str(server["studies"]) not in text, (name, text)
+            assert str(server["work"]) not in text and str(ROOT) not in text, (name, text)
+
+
+def test_a_label_nesting_too_deep_is_refused_naming_the_image(server, tmp_path):
+    """A label whose JSON nests 100000 levels (json.loads raises RecursionError: 500) is answered 422 naming the image;
+    nothing is stored."""
+    deep = tmp_path / "deep.mrk.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    before = _tree(server["studies"])
+    reply, status = request_json(
+        f"{server['base']}/datastore/label?image=test_002&tag=final", *_multipart("label", deep), method="PUT"
+    )
+    assert status == 422 and "'test_002'" in reply["detail"] and "nests too deeply" in reply["detail"], reply
+    assert _tree(server["studies"]) == before
+
+
+def test_a_long_image_id_is_refused_naming_the_limit(server):
+    """A 300-character image id (its file name too long for the file system, ENAMETOOLONG: 500) is answered 400
+    naming it and the limit; nothing is stored."""
+    long_id = "a" * 300
+    before = _tree(server["studies"])
+    reply, status = request_json(
+        f"{server['base']}/datastore/image?image={long_id}",
+        *_multipart("file", server["studies"] / "test_000.png", "x.png"),
+        method="PUT",
+    )
+    assert status == 400 and repr(long_id) in reply["detail"] and "longer than 200 bytes" in reply["detail"], reply
+    assert _tree(server["studies"]) == before
+
+
+@pytest.mark.parametrize(
+    "method, route, status, why",
+    [
+        ("POST", "/batch/infer/landmarks?run_sync=true", 404, "batch inference is not served"),  # ZeroDivisionError
+        ("GET", "/batch/infer", 404, "batch inference is not served"),
+        ("POST", "/scoring/anything", 404, "scoring is not served"),  # started an app in a subprocess, which failed
+        ("GET", "/scoring/", 404, "scoring is not served"),
+        ("GET", "/proxy/dicom/studies", 404, "not DICOMweb"),  # requests' MissingSchema: 500
+        ("GET", "/proxy/dicom/qido/studies", 404, "not DICOMweb"),
+        ("POST", "/infer/wsi_v2/landmarks", 404, "whole-slide"),  # no image: 500
+        ("POST", "/reload", 404, "restart the server"),  # dropped the app: the next request built a new one
+        ("PUT", "/model/landmarks", 404, "POST /train/landmarks publishes"),
+        ("DELETE", "/model/landmarks", 404, "POST /train/landmarks publishes"),
+        ("GET", "/datastore/dataset", 404, "copy the studies folder"),  # a zip of the dataset left in the temp dir
+        ("GET", "/ohif/..", 400, "'..'"),  # FileResponse of a folder: 500
+        ("GET", "/logs/gpu", 403, "serve_logs"),  # no nvidia-smi: 500
+    ],
+)
+def test_routes_not_served_are_refused_saying_so(server, method, route, status, why):
+    reply, got = request_json(f"{server['base']}{route}", b"{}" if method in ("POST", "PUT") else None, method=method)
+    assert got == status and why in reply["detail"], (got, reply)

@@ -22,8 +22,11 @@
 Ids, tags and upload names are names inside the studies folder, for every route (one place: the confined datastore
 of landmark_tasks/datastore.py): a path, ``..``, an empty name or a link pointing out is answered 4xx and nothing
 is written or deleted; an unknown id, an unreadable image or label is answered 4xx naming it. MONAI Label's
-sessions are off (they unpack uploaded archives as they come). Start-up does no heavy work: network, templates
-and the bundle's template search wait for the first request.
+sessions are off (they unpack uploaded archives as they come). Replies name images, files and checkpoints, never a
+server path. MONAI Label routes the app does not serve (batch inference, scoring, whole-slide inference, reload,
+replacing the served weights, the DICOMweb proxy without a DICOMweb source, the log) are refused 4xx saying so
+(landmark_tasks/guards.py). Start-up does no heavy work: network, templates and the bundle's template search wait
+for the first request.
 
 Conf keys: ``bundle_root`` (default: the repository holding this app), ``datalist`` (the templates' images and the
 landmark names; its ``spatial_dims`` selects the 2D or 3D configs; default: none, the built-in templates of the
@@ -38,7 +41,8 @@ shipped, else template matching; ``detector``; ``templates``),
 ``pseudo_templates`` (default: the bundle's, 20; 0: none): how many pseudo-templates join few saved labels (the
 infer task computes them in the background after the labels change) or the datalist's few templates,
 ``device`` (``cpu``, ``cuda``, ``cuda:N``; default ``cuda`` when available, else ``cpu``; one this machine lacks
-stops the start naming it): where the server infers and scores and the bundle trains, one stage-1 network on it.
+stops the start naming it): where the server infers and scores and the bundle trains, one stage-1 network on it,
+``serve_logs`` (default ``false``; ``true``: ``/logs/`` serves the server log, and the train status its last lines).
 """
 
 from __future__ import annotations
@@ -113,6 +117,7 @@ class LandmarkApp(MONAILabelApp):
             )
         import_bundle(self.bundle_root)
         from bundle import __version__ as bundle_version
+        from bundle.configs import as_flag
         from landmark_tasks.common import BundleContext
 
         self.model_dir = Path(app_dir) / "model"
@@ -126,6 +131,7 @@ class LandmarkApp(MONAILabelApp):
         )
         self.train_defaults = training_defaults(conf)
         self.predictor = conf.get("predictor", "auto")
+        self.serve_logs = as_flag(conf.get("serve_logs", "false"), "--conf serve_logs")
         if settings.MONAI_LABEL_SESSIONS:
             # MONAI Label's sessions unpack uploaded archives as they come (members may name paths outside);
             # the app takes an image id or an upload per request instead
@@ -141,10 +147,19 @@ class LandmarkApp(MONAILabelApp):
             version=bundle_version,
         )
         if "monailabel.app" in sys.modules:  # the server process (not a training child)
-            from landmark_tasks.guards import install_infer_guard, install_train_guard
+            from landmark_tasks.guards import (
+                install_infer_guard,
+                install_names_guard,
+                install_route_guard,
+                install_status_guard,
+                install_train_guard,
+            )
 
+            install_route_guard(self.studies.startswith(("http://", "https://")), self.serve_logs)
             install_infer_guard()
             install_train_guard(self._check_train_request)
+            install_status_guard(self.serve_logs)
+            install_names_guard()
 
     def _check_train_request(self, params: dict) -> None:
         """Before a train request is queued: its values, and enough saved labels for the detector
@@ -206,12 +221,6 @@ class LandmarkApp(MONAILabelApp):
                 status_code=404, detail=f"no strategy {strategy!r}; the strategies are {sorted(self._strategies)}"
             )
         return super().next_sample(request)
-
-    def infer_wsi(self, request, datastore=None):
-        """No whole-slide inference here (404; MONAI Label's would open any slide path it is given)."""
-        from landmark_tasks.datastore import refuse
-
-        refuse(404, "this app has no whole-slide (WSI) inference: use POST /infer/landmarks", request.get("image"))
 
     def infer(self, request, datastore=None):
         """``image``: an id of the (confined) datastore or an upload of this request; errors answered 4xx with their

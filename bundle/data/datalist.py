@@ -32,13 +32,16 @@ class DatalistError(ValueError):
 
 
 def read_json(path: str | os.PathLike, what: str = "JSON file") -> Any:
-    """The parsed content of a JSON file; an unreadable or invalid file raises ``DatalistError`` naming it."""
+    """The parsed content of a JSON file; an unreadable or invalid file (one nesting too deep to parse included)
+    raises ``DatalistError`` naming it."""
     import json
 
     try:
         return json.loads(Path(path).read_text(encoding="utf-8-sig"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise DatalistError(f"{path}: not a readable {what} ({e})") from e
+    except RecursionError:
+        raise DatalistError(f"{path}: not a readable {what} (it nests too deeply to parse)") from None
 
 
 # pixel spacings (mm) outside this range are typing errors, not images

@@ -28,6 +28,9 @@ from monailabel.datastore.local import LocalDatastore
 from .common import IMAGE_EXTENSIONS, LABEL_EXTENSIONS, ImageError, LabelError
 
 logger = logging.getLogger(__name__)
+# the longest id, tag or file name taken (UTF-8 bytes): with a suffix and a temporary name's affixes it stays within
+# the 255 bytes a file name may have on common file systems (a longer one failed with ENAMETOOLONG: 500)
+MAX_NAME_BYTES = 200
 
 
 def is_upload_temp(path: str) -> bool:
@@ -56,6 +59,8 @@ def name_problem(value: object) -> str | None:
         return "it is a hidden name"
     if any(ord(c) < 32 for c in value):
         return "it holds a control character"
+    if len(value.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+        return f"it is longer than {MAX_NAME_BYTES} bytes"
     return None
 
 

@@ -1,4 +1,4 @@
-"""Server-side guards of the app around two MONAI Label 0.8.5 endpoints (installed by the app in the server process).
+"""Server-side guards of the app around MONAI Label 0.8.5 endpoints (installed by the app in the server process).
 
 - ``POST /infer/{model}``: the request is checked before MONAI Label reads it (400 naming the fault): ``params``
   must be a JSON object without ``image`` (the image is ``?image=ID`` or an upload, never a value of params);
@@ -11,6 +11,16 @@
   every case; the app's ``infer`` accepts a path only when it is a registered upload (else a datastore image id).
 - ``POST /train/{model}``: the training options are checked before the task is queued, so a bad value
   (``{"epochs": "abc"}``) is answered 422 naming the key instead of failing later in the training process.
+- ``GET /info/``, ``POST /activelearning/{strategy}``, ``GET /datastore/``, ``GET /datastore/image/info``,
+  ``GET /datastore/label/info``: server paths in the reply are replaced by file names.
+- ``GET /train/``, ``DELETE /train/``: a task's ``details`` (the training process's last log lines, server paths
+  among them) are left out unless the operator serves the log (``--conf serve_logs true``).
+
+:class:`RouteGuard` (placed before every route of MONAI Label's FastAPI app) refuses the routes this app does not
+serve, before MONAI Label reads the request (:data:`OFF_ROUTES`): a path segment ``.`` or ``..`` (400), the log
+(403 unless ``--conf serve_logs true``), batch inference, scoring, whole-slide inference, the app reload, the
+dataset archive, replacing or deleting the served weights, the DICOMweb proxy without a DICOMweb source (404
+each, saying so).
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ from pathlib import Path
 from typing import Callable
 
 from fastapi import HTTPException
+from fastapi.responses import JSONResponse
 
 logger = logging.getLogger(__name__)
 _uploads: dict[str, str] = {}  # path of an upload being inferred -> the client's file name
@@ -126,3 +137,124 @@ def install_train_guard(validate: Callable[[dict], object]) -> bool:
         return run_model
 
     return _install("monailabel.endpoints.train", "run_model", wrap)
+
+
+def without_paths(value: object) -> object:
+    """``value`` (a reply's JSON) with every absolute path replaced by its file name."""
+    if isinstance(value, dict):
+        return {k: without_paths(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [without_paths(v) for v in value]
+    if isinstance(value, str) and os.path.isabs(value):
+        return os.path.basename(value.rstrip("/\\")) or value
+    return value
+
+
+SERVE_LOGS = "start the server with --conf serve_logs true to serve it"
+# (path prefix, methods (None: all), status, why): MONAI Label routes this app does not serve
+OFF_ROUTES = [
+    ("/batch/", None, 404, "batch inference is not served by this app: infer each image (POST /infer/landmarks)"),
+    ("/scoring/", None, 404, "scoring is not served by this app (it has no scoring methods; training scores itself)"),
+    ("/infer/wsi", None, 404, "this app has no whole-slide (WSI) inference: use POST /infer/landmarks"),
+    ("/reload", None, 404, "reloading the app is not served by this app: restart the server"),
+    (
+        "/datastore/dataset",
+        None,
+        404,
+        "the dataset archive is not served by this app (MONAI Label leaves each one in the server's temp dir): "
+        "copy the studies folder",
+    ),
+    (
+        "/model/",
+        {"PUT", "DELETE"},
+        404,
+        "replacing or deleting the served weights is not served by this app: POST /train/landmarks publishes them "
+        "by its rule (docs/monailabel.md, restoring a model)",
+    ),
+]
+
+
+class RouteGuard:
+    """ASGI middleware refusing the routes the app does not serve (module docstring); ``dicomweb``: the studies are
+    a DICOMweb source (the proxy is served); ``serve_logs``: the log routes are served."""
+
+    def __init__(self, app, dicomweb: bool, serve_logs: bool) -> None:
+        self.app, self.dicomweb, self.serve_logs = app, dicomweb, serve_logs
+
+    def refusal(self, method: str, path: str) -> tuple[int, str] | None:
+        """(status, why) when the request is not served, else None."""
+        if any(part in (".", "..") for part in path.split("/")):
+            return 400, f"{path!r:.200}: a path segment '.' or '..' is refused"
+        if path.startswith("/logs"):
+            if not self.serve_logs:
+                return 403, f"the server log is not served: {SERVE_LOGS}"
+            if path.startswith("/logs/gpu") and shutil.which("nvidia-smi") is None:
+                return 404, "no nvidia-smi on this server: no GPU information"
+        if path.startswith("/proxy/") and not self.dicomweb:
+            return 404, "the DICOMweb proxy is not served: this server's studies are a local folder, not DICOMweb"
+        for prefix, methods, status, why in OFF_ROUTES:
+            if path.startswith(prefix) and (methods is None or method in methods):
+                return status, why
+        return None
+
+    async def __call__(self, scope, receive, send) -> None:
+        refused = self.refusal(scope["method"], scope["path"]) if scope["type"] == "http" else None
+        if refused is None:
+            return await self.app(scope, receive, send)
+        status, why = refused
+        await JSONResponse({"detail": why}, status_code=status)(scope, receive, send)
+
+
+def install_route_guard(dicomweb: bool, serve_logs: bool) -> bool:
+    """Place :class:`RouteGuard` before the routes of MONAI Label's FastAPI app (``monailabel.app.app``), once; the
+    app is built already when the MONAI Label app starts (its lifespan), so its middleware stack is rebuilt."""
+    from fastapi.middleware import Middleware
+    from monailabel.app import app
+
+    if any(m.cls is RouteGuard for m in app.user_middleware):
+        return True
+    app.user_middleware.insert(0, Middleware(RouteGuard, dicomweb=dicomweb, serve_logs=serve_logs))
+    if app.middleware_stack is not None:
+        app.middleware_stack = app.build_middleware_stack()
+    return True
+
+
+# (endpoint module, function) whose replies may carry server paths (a sample's or an image's ``path``, the datalist's
+# files, the training statistics' checkpoints)
+PATH_REPLIES = [
+    ("monailabel.endpoints.info", "app_info"),
+    ("monailabel.endpoints.activelearning", "sample"),
+    ("monailabel.endpoints.datastore", "datastore"),
+    ("monailabel.endpoints.datastore", "get_image_info"),
+    ("monailabel.endpoints.datastore", "get_label_info"),
+]
+
+
+def install_names_guard() -> bool:
+    """Wrap the endpoints of :data:`PATH_REPLIES`: their replies name files (:func:`without_paths`)."""
+
+    def wrap(original: Callable) -> Callable:
+        def reply(*args, **kwargs):
+            return without_paths(original(*args, **kwargs))
+
+        return reply
+
+    return all([_install(module, name, wrap) for module, name in PATH_REPLIES])
+
+
+def install_status_guard(serve_logs: bool) -> bool:
+    """Wrap ``monailabel.endpoints.train.status`` and ``stop``: a task's ``details`` (log lines) only when
+    ``serve_logs``."""
+
+    def wrap(original: Callable) -> Callable:
+        def reply(*args, **kwargs):
+            result = original(*args, **kwargs)
+            if serve_logs:
+                return result
+            tasks = result if isinstance(result, list) else [result]
+            kept = [{k: v for k, v in t.items() if k != "details"} if isinstance(t, dict) else t for t in tasks]
+            return kept if isinstance(result, list) else kept[0]
+
+        return reply
+
+    return all([_install("monailabel.endpoints.train", name, wrap) for name in ("status", "stop")])

@@ -78,6 +78,7 @@ from typing import Any, Callable
 
 import torch
 from bundle.checkpoints import read_checkpoint
+from bundle.configs import check_image_size
 from bundle.data.datalist import is_finite_number
 from bundle.io_utils import atomic_path, write_json_atomic
 from bundle.templates.detector_data import base_grid, detector_info
@@ -215,8 +216,17 @@ def validate_options(
             options[key] = parse(request[key])
         except ValueError as e:
             raise ValueError(f"train request: {key!r} must be {e}, got {request[key]!r:.60}") from None
-        if key in ("image_size", "crop_size") and len(options[key]) != spatial_dims:
-            raise ValueError(f"train request: {key!r} must have {spatial_dims} values, got {request[key]!r:.60}")
+        if key in ("image_size", "crop_size"):
+            try:  # the bundle's check of a grid: one value per axis, each divisible by the encoder's stride
+                check_image_size(options[key], spatial_dims, key=repr(key))
+            except ValueError as e:
+                raise ValueError(f"train request: {e}") from None
+    if request.get("image_size") is not None and request.get("crop_size") is not None:
+        if any(c > i for c, i in zip(options["crop_size"], options["image_size"])):
+            raise ValueError(
+                f"train request: 'crop_size' {options['crop_size']} is larger than 'image_size' "
+                f"{options['image_size']} along an axis"
+            )
     return options
 
 
@@ -468,7 +478,7 @@ class BundleTrainTask(TrainTask):
             unlabelled = [it for it in items if not it.get("landmarks")]
             old = score_checkpoint(self.context, served, cases, unlabelled)
             new = score_checkpoint(self.context, candidate, cases, unlabelled)
-        published, decision = publication(new, old, f"the served model {served}", **rule)
+        published, decision = publication(new, old, f"the served model {Path(served).name}", **rule)
         kept_previous = {}
         if published:
             kept_previous = keep_previous(self.context.served_path)
@@ -547,7 +557,7 @@ class BundleTrainTask(TrainTask):
         if served_detector:
             served_predictor = "detector"
             old = score_detector(context, served_detector, previous.get("image_size"), held)
-            kept = f"the served detector {served_detector}"
+            kept = f"the served detector {Path(served_detector).name}"
             scored_on = f"{len(held)} held-out labelled images, the served detector and the new one"
         else:
             served_predictor = "templates"
@@ -555,7 +565,7 @@ class BundleTrainTask(TrainTask):
             cases = leave_one_out(list(labelled.values()), held)
             unlabelled = [it for it in items if not it.get("landmarks")]
             old = score_checkpoint(context, stage1, cases, unlabelled)
-            kept = f"template matching ({stage1})"
+            kept = f"template matching ({Path(stage1).name})"
             scored_on = (
                 f"{len(held)} held-out labelled images: the new detector, and template matching from the other "
                 "templates (leave-one-out; with their pseudo-templates while the labels are few)"
