@@ -528,6 +528,18 @@ def test_a_template_landmark_just_outside_is_refused_and_a_test_items_warned_abo
     assert json.loads((tmp_path / "eval" / "metrics.json").read_text())["n_images"] == len(content["test"])
 
 
+def test_a_degenerate_template_is_refused_naming_why(data2d):
+    """A template whose landmarks all lie at one place was matched as if it were real; as a test item it is scored."""
+    item = dict(
+        data2d["content"]["test"][0], image=str(data2d["datalist"].parent / data2d["content"]["test"][0]["image"])
+    )
+    item["landmarks"] = [[30.0, 31.0]] * len(item["landmarks"])
+    pipeline = preprocessing(EVALUATE, data2d["datalist"], **SMALL)
+    expected = f"{item['image']}: the template's {len(item['landmarks'])} landmarks lie at 1 distinct position(s)"
+    assert expected in raises(prepare_template, item, pipeline)
+    assert pipeline(item)["label"].shape == (len(item["landmarks"]), 2)
+
+
 # ---------------------------------------------------------------- configuration values
 
 
