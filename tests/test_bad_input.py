@@ -26,6 +26,7 @@ from bundle.data.images import image_items
 from bundle.data.synthetic import generate_synthetic_2d
 from bundle.handlers.checkpoints import LastCheckpointSaver, ResumeCheckpointLoader
 from bundle.networks.contrastive import ContrastiveLandmarkNet
+from bundle.templates.features import compute_template
 from bundle.templates.resolution import prepare_template
 from ignite.engine import Engine
 from monai.bundle import run
@@ -537,6 +538,9 @@ def test_a_degenerate_template_is_refused_naming_why(data2d):
     pipeline = preprocessing(EVALUATE, data2d["datalist"], **SMALL)
     expected = f"{item['image']}: the template's {len(item['landmarks'])} landmarks lie at 1 distinct position(s)"
     assert expected in raises(prepare_template, item, pipeline)
+    # inferring's template features and the MONAI Label app's saved labels (compute_template): the same check
+    names = data2d["content"]["landmark_names"]
+    assert expected in raises(compute_template, torch.nn.Identity(), [item], pipeline, names)
     assert pipeline(item)["label"].shape == (len(item["landmarks"]), 2)
 
 
