@@ -27,6 +27,7 @@ from bundle.data.images import image_items
 from bundle.data.synthetic import generate_synthetic_2d
 from bundle.handlers.checkpoints import LastCheckpointSaver, ResumeCheckpointLoader
 from bundle.networks.contrastive import ContrastiveLandmarkNet
+from bundle.templates.features import compute_template
 from bundle.templates.resolution import prepare_template
 from ignite.engine import Engine
 from monai.bundle import run
@@ -499,13 +500,49 @@ def test_landmark_far_outside_its_image_is_refused_in_test_items_and_templates(d
     name = data2d["content"]["landmark_names"][3]
     pipeline = preprocessing(EVALUATE, data2d["datalist"], **SMALL)
     expected = (
-        f"{item['image']}: landmark 3 ('{name}') [4469.0, 20.0] "
-        "lies outside the image: the image's pixels span x in [-0.5, 63.5]"
+        f"landmark 3 ('{name}') [4469.0, 20.0] lies 4405.50 px (2202.75 mm) outside the image: "
+        "the image's pixels span x in [-0.5, 63.5]"
     )
-    assert expected in raises(pipeline, item)
-    assert expected in raises(prepare_template, item, pipeline)  # the template: refused before any matching
+    assert f"{item['image']}: {expected}" in raises(pipeline, item)
+    # the template: refused before any matching
+    assert f"{item['image']}: template {expected}" in raises(prepare_template, item, pipeline)
     inside = dict(item, landmarks=[list(p) for p in data2d["content"]["test"][0]["landmarks"]])
     assert pipeline(inside)["label"].shape == (len(item["landmarks"]), 2)
+
+
+def test_a_template_landmark_just_outside_is_refused_and_a_test_items_warned_about(data2d, tmp_path):
+    """Within 5 % of the image (once accepted silently): a template's landmark outside its image is refused by the
+    evaluating command, naming image, landmark and distance; a test item's ground truth there is warned about."""
+    content = json.loads(variant(data2d, tmp_path).read_text())
+    name = content["landmark_names"][0]
+    template = dict(content["template"], landmarks=[[65.5, 20.0], *content["template"]["landmarks"][1:]])
+    text = raises(evaluate, variant(data2d, tmp_path, template=template), tmp_path / "eval", data2d["ckpt"])
+    assert (
+        f"{template['image']}: template landmark 0 ('{name}') [65.5, 20.0] lies 2.00 px (1.00 mm) outside the image"
+        in text
+    )
+    assert not (tmp_path / "eval").exists()
+    test = [dict(content["test"][0], landmarks=[[10.0, -2.0], *content["test"][0]["landmarks"][1:]])]
+    with pytest.warns(UserWarning) as record:
+        evaluate(variant(data2d, tmp_path, test=test + content["test"][1:]), tmp_path / "eval", data2d["ckpt"])
+    expected = f"{test[0]['image']}: landmark 0 ('{name}') [10.0, -2.0] lies 1.50 px (0.75 mm) outside the image"
+    assert any(expected in str(w.message) for w in record), [str(w.message) for w in record]
+    assert json.loads((tmp_path / "eval" / "metrics.json").read_text())["n_images"] == len(content["test"])
+
+
+def test_a_degenerate_template_is_refused_naming_why(data2d):
+    """A template whose landmarks all lie at one place was matched as if it were real; as a test item it is scored."""
+    item = dict(
+        data2d["content"]["test"][0], image=str(data2d["datalist"].parent / data2d["content"]["test"][0]["image"])
+    )
+    item["landmarks"] = [[30.0, 31.0]] * len(item["landmarks"])
+    pipeline = preprocessing(EVALUATE, data2d["datalist"], **SMALL)
+    expected = f"{item['image']}: the template's {len(item['landmarks'])} landmarks lie at 1 distinct position(s)"
+    assert expected in raises(prepare_template, item, pipeline)
+    # inferring's template features and the MONAI Label app's saved labels (compute_template): the same check
+    names = data2d["content"]["landmark_names"]
+    assert expected in raises(compute_template, torch.nn.Identity(), [item], pipeline, names)
+    assert pipeline(item)["label"].shape == (len(item["landmarks"]), 2)
 
 
 # ---------------------------------------------------------------- configuration values

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from bundle.geometry import apply_homogeneous, grid_to_physical
-from bundle.transforms.landmarks import LandmarkTargets, LandmarkTargetsd
+from bundle.transforms.landmarks import TEMPLATE_KEY, LandmarkTargets, LandmarkTargetsd, check_landmarks
 from monai.data import MetaTensor
 from monai.transforms import (
     Compose,
@@ -159,3 +159,76 @@ def test_a_3d_datalist_spacing_other_than_the_header_is_refused():
     sagittal.meta["filename_or_obj"] = "sagittal.nii.gz"
     with pytest.raises(ValueError, match=re.escape("header's [5.0, 0.5, 0.5] mm along the world x, y, z axes")):
         LandmarkTargets(n_landmarks=1)(sagittal, [[0.0, 0.0, 0.0]], spacing=[0.5, 5.0, 0.5])
+
+
+def _ceph(width=1340, height=1040) -> MetaTensor:
+    """A cephalogram-sized image as the reader gives it (its file's size in ``spatial_shape``), resized to a grid."""
+    image = MetaTensor(torch.zeros(1, width, height), meta={"filename_or_obj": "ceph.png"})
+    image.meta["spatial_shape"] = np.array([width, height])
+    return Resize((64, 64), mode="area")(image)
+
+
+def test_a_landmark_outside_is_warned_about_in_an_item_and_refused_in_a_template():
+    """A template sella at x = 1400 in a 1340-wide image (within the 5 % once accepted) took that landmark's error
+    from 7.8 to 127 mm; now each outside landmark is named with its distance, a template's refused."""
+    names = ["sella", "nasion"]
+    points = np.array([[1400.0, 500.0], [1339.5, -0.5]])  # nasion on the last pixel's far edge: inside
+    with pytest.warns(UserWarning) as record:
+        check_landmarks(_ceph(), points, [0.1, 0.1], names)
+    assert [str(w.message) for w in record] == [
+        "ceph.png: landmark 0 ('sella') [1400.0, 500.0] lies 60.50 px (6.05 mm) outside the image: the image's pixels "
+        "span x in [-0.5, 1339.5], y in [-0.5, 1039.5] (2D landmarks are [x, y] pixels of the original file, x the "
+        "column, y the row); a prediction on the image is scored at least that far off"
+    ]
+    expected = "ceph.png: template landmark 0 ('sella') [1400.0, 500.0] lies 60.50 px (6.05 mm) outside the image"
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        check_landmarks(_ceph(), points, [0.1, 0.1], names, template=True)
+    with pytest.warns(UserWarning, match=re.escape("[1400.0, 500.0] lies 60.50 px outside the image: the")):
+        check_landmarks(_ceph(), points, None, names)  # no spacing known: pixels only
+    with pytest.raises(ValueError, match=re.escape("[1500.0, 500.0] lies 160.50 px (16.05 mm) outside the image")):
+        check_landmarks(_ceph(), np.array([[1500.0, 500.0], [1.0, 2.0]]), [0.1, 0.1], names)  # beyond 5 %: refused
+    # through the transform: a template item is the one carrying TEMPLATE_KEY
+    item = {"image": _ceph(), "landmarks": points.tolist(), "spacing": [0.1, 0.1]}
+    with pytest.warns(UserWarning, match="sella"):
+        LandmarkTargetsd("image", n_landmarks=2, landmark_names=names)(dict(item))
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        LandmarkTargetsd("image", n_landmarks=2, landmark_names=names)({**item, TEMPLATE_KEY: True})
+
+
+def test_a_3d_landmark_outside_is_measured_in_the_files_voxels():
+    affine = np.array([[-2.0, 0, 0, 40], [0, 2.0, 0, -30], [0, 0, 3.0, 5], [0, 0, 0, 1]])
+    volume = MetaTensor(torch.zeros(1, 20, 20, 20), affine=torch.as_tensor(affine), meta={"filename_or_obj": "ct.nii"})
+    volume.meta.update(spatial_shape=np.array([20, 20, 20]), original_affine=affine)
+    volume = Resize((16, 16, 16), mode="area")(volume)
+    world = affine @ [3.0, 4.0, 20.0, 1.0]  # voxel z 20: half a voxel (1.5 mm) beyond the last voxel's edge 19.5
+    with pytest.warns(
+        UserWarning, match=re.escape(f"ct.nii: landmark 0 {world[:3].tolist()} lies 0.50 voxels (1.50 mm)")
+    ):
+        check_landmarks(volume, np.array([world[:3], [30.0, -20.0, 20.0]]))
+    with pytest.raises(ValueError, match=re.escape("at voxel [3.0, 4.0, 20.0] of its 20 x 20 x 20")):
+        check_landmarks(volume, np.array([world[:3], [30.0, -20.0, 20.0]]), template=True)
+
+
+@pytest.mark.parametrize(
+    "points, size, error",
+    [
+        ([[10.0, 10.0], [10.4, 10.3], [10.2, 9.9]], 100, "the template's 3 landmarks lie at 1 distinct position(s)"),
+        ([[10.0, 10.0]] * 10 + [[50.0, 40.0]] * 9, 100, "the template's 19 landmarks lie at 2 distinct position(s)"),
+        ([[10.0, 10.0], [10.5, 10.0], [None] * 2], 100, "the template's 2 landmarks lie at 1 distinct position(s)"),
+        ([[None] * 2] * 3, 100, "a template must place at least one landmark; all of them are null"),
+        ([[5.0, 5.0], [20.0, 3.0], [9.0, 30.0]], 32, "a template image of 32 x 32 px is too small: a template needs"),
+        ([[5.0, 5.0], [20.0, 3.0], [9.0, 30.0]], 64, None),  # 64 px, 3 distinct positions
+        ([[5.0, 5.0], [None] * 2, [None] * 2], 64, None),  # a single landmark
+        ([[5.0, 5.0], [6.0, 5.0], [6.0, 6.0]], 64, None),  # 3 positions one pixel apart
+        ([[5.0, 5.0], [6.0, 5.0], [6.0, 5.0]], 64, "the template's 3 landmarks lie at 2 distinct position(s)"),
+    ],
+)
+def test_what_cannot_be_a_template_is_refused_naming_why(points, size, error):
+    points = np.array([[np.nan if v is None else v for v in p] for p in points], float)
+    image = MetaTensor(torch.zeros(1, size, size), meta={"filename_or_obj": "t.png", "spatial_shape": [size, size]})
+    check_landmarks(image, points)  # as a test item: nothing to say
+    if error is None:
+        check_landmarks(image, points, template=True)
+    else:
+        with pytest.raises(ValueError, match=re.escape(f"t.png: {error}")):
+            check_landmarks(image, points, template=True)

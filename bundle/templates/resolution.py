@@ -17,6 +17,7 @@ from bundle.geometry import grid_landmarks
 from bundle.inferers.oneshot import OneShotInferer
 from bundle.templates.pseudo_labels import pseudo_label, select_pseudo_templates
 from bundle.templates.selection import select_template, select_template_by_landmarks
+from bundle.transforms.landmarks import TEMPLATE_KEY
 
 # how many training images at most take part in ranking the template candidates (labelled ones first)
 RANKED_POOL = 32
@@ -25,11 +26,12 @@ RANKED_POOL = 32
 def prepare_template(item: dict, preprocessing) -> tuple[torch.Tensor, torch.Tensor]:
     """The template's network-grid image ``(1, 1, *S)`` and its landmarks ``(L, D)`` in grid positions.
 
-    ``preprocessing`` is the evaluation pipeline (it must end with ``LandmarkTargetsd``).
+    ``preprocessing`` is the evaluation pipeline (it must end with ``LandmarkTargetsd``, which checks the item as a
+    template: :func:`bundle.transforms.landmarks.check_landmarks`).
     """
     if not item.get("landmarks"):
         raise ValueError(f"the template {item.get('image')} carries no 'landmarks'")
-    data = preprocessing(dict(item))
+    data = preprocessing({**item, TEMPLATE_KEY: True})
     return torch.as_tensor(data["image"]).unsqueeze(0), grid_landmarks(data)[0]
 
 

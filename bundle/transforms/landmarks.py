@@ -14,9 +14,14 @@ Both go through the image's affine, which MONAI keeps up to date through every s
 (:func:`bundle.geometry.grid_to_physical`): 3D landmarks are world mm, the affine's frame; 2D physical positions are the
 original file's pixels times the spacing, so the 2D map first takes the affine back to those pixels.
 
-A landmark outside the image by more than ``outside_tolerance`` of its extent (a wrong coordinate
-convention, a swapped axis, LPS given for RAS, a typo) is refused, naming the file, the landmark and its
-value: it could never be predicted, and as a template landmark it would drag every prediction to the border.
+:func:`check_landmarks` is the one check of an item's landmarks against its image, in the file's pixels (3D: voxels,
+through the world-to-voxel map of the file's affine), whose centres span ``[0, size - 1]``: a landmark beyond
+``[-0.5, size - 0.5]`` is warned about, naming the file, the landmark and how far out it lies (pixels, and mm where
+the spacing is known); beyond ``outside_tolerance`` of the image's extent (a wrong coordinate convention, a swapped
+axis, LPS given for RAS, a typo) it is refused. A template's landmark is refused as soon as it lies outside (every
+prediction would follow it to the border), and so is what cannot be a template: an image smaller than
+:data:`TEMPLATE_MIN_SIZE`, no landmark placed, or fewer than :data:`TEMPLATE_MIN_POSITIONS` distinct positions.
+Items are templates when they carry :data:`TEMPLATE_KEY` (``bundle.templates.resolution.prepare_template`` sets it).
 """
 
 from __future__ import annotations
@@ -30,10 +35,23 @@ from bundle.data.datalist import SPACING_RANGE_MM, landmarks_array
 from bundle.geometry import grid_to_physical, physical_to_datalist, world_axis_spacing
 from monai.config import KeysCollection
 from monai.data import MetaTensor
+from monai.data.utils import to_affine_nd
 from monai.transforms import MapTransform, Transform
 from monai.utils import TransformBackends
 
-__all__ = ["LandmarkTargets", "LandmarkTargetsd"]
+__all__ = ["LandmarkTargets", "LandmarkTargetsd", "check_landmarks"]
+
+# the item key that marks a template (the stricter checks of check_landmarks)
+TEMPLATE_KEY = "as_template"
+# a template image smaller than this (pixels; 3D: the file's voxels) along an axis is refused. 2D: four cells of the
+# default network's coarsest stride (16): the network resizes every image to its grid (192 px by default), so a
+# smaller template is upsampled more than 3x, its finest features describe interpolated pixels and its coarsest map,
+# the one that tells landmarks apart, holds fewer than 4 cells of the image per axis (MIN_IMAGE_SIZE's 16, the size
+# any image needs, is one cell). 3D: one coarsest cell (16 voxels) of the file's grid, as a thick-slice CT holds
+# few slices before its resampling.
+TEMPLATE_MIN_SIZE = {2: 64, 3: 16}
+# a template needs this many landmark positions at least one pixel (voxel) apart, or as many as it places when fewer
+TEMPLATE_MIN_POSITIONS = 3
 
 
 def _file(image) -> str:
@@ -60,13 +78,104 @@ def _check_spacing(spacing, dims: int, image, owner: str, name: str) -> np.ndarr
     return spacing
 
 
+def _file_frame(image, spacing: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The homogeneous map from the pixels (3D: voxels) of the image's file to physical mm (2D: ``spacing``; 3D: the
+    reader's ``original_affine``) and the file's size (the reader's ``spatial_shape``); an image not read from a file
+    gives its own grid's (:func:`grid_to_physical`)."""
+    dims = image.ndim - 1
+    meta = image.meta if isinstance(image, MetaTensor) else {}
+    shape = meta.get("spatial_shape")
+    if shape is None:
+        return grid_to_physical(image, spacing), np.asarray(image.shape[1:], float)
+    if dims == 2:
+        return np.diag(np.append(spacing, 1.0)), np.asarray(shape, float)[:2]
+    original = meta.get("original_affine")
+    affine = np.asarray(to_affine_nd(3, original if original is not None else image.affine), float)
+    return affine, np.asarray(shape, float)[:3]
+
+
+def check_landmarks(
+    image,
+    points: np.ndarray,
+    spacing: Sequence[float] | None = None,
+    landmark_names: Sequence[str] | None = None,
+    template: bool = False,
+    outside_tolerance: float = 0.05,
+) -> None:
+    """Check the landmarks ``points`` ``(L, D)`` (datalist convention, NaN = missing) of a channel-first ``image``
+    (see module doc): warn about each one outside the image and refuse (ValueError naming the file, the landmark and
+    the distance) one beyond ``outside_tolerance`` of the image's extent, or, for a ``template``, one outside at all
+    and what cannot be a template. ``spacing``: mm per pixel in 2D when known (3D: the file's affine gives it)."""
+    file, dims = _file(image), image.ndim - 1
+    scale = np.ones(dims) if spacing is None or dims == 3 else np.asarray(spacing, float)
+    to_physical, size = _file_frame(image, scale)
+    physical = np.asarray(points, float) * scale if dims == 2 else np.asarray(points, float)
+    voxels = (np.linalg.inv(to_physical) @ np.c_[physical, np.ones(len(physical))].T).T[:, :dims]
+    voxel_mm = np.linalg.norm(to_physical[:dims, :dims], axis=0) if spacing is not None or dims == 3 else None
+    unit = "px" if dims == 2 else "voxels"
+    present = ~np.isnan(voxels).any(axis=1)
+    if template and (size < TEMPLATE_MIN_SIZE[dims]).any():
+        raise ValueError(
+            f"{file}: a template image of {' x '.join(f'{n:g}' for n in size)} {unit} is too small: a template needs "
+            f"at least {TEMPLATE_MIN_SIZE[dims]} {unit} along each axis (the network reads it resized to its grid)"
+        )
+    if template and not present.any():
+        raise ValueError(f"{file}: a template must place at least one landmark; all of them are null")
+    excess = np.maximum(np.maximum(-0.5 - voxels, voxels - (size - 0.5)), 0.0)
+    excess[excess < 1e-6] = 0.0  # the rounding of the map to mm and back
+    outside = present & (excess > 0).any(axis=1)
+    refused = outside if template else outside & (excess > outside_tolerance * size).any(axis=1)
+
+    def describe(j: int) -> str:
+        name = f" ({landmark_names[j]!r})" if landmark_names else ""
+        value = [round(float(v), 4) for v in points[j]]
+        mm = f" ({np.linalg.norm(excess[j] * voxel_mm):.2f} mm)" if voxel_mm is not None else ""
+        if dims == 2:
+            where = (
+                f"the image's pixels span x in [-0.5, {size[0] - 0.5:g}], y in [-0.5, {size[1] - 0.5:g}] (2D landmarks "
+                "are [x, y] pixels of the original file, x the column, y the row)"
+            )
+        else:
+            where = (
+                f"at voxel {np.round(voxels[j], 1).tolist()} of its {' x '.join(f'{n:g}' for n in size)} (3D landmarks "
+                "are [x, y, z] world RAS mm; LPS coordinates, as DICOM gives them, need x and y negated)"
+            )
+        return (
+            f"{file}: {'template ' if template else ''}landmark {j}{name} {value} lies "
+            f"{np.linalg.norm(excess[j]):.2f} {unit}{mm} outside the image: {where}"
+        )
+
+    if refused.any():
+        first, more = int(np.argmax(refused)), int(refused.sum()) - 1
+        raise ValueError(
+            describe(first)
+            + (f"; {more} more landmark(s) of this item lie outside too" if more else "")
+            + ("; a template's landmarks must lie on its image (every prediction follows them)" if template else "")
+        )
+    for j in np.flatnonzero(outside):
+        warnings.warn(f"{describe(int(j))}; a prediction on the image is scored at least that far off", stacklevel=2)
+    if template:
+        distinct: list[np.ndarray] = []
+        for p in voxels[present]:
+            if all(np.linalg.norm(p - q) >= 1.0 for q in distinct):
+                distinct.append(p)
+        need = min(TEMPLATE_MIN_POSITIONS, int(present.sum()))
+        if len(distinct) < need:
+            raise ValueError(
+                f"{file}: the template's {int(present.sum())} landmarks lie at {len(distinct)} distinct position(s) "
+                f"(less than one {'pixel' if dims == 2 else 'voxel'} apart): a template needs {need} (landmarks "
+                "on top of each other, e.g. copied coordinates, cannot be told apart)"
+            )
+
+
 class LandmarkTargets(Transform):
     """The evaluation targets of one channel-first image (see module doc).
 
     ``__call__(img, landmarks=None, spacing=None)`` takes the datalist's landmark list (``None`` entries
     or no list: NaN) and an optional spacing override (mm per pixel, x, y[, z]) and returns ``landmarks``
     ``(L, D)``, ``label`` ``(L, D)`` (float32), ``spacing`` ``(D,)`` (float32) and ``grid_to_physical``
-    ``(D+1, D+1)`` (float64, :func:`grid_to_physical`). Arguments as :class:`LandmarkTargetsd`'s.
+    ``(D+1, D+1)`` (float64, :func:`grid_to_physical`); ``template``: the image is a template's
+    (:func:`check_landmarks`). Arguments as :class:`LandmarkTargetsd`'s.
     """
 
     backend = [TransformBackends.TORCH, TransformBackends.NUMPY]
@@ -115,40 +224,7 @@ class LandmarkTargets(Transform):
         )
         return np.ones(dims)
 
-    def _check_inside(self, points: np.ndarray, label: np.ndarray, to_physical: np.ndarray, image) -> None:
-        """Refuse a landmark outside the image by more than ``outside_tolerance`` of its extent (see module doc)."""
-        present = ~np.isnan(label).any(axis=1)
-        if not present.any():
-            return
-        grid_shape = tuple(image.shape[1:])
-        size = np.asarray(grid_shape, float)
-        homogeneous = np.concatenate([label[present], np.ones((int(present.sum()), 1))], axis=1)
-        grid = (np.linalg.inv(to_physical) @ homogeneous.T).T[:, :-1]
-        margin = -0.5 - self.outside_tolerance * size
-        outside = ((grid < margin) | (grid > size - 1 - margin)).any(axis=1)
-        if not outside.any():
-            return
-        j = int(np.flatnonzero(present)[np.argmax(outside)])
-        name = f" ({self.landmark_names[j]!r})" if self.landmark_names else ""
-        value = [round(float(v), 4) for v in points[j]]
-        if len(grid_shape) == 2:
-            meta = isinstance(image, MetaTensor)
-            original = np.asarray(image.meta["spatial_shape"], int)[:2] if meta else size.astype(int)
-            where = (
-                f"the image's pixels span x in [-0.5, {original[0] - 0.5:g}], y in [-0.5, {original[1] - 0.5:g}] "
-                "(2D landmarks are [x, y] pixels of the original file, x the column, y the row)"
-            )
-        else:
-            where = (
-                "3D landmarks are [x, y, z] world RAS mm (LPS coordinates, as DICOM gives them, need x and y negated)"
-            )
-        more = int(outside.sum()) - 1
-        raise ValueError(
-            f"{_file(image)}: landmark {j}{name} {value} lies outside the image: {where}"
-            + (f"; {more} more landmark(s) of this item lie outside too" if more else "")
-        )
-
-    def __call__(self, img, landmarks=None, spacing=None) -> tuple[torch.Tensor, ...]:
+    def __call__(self, img, landmarks=None, spacing=None, template: bool = False) -> tuple[torch.Tensor, ...]:
         owner = type(self).__name__
         dims = _check_image(img, owner, "the image")
         spacing = _check_spacing(spacing, dims, img, owner, "the spacing")
@@ -161,11 +237,12 @@ class LandmarkTargets(Transform):
                     "order, not in the file's voxel order); in 3D the header's affine places the voxels and the "
                     "landmarks (world mm), so a spacing cannot override it: fix the header, or leave 'spacing' out"
                 )
+        known = spacing if spacing is not None else self.header_spacing(img, dims)
         spacing = self._spacing(img, dims) if spacing is None else spacing
         points = landmarks_array({"landmarks": landmarks}, self.n_landmarks, dims)
+        check_landmarks(img, points, known, self.landmark_names, template, self.outside_tolerance)
         label = points * spacing if dims == 2 else points  # 2D: original pixels x spacing; 3D: world mm as given
         to_physical = grid_to_physical(img, spacing)
-        self._check_inside(points, label, to_physical, img)
         return (
             torch.as_tensor(points, dtype=torch.float32),
             torch.as_tensor(label, dtype=torch.float32),
@@ -185,8 +262,11 @@ class LandmarkTargetsd(MapTransform):
         spacing_key: the item's spacing override (mm per pixel, x, y[, z]).
         label_key: where to write the landmarks in physical mm.
         allow_missing_keys: MONAI's flag; the image key must be present.
-        landmark_names: names of the landmarks, for the error that refuses one outside the image.
-        outside_tolerance: how far (fraction of the image extent) a landmark may lie outside the image.
+        landmark_names: names of the landmarks, for the messages of :func:`check_landmarks`.
+        outside_tolerance: how far (fraction of the image extent) a landmark may lie outside the image, warned
+            about, before it is refused (a template's is refused when outside at all).
+
+    An item carrying :data:`TEMPLATE_KEY` (true) is a template's, checked as such (the key is removed).
     """
 
     backend = LandmarkTargets.backend
@@ -220,7 +300,7 @@ class LandmarkTargetsd(MapTransform):
         dims = _check_image(image, owner, f"'{key}'")  # errors name the key
         spacing = _check_spacing(d.get(self.spacing_key), dims, image, owner, f"'{self.spacing_key}'")
         d[self.landmarks_key], d[self.label_key], d[self.spacing_key], d["grid_to_physical"] = self.targets(
-            image, d.get(self.landmarks_key), spacing
+            image, d.get(self.landmarks_key), spacing, bool(d.pop(TEMPLATE_KEY, False))
         )
         return d
 
