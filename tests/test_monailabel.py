@@ -497,6 +497,25 @@ def test_one_label_per_image_and_tag_whatever_its_format(server, tmp_path):
     assert status == 200 and "test_003" not in [t["image"] for t in reply["templates"]], reply
 
 
+def test_saving_over_a_hard_linked_label_leaves_the_file_outside(server, tmp_path):
+    """A label file that is a hard link to a file outside the studies folder (one name of the same file: no link
+    to resolve) is replaced by the saved label, never written through (MONAI Label's copy wrote into the file
+    outside)."""
+    base, names = server["base"], server["names"]
+    outside = mrk_json(tmp_path / "outside.mrk.json", names, server["truth"]["test_003"])
+    content = outside.read_bytes()
+    linked = server["studies"] / "labels" / "final" / "test_003.mrk.json"
+    os.link(outside, linked)
+    new = _slicer_point_list(tmp_path / "new.mrk.json", names, server["truth"]["test_003"])
+    try:
+        reply, status = request_json(f"{base}/datastore/label?image=test_003", *_multipart("label", new), method="PUT")
+        assert status == 200, reply
+        assert outside.read_bytes() == content and linked.read_bytes() == new.read_bytes()
+    finally:
+        assert request_json(f"{base}/datastore/label?id=test_003&tag=final", method="DELETE")[1] == 200
+    assert outside.read_bytes() == content
+
+
 def test_a_labelled_image_is_replaced_only_when_asked(server, tmp_path):
     """Re-uploading a labelled image id with another picture is refused 409 naming the id and its label; the same
     bytes again are accepted; with ``params {"replace": true}`` the picture is replaced and its labels removed."""

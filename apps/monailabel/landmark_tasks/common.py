@@ -709,7 +709,8 @@ class BundleContext:
         """The landmarks of a saved Slicer label as pixel ``[x, y]`` per landmark name (None where missing).
 
         Control points are matched by label to the landmark names; a file whose labels name none of them but
-        holds exactly one point per landmark is read in order (Slicer's default labels ``F-1``, ``F-2``, ...).
+        holds exactly one point per landmark is read in order (Slicer's default labels ``F-1``, ``F-2``, ...);
+        ``strict``: see :meth:`points_to_landmarks`.
         """
         boxes = roi_boxes_only(label_path)
         if boxes is not None:

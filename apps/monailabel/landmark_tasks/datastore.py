@@ -4,13 +4,16 @@ knows X-ray images (DICOM included) and landmark labels (3D Slicer ``.mrk.json``
 - :class:`ConfinedDatastore` (placed before a MONAI Label ``LocalDatastore`` by :func:`confined`, the DICOMweb
   datastore included, whose cache is a local datastore): the one place where ids, tags and upload names are
   checked, for every route that reaches the datastore. A value that is not a plain name (empty, ``.`` / ``..``,
-  hidden, a path separator, a control character) is answered 400 naming it; a file that resolves outside the
-  folder (a symlink pointing out) is answered 403 and neither written nor deleted, never listed, never served.
+  hidden, a path separator, a control character, an id whose file name reads back as another id) is answered 400
+  naming it; a file that resolves outside the folder (a symlink pointing out) is answered 403 and neither written
+  nor deleted, never listed, never served.
   A refused upload's temporary file is removed.
 - :class:`LandmarkDatastore`: images are PNG, JPEG, BMP, TIFF, DICOM (``.dcm``), NIfTI, NRRD, MHA in the studies
   folder; labels (tag folders under ``labels/``): ``.mrk.json``, ``.json``, ``.fcsv``. ``add_image`` /
   ``save_label`` check the file first (readable image; markups naming the landmarks, inside the image): a bad one
-  is answered 4xx naming it and nothing enters the datastore.
+  is answered 4xx naming it and nothing enters the datastore. Every write (image, label, ``datastore_v2.json``)
+  goes to a temporary file beside its target, then is renamed: a failure leaves the old file (507 when the disk
+  is full). One label file per image and tag; a labelled image is replaced only when asked (``{"replace": true}``).
 """
 
 from __future__ import annotations
