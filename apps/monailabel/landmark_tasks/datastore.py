@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, NoReturn
 
-from bundle.io_utils import atomic_path, write_text_atomic
+from bundle.io_utils import atomic_path
 from fastapi import HTTPException
 from filelock import FileLock
 from monailabel.datastore.local import DataModel, ImageLabelModel, LocalDatastore
@@ -366,14 +366,15 @@ class LandmarkDatastore(LocalDatastore):
         super().remove_label(label_id, label_tag)
 
     def _update_datastore_file(self, lock: bool = True) -> None:
-        """MONAI Label's datastore file written atomically (its own write empties it first: a full disk left it
-        empty, and the next start failed)."""
+        """MONAI Label's datastore file written atomically (its own write empties it first: a failed write left it
+        cut short, and MONAI Label does not start on it). The rename is no modification of the file: the watcher
+        has none to ignore, and the temporary name matches none of its patterns."""
 
         def write() -> None:
-            self._ignore_event_config = True
             text = json.dumps(self._datastore.model_dump(exclude={"base_path"}), indent=2, default=str)
             with _writing(f"the datastore's file {os.path.basename(self._datastore_config_path)!r}"):
-                write_text_atomic(self._datastore_config_path, text)
+                with atomic_path(self._datastore_config_path, keep_suffix=False) as tmp:
+                    tmp.write_text(text, encoding="utf-8")
             self._config_ts = os.stat(self._datastore_config_path).st_mtime
 
         if lock:
