@@ -22,6 +22,11 @@ epoch through the train task, then saves ``TARGET_LABEL`` as the target's label,
 and its training grid (``landmark_tasks.train.detector_training_grid``) without and with a requested one, 2D and 3D,
 and continuing a served detector's.
 
+``full_disk WORK``: the app's local datastore (``landmark_tasks.datastore``) on a studies folder of one image with a
+saved label, its writes made to fail as on a full disk (the copy of a label and the write of ``datastore_v2.json``
+write half, then raise ENOSPC). Prints each refusal (status, detail) and whether the label and the datastore's
+file are as they were, with no file left beside them.
+
 ``device WORK DATALIST STUDIES TEMPLATE_ID TEMPLATE_LABEL``: apps given devices this machine lacks (their start-up
 errors), then an app on ``--conf device cpu``: infers the first study with the bundle's templates, saves
 ``TEMPLATE_LABEL`` as the final label of ``TEMPLATE_ID``, infers again and fine-tunes one tiny epoch (scored in
@@ -207,7 +212,74 @@ def priority(work: str) -> dict:
     }
 
 
+def full_disk(work: str) -> dict:
+    import errno
+    import pathlib
+    from unittest import mock
+
+    sys.path[:0] = [str(ROOT), str(ROOT / "apps" / "monailabel")]
+    from fastapi import HTTPException
+    from landmark_tasks import datastore as ds
+    from PIL import Image
+
+    studies = Path(work) / "studies"
+    studies.mkdir()
+    Image.new("L", (8, 8)).save(studies / "a.png")
+    store = ds.confined(ds.LandmarkDatastore)(str(studies))
+    (Path(work) / "old.mrk.json").write_text('{"markups": []}')
+    (Path(work) / "new.mrk.json").write_text('{"markups": [' + " " * 4000 + "]}")
+    store.save_label("a", str(Path(work) / "old.mrk.json"), "final", {})
+    label, config = studies / "labels" / "final" / "a.mrk.json", studies / "datastore_v2.json"
+    before = {p: p.read_bytes() for p in (label, config)}
+
+    def half_then_full(write):
+        def failing(*args, **kwargs):
+            write(*args, **kwargs)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+        return failing
+
+    def half_copy(source, dest, **kwargs):
+        Path(dest).write_bytes(Path(source).read_bytes()[:100])
+
+    def half_text(path, text, **kwargs):
+        with open(path, "w") as f:
+            f.write(text[:10])
+
+    out: dict = {}
+    attempts = {
+        "label": (
+            mock.patch("shutil.copyfile", half_then_full(half_copy)),
+            lambda: store.save_label("a", str(Path(work) / "new.mrk.json"), "final", {}),
+        ),
+        "datastore_file": (
+            mock.patch.object(pathlib.Path, "write_text", half_then_full(half_text)),
+            lambda: store.update_image_info("a", {"note": "x" * 100}),
+        ),
+    }
+    for what, (patch, attempt) in attempts.items():
+        with patch:
+            try:
+                attempt()
+                out[what] = None
+            except HTTPException as e:
+                out[what] = [e.status_code, e.detail]
+            except OSError as e:
+                out[what] = [type(e).__name__, str(e)]
+    out["intact"] = {p: p.read_bytes() for p in before} == before
+    out["label_folder"] = sorted(os.listdir(label.parent))
+    out["studies"] = sorted(os.listdir(studies))
+    return out
+
+
 if __name__ == "__main__":
     scenario, *args = sys.argv[1:]
-    scenarios = {"dicomweb": dicomweb, "ct": ct, "device": device, "split": split, "priority": priority}
+    scenarios = {
+        "dicomweb": dicomweb,
+        "ct": ct,
+        "device": device,
+        "split": split,
+        "priority": priority,
+        "full_disk": full_disk,
+    }
     print("RESULT " + json.dumps(scenarios[scenario](*args), default=str))

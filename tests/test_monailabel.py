@@ -54,9 +54,15 @@ require_monailabel_environment()
 MONAILabelClient, MONAILabelClientException = client_classes(PYTHON)
 
 
-def _multipart(field: str, path: Path, filename: str | None = None) -> tuple[bytes, dict]:
+def _multipart(field: str, path: Path, filename: str | None = None, params: dict | None = None) -> tuple[bytes, dict]:
+    """A multipart body uploading ``path`` as ``field`` (and ``params`` as the ``params`` form field)."""
     boundary = uuid.uuid4().hex
-    body = (
+    body = b""
+    if params is not None:
+        body += (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="params"\r\n\r\n{json.dumps(params)}\r\n'
+        ).encode()
+    body += (
         (
             f'--{boundary}\r\nContent-Disposition: form-data; name="{field}"; filename="{filename or path.name}"\r\n'
             "Content-Type: application/octet-stream\r\n\r\n"
@@ -208,6 +214,7 @@ NAMES_NOT_PATHS = [
     ("PUT", "/datastore/image?image=sub\\evil", "file"),
     ("PUT", "/datastore/image?image=.hidden", "file"),
     ("PUT", "/datastore/image?image=datastore_v2", "json"),  # an image must be an image format
+    ("PUT", "/datastore/image?image=a.png.b", "file"),  # its file a.png.b.png read back as image a.b
     ("DELETE", "/datastore/image?id=", None),
     ("PUT", "/datastore/label?image=test_001&tag=../../../secret/evil_tag", "label"),  # wrote a label outside
     ("PUT", "/datastore/label?image=VICTIM&tag=final", "label"),
@@ -457,6 +464,105 @@ def test_slicer_submit_label_of_points(server, tmp_path):
     finally:
         reply, status = request_json(f"{server['base']}/datastore/label?id=test_002&tag=final", method="DELETE")
         assert status == 200, reply
+
+
+def _labels_of(server, image_id: str) -> list[str]:
+    """The label files of ``image_id`` in the ``final`` tag folder."""
+    folder = server["studies"] / "labels" / "final"
+    return sorted(f.name for f in folder.iterdir() if f.name.split(".")[0] == image_id)
+
+
+def test_one_label_per_image_and_tag_whatever_its_format(server, tmp_path):
+    """A label saved as ``.mrk.json`` then as ``.fcsv`` leaves the ``.fcsv`` alone; deleting it deletes every label
+    file of the image and tag (an earlier server's ``.mrk.json`` too): nothing is left to be adopted again and used
+    as a template."""
+    from bundle.data.markups import ControlPoint, write_fcsv
+
+    base, names, truth = server["base"], server["names"], server["truth"]["test_003"]
+    mrk = mrk_json(tmp_path / "a.mrk.json", names, truth)
+    fcsv = write_fcsv(tmp_path / "a.fcsv", [ControlPoint(n, (-p[0], -p[1], 0.0)) for n, p in zip(names, truth)], "LPS")
+    for label in (mrk, fcsv):
+        reply, status = request_json(
+            f"{base}/datastore/label?image=test_003", *_multipart("label", label), method="PUT"
+        )
+        assert status == 200, reply
+    assert _labels_of(server, "test_003") == ["test_003.fcsv"]
+    assert server["client"].datastore()["objects"]["test_003"]["labels"]["final"]["ext"] == ".fcsv"
+    shutil.copy(mrk, server["studies"] / "labels" / "final" / "test_003.mrk.json")  # as an earlier server left it
+    reply, status = request_json(f"{base}/datastore/label?id=test_003&tag=final", method="DELETE")
+    assert status == 200, reply
+    assert _labels_of(server, "test_003") == []
+    assert server["client"].datastore()["objects"]["test_003"]["labels"] == {}
+    reply, status = _infer_id(server, "test_001")
+    assert status == 200 and "test_003" not in [t["image"] for t in reply["templates"]], reply
+
+
+def test_saving_over_a_hard_linked_label_leaves_the_file_outside(server, tmp_path):
+    """A label file that is a hard link to a file outside the studies folder (one name of the same file: no link
+    to resolve) is replaced by the saved label, never written through (MONAI Label's copy wrote into the file
+    outside)."""
+    base, names = server["base"], server["names"]
+    outside = mrk_json(tmp_path / "outside.mrk.json", names, server["truth"]["test_003"])
+    content = outside.read_bytes()
+    linked = server["studies"] / "labels" / "final" / "test_003.mrk.json"
+    os.link(outside, linked)
+    new = _slicer_point_list(tmp_path / "new.mrk.json", names, server["truth"]["test_003"])
+    try:
+        reply, status = request_json(f"{base}/datastore/label?image=test_003", *_multipart("label", new), method="PUT")
+        assert status == 200, reply
+        assert outside.read_bytes() == content and linked.read_bytes() == new.read_bytes()
+    finally:
+        assert request_json(f"{base}/datastore/label?id=test_003&tag=final", method="DELETE")[1] == 200
+    assert outside.read_bytes() == content
+
+
+def test_a_labelled_image_is_replaced_only_when_asked(server, tmp_path):
+    """Re-uploading a labelled image id with another picture is refused 409 naming the id and its label; the same
+    bytes again are accepted; with ``params {"replace": true}`` the picture is replaced and its labels removed."""
+    base, studies = server["base"], server["studies"]
+    first, other = studies / "test_000.png", studies / "test_001.png"
+    label = mrk_json(tmp_path / "r.mrk.json", server["names"], server["truth"]["test_000"])
+    url = f"{base}/datastore/image?image=reup"
+    try:
+        assert request_json(url, *_multipart("file", first, "x.png"), method="PUT")[1] == 200
+        reply, status = request_json(f"{base}/datastore/label?image=reup", *_multipart("label", label), method="PUT")
+        assert status == 200, reply
+        stored_label = (studies / "labels" / "final" / "reup.mrk.json").read_bytes()
+        reply, status = request_json(url, *_multipart("file", first, "x.png"), method="PUT")  # the same bytes
+        assert status == 200, reply
+        reply, status = request_json(url, *_multipart("file", other, "x.png"), method="PUT")
+        assert status == 409 and "'reup'" in reply["detail"] and "final" in reply["detail"], reply
+        assert '{"replace": true}' in reply["detail"]
+        assert (studies / "reup.png").read_bytes() == first.read_bytes()
+        assert (studies / "labels" / "final" / "reup.mrk.json").read_bytes() == stored_label
+        reply, status = request_json(url, *_multipart("file", other, "x.png", {"replace": True}), method="PUT")
+        assert status == 200, reply
+        assert (studies / "reup.png").read_bytes() == other.read_bytes()
+        assert _labels_of(server, "reup") == []
+        entry = server["client"].datastore()["objects"]["reup"]
+        assert entry["labels"] == {} and "replace" not in entry["image"]["info"], entry
+        assert "image 'reup' replaced: its labels ['final'] removed" in server["log"].read_text()
+    finally:
+        assert request_json(f"{base}/datastore/image?id=reup", method="DELETE")[1] == 200
+
+
+def test_label_points_naming_no_landmark_are_refused_naming_the_closest(server, tmp_path):
+    """A point whose label names no landmark is refused 422 naming it and the closest landmark names (it was
+    dropped, the landmark stored as missing); unnamed points, one per landmark, are still read in order."""
+    names, truth = server["names"], server["truth"]["test_001"]
+    misspelt = [n if i != 2 else n.replace("_", " ")[:-1] + "x" for i, n in enumerate(names)]
+    url = f"{server['base']}/datastore/label?image=test_001&tag=final"
+    bad = _slicer_point_list(tmp_path / "bad.mrk.json", misspelt, truth)
+    reply, status = request_json(url, *_multipart("label", bad), method="PUT")
+    assert status == 422 and f"points [{misspelt[2]!r}] name no landmark" in reply["detail"], reply
+    assert f"did you mean [{names[2]!r}" in reply["detail"] and "'test_001'" in reply["detail"], reply
+    assert server["client"].datastore()["objects"]["test_001"]["labels"] == {}  # nothing stored
+    unnamed = _slicer_point_list(tmp_path / "unnamed.mrk.json", [f"F-{i + 1}" for i in range(len(names))], truth)
+    reply, status = request_json(url, *_multipart("label", unnamed), method="PUT")
+    try:
+        assert status == 200, reply
+    finally:
+        assert request_json(f"{server['base']}/datastore/label?id=test_001&tag=final", method="DELETE")[1] == 200
 
 
 def test_infer_request_faults_are_answered_4xx(server):
@@ -874,3 +980,50 @@ def test_a_long_image_id_is_refused_naming_the_limit(server):
 def test_routes_not_served_are_refused_saying_so(server, method, route, status, why):
     reply, got = request_json(f"{server['base']}{route}", b"{}" if method in ("POST", "PUT") else None, method=method)
     assert got == status and why in reply["detail"], (got, reply)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2 MiB tmpfs at ``tmp_path / "disk"`` (skipped where it cannot be mounted: not root, no tmpfs)."""
+    import subprocess
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"no tmpfs mounted here: {mounted.stderr.decode(errors='replace').strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_a_full_disk_leaves_the_saved_label_intact(server, small_disk, tmp_path):
+    """On a full studies disk, saving a label over a saved one is answered 507 naming the cause, and the saved
+    label and the datastore's file are left byte-identical (MONAI Label copied the new label over the old one in
+    place: a 500, and the old label cut to broken JSON)."""
+    studies = small_disk / "studies"
+    studies.mkdir()
+    shutil.copy(server["studies"] / "test_000.png", studies)
+    names = server["names"]
+    saved = mrk_json(tmp_path / "saved.mrk.json", names, server["truth"]["test_000"])
+    (tmp_path / "work").mkdir()
+    with app_server(tmp_path / "work", studies, "datalist", str(server["datalist"])) as running:
+        url = f"{running['base']}/datastore/label?image=test_000"
+        assert request_json(url, *_multipart("label", saved), method="PUT")[1] == 200
+        label = studies / "labels" / "final" / "test_000.mrk.json"
+        before = {p: p.read_bytes() for p in (label, studies / "datastore_v2.json")}
+        with open(small_disk / "filler", "wb", buffering=0) as filler:  # the disk filled up
+            with pytest.raises(OSError, match="No space left"):
+                while True:
+                    filler.write(b"\0" * 65536)
+        moved = [[x + 3.0, y + 3.0] for x, y in server["truth"]["test_000"]]
+        new = _slicer_point_list(tmp_path / "new.mrk.json", names, moved)
+        reply, status = request_json(url, *_multipart("label", new), method="PUT")
+        assert status == 507, (status, reply)
+        assert "label 'final' of image 'test_000' not stored: no space left" in reply["detail"], reply
+        assert {p: p.read_bytes() for p in before} == before
+        assert sorted(os.listdir(label.parent)) == ["test_000.mrk.json"]  # no temporary file left
+        (small_disk / "filler").unlink()
+        assert request_json(url, *_multipart("label", new), method="PUT")[1] == 200
+        assert label.read_bytes() == new.read_bytes()

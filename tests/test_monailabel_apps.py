@@ -76,6 +76,18 @@ def test_trainings_run_at_a_lower_priority_within_a_time_budget(tmp_path):
         assert f"--conf {next(iter(json.loads(conf)))}" in error, error
 
 
+def test_a_failed_datastore_write_leaves_the_old_files(tmp_path):
+    """Where no small disk can be mounted (tests/test_monailabel.py fills one): the app's datastore, its label copy
+    and its datastore file write made to fail half-way as on a full disk, answers 507 naming what was not stored,
+    and leaves the saved label and ``datastore_v2.json`` as they were, with no temporary file beside them."""
+    result = _in_process(tmp_path, "full_disk")
+    assert result["label"][0] == 507 and "label 'final' of image 'a' not stored: no space left" in result["label"][1]
+    assert result["datastore_file"][0] == 507 and "'datastore_v2.json' not stored" in result["datastore_file"][1]
+    assert result["intact"], result
+    assert result["label_folder"] == ["a.mrk.json"], result
+    assert sorted(result["studies"]) == [".lock", "a.png", "datastore_v2.json", "labels"], result
+
+
 def test_dicomweb_series_gives_the_png_landmarks(tmp_path):
     """A DICOMweb studies URL (MONAI Label's datastore, its transport replaced by local copies: no DICOMweb
     server here, see tests/monailabel_inprocess.py): the app reads the series folder the datastore downloads

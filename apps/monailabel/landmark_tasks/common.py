@@ -20,6 +20,7 @@ import time
 import weakref
 from collections import Counter
 from contextlib import contextmanager
+from difflib import get_close_matches
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -704,11 +705,12 @@ class BundleContext:
         return (inverse @ np.c_[p, np.ones(len(p))].T).T[:, :2]
 
     # ---- saved labels --------------------------------------------------------------------------------
-    def label_landmarks(self, label_path: str | Path, image_path: str | Path, where: str) -> list:
+    def label_landmarks(self, label_path: str | Path, image_path: str | Path, where: str, strict: bool = True) -> list:
         """The landmarks of a saved Slicer label as pixel ``[x, y]`` per landmark name (None where missing).
 
         Control points are matched by label to the landmark names; a file whose labels name none of them but
-        holds exactly one point per landmark is read in order (Slicer's default labels ``F-1``, ``F-2``, ...).
+        holds exactly one point per landmark is read in order (Slicer's default labels ``F-1``, ``F-2``, ...);
+        ``strict``: see :meth:`points_to_landmarks`.
         """
         boxes = roi_boxes_only(label_path)
         if boxes is not None:
@@ -724,7 +726,7 @@ class BundleContext:
             raise LabelError(
                 f"label of {where}: not a usable 3D Slicer markups file (.mrk.json / .fcsv): {detail}"
             ) from e
-        return self.points_to_landmarks(points, image_path, where)
+        return self.points_to_landmarks(points, image_path, where, strict)
 
     def outside(self, point: Sequence[float], frame: dict) -> str | None:
         """None when ``point`` (2D: pixels; 3D: world mm) lies on the image (its grid, half a cell of margin),
@@ -740,22 +742,38 @@ class BundleContext:
         axes = ", ".join(f"{a} {lo:g} to {hi:g}" for a, lo, hi in zip("xyz", extent.min(1), extent.max(1)))
         return f"{axes} {'pixels' if d == 2 else 'mm'}"
 
-    def points_to_landmarks(self, points: Sequence[ControlPoint], image_path: str | Path, where: str) -> list:
+    def points_to_landmarks(
+        self, points: Sequence[ControlPoint], image_path: str | Path, where: str, strict: bool = True
+    ) -> list:
         """Landmarks (2D: pixel ``[x, y]``; 3D: world ``[x, y, z]``; None where missing) of ``points`` on the image,
         each checked to lie on it (LabelError naming the landmark and ``where``). Labels match names with case and
-        blanks ignored (:func:`bundle.data.markups.label_key`)."""
+        blanks ignored (:func:`bundle.data.markups.label_key`); a point whose label names no landmark is refused
+        naming it and the closest names (``strict``), else left out with a warning (a label saved earlier)."""
         counts = Counter(label_key(p.label) for p in points)
         by_label = {label_key(p.label): p.position for p in points}
         by_name = {n: by_label[label_key(n)] for n in self.names if label_key(n) in by_label}
         twice = [n for n in by_name if counts[label_key(n)] > 1]
         if twice:
             raise LabelError(f"label of {where}: landmarks {twice} are named by more than one point")
-        if self.spatial_dims == 2 and not by_name:
-            if len(points) != len(self.names):
-                raise LabelError(
-                    f"label of {where}: its {len(points)} points name none of the {len(self.names)} landmarks "
-                    f"({', '.join(self.names[:4])}, ...)"
-                )
+        in_order = self.spatial_dims == 2 and not by_name and len(points) == len(self.names)
+        keys = {label_key(n): n for n in self.names}
+        unknown = [] if in_order else [p.label for p in points if label_key(p.label) not in keys]
+        if unknown and strict:
+            close = {u: [keys[k] for k in get_close_matches(label_key(u), keys, n=3)] for u in unknown}
+            hints = "; ".join(f"{u!r}: did you mean {c}?" for u, c in close.items() if c)
+            in_order_rule = (
+                f" (unnamed points are read in order only when there is one per landmark, {len(self.names)})"
+                if self.spatial_dims == 2 and not by_name
+                else ""
+            )
+            raise LabelError(
+                f"label of {where}: points {unknown} name no landmark{in_order_rule}"
+                + (f"; {hints}" if hints else "")
+                + f"; the landmarks are {', '.join(self.names)}"
+            )
+        if unknown:
+            logger.warning(f"label of {where}: points {unknown} name no landmark, left out")
+        if in_order:
             by_name = {n: p.position for n, p in zip(self.names, points)}
         frame = self.frame(image_path)
         out = []
@@ -797,7 +815,7 @@ class BundleContext:
             )
             if label and os.path.isfile(label):
                 try:
-                    item["landmarks"] = self.label_landmarks(label, uri, f"image {image_id!r}")
+                    item["landmarks"] = self.label_landmarks(label, uri, f"image {image_id!r}", strict=False)
                     item["label"] = label
                 except (LabelError, ImageError) as e:
                     logger.warning(f"saved label skipped: {e}")

@@ -4,26 +4,37 @@ knows X-ray images (DICOM included) and landmark labels (3D Slicer ``.mrk.json``
 - :class:`ConfinedDatastore` (placed before a MONAI Label ``LocalDatastore`` by :func:`confined`, the DICOMweb
   datastore included, whose cache is a local datastore): the one place where ids, tags and upload names are
   checked, for every route that reaches the datastore. A value that is not a plain name (empty, ``.`` / ``..``,
-  hidden, a path separator, a control character) is answered 400 naming it; a file that resolves outside the
-  folder (a symlink pointing out) is answered 403 and neither written nor deleted, never listed, never served.
+  hidden, a path separator, a control character, an id whose file name reads back as another id) is answered 400
+  naming it; a file that resolves outside the folder (a symlink pointing out) is answered 403 and neither written
+  nor deleted, never listed, never served.
   A refused upload's temporary file is removed.
 - :class:`LandmarkDatastore`: images are PNG, JPEG, BMP, TIFF, DICOM (``.dcm``), NIfTI, NRRD, MHA in the studies
   folder; labels (tag folders under ``labels/``): ``.mrk.json``, ``.json``, ``.fcsv``. ``add_image`` /
   ``save_label`` check the file first (readable image; markups naming the landmarks, inside the image): a bad one
-  is answered 4xx naming it and nothing enters the datastore.
+  is answered 4xx naming it and nothing enters the datastore. Every write (image, label, ``datastore_v2.json``)
+  goes to a temporary file beside its target, then is renamed: a failure leaves the old file (507 when the disk
+  is full). One label file per image and tag; a labelled image is replaced only when asked (``{"replace": true}``).
 """
 
 from __future__ import annotations
 
+import errno
+import filecmp
 import fnmatch
+import json
 import logging
 import os
+import shutil
 import tempfile
+import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, NoReturn
+from typing import Any, Callable, Iterator, NoReturn
 
+from bundle.io_utils import atomic_path
 from fastapi import HTTPException
-from monailabel.datastore.local import LocalDatastore
+from filelock import FileLock
+from monailabel.datastore.local import DataModel, ImageLabelModel, LocalDatastore
 
 from .common import IMAGE_EXTENSIONS, LABEL_EXTENSIONS, ImageError, LabelError
 
@@ -96,6 +107,18 @@ class ConfinedDatastore:
     def _stored_file(self, folder: str, image_id: str, ext: str) -> str:
         return os.path.join(folder, self._filename(image_id, ext))
 
+    def _check_read_back(self, image_id: str, ext: str, what: str, upload: str | None = None) -> None:
+        """400 unless the file name of ``image_id`` with ``ext`` reads back as that id (``a.png.b`` + ``.png`` reads
+        back as ``a.b``, ``006.mrk`` + ``.json`` as image ``006``'s ``.mrk.json``)."""
+        name = self._filename(image_id, ext)
+        back = self._to_id(name)
+        if back != (image_id, ext):
+            refuse(
+                400,
+                f"{what} {image_id!r} refused: its file {name!r} would be read back as {back[1]} of {back[0]!r}",
+                upload,
+            )
+
     # ---- writes and deletes --------------------------------------------------------------------------------
     def add_image(self, image_id: str, image_filename: str, image_info: dict[str, Any]) -> str:
         default_id, ext = self._to_id(os.path.basename(image_filename))
@@ -109,6 +132,7 @@ class ConfinedDatastore:
                 f"({', '.join(p.lstrip('*') for p in patterns)})",
                 image_filename,
             )
+        self._check_read_back(image_id, ext, "image id", image_filename)
         dest = self._stored_file(self._datastore.image_path(), image_id, ext)
         self._check_inside(dest, f"image {image_id!r}", image_filename)
         return super().add_image(image_id, image_filename, image_info)
@@ -130,6 +154,7 @@ class ConfinedDatastore:
         self.check_name(label_tag, "label tag", label_filename)
         _, ext = self._to_id(os.path.basename(label_filename))
         self.check_name(self._filename(image_id, ext), "label file name", label_filename)
+        self._check_read_back(image_id, ext, f"label ({ext}) of image", label_filename)
         dest = self._stored_file(self._datastore.label_path(label_tag), image_id, ext)
         self._check_inside(dest, f"label {label_tag!r} of image {image_id!r}", label_filename)
         return super().save_label(image_id, label_filename, label_tag, label_info, *args, **kwargs)
@@ -248,17 +273,69 @@ class LandmarkDatastore(LocalDatastore):
         wanted = IMAGE_EXTENSIONS if is_image_dir else LABEL_EXTENSIONS
         return super()._list_files(path, [p for p in patterns if p in wanted])
 
+    # ---- writes: the old file stays until the new one is complete, one file per image (and per image and tag) ----
+    def _write(self, source: str, dest: str, what: str, upload: str) -> None:
+        """``source`` copied onto ``dest`` through a temporary file beside it (:func:`atomic_path`)."""
+        with _writing(what, upload):
+            with atomic_path(dest, keep_suffix=False) as tmp:  # no suffix: never listed as an image or a label
+                shutil.copyfile(source, tmp)
+
+    def _files_of(self, folder: str, image_id: str, extensions: tuple[str, ...]) -> list[str]:
+        """The files of ``image_id`` in ``folder``, one per extension (a file that reads back as another id's is
+        not one: ``006.mrk`` + ``.json`` is ``006``'s ``.mrk.json``)."""
+        files = []
+        for ext in (e.lstrip("*") for e in extensions):
+            path = self._stored_file(folder, image_id, ext)
+            if self._to_id(os.path.basename(path)) == (image_id, ext) and os.path.lexists(path):
+                files.append(path)
+        return files
+
     def add_image(self, image_id: str, image_filename: str, image_info: dict[str, Any]) -> str:
-        name = (image_info or {}).get("name") or image_id or os.path.basename(image_filename)
+        """MONAI Label's ``add_image``, written atomically. A labelled image is replaced only when ``params`` say
+        ``{"replace": true}``, its labels (every tag) then removed; the same bytes again change nothing."""
+        image_info = dict(image_info or {})
+        replace = image_info.pop("replace", False)
+        name = image_info.get("name") or image_id or os.path.basename(image_filename)
         if self._check_image is not None:
             try:
                 self._check_image(image_filename, str(name))
             except ImageError as e:
                 refuse(422, str(e), image_filename)
-        return super().add_image(image_id, image_filename, image_info)
+        _, ext = self._to_id(os.path.basename(image_filename))
+        dest = self._stored_file(self._datastore.image_path(), image_id, ext)
+        obj = self._datastore.objects.get(image_id)
+        if obj is not None:
+            if obj.image.ext == ext and os.path.isfile(dest) and filecmp.cmp(dest, image_filename, shallow=False):
+                return image_id
+            if obj.labels and replace is not True:
+                refuse(
+                    409,
+                    f"image {image_id!r} has labels ({', '.join(sorted(obj.labels))}): another picture under its id "
+                    'would carry them; to replace it and remove its labels send params {"replace": true}',
+                    image_filename,
+                )
+        with FileLock(self._lock_file):
+            self._write(image_filename, dest, f"image {image_id!r}", image_filename)
+            if obj is not None:
+                for tag in obj.labels:
+                    for path in self._files_of(self._datastore.label_path(tag), image_id, LABEL_EXTENSIONS):
+                        os.unlink(path)
+                if obj.labels:
+                    logger.warning(f"image {image_id!r} replaced: its labels {sorted(obj.labels)} removed")
+                if obj.image.ext != ext:  # the replaced picture in another format
+                    Path(self._stored_file(self._datastore.image_path(), image_id, obj.image.ext)).unlink(
+                        missing_ok=True
+                    )
+            image_info.update(ts=int(time.time()), name=self._filename(image_id, ext))
+            self._datastore.objects[image_id] = ImageLabelModel(image=DataModel(info=image_info, ext=ext))
+            self._update_datastore_file(lock=False)
+        return image_id
 
     def save_label(self, image_id: str, label_filename: str, label_tag: str, label_info: dict[str, Any]) -> str:
-        if image_id not in self._datastore.objects:
+        """MONAI Label's ``save_label``, written atomically; the image's other label file of the tag (another
+        format) is removed once the new one is in place."""
+        obj = self._datastore.objects.get(image_id)
+        if obj is None:
             refuse(404, f"no image {image_id!r} in the datastore", label_filename)
         if not any(label_filename.lower().endswith(p[1:]) for p in LABEL_EXTENSIONS):
             refuse(
@@ -272,4 +349,55 @@ class LandmarkDatastore(LocalDatastore):
                 self._check_label(label_filename, self.get_image_uri(image_id), image_id)
             except (LabelError, ImageError) as e:
                 refuse(422, str(e), label_filename)
-        return super().save_label(image_id, label_filename, label_tag, label_info)
+        _, ext = self._to_id(os.path.basename(label_filename))
+        folder = self._datastore.label_path(label_tag)
+        dest = self._stored_file(folder, image_id, ext)
+        with FileLock(self._lock_file):
+            os.makedirs(folder, exist_ok=True)
+            self._write(label_filename, dest, f"label {label_tag!r} of image {image_id!r}", label_filename)
+            for path in self._files_of(folder, image_id, LABEL_EXTENSIONS):
+                if path != dest:
+                    logger.info(f"label {label_tag!r} of image {image_id!r}: {os.path.basename(path)} replaced")
+                    os.unlink(path)
+            label_info = dict(label_info or {}, ts=int(time.time()), name=self._filename(image_id, ext))
+            obj.labels[label_tag] = DataModel(info=label_info, ext=ext)
+            self._update_datastore_file(lock=False)
+        return image_id
+
+    def remove_label(self, label_id: str, label_tag: str) -> None:
+        """Every label file of the image and tag (whatever its format) removed."""
+        for path in self._files_of(self._datastore.label_path(label_tag), label_id, LABEL_EXTENSIONS):
+            os.unlink(path)
+        super().remove_label(label_id, label_tag)
+
+    def _update_datastore_file(self, lock: bool = True) -> None:
+        """MONAI Label's datastore file written atomically (its own write empties it first: a failed write left it
+        cut short, and MONAI Label does not start on it). The rename is no modification of the file: the watcher
+        has none to ignore, and the temporary name matches none of its patterns."""
+
+        def write() -> None:
+            text = json.dumps(self._datastore.model_dump(exclude={"base_path"}), indent=2, default=str)
+            with _writing(f"the datastore's file {os.path.basename(self._datastore_config_path)!r}"):
+                with atomic_path(self._datastore_config_path, keep_suffix=False) as tmp:
+                    tmp.write_text(text, encoding="utf-8")
+            self._config_ts = os.stat(self._datastore_config_path).st_mtime
+
+        if lock:
+            with FileLock(self._lock_file):
+                write()
+        else:
+            write()
+
+
+@contextmanager
+def _writing(what: str, upload: str | None = None) -> Iterator[None]:
+    """An OSError of writing ``what`` answered 507 (no space left) or 4xx / 500 naming its cause."""
+    try:
+        yield
+    except OSError as e:
+        cause = os.strerror(e.errno) if e.errno else str(e)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            refuse(507, f"{what} not stored: no space left on the datastore's disk ({cause})", upload)
+        if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            refuse(403, f"{what} not stored: the datastore's folder is not writable ({cause})", upload)
+        refuse(500, f"{what} not stored: {cause}", upload)
