@@ -3,12 +3,13 @@
 Every checkpoint is read with ``torch.load(weights_only=True)`` and written, with CPU tensors, through a
 hidden temporary that is renamed into place (:func:`save_atomically`), with the JSON record of the training
 that made it where there is one (:func:`save_with_record`); :func:`resume_path` is the file ``--resume`` continues
-from.
+from; :func:`check_training_outputs` refuses, before a training writes, a symbolic link it would write through.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any, Mapping
@@ -183,3 +184,30 @@ def resume_path(ckpt_dir: str | Path, resume: bool | str, filename: str = "last.
         path = Path(ckpt_dir) / filename
         return str(path) if path.is_file() else None
     return None
+
+
+def check_training_outputs(output_dir: str | os.PathLike, folders: list[str | os.PathLike]) -> None:
+    """Refuse, before a training writes anything, a symbolic link that its files would go through (into the linked
+    folder) or replace: a folder below ``output_dir`` (itself not: the user's choice) on the way to one of ``folders``
+    (the checkpoint folder first, then the others it writes to), or a checkpoint (``*.pt``) or record (``*.json``) in
+    the first.
+
+    Raises:
+        FileExistsError: naming the link.
+    """
+    root = Path(os.path.abspath(Path(output_dir).expanduser()))
+    for folder in (Path(os.path.abspath(Path(f).expanduser())) for f in folders):
+        parts = folder.relative_to(root).parts if folder.is_relative_to(root) else ()
+        for step in (root.joinpath(*parts[: i + 1]) for i in range(len(parts))):
+            if step.is_symlink():
+                raise FileExistsError(
+                    f"{step}: a symbolic link in output_dir {root}, on the way to {folder}; a training never writes "
+                    "through a link: remove it or choose another output_dir"
+                )
+    ckpt_dir = Path(folders[0]).expanduser()
+    for entry in sorted([*ckpt_dir.glob("*.pt"), *ckpt_dir.glob("*.json")]):
+        if entry.is_symlink():
+            raise FileExistsError(
+                f"{entry}: a symbolic link where the training writes its checkpoints; it is never replaced: remove "
+                "it or choose another ckpt_dir"
+            )

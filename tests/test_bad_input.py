@@ -197,6 +197,43 @@ def test_empty_training_list_is_refused_naming_the_datalist(data2d, tmp_path):
     assert f"{datalist}: the 'training' list is empty" in text
 
 
+@pytest.mark.parametrize(
+    "command, link", [("train", "models folder"), ("train_stage2", "models folder"), ("train", "checkpoint")]
+)
+def test_a_training_refuses_a_link_it_would_write_through(data2d, tmp_path, command, link):
+    """A symbolic link in output_dir (``models`` to another folder) had the checkpoints written into the linked
+    folder, and a linked ``last.pt`` was replaced: the training refuses before it writes anything, naming the link,
+    and the linked folder is left as it was."""
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "mine.pt").write_bytes(b"the user's file")
+    out.mkdir()
+    if link == "models folder":
+        (out / "models").symlink_to(elsewhere, target_is_directory=True)
+        expected = f"{out / 'models'}: a symbolic link in output_dir {out}, on the way to"
+    else:
+        (out / "models").mkdir()
+        (out / "models" / "last.pt").symlink_to(elsewhere / "mine.pt")
+        expected = f"{out / 'models' / 'last.pt'}: a symbolic link where the training writes its checkpoints"
+    text = raises(
+        run,
+        "training",
+        config_file=[str(ROOT / f) for f in config_files(command)],
+        bundle_root=str(ROOT),
+        datalist=str(data2d["datalist"]),
+        output_dir=str(out),
+        epochs=1,
+        epoch_length=1,
+        **SMALL,
+    )
+    assert f"FileExistsError: {expected}" in text, text
+    assert [p.name for p in elsewhere.iterdir()] == ["mine.pt"]
+    assert (elsewhere / "mine.pt").read_bytes() == b"the user's file"
+    assert sorted(p.name for p in out.iterdir()) == ["models"]  # no TensorBoard log, no pseudo-labels either
+    linked = out / "models" if link == "models folder" else out / "models" / "last.pt"
+    assert linked.is_symlink()
+
+
 def test_duplicate_landmark_names_are_refused_naming_the_duplicate(data2d, tmp_path):
     names = list(data2d["content"]["landmark_names"])
     names[5] = names[2]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import os
 import re
 import subprocess
@@ -260,6 +261,65 @@ def test_a_datalists_template_features_are_kept_for_the_next_call(tmp_path, tiny
     again = _inferring(image, tmp_path / "d", datalist=str(tiny_datalist), template_cache=str(cache))
     np.testing.assert_array_equal(again, first)
     assert torch.load(kept, weights_only=True)["format"] == "infoguided-landmarks-template/1"
+
+
+@pytest.fixture
+def cache_warnings(caplog):
+    """The template cache's warnings during a ``monai.bundle run`` (its logging.conf replaces the root logger's
+    handlers, caplog's among them)."""
+    logger = logging.getLogger("bundle.templates.features")
+    logger.addHandler(caplog.handler)
+    yield caplog
+    logger.removeHandler(caplog.handler)
+
+
+def test_an_open_umask_makes_the_default_template_cache_private(tmp_path, tiny_datalist, monkeypatch, cache_warnings):
+    """Under umask 002 the default cache's folders were made group-writable (after which the kernel cache beside it
+    was not trusted); they are made writable by their owner only, and the next run reads the features back."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    datalist = json.loads(Path(tiny_datalist).read_text())
+    image = Path(tiny_datalist).parent / datalist["test"][0]["image"]
+    mask = os.umask(0o002)
+    try:
+        first = _inferring(image, tmp_path / "a", datalist=str(tiny_datalist))
+    finally:
+        os.umask(mask)
+    root = tmp_path / "xdg" / "infoguided-landmarks"
+    (kept,) = (root / "templates").glob("*.pt")
+    assert [p.stat().st_mode & 0o777 for p in (root, root / "templates", kept)] == [0o700, 0o700, 0o644]
+    stamp = kept.stat().st_mtime_ns
+    np.testing.assert_array_equal(_inferring(image, tmp_path / "b", datalist=str(tiny_datalist)), first)
+    assert kept.stat().st_mtime_ns == stamp
+    assert [r.getMessage() for r in cache_warnings.records if r.levelno >= logging.WARNING] == []
+
+
+@pytest.mark.parametrize("plant", ["open folder", "linked entry"])
+def test_template_features_planted_in_the_cache_are_not_read(tmp_path, tiny_datalist, cache_warnings, plant):
+    """Anyone who could write to the cache (a folder of mode 0777, a link in it) could plant features under the
+    datalist's predictable key and make every match wrong: such a cache is neither read nor written, said once
+    naming the folder and why, and the features are computed again."""
+    datalist = json.loads(Path(tiny_datalist).read_text())
+    image = Path(tiny_datalist).parent / datalist["test"][0]["image"]
+    cache = tmp_path / "cache"
+    first = _inferring(image, tmp_path / "a", datalist=str(tiny_datalist), template_cache=str(cache))
+    (kept,) = cache.glob("*.pt")
+    template = torch.load(kept, weights_only=True)
+    planted = {**template, "queries": template["queries"].roll(1, dims=1)}  # each landmark matched as another
+    if plant == "linked entry":
+        torch.save(planted, tmp_path / "elsewhere.pt")
+        kept.unlink()
+        kept.symlink_to(tmp_path / "elsewhere.pt")
+        why = f"{kept} is a symbolic link"
+    else:
+        torch.save(planted, kept)
+        cache.chmod(0o777)
+        why = f"{cache} has owner uid {os.getuid()} and mode 0o777"
+    planted_bytes = kept.read_bytes()
+    again = _inferring(image, tmp_path / "b", datalist=str(tiny_datalist), template_cache=str(cache))
+    np.testing.assert_array_equal(again, first)
+    warnings_ = [r.getMessage() for r in cache_warnings.records if r.levelno >= logging.WARNING]
+    assert len(warnings_) == 1 and warnings_[0].startswith(f"template cache {cache} not used: {why}"), warnings_
+    assert kept.read_bytes() == planted_bytes and sorted(p.name for p in cache.iterdir()) == [kept.name]
 
 
 def test_template_cache_key_follows_the_network_strides_and_the_bundle_version(tmp_path, monkeypatch):

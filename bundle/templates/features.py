@@ -17,7 +17,7 @@ from bundle.checkpoints import load_weights
 from bundle.configs import as_flag, is_unset
 from bundle.data.embedded import open_datalist
 from bundle.geometry import plain_tensor
-from bundle.io_utils import cache_root
+from bundle.io_utils import cache_root, not_private, private_folder
 from bundle.networks.matching import feature_vectors
 from bundle.template_file import TEMPLATE_FORMAT, bundle_path, check_template, file_sha256, load_template, save_template
 from bundle.templates.resolution import check_rule, prepare_template, resolve_templates
@@ -102,6 +102,22 @@ def template_cache_dir(value: str | os.PathLike | bool | None) -> Path | None:
     return Path(flag)
 
 
+def _trusted_cache(cache_dir: str | os.PathLike) -> Path | None:
+    """``cache_dir`` made where missing (mode 0700) and checked as the kernel cache is
+    (:func:`bundle.io_utils.private_folder`; the default folder from ``infoguided-landmarks`` down): None, with a
+    warning naming the folder and why, when it is a link, another user's or writable by others (features planted
+    there under a predictable key would make every match wrong)."""
+    try:
+        if Path(cache_dir) == default_template_cache():
+            return private_folder(cache_root(), default_template_cache().name)
+        return private_folder(cache_dir)
+    except PermissionError as e:
+        logger.warning("template cache %s not used: %s", cache_dir, e)
+    except OSError as e:  # a read-only or full cache does not stop inference
+        logger.warning("template cache %s not made (%s)", cache_dir, e)
+    return None
+
+
 def template_cache_key(
     datalist_path: str | os.PathLike,
     datalist: dict,
@@ -169,11 +185,14 @@ def resolve_template_features(
     if checkpoint is not None:
         checkpoint = bundle_path(checkpoint)
     cached = None
-    if cache_dir and checkpoint is not None:
+    if cache_dir and checkpoint is not None and (cache_dir := _trusted_cache(cache_dir)):
         strides = getattr(network, "strides", None)
         key = template_cache_key(template_datalist, datalist, checkpoint, image_size, strides, choice)
         cached = cache_dir / f"{key}.pt"
-        if cached.is_file():
+        if reason := not_private(cached):
+            logger.warning("template cache %s not used: %s", cache_dir, reason)
+            cached = None
+        elif cached.is_file():
             try:
                 template = load_template(cached, checkpoint)
             except Exception as e:  # a damaged or foreign cache file is computed again (torch.load raises many kinds)
@@ -192,7 +211,6 @@ def resolve_template_features(
     template = compute_template(network, items, preprocessing, datalist["landmark_names"], device, checkpoint)
     if cached is not None:
         try:
-            cached.parent.mkdir(parents=True, exist_ok=True)
             save_template(cached, template)
         except OSError as e:  # a read-only or full cache does not stop inference
             logger.warning("template cache %s not written (%s)", cached, e)
