@@ -158,17 +158,16 @@ def check_picture(path: Any, max_pixels: int = MAX_PICTURE_PIXELS) -> bool:
 def check_size(path: Any, shape: Sequence[int], max_pixels: int = MAX_PICTURE_PIXELS) -> None:
     """Refuse (:class:`ImageError`) an image whose header gives the spatial ``shape``: a picture (one slice) of more
     than ``max_pixels`` pixels, a volume of more than :data:`MAX_VOLUME_VOXELS` voxels."""
-    size = " x ".join(map(str, shape))
     count = math.prod(shape)
     if math.prod(shape[2:]) == 1 and count > max_pixels:
         raise ImageError(
-            f"{path}: {size} pixels, more than the {max_pixels:,} an X-ray picture may have "
+            f"{path}: {' x '.join(map(str, shape[:2]))} pixels, more than the {max_pixels:,} an X-ray picture may have "
             "(refused before decoding it)"
         )
     if count > MAX_VOLUME_VOXELS:
         raise ImageError(
-            f"{path}: {size} voxels ({count:,}), more than the {MAX_VOLUME_VOXELS:,} a volume may have (a CT has "
-            "some 512 x 512 x 1000; refused before reading it)"
+            f"{path}: {' x '.join(map(str, shape))} voxels ({count:,}), more than the {MAX_VOLUME_VOXELS:,} a volume "
+            "may have (a CT has some 512 x 512 x 1000; refused before reading it)"
         )
 
 
