@@ -190,13 +190,15 @@ def header_shape(path: Path, series: Sequence[Sequence[str]] = ()) -> tuple[int,
         except Exception:
             pass  # MONAI's readers go on to ITK's
     reader = sitk.ImageFileReader()
-    if not reader.GetImageIOFromFileName(str(path)):
+    image_io = reader.GetImageIOFromFileName(str(path))
+    if not image_io:
         return None
     reader.SetFileName(str(path))
     try:
         reader.ReadImageInformation()
-    except RuntimeError as e:
-        raise _read_error([path], e) from e
+    except RuntimeError as e:  # ITK's message: where it was thrown, then what it says
+        itk_message = " ".join(line.strip() for line in str(e).strip().splitlines()[1:])
+        raise ImageError(f"{path}: unreadable header ({image_io}), refused before reading it: {itk_message}") from e
     return tuple(int(n) for n in reader.GetSize())
 
 
