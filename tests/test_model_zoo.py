@@ -262,6 +262,29 @@ def test_a_datalists_template_features_are_kept_for_the_next_call(tmp_path, tiny
     assert torch.load(kept, weights_only=True)["format"] == "infoguided-landmarks-template/1"
 
 
+def test_a_template_cache_that_cannot_be_written_is_skipped_with_one_warning(
+    tmp_path, tiny_datalist, monkeypatch, caplog
+):
+    """A full cache disk (``torch.save`` raises RuntimeError there, not OSError: it stopped ``inferring`` after all the
+    template work) is skipped with one warning: the predictions are written, the cache holds no partial file."""
+    import bundle.template_file
+
+    def full_disk(obj, path):
+        Path(path).write_bytes(b"PK\x03\x04 half")
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file data/0")
+
+    monkeypatch.setattr(bundle.template_file.torch, "save", full_disk)
+    datalist = json.loads(Path(tiny_datalist).read_text())
+    image = Path(tiny_datalist).parent / datalist["test"][0]["image"]
+    cache = tmp_path / "cache"
+    with caplog.at_level("WARNING", logger="bundle.templates.features"):
+        predictions = _inferring(image, tmp_path / "out", datalist=str(tiny_datalist), template_cache=str(cache))
+    assert predictions.shape[0] > 0 and np.isfinite(predictions).all()
+    warned = [r.getMessage() for r in caplog.records if "template cache" in r.getMessage()]
+    assert len(warned) == 1 and "not written" in warned[0] and "PytorchStreamWriter failed" in warned[0], warned
+    assert sorted(cache.iterdir()) == []
+
+
 def test_template_cache_key_follows_the_network_strides_and_the_bundle_version(tmp_path, monkeypatch):
     """Features of other strides, or of another version's code, are not read back from the cache."""
     import bundle.templates.features as features
