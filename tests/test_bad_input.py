@@ -1078,6 +1078,44 @@ def test_bundle_command_ends_on_the_message_naming_the_file(data2d, tmp_path):
     assert last.startswith(f"The cause (above): ImageError: cannot read image {empty} (empty file, 0 bytes)"), last
 
 
+def test_a_device_or_thread_count_this_machine_lacks_is_named_not_blamed_on_the_checkpoint(data2d, tmp_path):
+    """``--device cuda`` without a CUDA GPU was reported as "not a readable PyTorch checkpoint" and ``--cpu_threads
+    100000`` crashed evaluating (a segmentation fault): the device is refused naming the key before the checkpoint
+    is read, by evaluating and inferring; the thread count is lowered to the CPUs there are, with a warning naming
+    the key."""
+    from bundle.configs import available_cpus
+
+    device = f"cuda:{torch.cuda.device_count()}" if torch.cuda.is_available() else "cuda"  # a GPU it lacks
+    image = str(data2d["datalist"].parent / data2d["content"]["test"][0]["image"])
+    evaluating = [sys.executable, "-m", "monai.bundle", "run", "evaluating", "--config_file", str(EVALUATE)]
+    evaluating += [
+        "--bundle_root",
+        str(ROOT),
+        "--datalist",
+        str(data2d["datalist"]),
+        "--ckpt_path",
+        str(data2d["ckpt"]),
+    ]
+    evaluating += ["--image_size", "[64, 64]", "--progress_bar", "false", "--overlays", "false"]
+    inferring = [sys.executable, "-m", "monai.bundle", "run", "inferring", "--config_file", "configs/inference.yaml"]
+    inferring += ["--images", f"['{image}']"]
+    for command in (evaluating, inferring):
+        out = tmp_path / command[4]
+        line = [*command, "--output_dir", str(out), "--device", device]
+        result = subprocess.run(line, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        last = result.stderr.strip().splitlines()[-1]
+        assert result.returncode != 0 and not out.exists(), result.stderr[-2000:]
+        assert last.startswith(f"The cause (above): ValueError: device '{device}': this machine has"), last
+        assert "checkpoint" not in last, last
+    line = [*evaluating, "--output_dir", str(tmp_path / "threads"), "--cpu_threads", "100000"]
+    result = subprocess.run(line, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    cpus = available_cpus()
+    warned = f"cpu_threads 100000: more than the {cpus} CPUs this process may use; {cpus} threads are used"
+    assert warned in result.stdout + result.stderr  # the log goes to stdout (configs/logging.conf)
+    assert (tmp_path / "threads" / "metrics.json").is_file()
+
+
 @pytest.mark.parametrize("thresholds", [2, "ab", [1, "x"], [4, 2], [1, float("nan")]])
 def test_iie_thresholds_that_are_not_two_increasing_numbers_are_refused_naming_them(thresholds):
     from bundle.information_groups import check_thresholds
