@@ -143,9 +143,11 @@ def check_picture(path: Any, max_pixels: int = MAX_PICTURE_PIXELS) -> bool:
         raise ImageError(
             f"{path}: more than the {max_pixels:,} pixels an X-ray picture may have, refused before decoding it "
             f"(PIL: {e})"
-        ) from e
+        ) from None  # the message holds the cause: callers that report a chain's root (the MONAI Label app) show it
     except Exception as e:
-        raise ImageError(f"{path}: picture header unreadable (refused before decoding it): {error_summary(e)}") from e
+        raise ImageError(
+            f"{path}: picture header unreadable (refused before decoding it): {error_summary(e)}"
+        ) from None
     if pages > 1:
         raise ImageError(
             f"{path}: a picture of {pages} pages (a multi-page TIFF or an animation): only one image per file can be "
@@ -198,7 +200,7 @@ def header_shape(path: Path, series: Sequence[Sequence[str]] = ()) -> tuple[int,
         reader.ReadImageInformation()
     except RuntimeError as e:  # ITK's message: where it was thrown, then what it says
         itk_message = " ".join(line.strip() for line in str(e).strip().splitlines()[1:])
-        raise ImageError(f"{path}: unreadable header ({image_io}), refused before reading it: {itk_message}") from e
+        raise ImageError(f"{path}: unreadable header ({image_io}), refused before reading it: {itk_message}") from None
     return tuple(int(n) for n in reader.GetSize())
 
 
