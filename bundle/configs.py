@@ -141,22 +141,59 @@ def as_flag(value: Any, key: str, path: bool = False) -> bool | str:
     raise ValueError(f"{key}: expected true or false (yes/no, 1/0, any case), got {value!r}")
 
 
+def available_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the system tells it, else the machine's)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def check_cpu_threads(cpu_threads: int | str | None) -> int | str | None:
-    """``cpu_threads`` as given (null, ``auto`` or a positive integer); another value raises ValueError naming the
-    key."""
+    """``cpu_threads`` as given (null, ``auto`` or a positive integer), an integer above :func:`available_cpus`
+    lowered to it with a warning naming the key (more threads than CPUs only slow torch down, and 100000 crashed
+    it); another value raises ValueError naming the key."""
     if cpu_threads is None or cpu_threads == "auto":
         return cpu_threads
     if isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int) or cpu_threads < 1:
         raise ValueError(f"cpu_threads must be null, 'auto' or a positive integer, got {cpu_threads!r}")
+    cpus = available_cpus()
+    if cpu_threads > cpus:
+        logging.getLogger(__name__).warning(
+            f"cpu_threads {cpu_threads}: more than the {cpus} CPUs this process may use; {cpus} threads are used"
+        )
+        return cpus
     return cpu_threads
+
+
+def check_device(device: torch.device | str) -> torch.device:
+    """``device`` as a ``torch.device``, refused (ValueError naming the key) before any work when this machine cannot
+    run on it: not a device name, a CUDA device without a CUDA GPU (or beyond the GPUs there are), MPS without it.
+    The first step after :func:`check_command_line`, so that a checkpoint is never read onto a missing device."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device {str(device)!r} is not a device name (cpu, cuda, cuda:1, mps): {e}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"device {str(device)!r}: this machine has no CUDA GPU (torch.cuda.is_available() is False); use "
+                "--device cpu"
+            )
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"device {str(device)!r}: this machine has {torch.cuda.device_count()} CUDA GPU(s), cuda:0 to "
+                f"cuda:{torch.cuda.device_count() - 1}"
+            )
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device {str(device)!r}: MPS is not available on this machine; use --device cpu")
+    return device
 
 
 def apply_cpu_threads(cpu_threads: int | str | None) -> int:
     """``cpu_threads`` for a whole command that has no stage-1 step (stage 2, fine-tuning, evaluation; the stage-1 step
     sets its own: :class:`bundle.engines.contrastive.ContrastiveIterationUpdate`): an int sets torch's intra-op
     threads, ``auto`` or null leave torch's setting (one thread per core). Returns the threads in use."""
-    if isinstance(check_cpu_threads(cpu_threads), int):
-        torch.set_num_threads(cpu_threads)
+    threads = check_cpu_threads(cpu_threads)
+    if isinstance(threads, int):
+        torch.set_num_threads(threads)
     return torch.get_num_threads()
 
 

@@ -5,17 +5,21 @@ new outputs."""
 from __future__ import annotations
 
 import contextlib
+import gzip
 import io
 import json
 import logging
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
+import zlib
 from pathlib import Path
 
+import monai.data
 import nibabel as nib
 import numpy as np
 import pytest
@@ -330,6 +334,78 @@ def test_truncated_png_is_refused_naming_it(data2d, tmp_path):
     png.write_bytes(data[: len(data) // 2])
     text = raises(preprocessing(TRAIN, data2d["datalist"], **SMALL), {"image": str(png)})
     assert f"ImageError: cannot read image {png}: OSError: image file is truncated" in text
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A grey PNG of ``width`` x ``height`` whose pixel data is one compressed zero row: a header, nothing to show."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0")) + chunk(b"IEND", b"")
+
+
+def tiff_header(width: int, height: int) -> bytes:
+    """An 8-bit grey TIFF of ``width`` x ``height``, its one strip missing."""
+    tags = [(256, width), (257, height), (258, 8), (259, 1), (262, 1), (273, 8), (277, 1), (278, height)]
+    tags.append((279, width * height))
+    entries = b"".join(struct.pack("<HHII", tag, 4, 1, value) for tag, value in tags)  # LONG values
+    return b"II*\0" + struct.pack("<IH", 8, len(tags)) + entries + b"\0" * 4
+
+
+def nifti_header(shape: tuple[int, ...]) -> bytes:
+    header = nib.Nifti1Header()
+    header.set_data_shape(shape)
+    header.set_data_dtype(np.uint8)
+    return gzip.compress(header.binaryblock + b"\0" * 4)  # some 60 bytes
+
+
+BMP_30000 = b"BM" + struct.pack("<IHHI", 54, 0, 0, 54) + struct.pack("<IiiHHIIiiII", 40, 30000, 30000, 1, 24, *[0] * 6)
+JPEG_65500 = b"\xff\xd8\xff\xc0" + struct.pack(">HBHHB", 11, 8, 65500, 65500, 1) + bytes([1, 0x11, 0]) + b"\xff\xd9"
+PICTURE_BOMB = (
+    "more than the 50,000,000 pixels an X-ray picture may have, refused before decoding it (PIL: Image size ("
+)
+VOLUME_CAP = "20000 x 20000 x 20000 voxels (8,000,000,000,000), more than the 536,870,912 a volume may have"
+MHA = "ObjectType = Image\nNDims = 3\nDimSize = 20000 20000 20000\nElementType = {}\nElementDataFile = LOCAL\n"
+NRRD = "NRRD0004\ntype: uchar\ndimension: 3\nsizes: 20000 20000 {}\nencoding: raw\n\n"
+
+
+HEADER_CASES = [
+    ("giant.png", png_header(20000, 20000), PICTURE_BOMB + "400000000 pixels)"),
+    ("large.png", png_header(9000, 9000), "9000 x 9000 pixels, more than the 50,000,000 an X-ray picture may"),
+    ("giant.jpg", JPEG_65500, PICTURE_BOMB + "4290250000 pixels)"),
+    ("lying.bmp", BMP_30000, PICTURE_BOMB + "900000000 pixels)"),
+    ("giant.tif", tiff_header(20000, 20000), PICTURE_BOMB + "400000000 pixels)"),
+    ("large.tif", tiff_header(9000, 9000), "9000 x 9000 pixels, more than the 50,000,000"),
+    ("giant.mha", MHA.format("MET_UCHAR").encode(), VOLUME_CAP),
+    ("giant.nrrd", NRRD.format(20000).encode(), VOLUME_CAP),
+    ("giant.nii.gz", nifti_header((20000, 20000, 20000)), VOLUME_CAP),
+    ("broken.mha", MHA.format("MET_NOTHING").encode(), "unreadable header (MetaImageIO), refused before reading"),
+    ("broken.nrrd", NRRD.format("").encode(), "unreadable header (NrrdImageIO), refused before reading it"),
+    ("broken.png", png_header(20000, 20000)[:29] + b"xxxx", "unreadable header (PNGImageIO), refused before"),
+]
+
+
+@pytest.mark.parametrize("name, content, expected", HEADER_CASES, ids=[case[0] for case in HEADER_CASES])
+def test_a_header_too_large_or_unreadable_is_refused_before_any_pixel_is_decoded(
+    tmp_path, monkeypatch, name, content, expected
+):
+    """A picture or volume whose header declares more pixels than an X-ray (or voxels than a CT) has, or a header its
+    format's reader cannot read, is refused naming the file before a reader decodes it (a 20000 x 20000 PNG passed:
+    PIL's own DecompressionBombError was taken for "not a picture" and ITK decoded it, 5 GB)."""
+    from bundle.data.images import ImageError, LoadImaged
+
+    def decode(self, *args, **kwargs):
+        raise AssertionError("a reader decoded the file")
+
+    for reader in (monai.data.PILReader, monai.data.ITKReader, monai.data.NibabelReader, monai.data.NumpyReader):
+        monkeypatch.setattr(reader, "read", decode)
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(ImageError) as refused:
+        LoadImaged("image")({"image": str(path)})
+    assert str(refused.value).startswith(f"{path}: ") and expected in str(refused.value), refused.value
 
 
 def test_volume_in_the_2d_configuration_is_refused(data2d, tmp_path):
@@ -1176,6 +1252,44 @@ def test_bundle_command_ends_on_the_message_naming_the_file(data2d, tmp_path):
     assert result.returncode != 0 and not (tmp_path / "inferred").exists()
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(f"The cause (above): ImageError: cannot read image {empty} (empty file, 0 bytes)"), last
+
+
+def test_a_device_or_thread_count_this_machine_lacks_is_named_not_blamed_on_the_checkpoint(data2d, tmp_path):
+    """``--device cuda`` without a CUDA GPU was reported as "not a readable PyTorch checkpoint" and ``--cpu_threads
+    100000`` crashed evaluating (a segmentation fault): the device is refused naming the key before the checkpoint
+    is read, by evaluating and inferring; the thread count is lowered to the CPUs there are, with a warning naming
+    the key."""
+    from bundle.configs import available_cpus
+
+    device = f"cuda:{torch.cuda.device_count()}" if torch.cuda.is_available() else "cuda"  # a GPU it lacks
+    image = str(data2d["datalist"].parent / data2d["content"]["test"][0]["image"])
+    evaluating = [sys.executable, "-m", "monai.bundle", "run", "evaluating", "--config_file", str(EVALUATE)]
+    evaluating += [
+        "--bundle_root",
+        str(ROOT),
+        "--datalist",
+        str(data2d["datalist"]),
+        "--ckpt_path",
+        str(data2d["ckpt"]),
+    ]
+    evaluating += ["--image_size", "[64, 64]", "--progress_bar", "false", "--overlays", "false"]
+    inferring = [sys.executable, "-m", "monai.bundle", "run", "inferring", "--config_file", "configs/inference.yaml"]
+    inferring += ["--images", f"['{image}']"]
+    for command in (evaluating, inferring):
+        out = tmp_path / command[4]
+        line = [*command, "--output_dir", str(out), "--device", device]
+        result = subprocess.run(line, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        last = result.stderr.strip().splitlines()[-1]
+        assert result.returncode != 0 and not out.exists(), result.stderr[-2000:]
+        assert last.startswith(f"The cause (above): ValueError: device '{device}': this machine has"), last
+        assert "checkpoint" not in last, last
+    line = [*evaluating, "--output_dir", str(tmp_path / "threads"), "--cpu_threads", "100000"]
+    result = subprocess.run(line, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    cpus = available_cpus()
+    warned = f"cpu_threads 100000: more than the {cpus} CPUs this process may use; {cpus} threads are used"
+    assert warned in result.stdout + result.stderr  # the log goes to stdout (configs/logging.conf)
+    assert (tmp_path / "threads" / "metrics.json").is_file()
 
 
 @pytest.mark.parametrize("thresholds", [2, "ab", [1, "x"], [4, 2], [1, float("nan")]])

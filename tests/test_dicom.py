@@ -15,6 +15,7 @@ import uuid
 import warnings
 from pathlib import Path
 
+import monai.data
 import nibabel as nib
 import numpy as np
 import pytest
@@ -340,6 +341,28 @@ def test_truncated_file_is_refused_naming_it_as_a_dicom_file(tmp_path):
     (tmp_path / "empty.dcm").write_bytes(b"")
     with pytest.raises(ImageError, match=r"empty\.dcm \(empty file, 0 bytes\)"):
         load_grey(str(tmp_path / "empty.dcm"), 2)
+
+
+def test_a_header_declaring_an_absurd_size_is_refused_before_the_pixels_are_read(tmp_path, monkeypatch):
+    """A DICOM file (Rows, Columns 65535, one frame or a thousand) or series whose header declares more pixels than an
+    X-ray has, or more voxels than a CT, is refused naming it before ITK allocates the image (it tried: 4 TB)."""
+    monkeypatch.setattr(monai.data.ITKReader, "read", lambda *a, **k: pytest.fail("ITK read the pixels"))
+    stored = np.zeros((2, 2), np.uint16)
+    frame = write_xray(tmp_path / "frame.dcm", stored)
+    cine = write_xray(tmp_path / "cine.dcm", stored, NumberOfFrames=1000)
+    row, col, _, affine_lps = oblique_sagittal_geometry()
+    series = write_ct_series(tmp_path / "series", np.zeros((2, 2, 3), np.int16), affine_lps, row, col)
+    for file in [frame, cine, *series.iterdir()]:  # Rows and Columns (US, 2 bytes each, in a row) made 65535
+        data = file.read_bytes()
+        at = data.index(struct.pack("<HH2sH", 0x0028, 0x0010, b"US", 2))
+        file.write_bytes(data[: at + 8] + b"\xff\xff" + data[at + 10 : at + 18] + b"\xff\xff" + data[at + 20 :])
+    for path, expected in [
+        (frame, "65535 x 65535 pixels, more than the 50,000,000 an X-ray picture may have"),
+        (cine, "65535 x 65535 x 1000 voxels (4,294,836,225,000), more than the 536,870,912 a volume may have"),
+        (series, "65535 x 65535 x 3 voxels (12,884,508,675), more than the 536,870,912 a volume may have"),
+    ]:
+        with pytest.raises(ImageError, match=re.escape(f"{path}: {expected}")):
+            BundleLoadImaged("image")({"image": str(path)})
 
 
 def test_malformed_spacing_tag_names_file_and_tag(tmp_path):

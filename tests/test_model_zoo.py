@@ -322,6 +322,29 @@ def test_template_features_planted_in_the_cache_are_not_read(tmp_path, tiny_data
     assert kept.read_bytes() == planted_bytes and sorted(p.name for p in cache.iterdir()) == [kept.name]
 
 
+def test_a_template_cache_that_cannot_be_written_is_skipped_with_one_warning(
+    tmp_path, tiny_datalist, monkeypatch, capsys
+):
+    """A full cache disk (``torch.save`` raises RuntimeError there, not OSError: it stopped ``inferring`` after all the
+    template work) is skipped with one warning: the predictions are written, the cache holds no partial file."""
+    import bundle.template_file
+
+    def full_disk(obj, path):
+        Path(path).write_bytes(b"PK\x03\x04 half")
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file data/0")
+
+    monkeypatch.setattr(bundle.template_file.torch, "save", full_disk)
+    datalist = json.loads(Path(tiny_datalist).read_text())
+    image = Path(tiny_datalist).parent / datalist["test"][0]["image"]
+    cache = tmp_path / "cache"
+    predictions = _inferring(image, tmp_path / "out", datalist=str(tiny_datalist), template_cache=str(cache))
+    assert predictions.shape[0] > 0 and np.isfinite(predictions).all()
+    log = capsys.readouterr().out  # the command's log (configs/logging.conf: stdout)
+    warned = [line for line in log.splitlines() if "WARNING" in line and "template cache" in line]
+    assert len(warned) == 1 and "not written" in warned[0] and "PytorchStreamWriter failed" in warned[0], warned
+    assert sorted(cache.iterdir()) == []
+
+
 def test_template_cache_key_follows_the_network_strides_and_the_bundle_version(tmp_path, monkeypatch):
     """Features of other strides, or of another version's code, are not read back from the cache."""
     import bundle.templates.features as features

@@ -883,17 +883,31 @@ def test_detector_retrains_from_the_served_one_on_the_same_held_out_images(serve
     assert json.loads((model / "detector.json").read_text()) == before
 
 
-def test_a_giant_picture_is_refused_before_it_is_decoded(server, tmp_path):
-    """A 12000 x 12000 blank PNG (140 kB on disk, 0.6 GB of floats decoded) is refused 422 naming it; the studies
-    folder is unchanged."""
+@pytest.mark.parametrize(
+    "side, expected",
+    [
+        (12000, "12000 x 12000 pixels, more than the 50,000,000"),
+        (
+            20000,
+            "more than the 50,000,000 pixels an X-ray picture may have, refused before decoding it (PIL: Image size",
+        ),
+    ],
+)
+def test_a_giant_picture_is_refused_before_it_is_decoded(server, tmp_path, side, expected):
+    """A blank PNG of 12000 x 12000 (140 kB on disk, 0.6 GB of floats decoded) or 20000 x 20000 (49 kB, 1-bit; past
+    PIL's own DecompressionBombError, once taken for "not a picture" and decoded: 5 GB) is refused 4xx naming its
+    size by the datastore's upload and by inference; neither keeps it (studies folder and datastore unchanged)."""
     giant = tmp_path / "giant.png"
-    Image.new("L", (12000, 12000)).save(giant)
+    Image.new("L" if side < 20000 else "1", (side, side)).save(giant)
     before = _tree(server["studies"])
     url = f"{server['base']}/datastore/image?image=giant"
     reply, status = request_json(url, *_multipart("file", giant, "giant.png"), method="PUT")
     assert status == 422, (status, reply)
-    assert "12000 x 12000 pixels, more than the 50,000,000" in reply["detail"], reply
+    assert expected in reply["detail"], reply
+    reply, status = request_json(f"{server['base']}/infer/landmarks?output=json", *_multipart("file", giant))
+    assert 400 <= status < 500 and expected in reply["detail"], (status, reply)
     assert _tree(server["studies"]) == before
+    assert "giant" not in json.dumps(server["client"].datastore())
 
 
 def _strings(value) -> list[str]:

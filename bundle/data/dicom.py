@@ -404,10 +404,10 @@ def dicom_xray_datalist(
     return unsplit_datalist(name or root.name, 2, names, items)
 
 
-def series_ids(folder: Path) -> list[str]:
-    """The DICOM series in ``folder`` as MONAI's reader groups its slices (``monai.data.ITKReader``: by Series
-    Instance UID, Series Date and GDCM's series details, such as slice thickness and size), so that a series the
-    reader would read in parts counts as several."""
+def series_files(folder: Path) -> list[tuple[str, ...]]:
+    """The files of each DICOM series in ``folder`` as MONAI's reader groups its slices (``monai.data.ITKReader``: by
+    Series Instance UID, Series Date and GDCM's series details, such as slice thickness and size), so that a series
+    the reader would read in parts counts as several."""
     import itk
 
     names = itk.GDCMSeriesFileNames.New()
@@ -415,7 +415,7 @@ def series_ids(folder: Path) -> list[str]:
     names.AddSeriesRestriction("0008|0021")
     names.SetGlobalWarningDisplay(False)
     names.SetDirectory(str(folder))
-    return list(names.GetSeriesUIDs())
+    return [tuple(names.GetFileNames(uid)) for uid in names.GetSeriesUIDs()]
 
 
 def holds_dicom_files(folder: Path) -> bool:
@@ -428,14 +428,15 @@ def series_folders(root: Path) -> list[Path]:
     return [p for p in sorted(root.iterdir()) if p.is_dir() and not p.name.startswith(".") and holds_dicom_files(p)]
 
 
-def several_series_message(folder: Path) -> str | None:
-    """What is wrong with ``folder`` when it holds more than one DICOM series (:func:`series_ids`: a reader would read
-    one of them, or a part of a split series, as the volume); None otherwise."""
-    ids = series_ids(folder)
-    if len(ids) <= 1:
+def several_series_message(folder: Path, series: Sequence[Sequence[str]] | None = None) -> str | None:
+    """What is wrong with ``folder`` when it holds more than one DICOM series (``series``, default
+    :func:`series_files`: a reader would read one of them, or a part of a split series, as the volume); None
+    otherwise."""
+    count = len(series_files(folder) if series is None else series)
+    if count <= 1:
         return None
     return (
-        f"{folder}: {len(ids)} DICOM series in one folder, as the reader groups the slices (by series, series date, "
+        f"{folder}: {count} DICOM series in one folder, as the reader groups the slices (by series, series date, "
         "slice thickness and size); it would read one of them as the volume: keep the slices of one volume alone in "
         "a folder"
     )

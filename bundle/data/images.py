@@ -10,11 +10,14 @@ wrong dimensionality (a volume of several slices given to the 2D configuration, 
 one), one smaller than ``min_size`` along an axis and one holding NaN or infinite values; it warns, naming the
 file, about a constant image (nothing to match: its predictions are meaningless), a 2D image that its min and max
 leave almost flat and a volume that the CT window leaves nearly constant. Pictures are read as a viewer shows
-them (:func:`pil_as_displayed`); one of several pages is refused (:func:`check_picture`).
+them (:func:`pil_as_displayed`); one of several pages is refused (:func:`check_picture`). Every file's header is
+checked before a pixel is decoded (:func:`check_file`): a header that its format's reader cannot read, or that
+declares more pixels or voxels than an X-ray or a CT has, is refused naming the file.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from pathlib import Path
@@ -25,7 +28,14 @@ import numpy as np
 import torch
 from bundle.data.annotations import visible_files
 from bundle.data.datalist import configuration_hint
-from bundle.data.dicom import XRayDicomd, is_dicom_file, plane_affine, series_folders, several_series_message
+from bundle.data.dicom import (
+    XRayDicomd,
+    is_dicom_file,
+    plane_affine,
+    series_files,
+    series_folders,
+    several_series_message,
+)
 from bundle.data.nifti import nifti_header_problems
 from bundle.io_utils import error_summary
 from monai.config import KeysCollection
@@ -102,47 +112,121 @@ def _readers(kwargs: dict) -> dict:
 # a 2D picture (PNG, JPEG, BMP, TIFF) of more pixels than this is refused from its header, before it is decoded:
 # radiographs have at most some 20 million; a 12000 x 12000 blank PNG decodes to 0.6 GB of floats
 MAX_PICTURE_PIXELS = 50_000_000
+# a volume (MetaImage, NRRD, NIfTI, DICOM) of more voxels than this is refused from its header, before it is read: a
+# CT is some 512 x 512 x 1000 (262 million voxels, 1 GB as float32); 512 x 512 x 2048 (2 GB) leaves a long thin-slice
+# CT room, and the network only ever sees a volume resampled to its grid
+MAX_VOLUME_VOXELS = 512 * 512 * 2048
 
 
-def check_picture(path: Any, max_pixels: int = MAX_PICTURE_PIXELS) -> None:
-    """Refuse (:class:`ImageError`) a picture file whose header gives more than ``max_pixels`` pixels, or several
-    pages (a multi-page TIFF, an animation: a reader would take the first and drop the others without a word; a
-    camera's MPO JPEG, a picture with its previews, is read as its main picture); files that PIL cannot open (DICOM,
-    NIfTI, MetaImage) are left to their readers."""
+def check_file(path: Any) -> None:
+    """Refuse (:class:`ImageError`) what :func:`check_picture` refuses in a picture that PIL reads, else what
+    :func:`check_volume` refuses: every file's header is checked before a pixel of it is decoded."""
+    if not check_picture(path):
+        check_volume(path)
+
+
+def check_picture(path: Any, max_pixels: int = MAX_PICTURE_PIXELS) -> bool:
+    """Refuse (:class:`ImageError`) a picture file whose header PIL refuses or cannot read (more than 179 million
+    pixels: PIL's ``DecompressionBombError``), gives more than ``max_pixels`` pixels, or several pages (a multi-page
+    TIFF, an animation: a reader would take the first and drop the others without a word; a camera's MPO JPEG, a
+    picture with its previews, is read as its main picture). Returns whether PIL reads ``path`` as a picture; other
+    files (DICOM, NIfTI, MetaImage) are left to :func:`check_volume`."""
     if not isinstance(path, (str, os.PathLike)) or not Path(path).is_file():
-        return
+        return False
     try:
         with PILImage.open(path) as picture:
             width, height = picture.size
             pages = getattr(picture, "n_frames", 1) if picture.format != "MPO" else 1
-    except Exception:
-        return
+    except PILImage.UnidentifiedImageError:
+        return False
+    except PILImage.DecompressionBombError as e:
+        raise ImageError(
+            f"{path}: more than the {max_pixels:,} pixels an X-ray picture may have, refused before decoding it "
+            f"(PIL: {e})"
+        ) from None  # the message holds the cause: callers that report a chain's root (the MONAI Label app) show it
+    except Exception as e:
+        raise ImageError(
+            f"{path}: picture header unreadable (refused before decoding it): {error_summary(e)}"
+        ) from None
     if pages > 1:
         raise ImageError(
             f"{path}: a picture of {pages} pages (a multi-page TIFF or an animation): only one image per file can be "
             "read; save the page to use as a file of its own"
         )
-    if width * height > max_pixels:
+    check_size(path, (width, height), max_pixels)
+    return True
+
+
+def check_size(path: Any, shape: Sequence[int], max_pixels: int = MAX_PICTURE_PIXELS) -> None:
+    """Refuse (:class:`ImageError`) an image whose header gives the spatial ``shape``: a picture (one slice) of more
+    than ``max_pixels`` pixels, a volume of more than :data:`MAX_VOLUME_VOXELS` voxels."""
+    count = math.prod(shape)
+    if math.prod(shape[2:]) == 1 and count > max_pixels:
         raise ImageError(
-            f"{path}: {width} x {height} pixels, more than the {max_pixels:,} an X-ray picture may have "
+            f"{path}: {' x '.join(map(str, shape[:2]))} pixels, more than the {max_pixels:,} an X-ray picture may have "
             "(refused before decoding it)"
         )
+    if count > MAX_VOLUME_VOXELS:
+        raise ImageError(
+            f"{path}: {' x '.join(map(str, shape))} voxels ({count:,}), more than the {MAX_VOLUME_VOXELS:,} a volume "
+            "may have (a CT has some 512 x 512 x 1000; refused before reading it)"
+        )
+
+
+def header_shape(path: Path, series: Sequence[Sequence[str]] = ()) -> tuple[int, ...] | None:
+    """The spatial shape the header of ``path`` gives, no pixel read, as the readers after PIL's in :class:`LoadImaged`
+    read it: nibabel for NIfTI, else ITK (MetaImage, NRRD, DICOM, pictures PIL does not read; a folder: its one DICOM
+    ``series``, the first file's header times the files). None for a file no ITK reader takes; a header that these
+    readers take but cannot read raises :class:`ImageError` naming the file."""
+    import nibabel as nib
+    import SimpleITK as sitk  # noqa: N813
+
+    if path.is_dir():
+        if len(series) != 1:
+            return None
+        first = header_shape(Path(series[0][0]))
+        return None if first is None else (*first[:2], math.prod(first[2:]) * len(series[0]))
+    if path.name.lower().endswith((".nii", ".nii.gz")):
+        try:
+            return tuple(int(n) for n in nib.load(str(path)).shape)
+        except Exception:
+            pass  # MONAI's readers go on to ITK's
+    reader = sitk.ImageFileReader()
+    image_io = reader.GetImageIOFromFileName(str(path))
+    if not image_io:
+        return None
+    reader.SetFileName(str(path))
+    try:
+        reader.ReadImageInformation()
+    except RuntimeError as e:  # ITK's message: where it was thrown, then what it says
+        itk_message = " ".join(line.strip() for line in str(e).strip().splitlines()[1:])
+        raise ImageError(f"{path}: unreadable header ({image_io}), refused before reading it: {itk_message}") from None
+    return tuple(int(n) for n in reader.GetSize())
 
 
 def check_volume(path: Any) -> None:
     """Refuse (:class:`ImageError`) or warn about a volume that MONAI's readers would read otherwise than 3D Slicer
-    and ITK show it, before reading it: a folder of several DICOM series
-    (:func:`bundle.data.dicom.several_series_message`: the reader would read one, or a part of a split series), and
-    what :func:`bundle.data.nifti.nifti_header_problems` finds in a NIfTI file. Other files are left to their
-    readers."""
+    and ITK show it, or that its header makes too large (:func:`header_shape`, :func:`check_size`), before reading
+    it: a folder of several DICOM series (:func:`bundle.data.dicom.several_series_message`: the reader would read
+    one, or a part of a split series), and what :func:`bundle.data.nifti.nifti_header_problems` finds in a NIfTI
+    file. Files no reader's header takes are left to the readers."""
     if not isinstance(path, (str, os.PathLike)):
         return
     path = Path(path)
     if path.is_dir():
-        message = several_series_message(path)
+        series = series_files(path)
+        message = several_series_message(path, series)
         if message:
             raise ImageError(message)
+        shape = header_shape(path, series)
+        if shape is not None:
+            check_size(path, shape)
         return
+    if not path.is_file():
+        return
+    shape = header_shape(path)
+    if shape is not None:
+        check_size(path, shape)
     refusal, warning = nifti_header_problems(path)
     if refusal:
         raise ImageError(refusal)
@@ -159,8 +243,7 @@ class LoadImaged(monai.transforms.LoadImaged):
 
     def __call__(self, data, reader=None):
         for key in self.key_iterator(dict(data)) if isinstance(data, Mapping) else []:
-            check_picture(data[key])
-            check_volume(data[key])
+            check_file(data[key])
         try:
             return super().__call__(data, reader)
         except ImageError:
@@ -173,8 +256,7 @@ class LoadImaged(monai.transforms.LoadImaged):
 def load_image(path: str, **kwargs: Any):
     """``monai.transforms.LoadImage(image_only=True, **kwargs)(path)``; an unreadable file raises
     :class:`ImageError`."""
-    check_picture(path)
-    check_volume(path)
+    check_file(path)
     try:
         return LoadImage(image_only=True, **_readers(kwargs))(path)
     except Exception as e:

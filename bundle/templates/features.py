@@ -212,6 +212,8 @@ def resolve_template_features(
     if cached is not None:
         try:
             save_template(cached, template)
-        except OSError as e:  # a read-only or full cache does not stop inference
+        # a read-only or full cache does not stop inference; torch.save reports a failed write (a full disk) as
+        # RuntimeError ("PytorchStreamWriter failed writing file")
+        except (OSError, RuntimeError) as e:
             logger.warning("template cache %s not written (%s)", cached, e)
     return template
