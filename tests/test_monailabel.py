@@ -557,6 +557,9 @@ def test_saved_labels_become_the_templates(server):
         ({"image_size": [64]}, "image_size"),
         ({"image_size": [17, 17]}, "image_size"),  # not divisible by 16: queued, then failed in the training
         ({"image_size": [64, 64], "crop_size": [128, 64]}, "crop_size"),
+        ({"crop_size": [256, 256]}, "crop_size"),  # larger than train.yaml's image_size: failed in the training
+        ({"image_size": [32, 32]}, "crop_size"),  # smaller than train.yaml's crop_size
+        ({"crop_size": [16, 16], "batch_size": 1}, "crop_size"),  # one coarsest feature: BatchNorm failed
         ({"learning_rate": "fast"}, "learning_rate"),
         ({"min_improvement": [1]}, "min_improvement"),
         ({"network": "unet"}, "network"),
@@ -585,6 +588,23 @@ def test_bad_training_values_are_refused_naming_the_key(server, params, key):
         server["client"].train_start("landmarks", params)
     reply, status = request_json(f"{server['base']}/train/?check_if_running=true")
     assert status == 404  # nothing was queued
+
+
+@pytest.mark.parametrize(
+    "params, named",
+    [
+        ({"crop_size": [256, 256]}, ["[256, 256] is larger than image_size [192, 192]", "configs/train.yaml's"]),
+        ({"image_size": [32, 32]}, ["[64, 64] is larger than image_size [32, 32]", "crop_size [64, 64]"]),
+        ({"crop_size": [16, 16], "batch_size": 1}, ["[16, 16] with batch_size 1", "image_size [192, 192]"]),
+    ],
+)
+def test_training_crops_are_checked_with_the_config_defaults(server, params, named):
+    """A crop the bundle's training would refuse (check_crop_size), from a request's value and the train config's
+    defaults for the keys it leaves out, is answered 422 naming the values before anything is queued."""
+    reply, status = _train_request(server, params)
+    assert status == 422 and "'crop_size' refused" in reply["detail"], reply
+    assert all(text in reply["detail"] for text in named), reply
+    assert request_json(f"{server['base']}/train/?check_if_running=true")[1] == 404  # nothing was queued
 
 
 def test_a_negative_margin_is_refused_naming_its_value(server):
