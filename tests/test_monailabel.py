@@ -888,9 +888,47 @@ def test_a_long_image_id_is_refused_naming_the_limit(server):
         ("DELETE", "/model/landmarks", 404, "POST /train/landmarks publishes"),
         ("GET", "/datastore/dataset", 404, "copy the studies folder"),  # a zip of the dataset left in the temp dir
         ("GET", "/ohif/..", 400, "'..'"),  # FileResponse of a folder: 500
+        # percent-encoded '..' on any route; with a DICOMweb source the proxy's requests decodes a client's
+        # %252e%252e to '..' in the path it forwards with the server's credentials
+        ("GET", "/proxy/dicom/%2e%2e/secret", 400, "'..'"),
+        ("GET", "/proxy/dicom/qido/%2E%2e/", 400, "'..'"),
+        ("POST", "/proxy/dicom/wado/..%2fsecret", 400, "'..'"),
+        ("GET", "/proxy/dicom/%252e%252e/secret", 400, "'..'"),
+        ("GET", "/proxy/dicom/stow/%252E%252E%252fsecret", 400, "'..'"),
+        ("GET", "/ohif/%2e%2e", 400, "'..'"),
+        ("GET", "/static/%252e%252e/secret", 400, "'..'"),
+        ("GET", "/datastore/image/%2e", 400, "'..'"),
         ("GET", "/logs/gpu", 403, "serve_logs"),  # no nvidia-smi: 500
     ],
 )
 def test_routes_not_served_are_refused_saying_so(server, method, route, status, why):
     reply, got = request_json(f"{server['base']}{route}", b"{}" if method in ("POST", "PUT") else None, method=method)
     assert got == status and why in reply["detail"], (got, reply)
+
+
+@pytest.mark.parametrize(
+    "client_id, why",
+    [
+        ("x" * 2000, "longer than 200 bytes"),  # stored whole in datastore_v2.json
+        ("slicer\n\x1b[31m", "control character"),
+        ({"nested": [1, 2]}, "not a string"),
+    ],
+)
+def test_a_bad_client_id_is_refused_naming_it(server, client_id, why):
+    """``/activelearning/`` stores the request's ``client_id`` with the sample in ``datastore_v2.json``: one that is
+    not a short string without control characters is answered 400 naming it; nothing is stored."""
+    before = _tree(server["studies"])
+    reply, status = request_json(
+        f"{server['base']}/activelearning/first",
+        json.dumps({"client_id": client_id}).encode(),
+        {"Content-Type": "application/json"},
+    )
+    assert status == 400 and "'client_id'" in reply["detail"] and why in reply["detail"], (status, reply)
+    assert _tree(server["studies"]) == before
+
+
+def test_stopping_no_training_is_answered_404(server):
+    """``DELETE /train/`` with no training running answered 200 ``null``: 404 saying so."""
+    assert request_json(f"{server['base']}/train/?check_if_running=true")[1] == 404
+    reply, status = request_json(f"{server['base']}/train/", method="DELETE")
+    assert status == 404 and reply["detail"] == "no training is running", (status, reply)
