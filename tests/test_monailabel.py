@@ -663,6 +663,9 @@ def test_saved_labels_become_the_templates(server):
         ({"image_size": [64]}, "image_size"),
         ({"image_size": [17, 17]}, "image_size"),  # not divisible by 16: queued, then failed in the training
         ({"image_size": [64, 64], "crop_size": [128, 64]}, "crop_size"),
+        ({"crop_size": [256, 256]}, "crop_size"),  # larger than train.yaml's image_size: failed in the training
+        ({"image_size": [32, 32]}, "crop_size"),  # smaller than train.yaml's crop_size
+        ({"crop_size": [16, 16], "batch_size": 1}, "crop_size"),  # one coarsest feature: BatchNorm failed
         ({"learning_rate": "fast"}, "learning_rate"),
         ({"min_improvement": [1]}, "min_improvement"),
         ({"network": "unet"}, "network"),
@@ -691,6 +694,23 @@ def test_bad_training_values_are_refused_naming_the_key(server, params, key):
         server["client"].train_start("landmarks", params)
     reply, status = request_json(f"{server['base']}/train/?check_if_running=true")
     assert status == 404  # nothing was queued
+
+
+@pytest.mark.parametrize(
+    "params, named",
+    [
+        ({"crop_size": [256, 256]}, ["[256, 256] is larger than image_size [192, 192]", "configs/train.yaml's"]),
+        ({"image_size": [32, 32]}, ["[64, 64] is larger than image_size [32, 32]", "crop_size [64, 64]"]),
+        ({"crop_size": [16, 16], "batch_size": 1}, ["[16, 16] with batch_size 1", "image_size [192, 192]"]),
+    ],
+)
+def test_training_crops_are_checked_with_the_config_defaults(server, params, named):
+    """A crop the bundle's training would refuse (check_crop_size), from a request's value and the train config's
+    defaults for the keys it leaves out, is answered 422 naming the values before anything is queued."""
+    reply, status = _train_request(server, params)
+    assert status == 422 and "'crop_size' refused" in reply["detail"], reply
+    assert all(text in reply["detail"] for text in named), reply
+    assert request_json(f"{server['base']}/train/?check_if_running=true")[1] == 404  # nothing was queued
 
 
 def test_a_negative_margin_is_refused_naming_its_value(server):
@@ -988,6 +1008,16 @@ def test_a_long_image_id_is_refused_naming_the_limit(server):
         ("DELETE", "/model/landmarks", 404, "POST /train/landmarks publishes"),
         ("GET", "/datastore/dataset", 404, "copy the studies folder"),  # a zip of the dataset left in the temp dir
         ("GET", "/ohif/..", 400, "'..'"),  # FileResponse of a folder: 500
+        # percent-encoded '..' on any route; with a DICOMweb source the proxy's requests decodes a client's
+        # %252e%252e to '..' in the path it forwards with the server's credentials
+        ("GET", "/proxy/dicom/%2e%2e/secret", 400, "'..'"),
+        ("GET", "/proxy/dicom/qido/%2E%2e/", 400, "'..'"),
+        ("POST", "/proxy/dicom/wado/..%2fsecret", 400, "'..'"),
+        ("GET", "/proxy/dicom/%252e%252e/secret", 400, "'..'"),
+        ("GET", "/proxy/dicom/stow/%252E%252E%252fsecret", 400, "'..'"),
+        ("GET", "/ohif/%2e%2e", 400, "'..'"),
+        ("GET", "/static/%252e%252e/secret", 400, "'..'"),
+        ("GET", "/datastore/image/%2e", 400, "'..'"),
         ("GET", "/logs/gpu", 403, "serve_logs"),  # no nvidia-smi: 500
     ],
 )
@@ -1041,3 +1071,31 @@ def test_a_full_disk_leaves_the_saved_label_intact(server, small_disk, tmp_path)
         (small_disk / "filler").unlink()
         assert request_json(url, *_multipart("label", new), method="PUT")[1] == 200
         assert label.read_bytes() == new.read_bytes()
+
+
+@pytest.mark.parametrize(
+    "client_id, why",
+    [
+        ("x" * 2000, "longer than 200 bytes"),  # stored whole in datastore_v2.json
+        ("slicer\n\x1b[31m", "control character"),
+        ({"nested": [1, 2]}, "not a string"),
+    ],
+)
+def test_a_bad_client_id_is_refused_naming_it(server, client_id, why):
+    """``/activelearning/`` stores the request's ``client_id`` with the sample in ``datastore_v2.json``: one that is
+    not a short string without control characters is answered 400 naming it; nothing is stored."""
+    before = _tree(server["studies"])
+    reply, status = request_json(
+        f"{server['base']}/activelearning/first",
+        json.dumps({"client_id": client_id}).encode(),
+        {"Content-Type": "application/json"},
+    )
+    assert status == 400 and "'client_id'" in reply["detail"] and why in reply["detail"], (status, reply)
+    assert _tree(server["studies"]) == before
+
+
+def test_stopping_no_training_is_answered_404(server):
+    """``DELETE /train/`` with no training running answered 200 ``null``: 404 saying so."""
+    assert request_json(f"{server['base']}/train/?check_if_running=true")[1] == 404
+    reply, status = request_json(f"{server['base']}/train/", method="DELETE")
+    assert status == 404 and reply["detail"] == "no training is running", (status, reply)

@@ -212,14 +212,31 @@ class LandmarkApp(MONAILabelApp):
         return {**super().init_strategies(), "first": OrderedStrategy(last=False), "last": OrderedStrategy(last=True)}
 
     def next_sample(self, request):
-        """MONAI Label's active learning; an unknown strategy is answered 404 naming the strategies."""
+        """MONAI Label's active learning; an unknown strategy is answered 404 naming the strategies, a ``client_id``
+        (which MONAI Label stores in ``datastore_v2.json``) that is not a string of at most ``MAX_NAME_BYTES``
+        bytes without control characters 400 naming it."""
         from fastapi import HTTPException
+        from landmark_tasks.datastore import MAX_NAME_BYTES
 
         strategy = request.get("strategy") or "random"
         if strategy not in self._strategies:
             raise HTTPException(
                 status_code=404, detail=f"no strategy {strategy!r}; the strategies are {sorted(self._strategies)}"
             )
+        client_id = request.get("client_id")
+        if client_id is not None:
+            if not isinstance(client_id, str):
+                problem = "it is not a string"
+            elif any(ord(c) < 32 for c in client_id):
+                problem = "it holds a control character"
+            elif len(client_id.encode("utf-8", "surrogatepass")) > MAX_NAME_BYTES:
+                problem = f"it is longer than {MAX_NAME_BYTES} bytes"
+            else:
+                problem = None
+            if problem:
+                raise HTTPException(
+                    status_code=400, detail=f"activelearning: 'client_id' {client_id!r:.60} refused: {problem}"
+                )
         return super().next_sample(request)
 
     def infer(self, request, datastore=None):

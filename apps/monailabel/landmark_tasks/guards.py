@@ -14,13 +14,14 @@
 - ``GET /info/``, ``POST /activelearning/{strategy}``, ``GET /datastore/``, ``GET /datastore/image/info``,
   ``GET /datastore/label/info``: server paths in the reply are replaced by file names.
 - ``GET /train/``, ``DELETE /train/``: a task's ``details`` (the training process's last log lines, server paths
-  among them) are left out unless the operator serves the log (``--conf serve_logs true``).
+  among them) are left out unless the operator serves the log (``--conf serve_logs true``); ``DELETE /train/``
+  with no training running is answered 404 (MONAI Label answers 200 ``null``).
 
 :class:`RouteGuard` (placed before every route of MONAI Label's FastAPI app) refuses the routes this app does not
-serve, before MONAI Label reads the request (:data:`OFF_ROUTES`): a path segment ``.`` or ``..`` (400), the log
-(403 unless ``--conf serve_logs true``), batch inference, scoring, whole-slide inference, the app reload, the
-dataset archive, replacing or deleting the served weights, the DICOMweb proxy without a DICOMweb source (404
-each, saying so).
+serve, before MONAI Label reads the request (:data:`OFF_ROUTES`): a path segment ``.`` or ``..`` (400; also
+percent-encoded, once or more), the log (403 unless ``--conf serve_logs true``), batch inference, scoring,
+whole-slide inference, the app reload, the dataset archive, replacing or deleting the served weights, the DICOMweb
+proxy without a DICOMweb source (404 each, saying so).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import tempfile
 import threading
 from pathlib import Path
 from typing import Callable
+from urllib.parse import unquote
 
 from fastapi import HTTPException
 from fastapi.responses import JSONResponse
@@ -174,6 +176,16 @@ OFF_ROUTES = [
 ]
 
 
+def has_dot_segment(path: str) -> bool:
+    """Whether ``path`` (the server's decoded request path) has a segment ``.`` or ``..``, also once it is decoded
+    again, as often as it holds percent escapes: the DICOMweb proxy's ``requests`` decodes ``%2e`` in the path it
+    forwards, so a client's ``%252e%252e`` reached the DICOMweb server as ``..``."""
+    decoded = unquote(path)
+    while decoded != path:
+        path, decoded = decoded, unquote(decoded)
+    return any(part in (".", "..") for part in re.split(r"[/\\]", path))
+
+
 class RouteGuard:
     """ASGI middleware refusing the routes the app does not serve (module docstring); ``dicomweb``: the studies are
     a DICOMweb source (the proxy is served); ``serve_logs``: the log routes are served."""
@@ -183,8 +195,8 @@ class RouteGuard:
 
     def refusal(self, method: str, path: str) -> tuple[int, str] | None:
         """(status, why) when the request is not served, else None."""
-        if any(part in (".", "..") for part in path.split("/")):
-            return 400, f"{path!r:.200}: a path segment '.' or '..' is refused"
+        if has_dot_segment(path):
+            return 400, f"{path!r:.200}: a path segment '.' or '..' (percent-encoded too) is refused"
         if path.startswith("/logs"):
             if not self.serve_logs:
                 return 403, f"the server log is not served: {SERVE_LOGS}"
@@ -244,11 +256,13 @@ def install_names_guard() -> bool:
 
 def install_status_guard(serve_logs: bool) -> bool:
     """Wrap ``monailabel.endpoints.train.status`` and ``stop``: a task's ``details`` (log lines) only when
-    ``serve_logs``."""
+    ``serve_logs``; ``stop`` with no training running is answered 404."""
 
     def wrap(original: Callable) -> Callable:
         def reply(*args, **kwargs):
             result = original(*args, **kwargs)
+            if result is None:  # stop() with no training running (MONAI Label answers 200 null)
+                raise HTTPException(status_code=404, detail="no training is running")
             if serve_logs:
                 return result
             tasks = result if isinstance(result, list) else [result]

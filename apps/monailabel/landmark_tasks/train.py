@@ -46,10 +46,11 @@ Detector (the bundle's fine-tuning on human labels, ``configs/train.yaml`` + ``t
 
 Request values are checked before the task is queued (422 naming the key and the value): numbers must be finite
 JSON numbers of their kind (no booleans, strings, NaN or infinities), ``min_improvement`` non-negative (a negative
-margin would publish a worse model). ``publish``: ``if_better`` (default, the rule above) or ``always`` (the
-candidate replaces the served weights whatever it scores; the decision says so). Whatever replaces a served file
-(``model.pt``, ``detector.pt`` with ``detector.json``) first keeps it beside itself as
-``<name>.<YYYYmmdd-HHMMSS>.<ext>`` (``kept_previous`` in the stats): copying it back restores it.
+margin would publish a worse model), and the stage-1 crops as the bundle takes them (``check_training_crop``: the
+request's ``crop_size``, ``image_size``, ``batch_size``, else the train config's). ``publish``: ``if_better``
+(default, the rule above) or ``always`` (the candidate replaces the served weights whatever it scores; the decision
+says so). Whatever replaces a served file (``model.pt``, ``detector.pt`` with ``detector.json``) first keeps it
+beside itself as ``<name>.<YYYYmmdd-HHMMSS>.<ext>`` (``kept_previous`` in the stats): copying it back restores it.
 
 The bundle's training runs on the app's device (``--conf device``) in a child process of lower priority (niceness
 ``BACKGROUND_NICENESS``: suggestions requested meanwhile get the shared cores first), within a time budget
@@ -78,10 +79,10 @@ from typing import Any, Callable
 
 import torch
 from bundle.checkpoints import read_checkpoint
-from bundle.configs import check_image_size
+from bundle.configs import check_crop_size, check_image_size, config_files
 from bundle.data.datalist import is_finite_number
 from bundle.io_utils import atomic_path, write_json_atomic
-from bundle.templates.detector_data import base_grid, detector_info
+from bundle.templates.detector_data import base_grid, base_setting, detector_info
 from monailabel.interfaces.datastore import Datastore
 from monailabel.interfaces.tasks.train import TrainTask
 
@@ -221,13 +222,24 @@ def validate_options(
                 check_image_size(options[key], spatial_dims, key=repr(key))
             except ValueError as e:
                 raise ValueError(f"train request: {e}") from None
-    if request.get("image_size") is not None and request.get("crop_size") is not None:
-        if any(c > i for c, i in zip(options["crop_size"], options["image_size"])):
-            raise ValueError(
-                f"train request: 'crop_size' {options['crop_size']} is larger than 'image_size' "
-                f"{options['image_size']} along an axis"
-            )
+    if options.get("network", "contrastive") == "contrastive":
+        check_training_crop(options, spatial_dims)
     return options
+
+
+def check_training_crop(options: dict, spatial_dims: int) -> None:
+    """The stage-1 training's crops as the bundle takes them (``check_crop_size``: within ``image_size``, large
+    enough for the batch's BatchNorm), from the request's ``crop_size``, ``image_size`` and ``batch_size``, else
+    the bundle's train config's; ValueError naming the values and which are the config's."""
+    keys = ("crop_size", "image_size", "batch_size")
+    defaulted = [k for k in keys if options.get(k) is None]
+    values = {k: base_setting(k, spatial_dims, "train") if k in defaulted else options[k] for k in keys}
+    try:
+        check_crop_size(values["crop_size"], values["image_size"], spatial_dims, values["batch_size"])
+    except ValueError as e:
+        config = config_files("train", spatial_dims)[-1]
+        given = f" ({', '.join(f'{k} {values[k]}' for k in defaulted)}: {config}'s)" if defaulted else ""
+        raise ValueError(f"train request: 'crop_size' refused: {e}{given}") from None
 
 
 def check_labelled(n_labelled: int, needed: int, what: str, why: str) -> None:
