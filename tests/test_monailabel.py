@@ -1000,6 +1000,7 @@ def test_a_long_image_id_is_refused_naming_the_limit(server):
         ("GET", "/batch/infer", 404, "batch inference is not served"),
         ("POST", "/scoring/anything", 404, "scoring is not served"),  # started an app in a subprocess, which failed
         ("GET", "/scoring/", 404, "scoring is not served"),
+        ("POST", "/train/", 404, "POST /train/landmarks"),  # MONAI Label's every-model route skipped the checks
         ("GET", "/proxy/dicom/studies", 404, "not DICOMweb"),  # requests' MissingSchema: 500
         ("GET", "/proxy/dicom/qido/studies", 404, "not DICOMweb"),
         ("POST", "/infer/wsi_v2/landmarks", 404, "whole-slide"),  # no image: 500

@@ -204,6 +204,8 @@ class RouteGuard:
                 return 404, "no nvidia-smi on this server: no GPU information"
         if path.startswith("/proxy/") and not self.dicomweb:
             return 404, "the DICOMweb proxy is not served: this server's studies are a local folder, not DICOMweb"
+        if method == "POST" and path.rstrip("/") == "/train":
+            return 404, "training every model at once (POST /train/) is not served by this app: POST /train/landmarks"
         for prefix, methods, status, why in OFF_ROUTES:
             if path.startswith(prefix) and (methods is None or method in methods):
                 return status, why
