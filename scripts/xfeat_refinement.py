@@ -146,8 +146,10 @@ def main(
         rows.setdefault(str(Path(row["image"]).resolve()), []).append(row["point"])
     predicted = {image: np.stack(points) for image, points in rows.items()}
     reference = {
-        image: (np.array([p if p is not None else [np.nan, np.nan] for p in items[image]["landmarks"]], float),
-                np.asarray(items[image]["spacing"], float))
+        image: (
+            np.array([p if p is not None else [np.nan, np.nan] for p in items[image]["landmarks"]], float),
+            np.asarray(items[image]["spacing"], float),
+        )
         for image in predicted
     }
     table = [{"setting": "as predicted", **scores(predicted, reference)}]
