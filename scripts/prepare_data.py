@@ -36,6 +36,7 @@ from bundle.data.isbi2015 import ISBI_2015_LANDMARK_NAMES, ISBI_2015_SPACING_MM,
 from bundle.data.labelme import read_labelme_set
 from bundle.data.nifti import nifti_datalist
 from bundle.io_utils import atomic_path, check_output_file
+from bundle.transforms.landmarks import outside_excess
 from scripts.cli import run_fire
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -149,7 +150,8 @@ def annotator_summary(dataset: MultiAnnotatorSet) -> list[str]:
 def check_images(datalist: dict) -> None:
     """Read every image of ``datalist`` as the pipeline does; a file that is unreadable (truncated, not an
     image), of another dimensionality than ``spatial_dims`` or not finite is refused, naming it, and so is a 2D
-    landmark outside its image; nothing is then written (size and constant images are left to the pipeline's
+    landmark outside its image at all (the pipeline's rule, :func:`bundle.transforms.landmarks.outside_excess`, which
+    warns about one slightly outside); nothing is then written (size and constant images are left to the pipeline's
     checks)."""
     items = [it for section in SECTIONS for it in datalist.get(section) or []]
     items += [datalist["template"]] if datalist.get("template") else []
@@ -165,9 +167,11 @@ def check_images(datalist: dict) -> None:
         for it in items:
             size = shapes.get(str(it["image"]))
             for name, point in zip(names, it.get("landmarks") or []) if size else []:
-                if point is not None and not all(-0.5 <= v <= n - 0.5 for v, n in zip(point, size)):
+                excess = np.linalg.norm(outside_excess([point], size)) if point is not None else 0.0
+                if excess > 0:
                     problems.append(
-                        f"{it['image']}: landmark {name} at {point} lies outside the {size[0]} x {size[1]} image"
+                        f"{it['image']}: landmark {name} at {point} lies outside the {size[0]} x {size[1]} image "
+                        f"({excess:.2f} px beyond its pixels' extent, [-0.5, size - 0.5])"
                     )
     if problems:
         shown = "\n  ".join(problems[:10]) + (f"\n  ... and {len(problems) - 10} more" if len(problems) > 10 else "")

@@ -27,6 +27,11 @@ saved label, its writes made to fail as on a full disk (the copy of a label and 
 write half, then raise ENOSPC). Prints each refusal (status, detail) and whether the label and the datastore's
 file are as they were, with no file left beside them.
 
+``label_race WORK``: the app's local datastore on a studies folder of one unlabelled image ``a`` (picture A): a
+label of ``a`` is saved, and while it is checked (against A) another thread re-uploads ``a`` as picture B without
+``{"replace": true}``. Prints the re-upload's status, the picture the label was checked on and the one stored, and
+whether the label is stored.
+
 ``device WORK DATALIST STUDIES TEMPLATE_ID TEMPLATE_LABEL``: apps given devices this machine lacks (their start-up
 errors), then an app on ``--conf device cpu``: infers the first study with the bundle's templates, saves
 ``TEMPLATE_LABEL`` as the final label of ``TEMPLATE_ID``, infers again and fine-tunes one tiny epoch (scored in
@@ -272,6 +277,49 @@ def full_disk(work: str) -> dict:
     return out
 
 
+def label_race(work: str) -> dict:
+    import threading
+
+    import numpy as np
+
+    sys.path[:0] = [str(ROOT), str(ROOT / "apps" / "monailabel")]
+    from fastapi import HTTPException
+    from landmark_tasks import datastore as ds
+    from PIL import Image
+
+    studies, other = Path(work) / "studies", Path(work) / "b.png"
+    studies.mkdir()
+    rng = np.random.default_rng(0)
+    for path in (studies / "a.png", other):
+        Image.fromarray(rng.integers(0, 255, (64, 64), dtype=np.uint8)).save(path)
+    pictures = {(studies / "a.png").read_bytes(): "A", other.read_bytes(): "B"}
+    out: dict = {}
+
+    def reupload() -> None:
+        try:
+            store.add_image("a", str(other), {})
+            out["reupload"] = 200
+        except HTTPException as e:
+            out["reupload"] = e.status_code
+
+    uploader = threading.Thread(target=reupload, daemon=True)
+
+    def check_label(label: str, image: str, image_id: str) -> None:
+        out["checked_on"] = pictures.get(Path(image).read_bytes())
+        uploader.start()
+        uploader.join(timeout=2)  # done unless it waits for this save
+
+    store = ds.confined(ds.LandmarkDatastore)(str(studies), check_label=check_label)
+    label = Path(work) / "a.mrk.json"
+    label.write_text('{"markups": []}')
+    store.save_label("a", str(label), "final", {})
+    uploader.join(timeout=60)
+    out["stored"] = pictures.get((studies / "a.png").read_bytes())
+    out["label_stored"] = (studies / "labels" / "final" / "a.mrk.json").is_file()
+    out["label_listed"] = "final" in store.get_labels_by_image_id("a")
+    return out
+
+
 if __name__ == "__main__":
     scenario, *args = sys.argv[1:]
     scenarios = {
@@ -281,5 +329,6 @@ if __name__ == "__main__":
         "split": split,
         "priority": priority,
         "full_disk": full_disk,
+        "label_race": label_race,
     }
     print("RESULT " + json.dumps(scenarios[scenario](*args), default=str))

@@ -1183,17 +1183,20 @@ def test_prepare_data_refuses_a_truncated_png(tmp_path, capsys):
 
 
 def test_prepare_data_refuses_a_landmark_outside_its_image(tmp_path, capsys):
+    """prepare_data refuses a landmark outside its image at all, by the pipeline's rule (its extent and rounding,
+    naming the distance): one on the image's edge, within a rounding of it, is inside."""
     root = tmp_path / "hand"
     (root / "images").mkdir(parents=True)
     for i in (1, 2):
         Image.fromarray(np.full((40, 30), 9 * i, dtype=np.uint8)).save(root / "images" / f"{i}.png")
-    (root / "all.csv").write_text("1,3,4\n2,29.5,39.5\n")  # image 2's landmark on its last pixel centre: inside
+    (root / "all.csv").write_text("1,3,4\n2,29.5000001,39.5\n")  # image 2's landmark on its edge: inside
     prepare_data.main(["hand", str(root), str(tmp_path / "ok.json"), "--spacing", "[0.1,0.1]"])
     (root / "all.csv").write_text("1,3,4\n2,300,4\n")
     with pytest.raises(SystemExit):
         prepare_data.main(["hand", str(root), str(tmp_path / "bad.json"), "--spacing", "[0.1,0.1]"])
     err = capsys.readouterr().err
     assert f"{root / 'images' / '2.png'}: landmark" in err and "at [300.0, 4.0] lies outside the 30 x 40 image" in err
+    assert "(270.50 px beyond its pixels' extent, [-0.5, size - 0.5])" in err
     assert not (tmp_path / "bad.json").exists()
 
 

@@ -373,6 +373,31 @@ def test_a_bad_stored_label_is_skipped_naming_it(server, tmp_path):
         assert status == 200, reply
 
 
+def test_a_label_that_cannot_be_a_template_is_refused_and_skipped_when_stored(server, tmp_path):
+    """Every saved label is a template of the suggestions: one whose points lie at one place (fewer than 3 distinct
+    positions) is refused 422 naming the image and why, and is not stored; one already stored (an earlier server's)
+    is skipped with a warning naming it, and the suggestions go on (it made each of them fail)."""
+    names, truth = server["names"], server["truth"]["test_002"]
+    good = mrk_json(tmp_path / "good.mrk.json", names, truth)
+    server["client"].save_label("test_002", str(good), tag="final")
+    _bad_label(server["studies"] / "labels" / "final" / "test_002.mrk.json", names, [truth[0]] * len(names), None)
+    try:
+        reply, status = _infer_id(server, "test_001")
+        assert status == 200 and {t["source"] for t in reply["templates"]} == {"bundle"}, reply
+        skipped = f"saved label skipped: label of image 'test_002': the template's {len(names)} landmarks lie at 1 "
+        assert skipped in server["log"].read_text()
+    finally:
+        assert request_json(f"{server['base']}/datastore/label?id=test_002&tag=final", method="DELETE")[1] == 200
+    one_place = _bad_label(tmp_path / "one_place.mrk.json", names, [truth[0]] * len(names), None)
+    reply, status = request_json(
+        f"{server['base']}/datastore/label?image=test_002&tag=final", *_multipart("label", one_place), method="PUT"
+    )
+    assert status == 422 and "label of image 'test_002'" in reply["detail"], reply
+    assert "1 distinct position(s)" in reply["detail"] and "a template needs 3" in reply["detail"], reply
+    assert server["client"].datastore()["objects"]["test_002"]["labels"] == {}  # nothing stored
+    assert _infer_id(server, "test_001")[1] == 200
+
+
 SLICER_SCHEMA = "https://raw.githubusercontent.com/slicer/slicer/master/Modules/Loadable/Markups/Resources/Schema/markups-schema-v1.0.3.json#"
 
 

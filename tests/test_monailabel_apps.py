@@ -88,6 +88,17 @@ def test_a_failed_datastore_write_leaves_the_old_files(tmp_path):
     assert sorted(result["studies"]) == [".lock", "a.png", "datastore_v2.json", "labels"], result
 
 
+def test_a_label_stays_with_the_picture_it_was_checked_on(tmp_path):
+    """A label saved while its image is re-uploaded as another picture (without ``{"replace": true}``; in-process,
+    tests/monailabel_inprocess.py): the datastore's checks and its write are one step, so the re-upload waits for
+    the save and is refused 409 (the image is labelled now); the label is stored with the picture it was checked on
+    (the re-upload went through between the check and the write, the label then stored on the other picture)."""
+    result = _in_process(tmp_path, "label_race")
+    assert result == {"checked_on": "A", "reupload": 409, "stored": "A", "label_stored": True, "label_listed": True}, (
+        result
+    )
+
+
 def test_dicomweb_series_gives_the_png_landmarks(tmp_path):
     """A DICOMweb studies URL (MONAI Label's datastore, its transport replaced by local copies: no DICOMweb
     server here, see tests/monailabel_inprocess.py): the app reads the series folder the datastore downloads

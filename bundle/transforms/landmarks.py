@@ -22,6 +22,9 @@ axis, LPS given for RAS, a typo) it is refused. A template's landmark is refused
 prediction would follow it to the border), and so is what cannot be a template: an image smaller than
 :data:`TEMPLATE_MIN_SIZE`, no landmark placed, or fewer than :data:`TEMPLATE_MIN_POSITIONS` distinct positions.
 Items are templates when they carry :data:`TEMPLATE_KEY` (``bundle.templates.resolution.prepare_template`` sets it).
+Its rules need no pixels, for other checkers (a datalist writer, the MONAI Label app's saved labels):
+:func:`outside_excess` (how far outside the extent) and :func:`template_problem` (what cannot be a template), on
+positions in the file's frame (:func:`file_frame`, :func:`file_positions`).
 """
 
 from __future__ import annotations
@@ -39,7 +42,15 @@ from monai.data.utils import to_affine_nd
 from monai.transforms import MapTransform, Transform
 from monai.utils import TransformBackends
 
-__all__ = ["LandmarkTargets", "LandmarkTargetsd", "check_landmarks"]
+__all__ = [
+    "LandmarkTargets",
+    "LandmarkTargetsd",
+    "check_landmarks",
+    "file_frame",
+    "file_positions",
+    "outside_excess",
+    "template_problem",
+]
 
 # the item key that marks a template (the stricter checks of check_landmarks)
 TEMPLATE_KEY = "as_template"
@@ -94,6 +105,60 @@ def _file_frame(image, spacing: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return affine, np.asarray(shape, float)[:3]
 
 
+def file_frame(image) -> tuple[np.ndarray, np.ndarray]:
+    """The homogeneous map from the datalist convention (2D: the file's pixels [x, y]; 3D: world mm) to the pixels
+    (3D: voxels) of the file of a channel-first ``image``, and the file's size: the frame :func:`check_landmarks`
+    checks landmarks in (:func:`file_positions`)."""
+    to_physical, size = _file_frame(image, np.ones(image.ndim - 1))
+    return np.linalg.inv(to_physical), size
+
+
+def file_positions(points: np.ndarray, to_file: np.ndarray) -> np.ndarray:
+    """``(L, D)`` landmarks (datalist convention, NaN = missing) in the file's pixels (3D: voxels), through the map
+    ``to_file`` of :func:`file_frame`."""
+    points = np.asarray(points, float).reshape(-1, len(to_file) - 1)
+    return (to_file @ np.c_[points, np.ones(len(points))].T).T[:, :-1]
+
+
+def outside_excess(voxels: np.ndarray, size: Sequence[float]) -> np.ndarray:
+    """How far ``(L, D)`` positions in an image's pixels (voxels) lie beyond its extent ``[-0.5, size - 0.5]`` along
+    each axis (0 inside; NaN where missing): the one rule of "outside the image"."""
+    voxels, size = np.asarray(voxels, float), np.asarray(size, float)
+    excess = np.maximum(np.maximum(-0.5 - voxels, voxels - (size - 0.5)), 0.0)
+    excess[excess < 1e-6] = 0.0  # the rounding of a map to mm and back
+    return excess
+
+
+def template_problem(voxels: np.ndarray, size: Sequence[float]) -> str | None:
+    """Why landmarks at ``voxels`` ``(L, D)`` (the file's pixels, 3D: voxels, NaN = missing; :func:`file_positions`)
+    of an image of ``size`` cannot be a template, None when they can: the image is smaller than
+    :data:`TEMPLATE_MIN_SIZE`, no landmark is placed, or they lie at fewer than :data:`TEMPLATE_MIN_POSITIONS`
+    distinct positions (the one definition; the image's pixels are not needed)."""
+    voxels, size = np.asarray(voxels, float), np.asarray(size, float)
+    dims = len(size)
+    unit, cell = ("px", "pixel") if dims == 2 else ("voxels", "voxel")
+    if (size < TEMPLATE_MIN_SIZE[dims]).any():
+        return (
+            f"a template image of {' x '.join(f'{n:g}' for n in size)} {unit} is too small: a template needs "
+            f"at least {TEMPLATE_MIN_SIZE[dims]} {unit} along each axis (the network reads it resized to its grid)"
+        )
+    present = ~np.isnan(voxels).any(axis=1)
+    if not present.any():
+        return "a template must place at least one landmark; all of them are null"
+    distinct: list[np.ndarray] = []
+    for p in voxels[present]:
+        if all(np.linalg.norm(p - q) >= 1.0 for q in distinct):
+            distinct.append(p)
+    need = min(TEMPLATE_MIN_POSITIONS, int(present.sum()))
+    if len(distinct) < need:
+        return (
+            f"the template's {int(present.sum())} landmarks lie at {len(distinct)} distinct position(s) (less than "
+            f"one {cell} apart): a template needs {need} (landmarks on top of each other, e.g. copied coordinates, "
+            "cannot be told apart)"
+        )
+    return None
+
+
 def check_landmarks(
     image,
     points: np.ndarray,
@@ -105,24 +170,21 @@ def check_landmarks(
     """Check the landmarks ``points`` ``(L, D)`` (datalist convention, NaN = missing) of a channel-first ``image``
     (see module doc): warn about each one outside the image and refuse (ValueError naming the file, the landmark and
     the distance) one beyond ``outside_tolerance`` of the image's extent, or, for a ``template``, one outside at all
-    and what cannot be a template. ``spacing``: mm per pixel in 2D when known (3D: the file's affine gives it)."""
+    and what cannot be a template (:func:`template_problem`). ``spacing``: mm per pixel in 2D when known (3D: the
+    file's affine gives it)."""
     file, dims = _file(image), image.ndim - 1
+    to_file, size = file_frame(image)
+    voxels = file_positions(points, to_file)
+    if template:
+        problem = template_problem(voxels, size)
+        if problem:
+            raise ValueError(f"{file}: {problem}")
     scale = np.ones(dims) if spacing is None or dims == 3 else np.asarray(spacing, float)
-    to_physical, size = _file_frame(image, scale)
-    physical = np.asarray(points, float) * scale if dims == 2 else np.asarray(points, float)
-    voxels = (np.linalg.inv(to_physical) @ np.c_[physical, np.ones(len(physical))].T).T[:, :dims]
-    voxel_mm = np.linalg.norm(to_physical[:dims, :dims], axis=0) if spacing is not None or dims == 3 else None
+    to_mm = np.diag(scale) @ np.linalg.inv(to_file)[:dims, :dims]
+    voxel_mm = np.linalg.norm(to_mm, axis=0) if spacing is not None or dims == 3 else None
     unit = "px" if dims == 2 else "voxels"
     present = ~np.isnan(voxels).any(axis=1)
-    if template and (size < TEMPLATE_MIN_SIZE[dims]).any():
-        raise ValueError(
-            f"{file}: a template image of {' x '.join(f'{n:g}' for n in size)} {unit} is too small: a template needs "
-            f"at least {TEMPLATE_MIN_SIZE[dims]} {unit} along each axis (the network reads it resized to its grid)"
-        )
-    if template and not present.any():
-        raise ValueError(f"{file}: a template must place at least one landmark; all of them are null")
-    excess = np.maximum(np.maximum(-0.5 - voxels, voxels - (size - 0.5)), 0.0)
-    excess[excess < 1e-6] = 0.0  # the rounding of the map to mm and back
+    excess = outside_excess(voxels, size)
     outside = present & (excess > 0).any(axis=1)
     refused = outside if template else outside & (excess > outside_tolerance * size).any(axis=1)
 
@@ -154,18 +216,6 @@ def check_landmarks(
         )
     for j in np.flatnonzero(outside):
         warnings.warn(f"{describe(int(j))}; a prediction on the image is scored at least that far off", stacklevel=2)
-    if template:
-        distinct: list[np.ndarray] = []
-        for p in voxels[present]:
-            if all(np.linalg.norm(p - q) >= 1.0 for q in distinct):
-                distinct.append(p)
-        need = min(TEMPLATE_MIN_POSITIONS, int(present.sum()))
-        if len(distinct) < need:
-            raise ValueError(
-                f"{file}: the template's {int(present.sum())} landmarks lie at {len(distinct)} distinct position(s) "
-                f"(less than one {'pixel' if dims == 2 else 'voxel'} apart): a template needs {need} (landmarks "
-                "on top of each other, e.g. copied coordinates, cannot be told apart)"
-            )
 
 
 class LandmarkTargets(Transform):

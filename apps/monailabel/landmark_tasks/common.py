@@ -40,7 +40,7 @@ from bundle.templates.detector_data import detector_info as recorded_detector_in
 from bundle.templates.features import compute_template
 from bundle.templates.pipeline_choice import SHIPPED_TEMPLATE, builtin_templates, choose_detector
 from bundle.templates.resolution import resolve_templates
-from bundle.transforms.landmarks import LandmarkTargets
+from bundle.transforms.landmarks import LandmarkTargets, file_frame, file_positions, template_problem
 
 logger = logging.getLogger(__name__)
 PREDICTORS = ("auto", "detector", "templates")
@@ -651,9 +651,10 @@ class BundleContext:
             return self._oneshot
 
     def frame(self, image: str | Path, data: dict | None = None) -> dict:
-        """``{"spacing", "spacing_known", "affine", "grid_to_physical", "grid_shape"}`` of an image: 2D pixel -> LPS mm
-        (``affine`` 3x3 or None = pixel * spacing; ``spacing_known``: its header gives one, else it is 1), and the
-        network grid of the evaluation pipeline over the image (its bounds)."""
+        """``{"spacing", "spacing_known", "affine", "grid_to_physical", "grid_shape", "to_file", "file_size"}`` of an
+        image: 2D pixel -> LPS mm (``affine`` 3x3 or None = pixel * spacing; ``spacing_known``: its header gives one,
+        else it is 1), the network grid of the evaluation pipeline over the image (its bounds), and the file's frame
+        (:func:`bundle.transforms.landmarks.file_frame`)."""
         key = file_key(image)
         with self._lock:
             if key in self._frames:
@@ -674,6 +675,7 @@ class BundleContext:
             "grid_to_physical": np.asarray(torch.as_tensor(data["grid_to_physical"]).cpu(), dtype=np.float64),
             "grid_shape": np.asarray(data["image"].shape[1:], dtype=np.float64),
         }
+        frame["to_file"], frame["file_size"] = file_frame(data["image"])
         with self._lock:
             self._frames[key] = frame
         return frame
@@ -748,7 +750,9 @@ class BundleContext:
         """Landmarks (2D: pixel ``[x, y]``; 3D: world ``[x, y, z]``; None where missing) of ``points`` on the image,
         each checked to lie on it (LabelError naming the landmark and ``where``). Labels match names with case and
         blanks ignored (:func:`bundle.data.markups.label_key`); a point whose label names no landmark is refused
-        naming it and the closest names (``strict``), else left out with a warning (a label saved earlier)."""
+        naming it and the closest names (``strict``), else left out with a warning (a label saved earlier). Landmarks
+        that cannot be a template (:func:`bundle.transforms.landmarks.template_problem`) are refused: each saved label
+        is one."""
         counts = Counter(label_key(p.label) for p in points)
         by_label = {label_key(p.label): p.position for p in points}
         by_name = {n: by_label[label_key(n)] for n in self.names if label_key(n) in by_label}
@@ -793,8 +797,11 @@ class BundleContext:
                     f"the image ({extent})"
                 )
             out.append(point)
-        if all(p is None for p in out):
-            raise LabelError(f"label of {where}: no landmark is placed")
+        # every saved label is a template of the suggestions: one that cannot be is refused (stored: skipped)
+        points = np.array([[np.nan] * self.spatial_dims if p is None else p for p in out], dtype=np.float64)
+        problem = template_problem(file_positions(points, frame["to_file"]), frame["file_size"])
+        if problem:
+            raise LabelError(f"label of {where}: {problem}")
         return out
 
     def datastore_items(self, datastore) -> list[dict]:

@@ -14,6 +14,8 @@ knows X-ray images (DICOM included) and landmark labels (3D Slicer ``.mrk.json``
   is answered 4xx naming it and nothing enters the datastore. Every write (image, label, ``datastore_v2.json``)
   goes to a temporary file beside its target, then is renamed: a failure leaves the old file (507 when the disk
   is full). One label file per image and tag; a labelled image is replaced only when asked (``{"replace": true}``).
+  Each write's checks and the write are one step under the datastore's lock (a label is stored with the picture it
+  was checked on; a re-upload checked for labels finds the labels it would remove).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -266,6 +269,7 @@ class LandmarkDatastore(LocalDatastore):
     ) -> None:
         self._check_image = check_image
         self._check_label = check_label
+        self._writes = threading.RLock()  # the checks and the write of each write as one step
         super().__init__(path, extensions=[*IMAGE_EXTENSIONS, *LABEL_EXTENSIONS], **kwargs)
 
     def _list_files(self, path, patterns):
@@ -301,74 +305,81 @@ class LandmarkDatastore(LocalDatastore):
                 self._check_image(image_filename, str(name))
             except ImageError as e:
                 refuse(422, str(e), image_filename)
-        _, ext = self._to_id(os.path.basename(image_filename))
-        dest = self._stored_file(self._datastore.image_path(), image_id, ext)
-        obj = self._datastore.objects.get(image_id)
-        if obj is not None:
-            if obj.image.ext == ext and os.path.isfile(dest) and filecmp.cmp(dest, image_filename, shallow=False):
-                return image_id
-            if obj.labels and replace is not True:
-                refuse(
-                    409,
-                    f"image {image_id!r} has labels ({', '.join(sorted(obj.labels))}): another picture under its id "
-                    'would carry them; to replace it and remove its labels send params {"replace": true}',
-                    image_filename,
-                )
-        with FileLock(self._lock_file):
-            self._write(image_filename, dest, f"image {image_id!r}", image_filename)
+        with self._writes:
+            _, ext = self._to_id(os.path.basename(image_filename))
+            dest = self._stored_file(self._datastore.image_path(), image_id, ext)
+            obj = self._datastore.objects.get(image_id)
             if obj is not None:
-                for tag in obj.labels:
-                    for path in self._files_of(self._datastore.label_path(tag), image_id, LABEL_EXTENSIONS):
-                        os.unlink(path)
-                if obj.labels:
-                    logger.warning(f"image {image_id!r} replaced: its labels {sorted(obj.labels)} removed")
-                if obj.image.ext != ext:  # the replaced picture in another format
-                    Path(self._stored_file(self._datastore.image_path(), image_id, obj.image.ext)).unlink(
-                        missing_ok=True
+                if obj.image.ext == ext and os.path.isfile(dest) and filecmp.cmp(dest, image_filename, shallow=False):
+                    return image_id
+                if obj.labels and replace is not True:
+                    refuse(
+                        409,
+                        f"image {image_id!r} has labels ({', '.join(sorted(obj.labels))}): another picture under "
+                        'its id would carry them; to replace it and remove its labels send params {"replace": true}',
+                        image_filename,
                     )
-            image_info.update(ts=int(time.time()), name=self._filename(image_id, ext))
-            self._datastore.objects[image_id] = ImageLabelModel(image=DataModel(info=image_info, ext=ext))
-            self._update_datastore_file(lock=False)
+            with FileLock(self._lock_file):
+                self._write(image_filename, dest, f"image {image_id!r}", image_filename)
+                if obj is not None:
+                    for tag in obj.labels:
+                        for path in self._files_of(self._datastore.label_path(tag), image_id, LABEL_EXTENSIONS):
+                            os.unlink(path)
+                    if obj.labels:
+                        logger.warning(f"image {image_id!r} replaced: its labels {sorted(obj.labels)} removed")
+                    if obj.image.ext != ext:  # the replaced picture in another format
+                        Path(self._stored_file(self._datastore.image_path(), image_id, obj.image.ext)).unlink(
+                            missing_ok=True
+                        )
+                image_info.update(ts=int(time.time()), name=self._filename(image_id, ext))
+                self._datastore.objects[image_id] = ImageLabelModel(image=DataModel(info=image_info, ext=ext))
+                self._update_datastore_file(lock=False)
         return image_id
 
     def save_label(self, image_id: str, label_filename: str, label_tag: str, label_info: dict[str, Any]) -> str:
         """MONAI Label's ``save_label``, written atomically; the image's other label file of the tag (another
         format) is removed once the new one is in place."""
-        obj = self._datastore.objects.get(image_id)
-        if obj is None:
-            refuse(404, f"no image {image_id!r} in the datastore", label_filename)
-        if not any(label_filename.lower().endswith(p[1:]) for p in LABEL_EXTENSIONS):
-            refuse(
-                422,
-                f"label of image {image_id!r}: expected a 3D Slicer markups file (.mrk.json or .fcsv), "
-                f"got {os.path.basename(label_filename)!r}",
-                label_filename,
-            )
-        if self._check_label is not None:
-            try:
-                self._check_label(label_filename, self.get_image_uri(image_id), image_id)
-            except (LabelError, ImageError) as e:
-                refuse(422, str(e), label_filename)
-        _, ext = self._to_id(os.path.basename(label_filename))
-        folder = self._datastore.label_path(label_tag)
-        dest = self._stored_file(folder, image_id, ext)
-        with FileLock(self._lock_file):
-            os.makedirs(folder, exist_ok=True)
-            self._write(label_filename, dest, f"label {label_tag!r} of image {image_id!r}", label_filename)
-            for path in self._files_of(folder, image_id, LABEL_EXTENSIONS):
-                if path != dest:
-                    logger.info(f"label {label_tag!r} of image {image_id!r}: {os.path.basename(path)} replaced")
-                    os.unlink(path)
-            label_info = dict(label_info or {}, ts=int(time.time()), name=self._filename(image_id, ext))
-            obj.labels[label_tag] = DataModel(info=label_info, ext=ext)
-            self._update_datastore_file(lock=False)
+        with self._writes:
+            obj = self._datastore.objects.get(image_id)
+            if obj is None:
+                refuse(404, f"no image {image_id!r} in the datastore", label_filename)
+            if not any(label_filename.lower().endswith(p[1:]) for p in LABEL_EXTENSIONS):
+                refuse(
+                    422,
+                    f"label of image {image_id!r}: expected a 3D Slicer markups file (.mrk.json or .fcsv), "
+                    f"got {os.path.basename(label_filename)!r}",
+                    label_filename,
+                )
+            if self._check_label is not None:
+                try:
+                    self._check_label(label_filename, self.get_image_uri(image_id), image_id)
+                except (LabelError, ImageError) as e:
+                    refuse(422, str(e), label_filename)
+            _, ext = self._to_id(os.path.basename(label_filename))
+            folder = self._datastore.label_path(label_tag)
+            dest = self._stored_file(folder, image_id, ext)
+            with FileLock(self._lock_file):
+                os.makedirs(folder, exist_ok=True)
+                self._write(label_filename, dest, f"label {label_tag!r} of image {image_id!r}", label_filename)
+                for path in self._files_of(folder, image_id, LABEL_EXTENSIONS):
+                    if path != dest:
+                        logger.info(f"label {label_tag!r} of image {image_id!r}: {os.path.basename(path)} replaced")
+                        os.unlink(path)
+                label_info = dict(label_info or {}, ts=int(time.time()), name=self._filename(image_id, ext))
+                obj.labels[label_tag] = DataModel(info=label_info, ext=ext)
+                self._update_datastore_file(lock=False)
         return image_id
 
     def remove_label(self, label_id: str, label_tag: str) -> None:
         """Every label file of the image and tag (whatever its format) removed."""
-        for path in self._files_of(self._datastore.label_path(label_tag), label_id, LABEL_EXTENSIONS):
-            os.unlink(path)
-        super().remove_label(label_id, label_tag)
+        with self._writes:
+            for path in self._files_of(self._datastore.label_path(label_tag), label_id, LABEL_EXTENSIONS):
+                os.unlink(path)
+            super().remove_label(label_id, label_tag)
+
+    def remove_image(self, image_id: str) -> None:
+        with self._writes:
+            super().remove_image(image_id)
 
     def _update_datastore_file(self, lock: bool = True) -> None:
         """MONAI Label's datastore file written atomically (its own write empties it first: a failed write left it
