@@ -408,6 +408,35 @@ def test_a_header_too_large_or_unreadable_is_refused_before_any_pixel_is_decoded
     assert str(refused.value).startswith(f"{path}: ") and expected in str(refused.value), refused.value
 
 
+@pytest.mark.parametrize("name, line", [("outside.mha", "ElementDataFile = {}"), ("outside.nrrd", "data file: {}")])
+def test_a_header_reading_its_pixels_from_another_folder_is_refused(tmp_path, name, line):
+    """A MetaImage or NRRD header whose data file is outside its folder (an absolute path, a folder up, a link) is
+    refused naming both before any reader opens it (ITK read any file the process could read as the image's
+    pixels); a data file beside the header is read."""
+    from bundle.data.images import ImageError, LoadImaged
+
+    secret = tmp_path / "private" / "secret.raw"
+    secret.parent.mkdir()
+    secret.write_bytes(bytes(range(256)) * 16)
+    header = (
+        "NRRD0004\ntype: uint8\ndimension: 2\nsizes: 64 64\nencoding: raw\n"
+        if name.endswith(".nrrd")
+        else "ObjectType = Image\nNDims = 2\nDimSize = 64 64\nElementType = MET_UCHAR\n"
+    )
+    (tmp_path / "linked.raw").symlink_to(secret)
+    for data_file in (str(secret), "private/secret.raw", "../secret.raw", "linked.raw"):
+        path = tmp_path / name
+        path.write_text(header + line.format(data_file) + "\n\n")
+        with pytest.raises(ImageError) as refused:
+            LoadImaged("image")({"image": str(path)})
+        assert str(refused.value).startswith(f"{path}: its header reads the pixel data from {data_file!r}, not one"), (
+            refused.value
+        )
+    shutil.copy(secret, tmp_path / "beside.raw")
+    path.write_text(header + line.format("beside.raw") + "\n\n")
+    assert LoadImaged("image")({"image": str(path)})["image"].shape[-2:] == (64, 64)
+
+
 def test_volume_in_the_2d_configuration_is_refused(data2d, tmp_path):
     volume = tmp_path / "ct.nii.gz"
     nib.save(nib.Nifti1Image(np.random.default_rng(0).normal(size=(32, 32, 32)).astype(np.float32), np.eye(4)), volume)

@@ -190,6 +190,42 @@ def test_junk_upload_is_refused_naming_it_and_leaves_no_file(server, tmp_path):
     assert new_files() == []
 
 
+def test_an_unreadable_upload_is_refused_in_one_line_naming_no_server_path(server, tmp_path):
+    """A junk or truncated upload is refused 422 naming the client's file in one line: no server path (the upload's
+    temporary file, the environment's tracebacks: MONAI's error held every reader's) in ``detail``."""
+    junk, truncated = tmp_path / "junk_17.png", tmp_path / "cut_17.png"
+    junk.write_bytes(os.urandom(3000))
+    truncated.write_bytes(b"\x89PNG\r\n\x1a\n")
+    for path in (junk, truncated):
+        for url, method in [
+            (f"{server['base']}/infer/landmarks?output=json", "POST"),
+            (f"{server['base']}/datastore/image?image={path.stem}", "PUT"),
+        ]:
+            reply, status = request_json(url, *_multipart("file", path), method=method)
+            assert status == 422 and "cannot read image" in reply["detail"], (url, status, reply)
+            assert "\n" not in reply["detail"] and "/" not in reply["detail"].replace("https://", ""), reply
+    assert "junk_17" not in json.dumps(server["client"].datastore())
+
+
+def test_an_upload_reading_its_pixels_from_another_file_is_refused(server, tmp_path):
+    """A MetaImage upload whose header names a server file as its pixel data (``ElementDataFile``; ITK read it: a
+    client had any file the server could read inferred) is refused 422 naming it, by inference and the datastore,
+    also for a file beside it (the temp dir holds other requests' uploads); nothing is stored."""
+    before = _tree(server["studies"])
+    for data_file in (str(server["studies"] / "test_000.png"), "landmarks-upload-x.png"):
+        header = tmp_path / "external.mha"
+        header.write_text(
+            f"ObjectType = Image\nNDims = 2\nDimSize = 64 64\nElementType = MET_UCHAR\nElementDataFile = {data_file}\n"
+        )
+        for url, method in [
+            (f"{server['base']}/infer/landmarks?output=json", "POST"),
+            (f"{server['base']}/datastore/image?image=external", "PUT"),
+        ]:
+            reply, status = request_json(url, *_multipart("file", header), method=method)
+            assert status == 422 and "reads the pixel data from" in reply["detail"], (url, status, reply)
+    assert _tree(server["studies"]) == before
+
+
 def _tree(path: Path) -> dict[str, bytes]:
     """Every file under ``path`` (links not followed) with its content; a link as its target."""
     out = {}

@@ -174,6 +174,14 @@ class LandmarkApp(MONAILabelApp):
         else:
             check_contrastive_labels(n_labelled, self.context.datalist is None)
 
+    def _check_uploaded_image(self, path: str, name: str) -> None:
+        """An image uploaded to the datastore: one file (:func:`landmark_tasks.common.check_upload`) that the bundle
+        reads (ImageError naming ``name``)."""
+        from landmark_tasks.common import check_upload
+
+        check_upload(path, name)
+        self.context.prepare({"image": path}, name)
+
     # ---- MONAI Label hooks ---------------------------------------------------------------------------
     def init_datastore(self):
         """The studies folder's datastore, or MONAI Label's DICOMweb one, confined (landmark_tasks/datastore.py)."""
@@ -190,7 +198,7 @@ class LandmarkApp(MONAILabelApp):
             return confine(super().init_datastore())
         return confined(LandmarkDatastore)(
             self.studies,
-            check_image=lambda path, name: self.context.prepare({"image": path}, name),
+            check_image=self._check_uploaded_image,
             check_label=lambda label, image, image_id: self.context.label_landmarks(
                 label, image, f"image {image_id!r}"
             ),
@@ -243,7 +251,7 @@ class LandmarkApp(MONAILabelApp):
         """``image``: an id of the (confined) datastore or an upload of this request; errors answered 4xx with their
         cause."""
         from fastapi import HTTPException
-        from landmark_tasks.common import ImageError
+        from landmark_tasks.common import ImageError, check_upload
         from landmark_tasks.guards import upload_name
 
         request = dict(request)
@@ -265,6 +273,8 @@ class LandmarkApp(MONAILabelApp):
                 raise HTTPException(status_code=404, detail=f"landmarks infer: no image {image!r} in the datastore")
             request.update(image=uri, image_id=image, image_name=image)
         try:
+            if name is not None:
+                check_upload(image, name)
             return super().infer(request, datastore)
         except HTTPException:
             raise

@@ -204,6 +204,44 @@ def header_shape(path: Path, series: Sequence[Sequence[str]] = ()) -> tuple[int,
     return tuple(int(n) for n in reader.GetSize())
 
 
+# the header keys naming a MetaImage's / an NRRD's pixel data when it is kept in a file of its own
+_DATA_FILE_KEYS = {(".mha", ".mhd"): ("elementdatafile", "="), (".nrrd", ".nhdr"): ("data file", "datafile", ":")}
+
+
+def detached_data_file(path: Path) -> str | None:
+    """The pixel data file that the header of a MetaImage (``ElementDataFile``) or NRRD (``data file``) file names,
+    None for data kept in the file itself (``LOCAL``, or no such key) and for other files."""
+    found = [spec for suffixes, spec in _DATA_FILE_KEYS.items() if path.name.lower().endswith(suffixes)]
+    if not found:
+        return None
+    *keys, separator = found[0]
+    with path.open("rb") as f:
+        head = f.read(65536).decode("latin-1")
+    for line in head.splitlines():
+        if separator == ":" and not line.strip():
+            return None  # an NRRD header ends at its first blank line
+        key, found, value = line.partition(separator)
+        if found and key.strip().lower() in keys:
+            value = value.strip()
+            return None if value.upper() == "LOCAL" else value
+    return None
+
+
+def check_data_file(path: Path) -> None:
+    """Refuse (:class:`ImageError`) a MetaImage or NRRD header whose pixel data file (:func:`detached_data_file`)
+    is not one file beside it: an absolute path, a folder up, a link or a list of files would have another folder's
+    file (any file the process can read, a device) read as the image's pixels."""
+    name = detached_data_file(path)
+    if name is None:
+        return
+    beside = path.parent / name
+    if len(name.split()) > 1 or Path(name).name != name or name in (".", "..") or beside.is_symlink():
+        raise ImageError(
+            f"{path}: its header reads the pixel data from {name!r}, not one file beside it (refused before reading "
+            "it): keep the data in the file (ElementDataFile = LOCAL, or a .nrrd / .mha of one file)"
+        )
+
+
 def check_volume(path: Any) -> None:
     """Refuse (:class:`ImageError`) or warn about a volume that MONAI's readers would read otherwise than 3D Slicer
     and ITK show it, or that its header makes too large (:func:`header_shape`, :func:`check_size`), before reading
@@ -224,6 +262,7 @@ def check_volume(path: Any) -> None:
         return
     if not path.is_file():
         return
+    check_data_file(path)
     shape = header_shape(path)
     if shape is not None:
         check_size(path, shape)

@@ -31,9 +31,10 @@ from bundle.command_errors import root_cause
 from bundle.configs import as_number, bundle_parser, config_files
 from bundle.data.datalist import DatalistError, read_json
 from bundle.data.dicom import dicom_tags
+from bundle.data.images import detached_data_file
 from bundle.data.markups import ControlPoint, check_label_names, label_key, read_markups
 from bundle.inferers.oneshot import OneShotInferer, TemplateFeatureInferer
-from bundle.io_utils import write_json_atomic
+from bundle.io_utils import error_summary, write_json_atomic
 from bundle.template_file import join_templates, load_template
 from bundle.templates.detector_data import base_grid
 from bundle.templates.detector_data import detector_info as recorded_detector_info
@@ -75,6 +76,18 @@ SUBMIT_POINTS_HELP = (
 
 class ImageError(ValueError):
     """An image the bundle cannot read (the message names it)."""
+
+
+def check_upload(path: str, name: str) -> None:
+    """Refuse (:class:`ImageError`) an uploaded MetaImage or NRRD header that reads its pixels from another file
+    (:func:`bundle.data.images.detached_data_file`): only the uploaded file is the client's (a file beside it in the
+    server's temp dir is another request's upload)."""
+    data_file = detached_data_file(Path(path))
+    if data_file is not None:
+        raise ImageError(
+            f"upload {name!r}: its header reads the pixel data from another file, {data_file!r}: upload the image as "
+            "one file (ElementDataFile = LOCAL, or a .nrrd / .mha holding its data)"
+        )
 
 
 class LabelError(ValueError):
@@ -488,10 +501,10 @@ class BundleContext:
         try:
             return (preprocessing or self.preprocessing)(dict(item))
         except Exception as e:  # MONAI wraps reader errors in RuntimeError chains: report the innermost cause
-            cause = root_cause(e)
-            raise ImageError(
-                f"cannot read image {name or Path(item['image']).name!r}: {type(cause).__name__}: {cause}"
-            ) from e
+            # in one line (MONAI's holds every reader's traceback), the file's server path replaced by its name
+            shown = name or Path(item["image"]).name
+            cause = error_summary(root_cause(e)).replace(str(item["image"]), shown)
+            raise ImageError(f"cannot read image {shown!r}: {cause}") from e
 
     def builtin_template(self, checkpoint: str | Path) -> dict | None:
         """The built-in template features when they fit ``checkpoint`` (no ``--conf datalist``, the shipped weights),
