@@ -32,6 +32,12 @@ label of ``a`` is saved, and while it is checked (against A) another thread re-u
 ``{"replace": true}``. Prints the re-upload's status, the picture the label was checked on and the one stored, and
 whether the label is stored.
 
+``refused_template WORK DATALIST STUDIES TEMPLATE_ID TEMPLATE_LABEL``: an app (templates predictor, no
+pseudo-templates) with ``TEMPLATE_LABEL`` saved as the final label of ``TEMPLATE_ID`` infers another study while the
+pipeline's template rule (``bundle.transforms.landmarks.template_problem``, which the save-time check does not
+reach) refuses the saved label, then while it fails inside; the rules agree on every real label (one definition),
+so the fault is injected. Prints each refusal (status, detail) and the templates of a suggestion after them.
+
 ``device WORK DATALIST STUDIES TEMPLATE_ID TEMPLATE_LABEL``: apps given devices this machine lacks (their start-up
 errors), then an app on ``--conf device cpu``: infers the first study with the bundle's templates, saves
 ``TEMPLATE_LABEL`` as the final label of ``TEMPLATE_ID``, infers again and fine-tunes one tiny epoch (scored in
@@ -320,6 +326,32 @@ def label_race(work: str) -> dict:
     return out
 
 
+def refused_template(work: str, datalist: str, studies: str, template_id: str, template_label: str) -> dict:
+    from unittest import mock
+
+    from fastapi import HTTPException
+
+    app = new_app(Path(work), studies, datalist, device="cpu", pseudo_templates="0", predictor="templates")
+    app.datastore().save_label(template_id, template_label, "final", {})
+    target = next(i for i in sorted(app.datastore().list_images()) if i != template_id)
+    out: dict = {}
+    faults = {
+        "refused": {"return_value": "the pipeline's own refusal"},
+        "internal": {"side_effect": RuntimeError("an internal fault")},
+    }
+    for what, fault in faults.items():
+        # the pipeline's template rule alone (LandmarkTargetsd's check_landmarks; the app's save-time check is kept)
+        with mock.patch("bundle.transforms.landmarks.template_problem", **fault):
+            try:
+                app.infer({"model": "landmarks", "image": target})
+                out[what] = None
+            except HTTPException as e:
+                out[what] = [e.status_code, e.detail]
+    out["after"] = app.infer({"model": "landmarks", "image": target})["params"]["templates"]
+    settle(app)
+    return out
+
+
 if __name__ == "__main__":
     scenario, *args = sys.argv[1:]
     scenarios = {
@@ -330,5 +362,6 @@ if __name__ == "__main__":
         "priority": priority,
         "full_disk": full_disk,
         "label_race": label_race,
+        "refused_template": refused_template,
     }
     print("RESULT " + json.dumps(scenarios[scenario](*args), default=str))

@@ -361,6 +361,9 @@ def _bad_label(path: Path, names: list[str], points: list, position) -> Path:
     "position, why",
     [
         ([-50000.0, 70000.0, 0.0], "lies outside the image"),  # pixel (50000, -70000)
+        # pixel x 255.5000012 of the 256 px wide image: inside its network grid's extent within the grid check's
+        # rounding (it was saved, then the pipeline refused it as a template: every suggestion failed, 500)
+        ([-255.5000012, -40.0, 0.0], "lies outside the image (x -0.5 to 255.5, y -0.5 to 287.5 pixels)"),
         ([float("nan"), 1.0, 0.0], "finite"),
         ([True, 1.0, 0.0], "finite"),
         ([1.0, 2.0], "3 finite numbers"),

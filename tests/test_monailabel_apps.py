@@ -145,6 +145,36 @@ def test_one_network_on_the_configured_device(tmp_path):
     assert result["networks_after_infer"] == result["networks_after_train"] == 1
 
 
+def test_a_pipeline_failure_on_a_saved_label_names_its_cause(tmp_path):
+    """A saved label that the evaluation pipeline refuses as a template during a suggestion is answered 422 naming
+    the image and the cause, a failure inside it 500 naming its cause (both were 500 ``RuntimeError: applying
+    transform <bundle.transforms.landmarks.LandmarkTargetsd object at 0x...>``), with no object address or server
+    path; the suggestions go on once it passes (in-process, tests/monailabel_inprocess.py: the save-time check and
+    the pipeline share their rules, so the fault is injected into the pipeline's)."""
+    from bundle.data.embedded import open_datalist
+    from bundle.data.synthetic import generate_synthetic_2d
+
+    datalist_path = generate_synthetic_2d(tmp_path / "data", n_training=2, n_validation=1, n_test=2)
+    content = open_datalist(datalist_path)
+    studies = tmp_path / "studies"
+    studies.mkdir()
+    for item in content["test"]:
+        shutil.copy(item["image"], studies)
+    template = content["test"][1]
+    template_id = Path(template["image"]).stem
+    label = mrk_json(tmp_path / "template.mrk.json", content["landmark_names"], template["landmarks"])
+    result = _in_process(tmp_path, "refused_template", datalist_path, studies, template_id, label)
+    status, detail = result["refused"]
+    assert status == 422, result
+    assert f"label of image {template_id!r} refused as a template: ValueError: {template_id}: " in detail, detail
+    assert "the pipeline's own refusal" in detail, detail
+    status, detail = result["internal"]
+    assert status == 500 and "failed: RuntimeError: an internal fault" in detail, result
+    for _, detail in (result["refused"], result["internal"]):
+        assert "applying transform" not in detail and " at 0x" not in detail and str(tmp_path) not in detail
+    assert [t["image"] for t in result["after"]] == [template_id]
+
+
 def _cli_evaluate_3d(datalist: dict, ckpt: Path, out: Path, *options: str) -> dict[str, list[float]]:
     """The bundle's 3D evaluation (one test image) from the command line, with ``options``: {landmark: [x, y, z]
     world mm}."""

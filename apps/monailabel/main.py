@@ -251,7 +251,7 @@ class LandmarkApp(MONAILabelApp):
         """``image``: an id of the (confined) datastore or an upload of this request; errors answered 4xx with their
         cause."""
         from fastapi import HTTPException
-        from landmark_tasks.common import ImageError, check_upload
+        from landmark_tasks.common import ImageError, cause_of, check_upload
         from landmark_tasks.guards import upload_name
 
         request = dict(request)
@@ -288,7 +288,7 @@ class LandmarkApp(MONAILabelApp):
             ) from None
         except Exception as e:
             logger.exception("landmarks infer failed")
+            name = request.get("image_name")
             raise HTTPException(
-                status_code=500,
-                detail=f"landmarks infer on {request.get('image_name')!r} failed: {type(e).__name__}: {e}",
+                status_code=500, detail=f"landmarks infer on {name!r} failed: {cause_of(e, request['image'], name)}"
             ) from None

@@ -41,7 +41,7 @@ from bundle.templates.detector_data import detector_info as recorded_detector_in
 from bundle.templates.features import compute_template
 from bundle.templates.pipeline_choice import SHIPPED_TEMPLATE, builtin_templates, choose_detector
 from bundle.templates.resolution import resolve_templates
-from bundle.transforms.landmarks import LandmarkTargets, file_frame, file_positions, template_problem
+from bundle.transforms.landmarks import LandmarkTargets, file_frame, file_positions, outside_excess, template_problem
 
 logger = logging.getLogger(__name__)
 PREDICTORS = ("auto", "detector", "templates")
@@ -270,6 +270,13 @@ class BackgroundValue:
 
 
 atexit.register(BackgroundValue.stop_all)
+
+
+def cause_of(error: BaseException, path: str | Path, name: str) -> str:
+    """``<type>: <first line>`` of the root cause of ``error`` (:func:`bundle.command_errors.root_cause`: MONAI wraps a
+    transform's error in ``RuntimeError("applying transform <object>")``, and a reader's message holds every reader's
+    traceback), the server's ``path`` named ``name``."""
+    return error_summary(root_cause(error)).replace(str(path), name)
 
 
 class BundleContext:
@@ -501,10 +508,8 @@ class BundleContext:
         try:
             return (preprocessing or self.preprocessing)(dict(item))
         except Exception as e:  # MONAI wraps reader errors in RuntimeError chains: report the innermost cause
-            # in one line (MONAI's holds every reader's traceback), the file's server path replaced by its name
-            shown = name or Path(item["image"]).name
-            cause = error_summary(root_cause(e)).replace(str(item["image"]), shown)
-            raise ImageError(f"cannot read image {shown!r}: {cause}") from e
+            name = name or Path(item["image"]).name
+            raise ImageError(f"cannot read image {name!r}: {cause_of(e, item['image'], name)}") from e
 
     def builtin_template(self, checkpoint: str | Path) -> dict | None:
         """The built-in template features when they fit ``checkpoint`` (no ``--conf datalist``, the shipped weights),
@@ -636,7 +641,15 @@ class BundleContext:
         for key, item in zip(keys, items):
             if key not in known:
                 plain = {k: v for k, v in item.items() if k in ITEM_KEYS}
-                known[key] = compute_template(network, [plain], self.preprocessing, self.names, self.device, checkpoint)
+                try:
+                    known[key] = compute_template(
+                        network, [plain], self.preprocessing, self.names, self.device, checkpoint
+                    )
+                except Exception as e:  # a saved label that the pipeline refuses: the client's to fix
+                    if item["source"] != "datastore" or not isinstance(root_cause(e), ValueError):
+                        raise
+                    cause = cause_of(e, item["image"], item["id"])
+                    raise LabelError(f"label of image {item['id']!r} refused as a template: {cause}") from e
         with self._lock:
             cache = self._item_features.pop(checkpoint_key, {})
             cache.update({key: known[key] for key in keys})
@@ -744,16 +757,15 @@ class BundleContext:
         return self.points_to_landmarks(points, image_path, where, strict)
 
     def outside(self, point: Sequence[float], frame: dict) -> str | None:
-        """None when ``point`` (2D: pixels; 3D: world mm) lies on the image (its grid, half a cell of margin),
-        else the image's extent in the point's units, for a message."""
-        d = self.spatial_dims
-        scale = frame["spacing"] if d == 2 else np.ones(d)
-        to_grid = np.linalg.inv(frame["grid_to_physical"])
-        index = (to_grid @ np.r_[np.asarray(point, dtype=np.float64) * scale, 1.0])[:d]
-        if np.all(index >= -0.5 - 1e-6) and np.all(index <= frame["grid_shape"] - 0.5 + 1e-6):
+        """None when ``point`` (2D: pixels; 3D: world mm) lies on the image by the pipeline's rule
+        (:func:`bundle.transforms.landmarks.outside_excess` in the file's frame), else the image's extent in the
+        point's units, for a message."""
+        to_file, size = frame["to_file"], frame["file_size"]
+        if not outside_excess(file_positions(point, to_file), size).any():
             return None
-        corners = np.array(np.meshgrid(*[[-0.5, n - 0.5] for n in frame["grid_shape"]], indexing="ij")).reshape(d, -1)
-        extent = (frame["grid_to_physical"] @ np.r_[corners, np.ones((1, corners.shape[1]))])[:d] / scale[:, None]
+        d = len(size)
+        corners = np.array(np.meshgrid(*[[-0.5, n - 0.5] for n in size], indexing="ij")).reshape(d, -1)
+        extent = (np.linalg.inv(to_file) @ np.r_[corners, np.ones((1, corners.shape[1]))])[:d]
         axes = ", ".join(f"{a} {lo:g} to {hi:g}" for a, lo, hi in zip("xyz", extent.min(1), extent.max(1)))
         return f"{axes} {'pixels' if d == 2 else 'mm'}"
 
