@@ -1,4 +1,5 @@
-"""Figures of docs/results.md drawn from real images: the IIE map with its three groups, prediction overlays.
+"""Figures of docs/results.md: the IIE map with its three groups, prediction overlays (drawn locally: a rendering of a
+data set that may not be redistributed stays out of docs/).
 
     python -m scripts.results_figures iie --image IMAGE --output docs/results_iie_groups.png \
         [--window 10 --thresholds "[2,4]"]
