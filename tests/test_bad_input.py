@@ -1088,6 +1088,26 @@ def test_a_previous_output_changed_since_is_left_alone(tmp_path, caplog):
     assert snapshot(out) == after and staging_leftovers(out) == []
 
 
+def test_a_full_disk_leaves_the_previous_outputs_and_their_manifest(small_disk):
+    """The manifest was written after the new outputs had replaced the old ones: on a full disk the old ones were
+    gone, the new ones stood under the old manifest (unprovable: the next run refused to replace them). Now the
+    manifest is written first: the failure names it and output_dir is left as it was."""
+    out = small_disk / "eval"
+    staged_run(out, {"predictions.csv": b"run 1"}).commit()
+    before = snapshot(out)
+    staging = staged_run(out, {"predictions.csv": b"run 2"})
+    with open(small_disk / "filler", "wb", buffering=0) as filler:  # the disk filled up
+        with pytest.raises(OSError, match="No space left"):
+            while True:
+                filler.write(b"\0" * 65536)
+    with pytest.raises(OSError, match=re.escape(f"{out / '.outputs.json'} not written (No space left on device)")):
+        staging.commit()
+    assert snapshot(out) == before and staging_leftovers(out) == []
+    (small_disk / "filler").unlink()
+    staged_run(out, {"predictions.csv": b"run 3"}).commit()
+    assert snapshot(out)["predictions.csv"] == b"run 3"
+
+
 @pytest.mark.parametrize("link", ["overlays folder", "metrics file"])
 def test_no_output_is_written_or_removed_through_a_link(tmp_path, link):
     """An overlays folder linked to another folder got the overlays written there, and a later run without overlays
