@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 from bundle.checkpoints import CheckpointError, load_weights, resume_path, save_atomically
-from bundle.configs import bundle_parser, check_command_line, check_image_size, config_files
+from bundle.configs import bundle_parser, check_command_line, check_device, check_image_size, config_files
 from bundle.data.datalist import DatalistError, load_datalist
 from bundle.data.images import image_items
 from bundle.data.synthetic import generate_synthetic_2d
@@ -1304,6 +1304,13 @@ def test_bundle_command_ends_on_the_message_naming_the_file(data2d, tmp_path):
     assert result.returncode != 0 and not (tmp_path / "inferred").exists()
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(f"The cause (above): ImageError: cannot read image {empty} (empty file, 0 bytes)"), last
+
+
+@pytest.mark.parametrize("device", ["meta", "xla", "hpu"])
+def test_a_device_type_the_bundle_does_not_run_on_is_refused_naming_it(device):
+    """``--device meta`` (tensors without data) was taken, and the run failed later on its first tensor copy."""
+    with pytest.raises(ValueError, match=re.escape(f"device {device!r}: the bundle runs on cpu, cuda (cuda:N) or mps")):
+        check_device(device)
 
 
 def test_a_device_or_thread_count_this_machine_lacks_is_named_not_blamed_on_the_checkpoint(data2d, tmp_path):
