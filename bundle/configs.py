@@ -171,6 +171,8 @@ def check_device(device: torch.device | str) -> torch.device:
         device = torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise ValueError(f"device {str(device)!r} is not a device name (cpu, cuda, cuda:1, mps): {e}") from None
+    if device.type not in ("cpu", "cuda", "mps"):  # meta: tensors without data; xla, hip...: not built for here
+        raise ValueError(f"device {str(device)!r}: the bundle runs on cpu, cuda (cuda:N) or mps")
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(

@@ -328,8 +328,9 @@ class StagedOutputs:
         """Move the staged outputs into ``output_dir``, in place of the previous run's; return the new paths.
 
         The files being replaced are first moved aside (into a hidden folder beside the staging one, removed at the
-        end), so that ``output_dir`` never holds old and new outputs together; then the manifest lists the new files
-        with their sizes and SHA-256.
+        end), so that ``output_dir`` never holds old and new outputs together; the manifest listing the new files with
+        their sizes and SHA-256 is written before anything moves (a full disk leaves ``output_dir`` as it was) and
+        renamed into place last.
         """
         staged = self.folder
         new = {str(p.relative_to(staged)): self._record(p) for p in sorted(staged.rglob("*")) if p.is_file()}
@@ -348,22 +349,42 @@ class StagedOutputs:
                 replaced.append(path)
             else:
                 logger.warning("%s: an earlier run's output, changed since: left as it is", path)
-        trash = Path(tempfile.mkdtemp(prefix=_temp_prefix(self.output_dir.name), suffix=self.MARKER, dir=staged.parent))
+        trash = None
         try:
-            for i, p in enumerate(replaced):
-                if p.is_file():
-                    os.replace(p, trash / f"{i}_{p.name}")
-            for folder in sorted({p.parent for p in replaced}, key=lambda d: len(d.parts), reverse=True):
-                if folder != self.output_dir and folder.is_dir() and not any(folder.iterdir()):
-                    folder.rmdir()  # emptied by the replacement: the previous run made it
-            moved = []
-            for f in new:
-                target = self.output_dir / f
-                target.parent.mkdir(parents=True, exist_ok=True)
-                os.replace(staged / f, target)
-                moved.append(target)
-            write_json_atomic(self.output_dir / self.MANIFEST, {"files": new})
+            # the new manifest is written (beside its name) before anything moves: a full disk fails here, with
+            # output_dir as it was (written last, the new outputs stood under the old manifest, unprovable)
+            with self._new_manifest(new):
+                trash = Path(
+                    tempfile.mkdtemp(prefix=_temp_prefix(self.output_dir.name), suffix=self.MARKER, dir=staged.parent)
+                )
+                for i, p in enumerate(replaced):
+                    if p.is_file():
+                        os.replace(p, trash / f"{i}_{p.name}")
+                for folder in sorted({p.parent for p in replaced}, key=lambda d: len(d.parts), reverse=True):
+                    if folder != self.output_dir and folder.is_dir() and not any(folder.iterdir()):
+                        folder.rmdir()  # emptied by the replacement: the previous run made it
+                moved = []
+                for f in new:
+                    target = self.output_dir / f
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    os.replace(staged / f, target)
+                    moved.append(target)
         finally:
-            shutil.rmtree(trash, ignore_errors=True)
+            if trash is not None:
+                shutil.rmtree(trash, ignore_errors=True)
             self.discard()
         return moved
+
+    @contextlib.contextmanager
+    def _new_manifest(self, files: dict[str, dict]) -> Iterator[Path]:
+        """The manifest listing ``files``, written to a temporary file beside it, renamed into place on leaving;
+        OSError naming it when it cannot be written."""
+        path = self.output_dir / self.MANIFEST
+        with atomic_path(path) as tmp:
+            try:
+                tmp.write_text(json.dumps({"files": files}, indent=2) + "\n", encoding="utf-8")
+            except OSError as e:
+                raise OSError(
+                    e.errno, f"{path} not written ({e.strerror}): output_dir {self.output_dir} left as it was"
+                ) from None
+            yield tmp

@@ -53,3 +53,17 @@ def source_tree_unchanged():
     if before is not None and after is not None:
         written = sorted(after - before)
         assert not written, f"tests wrote into the source tree {ROOT}: {written[:20]}"
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2 MiB tmpfs at ``tmp_path / "disk"`` (skipped where it cannot be mounted: not root, no tmpfs)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"no tmpfs mounted here: {mounted.stderr.decode(errors='replace').strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)

@@ -27,6 +27,10 @@ saved label, its writes made to fail as on a full disk (the copy of a label and 
 write half, then raise ENOSPC). Prints each refusal (status, detail) and whether the label and the datastore's
 file are as they were, with no file left beside them.
 
+``detector_publish WORK``: a served detector and its record (``detector.json``), then a publication whose copy of
+the weights fails half-way as on a full disk (``landmark_tasks.train.publish_detector``). Prints the error and
+whether the model folder is as it was.
+
 ``label_race WORK``: the app's local datastore on a studies folder of one unlabelled image ``a`` (picture A): a
 label of ``a`` is saved, and while it is checked (against A) another thread re-uploads ``a`` as picture B without
 ``{"replace": true}``. Prints the re-upload's status, the picture the label was checked on and the one stored, and
@@ -283,6 +287,35 @@ def full_disk(work: str) -> dict:
     return out
 
 
+def detector_publish(work: str) -> dict:
+    import errno
+    from types import SimpleNamespace
+    from unittest import mock
+
+    sys.path[:0] = [str(ROOT), str(ROOT / "apps" / "monailabel")]
+    from landmark_tasks import train
+
+    model = Path(work) / "model"
+    model.mkdir()
+    context = SimpleNamespace(detector_path=model / "detector.pt", detector_info_path=model / "detector.json")
+    context.detector_path.write_bytes(b"old weights")
+    context.detector_info_path.write_text('{"image_size": [64, 64]}')
+    before = {p.name: p.read_bytes() for p in model.iterdir()}
+    (Path(work) / "candidate.pt").write_bytes(b"new weights" * 1000)
+
+    def half_copy(source, dest, **kwargs):
+        Path(dest).write_bytes(Path(source).read_bytes()[:100])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with mock.patch("shutil.copyfile", half_copy):
+        try:
+            train.publish_detector(context, Path(work) / "candidate.pt", {"image_size": [128, 128]})
+            error = None
+        except OSError as e:
+            error = str(e)
+    return {"error": error, "intact": {p.name: p.read_bytes() for p in model.iterdir()} == before}
+
+
 def label_race(work: str) -> dict:
     import threading
 
@@ -363,5 +396,6 @@ if __name__ == "__main__":
         "full_disk": full_disk,
         "label_race": label_race,
         "refused_template": refused_template,
+        "detector_publish": detector_publish,
     }
     print("RESULT " + json.dumps(scenarios[scenario](*args), default=str))

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 from bundle.checkpoints import CheckpointError, load_weights, resume_path, save_atomically
-from bundle.configs import bundle_parser, check_command_line, check_image_size, config_files
+from bundle.configs import bundle_parser, check_command_line, check_device, check_image_size, config_files
 from bundle.data.datalist import DatalistError, load_datalist
 from bundle.data.images import image_items
 from bundle.data.synthetic import generate_synthetic_2d
@@ -1088,6 +1088,26 @@ def test_a_previous_output_changed_since_is_left_alone(tmp_path, caplog):
     assert snapshot(out) == after and staging_leftovers(out) == []
 
 
+def test_a_full_disk_leaves_the_previous_outputs_and_their_manifest(small_disk):
+    """The manifest was written after the new outputs had replaced the old ones: on a full disk the old ones were
+    gone, the new ones stood under the old manifest (unprovable: the next run refused to replace them). Now the
+    manifest is written first: the failure names it and output_dir is left as it was."""
+    out = small_disk / "eval"
+    staged_run(out, {"predictions.csv": b"run 1"}).commit()
+    before = snapshot(out)
+    staging = staged_run(out, {"predictions.csv": b"run 2"})
+    with open(small_disk / "filler", "wb", buffering=0) as filler:  # the disk filled up
+        with pytest.raises(OSError, match="No space left"):
+            while True:
+                filler.write(b"\0" * 65536)
+    with pytest.raises(OSError, match=re.escape(f"{out / '.outputs.json'} not written (No space left on device)")):
+        staging.commit()
+    assert snapshot(out) == before and staging_leftovers(out) == []
+    (small_disk / "filler").unlink()
+    staged_run(out, {"predictions.csv": b"run 3"}).commit()
+    assert snapshot(out)["predictions.csv"] == b"run 3"
+
+
 @pytest.mark.parametrize("link", ["overlays folder", "metrics file"])
 def test_no_output_is_written_or_removed_through_a_link(tmp_path, link):
     """An overlays folder linked to another folder got the overlays written there, and a later run without overlays
@@ -1284,6 +1304,13 @@ def test_bundle_command_ends_on_the_message_naming_the_file(data2d, tmp_path):
     assert result.returncode != 0 and not (tmp_path / "inferred").exists()
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(f"The cause (above): ImageError: cannot read image {empty} (empty file, 0 bytes)"), last
+
+
+@pytest.mark.parametrize("device", ["meta", "xla", "hpu"])
+def test_a_device_type_the_bundle_does_not_run_on_is_refused_naming_it(device):
+    """``--device meta`` (tensors without data) was taken, and the run failed later on its first tensor copy."""
+    with pytest.raises(ValueError, match=re.escape(f"device {device!r}: the bundle runs on cpu, cuda (cuda:N) or mps")):
+        check_device(device)
 
 
 def test_a_device_or_thread_count_this_machine_lacks_is_named_not_blamed_on_the_checkpoint(data2d, tmp_path):

@@ -1091,22 +1091,6 @@ def test_routes_not_served_are_refused_saying_so(server, method, route, status, 
     assert got == status and why in reply["detail"], (got, reply)
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 2 MiB tmpfs at ``tmp_path / "disk"`` (skipped where it cannot be mounted: not root, no tmpfs)."""
-    import subprocess
-
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"no tmpfs mounted here: {mounted.stderr.decode(errors='replace').strip()}")
-    try:
-        yield disk
-    finally:
-        subprocess.run(["umount", str(disk)], check=True)
-
-
 def test_a_full_disk_leaves_the_saved_label_intact(server, small_disk, tmp_path):
     """On a full studies disk, saving a label over a saved one is answered 507 naming the cause, and the saved
     label and the datastore's file are left byte-identical (MONAI Label copied the new label over the old one in

@@ -88,6 +88,14 @@ def test_a_failed_datastore_write_leaves_the_old_files(tmp_path):
     assert sorted(result["studies"]) == [".lock", "a.png", "datastore_v2.json", "labels"], result
 
 
+def test_a_detector_publication_that_fails_leaves_the_served_pair(tmp_path):
+    """Publishing a detector wrote its record (detector.json: grid, split) first, then copied the weights: a full
+    disk during the copy left the new record beside the old weights. Both are now written before either is renamed
+    (in-process, tests/monailabel_inprocess.py: the copy fails half-way)."""
+    result = _in_process(tmp_path, "detector_publish")
+    assert result == {"error": "[Errno 28] No space left on device", "intact": True}, result
+
+
 def test_a_label_stays_with_the_picture_it_was_checked_on(tmp_path):
     """A label saved while its image is re-uploaded as another picture (without ``{"replace": true}``; in-process,
     tests/monailabel_inprocess.py): the datastore's checks and its write are one step, so the re-upload waits for

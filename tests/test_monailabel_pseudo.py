@@ -145,3 +145,32 @@ def test_the_app_stopping_stops_the_pseudo_templates_between_candidates(app, tmp
     assert prepared == ["u0"]
     assert context.pseudo.get("another key") is None  # nothing computed for the stopped set
     common.BackgroundValue.stop_all(60)  # the worker that get() started ends at once: the app is stopping
+
+
+def test_a_full_disk_skips_the_bundle_templates_cache_with_a_warning(tmp_path, small_disk, caplog):
+    """model/bundle_templates.json that cannot be written (a full disk) made every suggestion resolving the bundle's
+    templates fail (OSError: 500); now they are kept in the process, with a warning naming the file."""
+    from bundle.data.synthetic import generate_synthetic_2d
+
+    datalist = generate_synthetic_2d(tmp_path / "data", n_training=2, n_validation=0, n_test=1, seed=2)
+    sys.path.insert(0, str(ROOT / "apps" / "monailabel"))
+    try:
+        import landmark_tasks.common as common
+    finally:
+        sys.path.remove(str(ROOT / "apps" / "monailabel"))
+    try:
+        context = common.BundleContext(ROOT, str(datalist), None, small_disk / "model", "cpu", 0)
+        (small_disk / "model").mkdir()
+        with open(small_disk / "filler", "wb", buffering=0) as filler:  # the disk filled up
+            with pytest.raises(OSError, match="No space left"):
+                while True:
+                    filler.write(b"\0" * 65536)
+        with caplog.at_level("WARNING", logger=common.__name__):
+            templates = context.bundle_templates()
+        assert [Path(t["image"]).name for t in templates] == ["template.png"]
+        cache = small_disk / "model" / "bundle_templates.json"
+        assert f"{cache} not written (No space left on device)" in caplog.text
+        assert list((small_disk / "model").iterdir()) == []
+    finally:
+        for name in [m for m in sys.modules if m == "landmark_tasks" or m.startswith("landmark_tasks.")]:
+            del sys.modules[name]

@@ -861,7 +861,8 @@ class BundleContext:
         When the datalist names no template, ``evaluate#templates`` chooses one among its labelled training
         items by matching (slow on large datalists): that happens once, and the result is kept in
         ``model/bundle_templates.json`` (keyed by the datalist's path and mtime and the template choice) so that
-        other processes of the app (the training task runs in a child process) read it instead of searching again.
+        other processes of the app (the training task runs in a child process) read it instead of searching again;
+        one that cannot be written (a full disk) is skipped with a warning.
         """
         with self._lock:
             if self._bundle_templates is not None:
@@ -889,7 +890,13 @@ class BundleContext:
                     for t in self.parser.get_parsed_content("evaluate#templates")
                 ]
             templates = json.loads(json.dumps(templates, default=float))  # plain JSON types
-            write_json_atomic(self.templates_cache, {"key": key, "templates": templates})
+            try:
+                write_json_atomic(self.templates_cache, {"key": key, "templates": templates})
+            except OSError as e:  # a cache: a full or read-only disk costs the other processes a search, not a reply
+                logger.warning(
+                    f"{self.templates_cache} not written ({os.strerror(e.errno) if e.errno else e}): the "
+                    "bundle's templates are kept in this process only"
+                )
             self._bundle_templates = templates
             logger.info(f"bundle templates resolved: {[t['image'] for t in templates]}")
             return templates

@@ -352,6 +352,15 @@ def keep_previous(*paths: Path) -> dict[str, str]:
     return {p.name: copy_of(p).name for p in existing}
 
 
+def publish_detector(context: BundleContext, candidate: Path, info: dict[str, Any]) -> None:
+    """``candidate`` as the served detector and ``info`` as its record (``detector.json``), both written beside
+    their names before either is renamed: a failed write (a full disk) leaves the served pair as it was (the record
+    written first stood beside the old weights, its grid and split not theirs)."""
+    with atomic_path(context.detector_path) as weights, atomic_path(context.detector_info_path) as record:
+        shutil.copyfile(candidate, weights)
+        record.write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+
+
 def detector_training_grid(options: dict, spatial_dims: int, served_grid: list[int] | None = None) -> list[int]:
     """The grid of a detector train request: its ``image_size``, else the grid of the served detector it continues
     (``served_grid``), else train.yaml's, not the finer grid that finetune.yaml takes from 10 labels (its cost per
@@ -592,8 +601,9 @@ class BundleTrainTask(TrainTask):
         kept_previous = {}
         if published:
             kept_previous = keep_previous(context.detector_path, context.detector_info_path)
-            write_json_atomic(
-                context.detector_info_path,
+            publish_detector(
+                context,
+                candidate,
                 {
                     "image_size": [int(v) for v in image_size],
                     "trained_on": trained_ids,
@@ -603,8 +613,6 @@ class BundleTrainTask(TrainTask):
                     **init,
                 },
             )
-            with atomic_path(context.detector_path) as tmp:
-                shutil.copyfile(candidate, tmp)
         logger.info(f"scored on {scored_on}: {decision}")
         best = new if published else old
         return {
