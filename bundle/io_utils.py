@@ -51,15 +51,40 @@ def not_private(path: str | os.PathLike) -> str | None:
     return None
 
 
+def _unsafe_above(folder: Path) -> str | None:
+    """Why ``folder``, above a cache, may not be trusted: its owner (and root) can rename what it holds, and so can
+    whoever may write to it unless it has the sticky bit (as ``/tmp``): swap the cache between its check and its
+    use. Group-writable is refused too, as ssh's StrictModes does: a user private group cannot be told from a
+    shared one here, and being strict costs little (a temporary kernel build, no template cache)."""
+    info = os.stat(folder)
+    if info.st_uid in (0, os.getuid()) and not (info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX):
+        return None
+    return (
+        f"{folder}, above the cache, has owner uid {info.st_uid} and mode {stat.S_IMODE(info.st_mode):#o} (it must "
+        f"be yours, uid {os.getuid()}, or root's, and writable by no one else unless sticky, as /tmp)"
+    )
+
+
 def private_folder(root: str | os.PathLike, *parts: str) -> Path:
     """``root/<parts>``, each level from ``root`` down made (mode 0700) where missing and checked with
-    :func:`not_private`.
+    :func:`not_private`, every folder above ``root`` up to ``/`` (those it is reached through and, past a link,
+    its target's) made where missing (mode 0700, as the XDG specification asks) and checked by the rule of ssh and
+    pip: the user's or root's, writable by no one else unless sticky.
 
     Raises:
         PermissionError: a level is a link, another user's or writable by others (the reason names it).
     """
     folder = Path(root)
-    folder.parent.mkdir(parents=True, exist_ok=True)
+    above = Path(os.path.abspath(folder)).parents
+    for parent in reversed(above):
+        with contextlib.suppress(FileExistsError):
+            parent.mkdir(mode=0o700)
+        if reason := _unsafe_above(parent):
+            raise PermissionError(reason)
+    real = Path(os.path.realpath(folder.parent))
+    for parent in [p for p in reversed((real, *real.parents)) if p not in above]:
+        if reason := _unsafe_above(parent):
+            raise PermissionError(reason)
     for part in ("", *parts):
         folder = folder / part if part else folder
         with contextlib.suppress(FileExistsError):

@@ -7,8 +7,9 @@ kind of processor sharing the folder, builds its own. The library is written und
 renamed (:func:`bundle.io_utils.atomic_path`), then a ``.sha256`` file holding the hash of its bytes is written
 beside it; a library whose bytes do not match it (truncated by a crash, or damaged: loading such a file can kill
 the interpreter) is built again. The cache is trusted only when its folders (from ``infoguided-landmarks`` down) and
-files are the current user's and writable by no one else, and none is a symbolic link
-(:func:`bundle.io_utils.not_private`): a library planted there would run as the user. Otherwise the kernels are
+files are the current user's and writable by no one else, and none is a symbolic link, and every folder above is the
+user's or root's and writable by no one else unless sticky (:func:`bundle.io_utils.private_folder`): a library
+planted there, or a folder swapped in after the check, would run as the user. Otherwise the kernels are
 built in a fresh private temporary folder (mode 0700, removed at exit), logged once with the reason. Without a
 compiler, when the build fails, or with ``INFOGUIDED_LANDMARKS_KERNELS=0`` in the environment,
 :func:`kernel_function` returns None (once per process, logged) and the caller runs its numpy implementation, which

@@ -336,29 +336,33 @@ def test_truncated_png_is_refused_naming_it(data2d, tmp_path):
     assert f"ImageError: cannot read image {png}: OSError: image file is truncated" in text
 
 
-def png_header(width: int, height: int) -> bytes:
-    """A grey PNG of ``width`` x ``height`` whose pixel data is one compressed zero row: a header, nothing to show."""
+def png_header(width: int, height: int, depth: int = 8, colour: int = 0) -> bytes:
+    """A PNG of ``width`` x ``height`` (grey unless ``colour`` says otherwise: 6 is RGBA) whose pixel data is one
+    compressed zero row: a header, nothing to show."""
 
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
-    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    header = struct.pack(">IIBBBBB", width, height, depth, colour, 0, 0, 0)
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0")) + chunk(b"IEND", b"")
 
 
-def tiff_header(width: int, height: int) -> bytes:
-    """An 8-bit grey TIFF of ``width`` x ``height``, its one strip missing."""
-    tags = [(256, width), (257, height), (258, 8), (259, 1), (262, 1), (273, 8), (277, 1), (278, height)]
-    tags.append((279, width * height))
+def tiff_header(width: int, height: int, bits: int = 8, sample_format: int = 1) -> bytes:
+    """A grey TIFF of ``width`` x ``height`` (8-bit unsigned unless said otherwise: 32 bits of format 3 are floats),
+    its one strip missing."""
+    tags = [(256, width), (257, height), (258, bits), (259, 1), (262, 1), (273, 8), (277, 1), (278, height)]
+    tags += [(279, width * height * bits // 8), (339, sample_format)]
     entries = b"".join(struct.pack("<HHII", tag, 4, 1, value) for tag, value in tags)  # LONG values
     return b"II*\0" + struct.pack("<IH", 8, len(tags)) + entries + b"\0" * 4
 
 
-def nifti_header(shape: tuple[int, ...]) -> bytes:
+def nifti_header(shape: tuple[int, ...], dtype=np.uint8, compress: bool = True) -> bytes:
+    """A NIfTI-1 header (352 bytes, some 60 compressed) declaring ``shape`` of ``dtype``, no voxel."""
     header = nib.Nifti1Header()
     header.set_data_shape(shape)
-    header.set_data_dtype(np.uint8)
-    return gzip.compress(header.binaryblock + b"\0" * 4)  # some 60 bytes
+    header.set_data_dtype(dtype)
+    block = header.binaryblock + b"\0" * 4
+    return gzip.compress(block) if compress else block
 
 
 BMP_30000 = b"BM" + struct.pack("<IHHI", 54, 0, 0, 54) + struct.pack("<IiiHHIIiiII", 40, 30000, 30000, 1, 24, *[0] * 6)
@@ -368,6 +372,8 @@ PICTURE_BOMB = (
 )
 VOLUME_CAP = "20000 x 20000 x 20000 voxels (8,000,000,000,000), more than the 536,870,912 a volume may have"
 MHA = "ObjectType = Image\nNDims = 3\nDimSize = 20000 20000 20000\nElementType = {}\nElementDataFile = LOCAL\n"
+CHANNELS = MHA.replace("20000 20000 20000", "{}").replace("ElementType", "ElementNumberOfChannels = 64\nElementType")
+BYTE_CAP = "more than the 2,147,483,648 bytes a volume may hold"
 NRRD = "NRRD0004\ntype: uchar\ndimension: 3\nsizes: 20000 20000 {}\nencoding: raw\n\n"
 
 
@@ -381,6 +387,19 @@ HEADER_CASES = [
     ("giant.mha", MHA.format("MET_UCHAR").encode(), VOLUME_CAP),
     ("giant.nrrd", NRRD.format(20000).encode(), VOLUME_CAP),
     ("giant.nii.gz", nifti_header((20000, 20000, 20000)), VOLUME_CAP),
+    (
+        "double.nii",
+        nifti_header((512, 512, 2000), np.float64, compress=False),
+        f"512 x 512 x 2000 voxels of float64 (4,194,304,000 bytes), {BYTE_CAP}",
+    ),
+    ("channels.mha", CHANNELS.format("512 512 100", "MET_UCHAR").encode(), "512 x 512 x 100 voxels of 64 components"),
+    (
+        "double_channels.mha",
+        CHANNELS.format("256 256 100", "MET_DOUBLE").encode(),
+        f"of 64 float64 components (3,355,443,200 bytes), {BYTE_CAP}",
+    ),
+    ("rgba.png", png_header(6000, 6000, colour=6), "6000 x 6000 pixels of 4 uint8 components (144,000,000 bytes)"),
+    ("float.tif", tiff_header(8000, 6000, 32, 3), "8000 x 6000 pixels of float32 (192,000,000 bytes), more than"),
     ("broken.mha", MHA.format("MET_NOTHING").encode(), "unreadable header (MetaImageIO), refused before reading"),
     ("broken.nrrd", NRRD.format("").encode(), "unreadable header (NrrdImageIO), refused before reading it"),
     ("broken.png", png_header(20000, 20000)[:29] + b"xxxx", "unreadable header (PNGImageIO), refused before"),
@@ -393,7 +412,9 @@ def test_a_header_too_large_or_unreadable_is_refused_before_any_pixel_is_decoded
 ):
     """A picture or volume whose header declares more pixels than an X-ray (or voxels than a CT) has, or a header its
     format's reader cannot read, is refused naming the file before a reader decodes it (a 20000 x 20000 PNG passed:
-    PIL's own DecompressionBombError was taken for "not a picture" and ITK decoded it, 5 GB)."""
+    PIL's own DecompressionBombError was taken for "not a picture" and ITK decoded it, 5 GB). So is one whose decoded
+    bytes (components per voxel, bytes per component) are too many: a float64 NIfTI of 512 x 512 x 2000, under the
+    voxel cap, had 4.8 GB taken before failing; a 64-channel MetaImage, an RGBA PNG and a float TIFF passed."""
     from bundle.data.images import ImageError, LoadImaged
 
     def decode(self, *args, **kwargs):
@@ -406,6 +427,25 @@ def test_a_header_too_large_or_unreadable_is_refused_before_any_pixel_is_decoded
     with pytest.raises(ImageError) as refused:
         LoadImaged("image")({"image": str(path)})
     assert str(refused.value).startswith(f"{path}: ") and expected in str(refused.value), refused.value
+
+
+@pytest.mark.parametrize(
+    "name, content",
+    [
+        ("ct.nii", nifti_header((512, 512, 600), np.int16, compress=False)),
+        ("ct.mha", MHA.replace("20000 20000 20000", "512 512 600").format("MET_SHORT").encode()),
+        ("long_ct.nii.gz", nifti_header((512, 512, 2000), np.float32)),
+        ("radiograph.png", png_header(7000, 7000, depth=16)),
+    ],
+)
+def test_a_header_of_a_ct_or_radiograph_is_accepted(tmp_path, name, content):
+    """The size caps leave real images room: an int16 CT of 512 x 512 x 600 (300 MiB), a float32 one of 2000 slices
+    (just under 2 GiB), a 16-bit radiograph of 49 million pixels pass the header check."""
+    from bundle.data.images import check_file
+
+    path = tmp_path / name
+    path.write_bytes(content)
+    check_file(path)
 
 
 @pytest.mark.parametrize("name, line", [("outside.mha", "ElementDataFile = {}"), ("outside.nrrd", "data file: {}")])

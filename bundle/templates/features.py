@@ -104,9 +104,9 @@ def template_cache_dir(value: str | os.PathLike | bool | None) -> Path | None:
 
 def _trusted_cache(cache_dir: str | os.PathLike) -> Path | None:
     """``cache_dir`` made where missing (mode 0700) and checked as the kernel cache is
-    (:func:`bundle.io_utils.private_folder`; the default folder from ``infoguided-landmarks`` down): None, with a
-    warning naming the folder and why, when it is a link, another user's or writable by others (features planted
-    there under a predictable key would make every match wrong)."""
+    (:func:`bundle.io_utils.private_folder`; the default folder from ``infoguided-landmarks`` down, and the folders
+    above): None, with a warning naming the folder and why, when it is a link, another user's or writable by others
+    (features planted there under a predictable key would make every match wrong)."""
     try:
         if Path(cache_dir) == default_template_cache():
             return private_folder(cache_root(), default_template_cache().name)
