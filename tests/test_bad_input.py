@@ -1108,6 +1108,34 @@ def test_a_full_disk_leaves_the_previous_outputs_and_their_manifest(small_disk):
     assert snapshot(out)["predictions.csv"] == b"run 3"
 
 
+def test_concurrent_commits_leave_one_runs_outputs(tmp_path):
+    """Run 2 read the manifest, run 1 committed, run 2 moved its outputs in: run 1's other file was left under run
+    2's manifest (outputs of two runs mixed). Now a commit waits for the other one: the last run's files alone."""
+    import threading
+
+    out = tmp_path / "eval"
+    staged_run(out, {"predictions.csv": b"run 0", "overlays/a.png": b"run 0"}).commit()
+    run1 = staged_run(out, {"predictions.csv": b"run 1", "overlays/b.png": b"run 1"})
+    run2 = staged_run(out, {"predictions.csv": b"run 2"})
+    other = threading.Thread(target=run1.commit)
+    moves = run2._new_manifest
+
+    @contextlib.contextmanager
+    def run1_commits_meanwhile(files):  # run 2 has read the previous outputs, nothing moved yet
+        other.start()
+        other.join(timeout=5)  # without a lock run 1 is done here
+        with moves(files) as tmp:
+            yield tmp
+
+    run2._new_manifest = run1_commits_meanwhile
+    run2.commit()
+    other.join()
+    after = snapshot(out)
+    manifest = json.loads(after.pop(".outputs.json"))["files"]
+    assert after == {"predictions.csv": b"run 1", "overlays/b.png": b"run 1"} and sorted(manifest) == sorted(after)
+    assert staging_leftovers(out) == []
+
+
 @pytest.mark.parametrize("link", ["overlays folder", "metrics file"])
 def test_no_output_is_written_or_removed_through_a_link(tmp_path, link):
     """An overlays folder linked to another folder got the overlays written there, and a later run without overlays
