@@ -319,6 +319,10 @@ class StagedOutputs:
             self._target(name)
         for name in names:
             target = self._target(name)
+            if target.is_dir():
+                raise FileExistsError(
+                    f"{target}: a folder where the run writes the file {name}: remove it or choose another output_dir"
+                )
             if os.path.lexists(target) and not self._unchanged(target, previous.get(name)):
                 raise FileExistsError(
                     f"{target}: the run would replace this file, which no run of this bundle wrote (or which changed "

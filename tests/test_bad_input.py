@@ -1187,6 +1187,27 @@ def test_an_evaluation_refuses_a_users_file_it_would_replace(data2d, tmp_path):
     assert snapshot(out) == {"overlays/test_001.png": b"mine"} and staging_leftovers(out) == []
 
 
+def test_inferring_refuses_a_users_provenance_json_before_the_work(data2d, tmp_path, monkeypatch):
+    """A user's provenance.json in output_dir was refused only when the report moved in, after every prediction
+    (every other output name is checked as soon as it is known); a folder at an output name was called a file."""
+    from bundle.handlers.report import LandmarkReportHandler
+
+    collected = []
+    monkeypatch.setattr(LandmarkReportHandler, "collect", lambda self, engine: collected.append(engine))
+    out = tmp_path / "inference"
+    out.mkdir()
+    (out / "provenance.json").write_text("mine")
+    png = str(data2d["datalist"].parent / data2d["content"]["test"][0]["image"])
+    text = raises(infer, [png], out, data2d["ckpt"], datalist=str(data2d["datalist"]), image_size=[64, 64])
+    assert f"{out / 'provenance.json'}: the run would replace this file, which no run" in text
+    assert collected == [] and snapshot(out) == {"provenance.json": b"mine"} and staging_leftovers(out) == []
+    (out / "provenance.json").unlink()
+    (out / "predictions.csv").mkdir()
+    text = raises(infer, [png], out, data2d["ckpt"], datalist=str(data2d["datalist"]), image_size=[64, 64])
+    assert f"{out / 'predictions.csv'}: a folder where the run writes the file predictions.csv: remove it" in text
+    assert collected == [] and staging_leftovers(out) == []
+
+
 def test_an_output_dir_that_is_a_file_is_refused_before_the_run(tmp_path):
     """It failed at the very end, after every prediction, with a bare FileExistsError."""
     from bundle.io_utils import StagedOutputs
