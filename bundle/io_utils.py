@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -343,6 +344,10 @@ class StagedOutputs:
             self._target(name)
         for name in names:
             target = self._target(name)
+            if target.is_dir():
+                raise FileExistsError(
+                    f"{target}: a folder where the run writes the file {name}: remove it or choose another output_dir"
+                )
             if os.path.lexists(target) and not self._unchanged(target, previous.get(name)):
                 raise FileExistsError(
                     f"{target}: the run would replace this file, which no run of this bundle wrote (or which changed "
@@ -355,16 +360,33 @@ class StagedOutputs:
         The files being replaced are first moved aside (into a hidden folder beside the staging one, removed at the
         end), so that ``output_dir`` never holds old and new outputs together; the manifest listing the new files with
         their sizes and SHA-256 is written before anything moves (a full disk leaves ``output_dir`` as it was) and
-        renamed into place last.
+        renamed into place last. Another run's commit into the same ``output_dir`` waits until this one is done
+        (:meth:`_locked`), so that each replaces exactly the outputs of the commit before it.
         """
         staged = self.folder
         new = {str(p.relative_to(staged)): self._record(p) for p in sorted(staged.rglob("*")) if p.is_file()}
         try:
-            self.check(new)
-        except BaseException:
+            with self._locked():
+                return self._commit(staged, new)
+        finally:
             self.discard()
-            raise
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """An advisory lock (``flock``) on the folder ``output_dir``, held by one commit at a time: without it, a run
+        that had read the manifest before another run's commit moved its outputs in left that run's other files under
+        its own manifest (old and new outputs mixed)."""
         self.output_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.output_dir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+    def _commit(self, staged: Path, new: dict[str, dict]) -> list[Path]:
+        """:meth:`commit`'s check and moves, under its lock."""
+        self.check(new)
         replaced = [self.output_dir / f for f in new]
         for name, record in self.previous_outputs().items():
             path = self.output_dir / name
@@ -397,7 +419,6 @@ class StagedOutputs:
         finally:
             if trash is not None:
                 shutil.rmtree(trash, ignore_errors=True)
-            self.discard()
         return moved
 
     @contextlib.contextmanager

@@ -1148,6 +1148,34 @@ def test_a_full_disk_leaves_the_previous_outputs_and_their_manifest(small_disk):
     assert snapshot(out)["predictions.csv"] == b"run 3"
 
 
+def test_concurrent_commits_leave_one_runs_outputs(tmp_path):
+    """Run 2 read the manifest, run 1 committed, run 2 moved its outputs in: run 1's other file was left under run
+    2's manifest (outputs of two runs mixed). Now a commit waits for the other one: the last run's files alone."""
+    import threading
+
+    out = tmp_path / "eval"
+    staged_run(out, {"predictions.csv": b"run 0", "overlays/a.png": b"run 0"}).commit()
+    run1 = staged_run(out, {"predictions.csv": b"run 1", "overlays/b.png": b"run 1"})
+    run2 = staged_run(out, {"predictions.csv": b"run 2"})
+    other = threading.Thread(target=run1.commit)
+    moves = run2._new_manifest
+
+    @contextlib.contextmanager
+    def run1_commits_meanwhile(files):  # run 2 has read the previous outputs, nothing moved yet
+        other.start()
+        other.join(timeout=5)  # without a lock run 1 is done here
+        with moves(files) as tmp:
+            yield tmp
+
+    run2._new_manifest = run1_commits_meanwhile
+    run2.commit()
+    other.join()
+    after = snapshot(out)
+    manifest = json.loads(after.pop(".outputs.json"))["files"]
+    assert after == {"predictions.csv": b"run 1", "overlays/b.png": b"run 1"} and sorted(manifest) == sorted(after)
+    assert staging_leftovers(out) == []
+
+
 @pytest.mark.parametrize("link", ["overlays folder", "metrics file"])
 def test_no_output_is_written_or_removed_through_a_link(tmp_path, link):
     """An overlays folder linked to another folder got the overlays written there, and a later run without overlays
@@ -1197,6 +1225,27 @@ def test_an_evaluation_refuses_a_users_file_it_would_replace(data2d, tmp_path):
     assert f"{out / 'overlays' / 'test_001.png'}: the run would replace this file" in text
     assert "remove it or choose another output_dir" in text
     assert snapshot(out) == {"overlays/test_001.png": b"mine"} and staging_leftovers(out) == []
+
+
+def test_inferring_refuses_a_users_provenance_json_before_the_work(data2d, tmp_path, monkeypatch):
+    """A user's provenance.json in output_dir was refused only when the report moved in, after every prediction
+    (every other output name is checked as soon as it is known); a folder at an output name was called a file."""
+    from bundle.handlers.report import LandmarkReportHandler
+
+    collected = []
+    monkeypatch.setattr(LandmarkReportHandler, "collect", lambda self, engine: collected.append(engine))
+    out = tmp_path / "inference"
+    out.mkdir()
+    (out / "provenance.json").write_text("mine")
+    png = str(data2d["datalist"].parent / data2d["content"]["test"][0]["image"])
+    text = raises(infer, [png], out, data2d["ckpt"], datalist=str(data2d["datalist"]), image_size=[64, 64])
+    assert f"{out / 'provenance.json'}: the run would replace this file, which no run" in text
+    assert collected == [] and snapshot(out) == {"provenance.json": b"mine"} and staging_leftovers(out) == []
+    (out / "provenance.json").unlink()
+    (out / "predictions.csv").mkdir()
+    text = raises(infer, [png], out, data2d["ckpt"], datalist=str(data2d["datalist"]), image_size=[64, 64])
+    assert f"{out / 'predictions.csv'}: a folder where the run writes the file predictions.csv: remove it" in text
+    assert collected == [] and staging_leftovers(out) == []
 
 
 def test_an_output_dir_that_is_a_file_is_refused_before_the_run(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 
 import numpy as np
 import pytest
@@ -232,3 +233,32 @@ def test_what_cannot_be_a_template_is_refused_naming_why(points, size, error):
     else:
         with pytest.raises(ValueError, match=re.escape(f"t.png: {error}")):
             check_landmarks(image, points, template=True)
+
+
+def test_a_landmark_at_1e308_is_refused_naming_it_without_overflow():
+    """A landmark of 1e308 (a datalist accepts it) on an oblique CT overflowed the world-to-voxel map to NaN: it was
+    taken for a missing landmark and the item passed; in 2D its distance read inf px, with numpy's overflow
+    warnings. Now it is refused, naming the landmark and how far out it lies."""
+    c = np.sqrt(0.5) / 2  # 0.5 mm voxels, rotated 45 degrees about z
+    affine = np.array([[c, -c, 0, 0], [c, c, 0, 0], [0, 0, 0.5, 0], [0, 0, 0, 1.0]])
+    volume = MetaTensor(torch.zeros(1, 20, 20, 20), affine=torch.as_tensor(affine), meta={"filename_or_obj": "ct.nii"})
+    volume.meta.update(spatial_shape=np.array([20, 20, 20]), original_affine=affine)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no overflow warning
+        for template in (False, True):
+            with pytest.raises(
+                ValueError,
+                match=re.escape("ct.nii: ")
+                + ".*"
+                + re.escape(
+                    "landmark 0 ('a') [1.7e+308, 1.7e+308, 0.0] lies more than 1.8e+308 voxels (more than 1.8e+308 mm) "
+                    "outside the image: at a voxel beyond any float of its 20 x 20 x 20"
+                ),
+            ):
+                check_landmarks(volume, np.array([[1.7e308, 1.7e308, 0.0]]), None, ["a"], template=template)
+        with pytest.raises(ValueError, match=re.escape("landmark 1 ('b') [-1e+308, 5.0] lies 1e+308 px (3e+307 mm)")):
+            check_landmarks(_ceph(), np.array([[1.0, 2.0], [-1e308, 5.0]]), [0.3, 0.3], ["a", "b"])
+        with pytest.raises(
+            ValueError, match=re.escape("landmark 0 ('a') [1e+308, 1e+308] lies 1.41e+308 px (more than")
+        ):
+            LandmarkTargets(1, ["a"])(_ceph(), [[1e308, 1e308]], [3.0, 3.0])

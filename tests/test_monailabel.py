@@ -653,6 +653,21 @@ def test_infer_request_faults_are_answered_4xx(server):
     assert status == 404 and "whole-slide" in reply["detail"], reply
 
 
+def test_oversized_request_options_are_refused_413_naming_the_limit(server):
+    """A 100 KB ``params`` on an infer request and a 100 KB training request body were read and parsed whole (any
+    size: FastAPI reads a body into memory), then answered about their keys: now 413 naming the size and the limit,
+    nothing queued."""
+    base, big = server["base"], json.dumps({"note": "x" * 100_000})
+    reply, status = _form(f"{base}/infer/landmarks?image=test_001&output=json", "POST", params=big)
+    assert status == 413, reply
+    assert f"params of {len(big)} bytes, over the limit of 65536 bytes" in reply["detail"], reply
+    reply, status = request_json(f"{base}/train/landmarks", big.encode(), {"Content-Type": "application/json"})
+    assert status == 413 and "the train request's body (/train/landmarks): over the limit of 65536" in reply["detail"]
+    assert request_json(f"{base}/train/?check_if_running=true")[1] == 404  # nothing was queued
+    reply, status = _train_request(server, {"seed": -1})  # a small body still reaches the checks
+    assert status == 422 and "'seed'" in reply["detail"], reply
+
+
 def test_infer_replies_carry_names_not_server_paths(server):
     """The reply names its templates and checkpoint; no server path (repository, studies, temp dir)."""
     _, from_upload = server["client"].infer("landmarks", "", {}, file=str(server["studies"] / "test_003.png"))

@@ -68,7 +68,8 @@ class LandmarkReportHandler:
     run wrote are never touched. Each report file is checked (:meth:`bundle.io_utils.StagedOutputs.check`) as
     soon as its name is known (predictions.csv as the epoch starts, metrics.json and sdr_curve.png with the first
     labelled image, an overlay or markup file with its image), so that a user's file in the way is refused before
-    the work.
+    the work; provenance.json as the epoch starts when ``unlabelled`` (inferring's images, which carry no landmarks),
+    else when the report is written (only then is it known that no image had a reference landmark).
     """
 
     def __init__(
@@ -81,6 +82,7 @@ class LandmarkReportHandler:
         pseudo_templates: Sequence[str] = (),
         thresholds: Sequence[float] = DEFAULT_THRESHOLDS,
         overlays: bool = True,
+        unlabelled: bool = False,
         pred_key: str = "pred",
         label_key: str = "label",
         spacing_key: str = "spacing",
@@ -97,6 +99,7 @@ class LandmarkReportHandler:
         self.pipeline = check_pipeline(pipeline)
         self.thresholds = tuple(float(t) for t in thresholds)
         self.overlays = overlays
+        self.unlabelled = unlabelled
         self.pred_key, self.label_key, self.spacing_key = pred_key, label_key, spacing_key
         self.path_key, self.image_key, self.grid_key = path_key, image_key, grid_key
         self.logger = logging.getLogger(logger_name)
@@ -119,7 +122,7 @@ class LandmarkReportHandler:
         self._labelled = False
         self._overlays = {}
         self._staging.discard()
-        self._staging.check(["predictions.csv"])
+        self._staging.check(["predictions.csv", "provenance.json"] if self.unlabelled else ["predictions.csv"])
 
     def _array(self, item: Mapping, key: str, shape_hint: str) -> np.ndarray:
         if key not in item:

@@ -159,6 +159,16 @@ def template_problem(voxels: np.ndarray, size: Sequence[float]) -> str | None:
     return None
 
 
+def _length(excess: np.ndarray, unit: str, scale: np.ndarray | float = 1.0) -> str:
+    """The length of a landmark's ``excess`` outside the image times ``scale``, in ``unit``, without overflowing
+    (1e308 px is not inf; beyond the floating-point range: more than its largest number)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        length = float(np.hypot.reduce(np.asarray(excess, float) * scale))
+    if not np.isfinite(length):
+        return f"more than {np.finfo(float).max:.3g} {unit}"
+    return f"{length:.2f} {unit}" if length < 1e6 else f"{length:.3g} {unit}"
+
+
 def check_landmarks(
     image,
     points: np.ndarray,
@@ -174,8 +184,11 @@ def check_landmarks(
     file's affine gives it)."""
     file, dims = _file(image), image.ndim - 1
     to_file, size = file_frame(image)
-    voxels = file_positions(points, to_file)
-    if template:
+    with np.errstate(over="ignore", invalid="ignore"):  # a coordinate such as 1e308 overflows the map: refused below
+        voxels = file_positions(points, to_file)
+    present = ~np.isnan(np.asarray(points, float).reshape(voxels.shape)).any(axis=1)
+    unplaced = present & ~np.isfinite(voxels).all(axis=1)  # beyond the floating-point range in the file's frame
+    if template and not unplaced.any():
         problem = template_problem(voxels, size)
         if problem:
             raise ValueError(f"{file}: {problem}")
@@ -183,28 +196,29 @@ def check_landmarks(
     to_mm = np.diag(scale) @ np.linalg.inv(to_file)[:dims, :dims]
     voxel_mm = np.linalg.norm(to_mm, axis=0) if spacing is not None or dims == 3 else None
     unit = "px" if dims == 2 else "voxels"
-    present = ~np.isnan(voxels).any(axis=1)
     excess = outside_excess(voxels, size)
+    excess[unplaced] = np.inf
     outside = present & (excess > 0).any(axis=1)
     refused = outside if template else outside & (excess > outside_tolerance * size).any(axis=1)
 
     def describe(j: int) -> str:
         name = f" ({landmark_names[j]!r})" if landmark_names else ""
         value = [round(float(v), 4) for v in points[j]]
-        mm = f" ({np.linalg.norm(excess[j] * voxel_mm):.2f} mm)" if voxel_mm is not None else ""
+        mm = f" ({_length(excess[j], 'mm', voxel_mm)})" if voxel_mm is not None else ""
         if dims == 2:
             where = (
                 f"the image's pixels span x in [-0.5, {size[0] - 0.5:g}], y in [-0.5, {size[1] - 0.5:g}] (2D landmarks "
                 "are [x, y] pixels of the original file, x the column, y the row)"
             )
         else:
+            at = f"voxel {[round(float(v), 1) for v in voxels[j]]}" if not unplaced[j] else "a voxel beyond any float"
             where = (
-                f"at voxel {np.round(voxels[j], 1).tolist()} of its {' x '.join(f'{n:g}' for n in size)} (3D landmarks "
-                "are [x, y, z] world RAS mm; LPS coordinates, as DICOM gives them, need x and y negated)"
+                f"at {at} of its {' x '.join(f'{n:g}' for n in size)} (3D landmarks are [x, y, z] world RAS mm; LPS "
+                "coordinates, as DICOM gives them, need x and y negated)"
             )
         return (
             f"{file}: {'template ' if template else ''}landmark {j}{name} {value} lies "
-            f"{np.linalg.norm(excess[j]):.2f} {unit}{mm} outside the image: {where}"
+            f"{_length(excess[j], unit)}{mm} outside the image: {where}"
         )
 
     if refused.any():

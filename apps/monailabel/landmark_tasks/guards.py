@@ -1,7 +1,8 @@
 """Server-side guards of the app around MONAI Label 0.8.5 endpoints (installed by the app in the server process).
 
 - ``POST /infer/{model}``: the request is checked before MONAI Label reads it (400 naming the fault): ``params``
-  must be a JSON object without ``image`` (the image is ``?image=ID`` or an upload, never a value of params);
+  must be at most :data:`PARAMS_MAX` bytes (413; Starlette refuses a form field over 1 MB itself, 400) and a JSON
+  object without ``image`` (the image is ``?image=ID`` or an upload, never a value of params);
   an image id or a file must be given (MONAI Label answers 500); no label upload and no ``session_id`` (the
   app's infer takes no label, and sessions are off in this app).
 - ``POST /infer/{model}`` with a ``file``: MONAI Label writes the upload to a temporary file and removes it only
@@ -21,7 +22,8 @@
 serve, before MONAI Label reads the request (:data:`OFF_ROUTES`): a path segment ``.`` or ``..`` (400; also
 percent-encoded, once or more), the log (403 unless ``--conf serve_logs true``), batch inference, scoring,
 whole-slide inference, the app reload, the dataset archive, replacing or deleting the served weights, the DICOMweb
-proxy without a DICOMweb source (404 each, saying so).
+proxy without a DICOMweb source (404 each, saying so); a ``POST /train/{model}`` body over :data:`PARAMS_MAX` bytes
+(413, read no further: FastAPI read any body whole, then parsed it).
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ logger = logging.getLogger(__name__)
 _uploads: dict[str, str] = {}  # path of an upload being inferred -> the client's file name
 _lock = threading.Lock()
 _SUFFIX = re.compile(r"^(\.[A-Za-z0-9]{1,8}){1,3}$")
+# the most bytes of a request's options (an infer request's params, a train request's JSON body): a few hundred
+# bytes in use, far below what would cost the server memory or time to read and parse
+PARAMS_MAX = 64 * 1024
 
 
 def upload_name(path: object) -> str | None:
@@ -86,6 +91,11 @@ def check_infer_request(model: str, image: str, session_id: str, params: str, fi
         bad(f"sessions are off in this app (session_id {session_id!r:.60}); give ?image=ID or upload the file")
     if label:
         bad("this app's infer takes no label upload (save labels with PUT /datastore/label)")
+    if params and len(params.encode()) > PARAMS_MAX:
+        raise HTTPException(
+            status_code=413,
+            detail=f"infer {model}: params of {len(params.encode())} bytes, over the limit of {PARAMS_MAX} bytes",
+        )
     try:
         values = json.loads(params) if params else {}
     except ValueError as e:
@@ -213,10 +223,40 @@ class RouteGuard:
 
     async def __call__(self, scope, receive, send) -> None:
         refused = self.refusal(scope["method"], scope["path"]) if scope["type"] == "http" else None
+        if (
+            refused is None
+            and scope["type"] == "http"
+            and scope["method"] == "POST"
+            and scope["path"].startswith("/train")
+        ):
+            body, refused = await _capped_body(receive, f"the train request's body ({scope['path']})")
+            receive = _replay(body, receive)
         if refused is None:
             return await self.app(scope, receive, send)
         status, why = refused
         await JSONResponse({"detail": why}, status_code=status)(scope, receive, send)
+
+
+async def _capped_body(receive, what: str) -> tuple[bytes, tuple[int, str] | None]:
+    """The request's body read up to :data:`PARAMS_MAX` bytes, and (413, why) when it holds more (read no further)."""
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if len(body) > PARAMS_MAX:
+            return b"", (413, f"{what}: over the limit of {PARAMS_MAX} bytes")
+        if not message.get("more_body"):
+            return body, None
+
+
+def _replay(body: bytes, receive):
+    """An ASGI ``receive`` giving ``body`` (read already) as the whole request, then ``receive``'s next messages."""
+    pending = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def replayed():
+        return pending.pop() if pending else await receive()
+
+    return replayed
 
 
 def install_route_guard(dicomweb: bool, serve_logs: bool) -> bool:
