@@ -67,3 +67,29 @@ def small_disk(tmp_path):
         yield disk
     finally:
         subprocess.run(["umount", str(disk)], check=True)
+
+
+ABOVE_THE_CACHE = ["open folder", "foreign folder", "sticky folder"]
+
+
+@pytest.fixture(params=ABOVE_THE_CACHE)
+def cache_home(request, tmp_path, monkeypatch):
+    """``XDG_CACHE_HOME`` set to the user's own 0700 folder inside a folder above the cache that is open to all
+    (mode 0777), given to another user (uid 12345: root only), or sticky (1777, as /tmp); yields ``(home, why)``,
+    ``why`` the start of the refusal naming the folder above (None for the sticky one: trusted)."""
+    case = request.param
+    if case == "foreign folder" and os.geteuid() != 0:
+        pytest.skip("giving a folder to another user needs root")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod({"open folder": 0o777, "foreign folder": 0o755, "sticky folder": 0o1777}[case])
+    home = shared / "mine"
+    home.mkdir(mode=0o700)
+    if case == "foreign folder":
+        os.chown(home, 12345, 12345)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(home))
+    why = {
+        "open folder": f"{shared}, above the cache, has owner uid {os.getuid()} and mode 0o777",
+        "foreign folder": f"{home}, above the cache, has owner uid 12345 and mode 0o700",
+    }.get(case)
+    yield home, why

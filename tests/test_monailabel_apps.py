@@ -129,11 +129,9 @@ def test_dicomweb_series_gives_the_png_landmarks(tmp_path):
         assert result["dicomweb"][name] == pytest.approx(point, abs=0.01), name
 
 
-def test_one_network_on_the_configured_device(tmp_path):
-    """``--conf device``: a device this machine lacks is refused at start naming it; on ``cpu`` the infer task
-    and the trainer record it, and one stage-1 network serves inference, the template choice and the scoring
-    of a training in the server's process (in-process, tests/monailabel_inprocess.py); the pseudo-template worker's
-    own network is gone once it has finished."""
+def _two_test_images_one_labelled(tmp_path: Path) -> tuple[Path, Path, str, Path]:
+    """A synthetic datalist, a studies folder holding its two test images and a label of the second:
+    ``(datalist, studies, labelled id, label file)``."""
     from bundle.data.embedded import open_datalist
     from bundle.data.synthetic import generate_synthetic_2d
 
@@ -145,7 +143,15 @@ def test_one_network_on_the_configured_device(tmp_path):
         shutil.copy(item["image"], studies)
     template = content["test"][1]
     label = mrk_json(tmp_path / "template.mrk.json", content["landmark_names"], template["landmarks"])
-    result = _in_process(tmp_path, "device", datalist_path, studies, Path(template["image"]).stem, label)
+    return datalist_path, studies, Path(template["image"]).stem, label
+
+
+def test_one_network_on_the_configured_device(tmp_path):
+    """``--conf device``: a device this machine lacks is refused at start naming it; on ``cpu`` the infer task
+    and the trainer record it, and one stage-1 network serves inference, the template choice and the scoring
+    of a training in the server's process (in-process, tests/monailabel_inprocess.py); the pseudo-template worker's
+    own network is gone once it has finished."""
+    result = _in_process(tmp_path, "device", *_two_test_images_one_labelled(tmp_path))
     assert sorted(result["refused"]) == ["cuda:7", "cuda:x", "tpu"]
     for device, message in result["refused"].items():
         assert message.startswith(f"conf device {device!r}: "), message
@@ -159,18 +165,7 @@ def test_a_pipeline_failure_on_a_saved_label_names_its_cause(tmp_path):
     transform <bundle.transforms.landmarks.LandmarkTargetsd object at 0x...>``), with no object address or server
     path; the suggestions go on once it passes (in-process, tests/monailabel_inprocess.py: the save-time check and
     the pipeline share their rules, so the fault is injected into the pipeline's)."""
-    from bundle.data.embedded import open_datalist
-    from bundle.data.synthetic import generate_synthetic_2d
-
-    datalist_path = generate_synthetic_2d(tmp_path / "data", n_training=2, n_validation=1, n_test=2)
-    content = open_datalist(datalist_path)
-    studies = tmp_path / "studies"
-    studies.mkdir()
-    for item in content["test"]:
-        shutil.copy(item["image"], studies)
-    template = content["test"][1]
-    template_id = Path(template["image"]).stem
-    label = mrk_json(tmp_path / "template.mrk.json", content["landmark_names"], template["landmarks"])
+    datalist_path, studies, template_id, label = _two_test_images_one_labelled(tmp_path)
     result = _in_process(tmp_path, "refused_template", datalist_path, studies, template_id, label)
     status, detail = result["refused"]
     assert status == 422, result
