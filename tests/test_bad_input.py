@@ -362,7 +362,7 @@ def nifti_header(shape: tuple[int, ...], dtype=np.uint8, compress: bool = True) 
     header.set_data_shape(shape)
     header.set_data_dtype(dtype)
     block = header.binaryblock + b"\0" * 4
-    return gzip.compress(block) if compress else block
+    return gzip.compress(block, mtime=0) if compress else block  # mtime 0: the same bytes in every process (xdist)
 
 
 BMP_30000 = b"BM" + struct.pack("<IHHI", 54, 0, 0, 54) + struct.pack("<IiiHHIIiiII", 40, 30000, 30000, 1, 24, *[0] * 6)
