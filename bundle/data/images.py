@@ -238,7 +238,9 @@ def header_layout(path: Path, series: Sequence[Sequence[str]] = ()) -> tuple[tup
         reader.ReadImageInformation()
     except RuntimeError as e:  # ITK's message: where it was thrown, then what it says
         itk_message = " ".join(line.strip() for line in str(e).strip().splitlines()[1:])
-        raise ImageError(f"{path}: unreadable header ({image_io}), refused before reading it: {itk_message}") from None
+        raise ImageError(
+            f"cannot read image {path}: unreadable header ({image_io}), refused before reading it: {itk_message}"
+        ) from None
     components = reader.GetNumberOfComponents()
     # the component type: that of a one-voxel image of the header's pixel type, as SimpleITK gives it to numpy
     dtype = sitk.GetArrayViewFromImage(sitk.Image([1, 1], reader.GetPixelID(), components)).dtype
