@@ -1106,6 +1106,18 @@ def test_routes_not_served_are_refused_saying_so(server, method, route, status, 
     assert got == status and why in reply["detail"], (got, reply)
 
 
+def test_infer_options_in_a_json_body_are_refused_saying_where_they_go(server):
+    """``POST /infer`` with its options as a JSON body (``-H "Content-Type: application/json" -d '{"predictor":
+    "templates"}'``) was answered 200 and the options ignored (only the multipart ``params`` field is read): 415
+    saying so; the same options in ``params`` are read."""
+    url = f"{server['base']}/infer/landmarks?image=test_000&output=json"
+    body = json.dumps({"predictor": "templates"}).encode()
+    reply, status = request_json(url, body, {"Content-Type": "application/json"})
+    assert status == 415 and "multipart form field 'params'" in reply["detail"], (status, reply)
+    reply, status = _form(url, "POST", params=json.dumps({"predictor": "templates"}))
+    assert status == 200 and reply["predictor"] == "templates", (status, reply)
+
+
 def test_a_full_disk_leaves_the_saved_label_intact(server, small_disk, tmp_path):
     """On a full studies disk, saving a label over a saved one is answered 507 naming the cause, and the saved
     label and the datastore's file are left byte-identical (MONAI Label copied the new label over the old one in

@@ -22,8 +22,9 @@
 serve, before MONAI Label reads the request (:data:`OFF_ROUTES`): a path segment ``.`` or ``..`` (400; also
 percent-encoded, once or more), the log (403 unless ``--conf serve_logs true``), batch inference, scoring,
 whole-slide inference, the app reload, the dataset archive, replacing or deleting the served weights, the DICOMweb
-proxy without a DICOMweb source (404 each, saying so); a ``POST /train/{model}`` body over :data:`PARAMS_MAX` bytes
-(413, read no further: FastAPI read any body whole, then parsed it).
+proxy without a DICOMweb source (404 each, saying so); an infer request's options sent as a JSON body (415: MONAI
+Label reads only the multipart form field ``params``, and ignored them); a ``POST /train/{model}`` body over
+:data:`PARAMS_MAX` bytes (413, read no further: FastAPI read any body whole, then parsed it).
 """
 
 from __future__ import annotations
@@ -203,7 +204,7 @@ class RouteGuard:
     def __init__(self, app, dicomweb: bool, serve_logs: bool) -> None:
         self.app, self.dicomweb, self.serve_logs = app, dicomweb, serve_logs
 
-    def refusal(self, method: str, path: str) -> tuple[int, str] | None:
+    def refusal(self, method: str, path: str, content_type: str = "") -> tuple[int, str] | None:
         """(status, why) when the request is not served, else None."""
         if has_dot_segment(path):
             return 400, f"{path!r:.200}: a path segment '.' or '..' (percent-encoded too) is refused"
@@ -219,10 +220,20 @@ class RouteGuard:
         for prefix, methods, status, why in OFF_ROUTES:
             if path.startswith(prefix) and (methods is None or method in methods):
                 return status, why
+        if method == "POST" and path.startswith("/infer/") and content_type.startswith("application/json"):
+            return 415, (
+                "an infer request's options are not read from a JSON body: send them as the multipart form field "
+                """'params' (curl -F 'params={"predictor": "templates"}' ...)"""
+            )
         return None
 
     async def __call__(self, scope, receive, send) -> None:
-        refused = self.refusal(scope["method"], scope["path"]) if scope["type"] == "http" else None
+        if scope["type"] == "http":
+            headers = dict(scope.get("headers") or [])
+            content_type = headers.get(b"content-type", b"").decode("latin-1").lower()
+            refused = self.refusal(scope["method"], scope["path"], content_type)
+        else:
+            refused = None
         if (
             refused is None
             and scope["type"] == "http"
