@@ -247,6 +247,7 @@ class StagedOutputs:
         if self.output_dir.exists() and not self.output_dir.is_dir():
             raise NotADirectoryError(f"output_dir {self.output_dir}: a file, not a folder (give a folder)")
         self._folder: Path | None = None
+        self._previous: dict[str, dict] | None = None  # the manifest's records, as check read them
 
     @property
     def base(self) -> Path:
@@ -276,6 +277,7 @@ class StagedOutputs:
 
     def discard(self) -> None:
         """Remove the staging folder (``output_dir`` keeps its previous outputs)."""
+        self._previous = None
         if self._folder is not None:
             shutil.rmtree(self._folder, ignore_errors=True)
             _ACTIVE_STAGING.discard(self._folder)
@@ -331,17 +333,21 @@ class StagedOutputs:
             and (file_sha256(path) == record["sha256"])
         )
 
-    def check(self, names: Iterable[str]) -> None:
+    def check(self, names: Iterable[str], fresh: bool = False) -> None:
         """Refuse outputs ``names`` (relative paths) that would replace a file no run wrote, and any link on the way
         to them or to the previous run's files (which the commit removes): FileExistsError naming the file.
 
-        The writer calls it as soon as it knows a name, so that the refusal comes before the work; :meth:`commit`
-        calls it again with every file before it moves anything.
+        The writer calls it as soon as it knows a name, so that the refusal comes before the work; the manifest and
+        the links to the previous run's files are read once until :meth:`discard` (a run checks a name per image).
+        :meth:`commit` calls it again with every file, ``fresh`` (the manifest read again), before it moves anything.
         """
-        self._target(self.MANIFEST)
-        previous = self.previous_outputs()
-        for name in previous:
-            self._target(name)
+        if fresh or self._previous is None:
+            self._target(self.MANIFEST)
+            previous = self.previous_outputs()
+            for name in previous:
+                self._target(name)
+            self._previous = previous
+        previous = self._previous
         for name in names:
             target = self._target(name)
             if target.is_dir():
@@ -386,7 +392,7 @@ class StagedOutputs:
 
     def _commit(self, staged: Path, new: dict[str, dict]) -> list[Path]:
         """:meth:`commit`'s check and moves, under its lock."""
-        self.check(new)
+        self.check(new, fresh=True)
         replaced = [self.output_dir / f for f in new]
         for name, record in self.previous_outputs().items():
             path = self.output_dir / name
