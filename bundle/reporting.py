@@ -39,12 +39,18 @@ def check_pipeline(pipeline: str) -> str:
 
 
 def run_provenance(
-    pipeline: str, template: str | Sequence[str], checkpoint: str, pseudo_templates: Sequence[str] = ()
+    pipeline: str,
+    template: str | Sequence[str],
+    checkpoint: str,
+    pseudo_templates: Sequence[str] = (),
+    refinement: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """What made a run's predictions: ``pipeline`` (``templates``: one-/k-shot template matching, ``detector``: a
     heatmap detector), ``template`` (the first template image; for a detector the stage-1 template(s) that made its
     pseudo-labels, "" for human labels), ``templates`` (the whole list, when it holds more than one),
-    ``pseudo_templates`` (those of them whose landmarks were labelled by matching, when any) and ``checkpoint``."""
+    ``pseudo_templates`` (those of them whose landmarks were labelled by matching, when any), ``checkpoint`` and
+    ``xfeat_refinement`` (the fine step's settings and templates, null when it did not run:
+    :meth:`bundle.inferers.refinement.DescriptorRefinement.settings`)."""
     check_pipeline(pipeline)
     templates = [str(template)] if isinstance(template, (str, os.PathLike)) else [str(t) for t in template]
     templates = [t for t in templates if t]
@@ -54,6 +60,7 @@ def run_provenance(
         **({"templates": templates} if len(templates) > 1 else {}),
         **({"pseudo_templates": [str(t) for t in pseudo_templates]} if pseudo_templates else {}),
         "checkpoint": str(checkpoint),
+        "xfeat_refinement": dict(refinement) if refinement else None,
     }
 
 

@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import bundle.checkpoints
+import bundle.templates.pipeline_choice
 import pytest
 import torch
 from bundle.checkpoints import CheckpointError, save_with_record
@@ -23,6 +24,8 @@ from bundle.templates.pipeline_choice import (
     choose_detector,
     default_detectors,
     labelled_at_hand,
+    prediction_refinement,
+    pseudo_label_refinement,
     starting_detector,
 )
 from bundle.transforms.utils import on_grid
@@ -312,6 +315,35 @@ def test_inferring_without_a_datalist_takes_the_shipped_fine_tuned_detector(tmp_
     mine = tmp_path / "mine.pt"  # the user's own template file: matched, as before
     mine.write_bytes((ROOT / SHIPPED_TEMPLATE).read_bytes())
     assert detector(template_path=str(mine)) is None
+
+
+def test_the_xfeat_refinement_runs_where_validation_says_it_helps(tmp_path, monkeypatch):
+    """``auto``: after a detector trained on human labels, from the datalist's labelled templates (its own, else the
+    first ``max_templates`` labelled training items), never from a test image; not after a pseudo-label detector nor
+    after matching, not in 3D, not without the wheel. ``true`` where it cannot run names why; ``false``: never."""
+    human, pseudo = _detector(tmp_path / "h"), _detector(tmp_path / "p", labels="pseudo", templates=_labelled(1))
+    datalist = _datalist(5)
+    chosen = prediction_refinement("auto", str(human), datalist, 3, 2, "median")
+    assert chosen.sources == [f"/data/train_{i}.png" for i in range(3)] and chosen.combine == "median"
+    own = {**datalist, "templates": _labelled(2), "test": datalist["test"] + [_labelled(1)[0]]}
+    assert prediction_refinement("auto", str(human), own, 3, 2, "median").sources == ["/data/train_1.png"]
+    for detector, dims in ((str(pseudo), 2), (None, 2), (str(human), 3)):
+        assert prediction_refinement("auto", detector, datalist, 3, dims, "median") is None
+    assert prediction_refinement("false", str(human), datalist, 3, 2, "median") is None
+    assert prediction_refinement(True, None, datalist, 3, 2, "median").sources[0] == "/data/train_0.png"
+    with pytest.raises(ValueError, match="2D only"):
+        prediction_refinement("true", str(human), datalist, 3, 3, "median")
+    with pytest.raises(ValueError, match="no human-labelled template"):
+        prediction_refinement("true", str(human), None, 3, 2, "median")
+    with pytest.raises(ValueError, match="xfeat_refinement"):
+        prediction_refinement("sometimes", str(human), datalist, 3, 2, "median")
+    monkeypatch.setattr(bundle.templates.pipeline_choice, "available", lambda: False)
+    assert prediction_refinement("auto", str(human), datalist, 3, 2, "median") is None
+    # stage 2's pseudo-labels: refined by auto from the human-labelled templates only
+    monkeypatch.undo()
+    templates = _labelled(2) + [{"image": "/data/u_0.png", "landmarks": [[1.0, 2.0], None], "pseudo_label": True}]
+    assert pseudo_label_refinement("auto", templates, 2, "median").sources == ["/data/train_0.png", "/data/train_1.png"]
+    assert pseudo_label_refinement("auto", templates, 3, "median") is None
 
 
 def test_on_grid_moves_the_resize_and_leaves_the_original_alone():

@@ -53,6 +53,7 @@ def test_write_metrics_json_round_trip(tmp_path):
         "pipeline": "templates",
         "template": "t.png",
         "checkpoint": "m.pt",
+        "xfeat_refinement": None,
     }
     with pytest.raises(KeyError, match="mre_px"):
         write_metrics_json(tmp_path / "bad.json", {k: v for k, v in summary.items() if k != "mre_px"}, provenance)
@@ -67,9 +68,16 @@ def test_run_provenance_templates_pseudo_templates_and_pipeline():
         "templates": ["a.png", "b.png", "c.png"],
         "pseudo_templates": ["c.png"],
         "checkpoint": "m.pt",
+        "xfeat_refinement": None,
     }
-    # a detector trained on human labels has no template
-    assert run_provenance("detector", "", "d.pt") == {"pipeline": "detector", "template": "", "checkpoint": "d.pt"}
+    # a detector trained on human labels has no template; the fine step after it is said
+    fine = {"network": "xfeat", "templates": ["a.png"], "radius_mm": 1.0, "step_px": 2.0}
+    assert run_provenance("detector", "", "d.pt", refinement=fine) == {
+        "pipeline": "detector",
+        "template": "",
+        "checkpoint": "d.pt",
+        "xfeat_refinement": fine,
+    }
     with pytest.raises(ValueError, match="'matching'"):
         run_provenance("matching", "a.png", "m.pt")
     with pytest.raises(ValueError, match="pipeline"):

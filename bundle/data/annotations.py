@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
-from bundle.data.datalist import SECTIONS, DatalistError
+from bundle.data.datalist import SECTIONS, DatalistError, datalist_landmarks
 
 IMAGE_SUFFIXES = (".png", ".bmp", ".jpg", ".jpeg", ".tif", ".tiff")
 # formats whose header carries the voxel spacing
@@ -103,7 +103,7 @@ class MultiAnnotatorSet:
             ref = self.reference(image_id)
             if ref is not None:
                 dims = ref.shape[1]
-                item["landmarks"] = [None if np.isnan(p).any() else [float(v) for v in p] for p in ref]
+                item["landmarks"] = datalist_landmarks(ref)
             if spacing is not None:
                 item["spacing"] = [float(v) for v in spacing]
             section = self.sections.get(image_id, "training")

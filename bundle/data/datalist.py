@@ -265,6 +265,11 @@ def save_datalist(datalist: dict, path: str | os.PathLike) -> Path:
     return write_json_atomic(path, out)
 
 
+def datalist_landmarks(points) -> list[list[float] | None]:
+    """Points ``(L, D)`` as a datalist's ``landmarks``: lists of floats, ``None`` where a point is not finite."""
+    return [None if not np.isfinite(p).all() else [float(v) for v in p] for p in np.asarray(points, dtype=np.float64)]
+
+
 def landmarks_array(item: dict, n_landmarks: int, spatial_dims: int) -> np.ndarray:
     """The item's landmarks as a float array ``(n_landmarks, spatial_dims)``, NaN where missing or absent."""
     arr = np.full((n_landmarks, spatial_dims), np.nan, dtype=np.float64)

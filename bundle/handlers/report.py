@@ -61,7 +61,8 @@ class LandmarkReportHandler:
     (inference on new images), predictions.csv, the overlays (markups) and provenance.json are written.
     metrics.json and provenance.json say what made the predictions (:func:`bundle.reporting.run_provenance`):
     ``pipeline``, the ``template`` images (set by :class:`bundle.handlers.templates.TemplateHandler` when the
-    templates are chosen as the run starts), ``pseudo_templates`` and ``checkpoint``.
+    templates are chosen as the run starts), ``pseudo_templates``, ``checkpoint`` and the ``refinement`` that ran after
+    the pipeline (:class:`bundle.inferers.refinement.DescriptorRefinement`, None: none).
     Everything is written at ``COMPLETED`` (the overlays drawn as their images come, kept in memory) into a
     staging folder beside ``output_dir``, which replaces the previous run's report files only when complete
     (:class:`bundle.io_utils.StagedOutputs`): after a failure ``output_dir`` is as it was, and files that no
@@ -80,6 +81,7 @@ class LandmarkReportHandler:
         checkpoint: str = "",
         pipeline: str = "templates",
         pseudo_templates: Sequence[str] = (),
+        refinement: Any = None,
         thresholds: Sequence[float] = DEFAULT_THRESHOLDS,
         overlays: bool = True,
         unlabelled: bool = False,
@@ -96,6 +98,7 @@ class LandmarkReportHandler:
         self.template = template
         self.pseudo_templates = list(pseudo_templates)  # those of the templates labelled by matching
         self.checkpoint = checkpoint
+        self.refinement = refinement  # the fine step after the pipeline (its settings() go to the report), or None
         self.pipeline = check_pipeline(pipeline)
         self.thresholds = tuple(float(t) for t in thresholds)
         self.overlays = overlays
@@ -232,7 +235,13 @@ class LandmarkReportHandler:
             write_png(folder / "overlays" / name, png)
         if preds.shape[-1] == 3:
             write_markups_per_image(folder, self.records, self.landmark_names)
-        provenance = run_provenance(self.pipeline, self.template, self.checkpoint, self.pseudo_templates)
+        provenance = run_provenance(
+            self.pipeline,
+            self.template,
+            self.checkpoint,
+            self.pseudo_templates,
+            self.refinement.settings() if self.refinement is not None else None,
+        )
         if np.isnan(refs).all():  # inference on unlabelled images: predictions only
             write_json_atomic(folder / "provenance.json", {**provenance, "n_images": len(self.records)})
             return {"n_images": len(self.records)}

@@ -396,3 +396,32 @@ class TemplateMatcher(torch.nn.Module):
             positions.append(pos)
             scores.append(score)
         return torch.cat(positions, dim=1), torch.cat(scores, dim=1)
+
+
+def disc_lattice(radius: float, step: float, spatial_dims: int = 2) -> torch.Tensor:
+    """Offsets ``(P, D)`` (float64) of a lattice of ``step`` within ``radius`` of the origin (the origin included)."""
+    if not radius >= 0 or not step > 0:
+        raise ValueError(f"the lattice needs radius >= 0 and step > 0, got radius {radius} and step {step}")
+    half = int(math.floor(radius / step + 1e-9))
+    axis = torch.arange(-half, half + 1, dtype=torch.float64) * step
+    grids = torch.meshgrid([axis] * spatial_dims, indexing="ij")
+    offsets = torch.stack([g.reshape(-1) for g in grids], dim=-1)
+    return offsets[torch.linalg.vector_norm(offsets, dim=-1) <= radius + 1e-9]
+
+
+def local_votes(
+    queries: torch.Tensor, descriptors: torch.Tensor, candidates: torch.Tensor
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Each template's best candidate for each landmark (the fine step of
+    :class:`bundle.inferers.refinement.DescriptorRefinement`; not in the paper).
+
+    ``queries`` ``(K, L, C)``: each template's unit descriptor of each landmark (NaN where it lacks the landmark);
+    ``descriptors`` ``(L, P, C)``: the image's unit descriptors at ``candidates`` ``(L, P, D)``, the positions searched
+    for each landmark. Returns the votes ``(K, L, D)`` (the candidate of highest cosine; NaN for a missing query) and
+    their cosines ``(K, L)``."""
+    cosines = torch.einsum("klc,lpc->klp", queries.to(descriptors.dtype), descriptors)
+    best, index = cosines.nan_to_num(-2.0).max(dim=-1)
+    votes = candidates[torch.arange(candidates.shape[0])[None], index].to(torch.float64)
+    missing = torch.isnan(queries).any(dim=-1)
+    votes = votes.masked_fill(missing[..., None], float("nan"))
+    return votes, best.masked_fill(missing, float("nan")).to(torch.float64)

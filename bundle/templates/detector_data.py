@@ -27,6 +27,7 @@ from bundle.checkpoints import RECORD_KEY, UndescribedCheckpointError, describes
 from bundle.configs import bundle_parser, check_image_size, config_files
 from bundle.data.datalist import read_json
 from bundle.inferers.oneshot import OneShotInferer
+from bundle.inferers.refinement import DescriptorRefinement
 from bundle.io_utils import write_json_atomic
 from bundle.networks.detector import HeatmapDetector
 from bundle.templates.pseudo_labels import pseudo_label, reliable_landmarks
@@ -53,6 +54,7 @@ def pseudo_labelled_items(
     cycle_tolerance: float | None = None,
     output_path: str | Path | None = None,
     exclude_held_out: bool = True,
+    refinement: DescriptorRefinement | None = None,
 ) -> list[dict]:
     """Every training item labelled by matching from ``templates`` with the stage-1 ``network`` (CC2D stage 2).
 
@@ -61,8 +63,10 @@ def pseudo_labelled_items(
     ``cycle_tolerance`` (grid pixels), a landmark whose forward-backward cycle error exceeds it becomes
     ``null`` (left out of the loss, :func:`bundle.templates.pseudo_labels.reliable_landmarks`). Images of the
     validation and test splits are left out (``exclude_held_out``), so that the detector never trains on
-    the images it is measured on. ``output_path``: the pseudo-labelled datalist is written there (atomic),
-    with the per-landmark cycle errors under ``pseudo_labels``.
+    the images it is measured on. ``refinement`` (2D; not in the paper): each pseudo-labelled image's landmarks
+    moved by the XFeat fine step from the human-labelled templates (validation: docs/results.md, "A pretrained fine
+    step"). ``output_path``: the pseudo-labelled datalist is written there (atomic), with the per-landmark cycle
+    errors and the refinement's settings under ``pseudo_labels``.
     """
 
     template_images = {t["image"] for t in templates}
@@ -74,6 +78,10 @@ def pseudo_labelled_items(
     ]
     inferer = with_templates(OneShotInferer(template_combine=combine), list(templates), preprocessing, device)
     labelled = pseudo_label(network, inferer, pool, preprocessing, device)
+    if refinement is not None:
+        for entry in labelled:
+            entry["item"] = refinement.refine_item(entry["item"])
+        logger.info("stage 2: %d pseudo-labelled images refined by XFeat", len(labelled))
     items = [dict(t) for t in templates]
     cycle = {}
     for entry in labelled:
@@ -94,6 +102,7 @@ def pseudo_labelled_items(
             "templates": [t["image"] for t in templates],
             "cycle_tolerance": cycle_tolerance,
             "cycle_error": cycle,
+            "xfeat_refinement": refinement.settings() if refinement is not None else None,
         }
         write_json_atomic(output_path, out)
         logger.info("pseudo-label datalist written to %s", output_path)

