@@ -5,8 +5,9 @@ config in ``RuntimeError("Failed to evaluate ...")`` / ``RuntimeError("Failed to
 ``python -m monai.bundle run`` command that refuses bad input therefore ends on that generic line, and the
 message that names the file, key or value at fault is printed dozens of lines above it. Importing this module
 (the configs' ``imports`` do, before any item is evaluated) installs a ``sys.excepthook`` that prints the
-traceback as before and then repeats the innermost cause of such a wrapped error. Other uncaught errors, and
-errors caught by the caller (tests, the MONAI Label server), are untouched.
+traceback as before and then repeats the innermost cause of such a wrapped error; a :class:`Refusal` (an empty
+section of the datalist, say, whose message says how to fill it) is printed alone, as one line. Other uncaught
+errors, and errors caught by the caller (tests, the MONAI Label server), are untouched.
 """
 
 from __future__ import annotations
@@ -18,6 +19,11 @@ from types import TracebackType
 MONAI_WRAPPERS = ("Failed to evaluate ", "Failed to instantiate ")
 # MONAI's wrapper of an error raised by a transform of a Compose (``monai.transforms.apply_transform``)
 TRANSFORM_WRAPPER = "applying transform "
+
+
+class Refusal(Exception):
+    """A refusal whose message says what to do (a mixin of the bundle's error classes): an uncaught one, or one that
+    MONAI's wrappers wrap, ends the command on that message alone, without a traceback."""
 
 
 def root_cause(error: BaseException) -> BaseException:
@@ -47,9 +53,12 @@ def report_cause_last(
     exc_type: type[BaseException], error: BaseException, tb: TracebackType | None, previous=sys.__excepthook__
 ) -> None:
     """``sys.excepthook``: the usual report, then ``The cause (above): <type>: <message>`` for a wrapped config
-    error."""
-    previous(exc_type, error, tb)
+    error; a :class:`Refusal` (wrapped or not): ``<type>: <message>`` alone."""
     cause = innermost_cause(error)
+    if isinstance(cause or error, Refusal):
+        print(f"{type(cause or error).__name__}: {cause or error}", file=sys.stderr)
+        return
+    previous(exc_type, error, tb)
     if cause is not None:
         print(f"\nThe cause (above): {type(cause).__name__}: {cause}", file=sys.stderr)
 

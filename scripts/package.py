@@ -8,8 +8,10 @@ What goes in is what the bundle needs to run from its own folder (MONAI model-zo
 be listed in ``large_files.yml`` (and is then fetched by MONAI from its URL, not shipped); an unlisted
 one is an error. ``configs/metadata.json`` must carry its ``version`` in its ``changelog``.
 Each ``configs/*.yaml`` also goes in as ``configs/*.json`` (the same content): ``monai.bundle.load`` builds a
-bundle's network from ``configs/<workflow_type>.json`` only. The default name follows the zoo's convention
-(anatomy, data type, task: the shipped weights and template are for lateral cephalograms).
+bundle's network from ``configs/<workflow_type>.json`` only, so ``train.yaml`` and ``inference.yaml`` go in under
+each name MONAI takes for their workflow type too (``infer``, ``eval``, ``evaluation``, ``training``). The default
+name follows the zoo's convention (anatomy, data type, task: the shipped weights and template are for lateral
+cephalograms).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 import yaml
 from bundle.configs import as_number
 from bundle.io_utils import atomic_path
+from monai.bundle import BundleWorkflow
 from scripts.cli import run_fire
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,16 +76,20 @@ def bundle_files(root: Path, max_mb: float = MAX_MB) -> list[Path]:
 
 
 def json_configs(root: Path, files: list[Path]) -> dict[str, str]:
-    """JSON twins of the YAML configs among ``files``: ``{"configs/x.json": text}`` (a JSON file of the same
-    name that is already there wins)."""
+    """JSON twins of the YAML configs among ``files``: ``{"configs/x.json": text}``, and of ``train.yaml`` /
+    ``inference.yaml`` under each other name MONAI takes for a training / inference ``workflow_type``
+    (``configs/infer.json``, ``training.json``, ...: ``monai.bundle.load`` reads ``configs/<workflow_type>.json``);
+    a JSON file of the same name that is already there wins."""
     present = {rel.as_posix() for rel in files}
+    aliases = {"train": BundleWorkflow.supported_train_type, "inference": BundleWorkflow.supported_infer_type}
     twins = {}
     for rel in files:
         if rel.parts[0] == "configs" and rel.suffix in (".yaml", ".yml"):
-            target = rel.with_suffix(".json").as_posix()
-            if target not in present:
-                content = yaml.safe_load((root / rel).read_text(encoding="utf-8"))
-                twins[target] = json.dumps(content, indent=4) + "\n"
+            content = yaml.safe_load((root / rel).read_text(encoding="utf-8"))
+            for stem in dict.fromkeys((rel.stem, *aliases.get(rel.stem, ()))):
+                target = rel.with_name(f"{stem}.json").as_posix()
+                if target not in present:
+                    twins[target] = json.dumps(content, indent=4) + "\n"
     return twins
 
 

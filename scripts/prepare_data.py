@@ -10,13 +10,15 @@ Run from the repository root::
     python -m scripts.prepare_data dicom --root DIR --out ... [--csv marks.csv] [--spacing ...] [--markups_dir DIR]
     python -m scripts.prepare_data mirrored --datalist D --out_dir DIR [--gamma 0.7]
 
-Options of every command: ``--name``; ``--validation_fraction 0.0 --test_fraction 0.0 --seed 0`` move a
-seeded random share of the labelled ``training`` items to ``validation`` / ``test``; ``--template ID``
-makes the item whose file name (without suffix) is ID the datalist's ``template`` (it stays in
-``training`` and leaves ``validation`` / ``test``); ``--keep_held_out_images true`` leaves the moved items'
-images in ``training`` without their landmarks, so that the self-supervised stage sees every image while
-their labels stay held out (the transductive protocol of docs/results.md). Reader warnings (duplicated or
-missing labels, …) are printed, then a summary.
+Options of every command: ``--name``; ``--template ID`` makes the item whose file name (without suffix) is ID the
+datalist's ``template``, ``--template ID1,ID2,...`` makes those items its ``templates`` (they stay in ``training``
+and leave ``validation`` / ``test``); ``--validation IDS`` / ``--test IDS`` move those labelled items to
+``validation`` / ``test``; ``--validation_fraction 0.0 --test_fraction 0.0 --seed 0`` then move a seeded random share
+of the other labelled ``training`` items there; ``--keep_held_out_images true`` leaves the moved items' images in
+``training`` without their landmarks, so that the self-supervised stage sees every image while their labels stay held
+out (the transductive protocol of docs/results.md). Reader warnings (duplicated or missing labels, …) are printed,
+then a summary, with one line counting the images without landmarks (those meant to be unlabelled are not warned
+about one by one).
 """
 
 from __future__ import annotations
@@ -74,20 +76,64 @@ def as_spacing(value: Any, spatial_dims: int) -> list[float] | None:
     return [float(v) for v in values]
 
 
-def set_template(datalist: dict, template: Any) -> dict:
-    """Copy the item with id ``template`` to ``datalist["template"]``, removed from validation and test."""
-    if template is None:
-        return datalist
-    wanted = str(template)
+def as_ids(value: Any, option: str) -> list[str]:
+    """An id option: one id (``046``, which fire may hand over as a number) or several (``046,012`` or
+    ``"[046,012]"``); none when not given."""
+    if value is None:
+        return []
+    if isinstance(value, str) and value.strip().startswith("["):
+        value = value.strip()[1:-1]
+    return as_names(value if isinstance(value, (str, list, tuple)) else str(value), option)
+
+
+def labelled_item(datalist: dict, wanted: str, option: str) -> dict:
+    """The item of id ``wanted`` (in any section), which must carry landmarks; refused naming ``--option``."""
     found = [it for s in SECTIONS for it in datalist[s] if item_id(it) == wanted]
     if not found:
         example = next((item_id(it) for s in SECTIONS for it in datalist[s]), None)
-        raise KeyError(f"--template: no item with id {wanted!r} (ids are image names without suffix, e.g. {example!r})")
+        raise KeyError(f"--{option}: no item with id {wanted!r} (ids are image names without suffix, e.g. {example!r})")
     if not found[0].get("landmarks"):
-        raise ValueError(f"--template: item {wanted!r} ({found[0]['image']}) carries no landmarks")
-    out = dict(datalist, template=dict(found[0]))
+        raise ValueError(f"--{option}: item {wanted!r} ({found[0]['image']}) carries no landmarks")
+    return found[0]
+
+
+def set_template(datalist: dict, template: Any) -> dict:
+    """Copy the item with id ``template`` to ``datalist["template"]`` (several ids: each to ``templates``), removed
+    from validation and test."""
+    wanted = as_ids(template, "template")
+    if not wanted:
+        return datalist
+    chosen = [dict(labelled_item(datalist, i, "template")) for i in dict.fromkeys(wanted)]
+    out = dict(datalist, **({"template": chosen[0]} if len(chosen) == 1 else {"templates": chosen}))
     for section in ("validation", "test"):
-        out[section] = [it for it in datalist[section] if item_id(it) != wanted]
+        out[section] = [it for it in datalist[section] if item_id(it) not in wanted]
+    return out
+
+
+def move_items(datalist: dict, validation: Any, test: Any, keep_held_out_images: bool = False) -> dict:
+    """Move the labelled training items of the ids ``validation`` / ``test`` to those sections (never a template);
+    with ``keep_held_out_images`` their images stay in ``training`` without landmarks."""
+    targets = {i: "validation" for i in as_ids(validation, "validation")}
+    for i in as_ids(test, "test"):
+        if targets.get(i) == "validation":
+            raise ValueError(f"--validation and --test both name {i!r}: an image is in one of them")
+        targets[i] = "test"
+    templates = [datalist["template"]] if datalist.get("template") else list(datalist.get("templates") or [])
+    for i in targets:
+        if i in {item_id(t) for t in templates}:
+            raise ValueError(f"--{targets[i]}: {i!r} is a template (--template), it cannot be held out too")
+        labelled_item(datalist, i, targets[i])
+    if not targets:
+        return datalist
+    out = dict(datalist)
+    out["training"] = [
+        {"image": it["image"]} if item_id(it) in targets else it
+        for it in datalist["training"]
+        if keep_held_out_images or item_id(it) not in targets
+    ]
+    for section in ("validation", "test"):
+        moved = [it for it in datalist["training"] if targets.get(item_id(it)) == section]
+        out[section] = sorted(datalist[section] + moved, key=lambda it: natural_key(item_id(it)))
     return out
 
 
@@ -105,8 +151,9 @@ def split_training(
         total = validation_fraction + test_fraction
         raise ValueError(f"--validation_fraction + --test_fraction must not exceed 1, got {total}")
     training = datalist["training"]
-    template = item_id(datalist["template"]) if datalist.get("template") else None
-    candidates = [i for i, it in enumerate(training) if it.get("landmarks") and item_id(it) != template]
+    templates = [datalist["template"]] if datalist.get("template") else list(datalist.get("templates") or [])
+    kept = {item_id(t) for t in templates}
+    candidates = [i for i, it in enumerate(training) if it.get("landmarks") and item_id(it) not in kept]
     order = np.random.default_rng(seed).permutation(len(candidates))
     n_val = round(validation_fraction * len(candidates))
     n_test = min(round(test_fraction * len(candidates)), len(candidates) - n_val)
@@ -134,6 +181,10 @@ def summary(datalist: dict, n_warnings: int) -> list[str]:
         lines.append(f"  {section}: {len(items)} items, {len(labelled)} with landmarks, {nulls} null landmarks")
     template = datalist.get("template")
     lines.append(f"  template: {template['image'] if template else 'none'}")
+    if datalist.get("templates"):
+        lines.append(f"  templates: {', '.join(item_id(t) for t in datalist['templates'])}")
+    unlabelled = [it for it in datalist["training"] if not it.get("landmarks")]
+    lines.append(f"  unlabelled: {len(unlabelled)} images without landmarks (in training; inferring finds theirs)")
     lines.append(f"  warnings: {n_warnings}")
     return lines
 
@@ -186,6 +237,8 @@ def write(
     seed: int,
     template: Any,
     keep_held_out_images: bool = False,
+    validation: Any = None,
+    test: Any = None,
 ) -> None:
     """Run the reader, check that every image reads as the pipeline reads it, print the warnings, split, write
     ``out`` atomically (validated), print a summary."""
@@ -199,6 +252,7 @@ def write(
     for w in caught:
         print(f"warning: {w.message}")
     datalist = set_template(datalist, template)
+    datalist = move_items(datalist, validation, test, keep_held_out_images)
     datalist = split_training(datalist, validation_fraction, test_fraction, seed, keep_held_out_images)
     with atomic_path(out_path) as tmp:  # the file appears only once it passes load_datalist
         save_datalist(datalist, tmp)
@@ -219,6 +273,8 @@ def labelme(
     test_fraction: float = 0.0,
     seed: int = 0,
     template: Any = None,
+    validation: Any = None,
+    test: Any = None,
     keep_held_out_images: bool = False,
 ) -> None:
     """Labelme set ROOT/images + ROOT/annotations/<annotator>/*.json; ``--names isbi`` names l1..l19 as ISBI 2015."""
@@ -232,7 +288,7 @@ def labelme(
         dataset = read_labelme_set(root, as_names(annotators, "annotators"), lm_names)
         return dataset.to_datalist(name or Path(root).name, as_spacing(spacing, 2)), annotator_summary(dataset)
 
-    write(read, out, validation_fraction, test_fraction, seed, template, keep_held_out_images)
+    write(read, out, validation_fraction, test_fraction, seed, template, keep_held_out_images, validation, test)
 
 
 def isbi2015(
@@ -244,6 +300,8 @@ def isbi2015(
     test_fraction: float = 0.0,
     seed: int = 0,
     template: Any = None,
+    validation: Any = None,
+    test: Any = None,
     keep_held_out_images: bool = False,
 ) -> None:
     """ISBI 2015 set ROOT/RawImage + ROOT/AnnotationsByMD; ``--test2 validation`` puts Test2Data in validation."""
@@ -252,7 +310,7 @@ def isbi2015(
         dataset = read_isbi2015_set(root, test2)
         return dataset.to_datalist(name, [ISBI_2015_SPACING_MM] * 2), annotator_summary(dataset)
 
-    write(read, out, validation_fraction, test_fraction, seed, template, keep_held_out_images)
+    write(read, out, validation_fraction, test_fraction, seed, template, keep_held_out_images, validation, test)
 
 
 def hand(
@@ -266,6 +324,8 @@ def hand(
     test_fraction: float = 0.0,
     seed: int = 0,
     template: Any = None,
+    validation: Any = None,
+    test: Any = None,
     keep_held_out_images: bool = False,
 ) -> None:
     """Hand set ROOT/<csv> + ROOT/images; ``--spacing`` for images whose format has no header spacing."""
@@ -274,7 +334,7 @@ def hand(
         names = as_names(landmark_names, "landmark_names")
         return hand_datalist(root, as_spacing(spacing, 2), names, csv, name), []
 
-    write(read, out, validation_fraction, test_fraction, seed, template, keep_held_out_images)
+    write(read, out, validation_fraction, test_fraction, seed, template, keep_held_out_images, validation, test)
 
 
 def nifti(
@@ -287,6 +347,8 @@ def nifti(
     test_fraction: float = 0.0,
     seed: int = 0,
     template: Any = None,
+    validation: Any = None,
+    test: Any = None,
     keep_held_out_images: bool = False,
 ) -> None:
     """NIfTI volumes IMAGES_DIR/X.nii[.gz] with 3D Slicer markups MARKUPS_DIR/X.fcsv or X.mrk.json."""
@@ -295,7 +357,7 @@ def nifti(
         names = as_names(landmark_names, "landmark_names")
         return nifti_datalist(images_dir, markups_dir, names, name), []
 
-    write(read, out, validation_fraction, test_fraction, seed, template, keep_held_out_images)
+    write(read, out, validation_fraction, test_fraction, seed, template, keep_held_out_images, validation, test)
 
 
 def dicom(
@@ -310,6 +372,8 @@ def dicom(
     test_fraction: float = 0.0,
     seed: int = 0,
     template: Any = None,
+    validation: Any = None,
+    test: Any = None,
     keep_held_out_images: bool = False,
 ) -> None:
     """DICOM: single-frame X-ray files in ROOT (any suffix) with a landmark CSV ``id,x1,y1,...`` (``--csv``),
@@ -328,7 +392,7 @@ def dicom(
             raise ValueError(f"--csv / --spacing are for X-ray files, but {root} holds no DICOM file itself")
         return dicom_series_datalist(root, markups_dir, names, name), []
 
-    write(read, out, validation_fraction, test_fraction, seed, template, keep_held_out_images)
+    write(read, out, validation_fraction, test_fraction, seed, template, keep_held_out_images, validation, test)
 
 
 def hamedan_protocol(root: str | Path, out: str | Path) -> str:

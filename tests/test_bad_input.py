@@ -1384,7 +1384,9 @@ def test_bundle_command_ends_on_the_message_naming_the_file(data2d, tmp_path):
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"The cause (above): DatalistError: {datalist}: the 'test' list is empty"), last
+    # an empty test list: one line saying how to make one, no traceback
+    assert last.startswith(f"EmptySectionError: {datalist}: the 'test' list is empty"), last
+    assert "prepare_data ... --test IDS" in last and "Traceback" not in result.stderr, result.stderr[-3000:]
     # an unreadable image: the bundle's message naming it, not the readers' errors it was raised from
     empty = tmp_path / "empty.png"
     empty.touch()

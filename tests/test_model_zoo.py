@@ -633,6 +633,7 @@ print("LOADED " + json.dumps({"class": f"{type(net).__module__}.{type(net).__qua
     "workflow_type, network, shapes",
     [
         ("inference", "bundle.networks.landmark_points.LandmarkPointsNet", [[1, 19, 2]]),
+        ("infer", "bundle.networks.landmark_points.LandmarkPointsNet", [[1, 19, 2]]),
         (
             "train",
             "bundle.networks.contrastive.ContrastiveLandmarkNet",
@@ -646,9 +647,10 @@ print("LOADED " + json.dumps({"class": f"{type(net).__module__}.{type(net).__qua
     ],
 )
 def test_monai_download_then_load_builds_the_network_from_any_folder(tmp_path, zipped, workflow_type, network, shapes):
-    """``monai.bundle.download`` then ``monai.bundle.load`` (``workflow_type`` inference, train, or left out) in a
-    fresh Python started in a folder unrelated to the bundle, with no ``PYTHONPATH`` and no path edit: the network is
-    the bundle's class, from the downloaded copy's own code, with the shipped weights, and it runs."""
+    """``monai.bundle.download`` then ``monai.bundle.load`` (``workflow_type`` inference, MONAI's other name for it
+    infer, train, or left out) in a fresh Python started in a folder unrelated to the bundle, with no ``PYTHONPATH``
+    and no path edit: the network is the bundle's class, from the downloaded copy's own code, with the shipped weights,
+    and it runs (not the weights alone, as for a type without its configs/<workflow_type>.json)."""
     bundles, elsewhere = tmp_path / "bundles", tmp_path / "elsewhere"
     elsewhere.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}

@@ -95,8 +95,9 @@ def test_labelme_reference_is_the_mean_of_annotators_and_defects_are_warned(labe
     assert has_warning(record, a002, "'l10'", "missing")
     assert has_warning(record, str(labelme_root / "annotations" / "b" / "002.json"), "'l10'", "missing")
     assert has_warning(record, "010.png", "annotator 'b'")
-    assert has_warning(record, "003.png", "no annotation file from any annotator")
-    assert len(record) == 5, messages(record)
+    # 003, which nobody annotated, is unlabelled as meant: no warning (prepare_data counts such images in one line)
+    assert not has_warning(record, "003.png")
+    assert len(record) == 4, messages(record)
 
 
 def test_labelme_inter_annotator_distance_and_selection(labelme_root):
@@ -454,6 +455,34 @@ def test_split_is_seeded_and_keeps_the_template():
         prepare_data.set_template(dl, "900")
 
 
+def test_several_templates_and_chosen_validation_and_test_ids():
+    """``--template`` with several ids makes them the datalist's ``templates``; ``--validation`` / ``--test`` move the
+    named labelled items there (kept as unlabelled training images with ``keep_held_out_images``); wrong ids are
+    refused naming the option."""
+    items = [{"image": f"/d/{i:03d}.png", "landmarks": [[float(i), 0.0]]} for i in range(8)]
+    items.append({"image": "/d/900.png"})
+    dl = {"name": "x", "spatial_dims": 2, "landmark_names": ["a"], "training": items, "validation": [], "test": []}
+    chosen = prepare_data.set_template(dl, "001,003,005")
+    assert [prepare_data.item_id(t) for t in chosen["templates"]] == ["001", "003", "005"] and "template" not in chosen
+    moved = prepare_data.move_items(chosen, "[002]", "004,006")
+    ids = {s: [prepare_data.item_id(it) for it in moved[s]] for s in ("training", "validation", "test")}
+    assert ids["training"] == ["000", "001", "003", "005", "007", "900"]
+    assert ids["validation"] == ["002"] and ids["test"] == ["004", "006"]
+    kept = prepare_data.move_items(chosen, None, "004", keep_held_out_images=True)
+    assert {"image": "/d/004.png"} in kept["training"] and len(kept["training"]) == 9
+    # the random split draws from what is left: never a template or a named item
+    split = prepare_data.split_training(moved, 0.0, 1.0, seed=0)
+    assert {prepare_data.item_id(it) for it in split["test"]} == {"000", "004", "006", "007"}
+    with pytest.raises(ValueError, match="--test: '003' is a template"):
+        prepare_data.move_items(chosen, None, "003")
+    with pytest.raises(ValueError, match="both name '002'"):
+        prepare_data.move_items(chosen, "002", "002")
+    with pytest.raises(KeyError, match="--validation: no item with id '042'"):
+        prepare_data.move_items(chosen, "042", None)
+    with pytest.raises(ValueError, match="--test: item '900'.*carries no landmarks"):
+        prepare_data.move_items(chosen, None, "900")
+
+
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "scripts.prepare_data", *args]
     return subprocess.run(command, capture_output=True, text=True, cwd=REPO, timeout=120)
@@ -477,7 +506,8 @@ def test_cli_labelme_writes_a_valid_datalist(labelme_root, tmp_path):
         "001",
     )
     assert proc.returncode == 0, proc.stderr
-    assert "warnings: 5" in proc.stdout and "label 'l1' appears 2 times" in proc.stdout
+    assert "warnings: 4" in proc.stdout and "label 'l1' appears 2 times" in proc.stdout
+    assert "unlabelled: 1 images without landmarks" in proc.stdout and "003" not in proc.stdout
     assert "inter-annotator distance: mean" in proc.stdout
     raw = json.loads(out.read_text())
     assert not Path(raw["training"][0]["image"]).is_absolute()  # relative to the datalist's folder

@@ -119,3 +119,25 @@ def test_resuming_with_other_settings_is_refused_naming_each(tmp_path):
     ):
         assert message in second.stdout + second.stderr, (second.stdout + second.stderr)[-3000:]
     assert (models / "last.pt").read_bytes() == saved  # nothing trained, nothing written
+
+
+@pytest.mark.slow
+def test_a_training_without_validation_writes_its_final_weights_as_model_pt_and_says_so(tmp_path):
+    """No validation split: nothing to choose the best checkpoint by, so model.pt (what the commands load) holds the
+    final weights, and the log says why; with a validation split model.pt stays the best one's (the test above)."""
+    datalist = generate_synthetic_2d(tmp_path / "data", n_training=3, n_validation=0, n_test=1, size=(64, 72), seed=2)
+    models = tmp_path / "models"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [*_command(datalist, models, tmp_path / "out"), "--epochs", "2"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log[-3000:]
+    assert f"nothing to choose the best checkpoint by; the final weights are written as {models / 'model.pt'}" in log
+    best, final = (torch.load(models / name, weights_only=True) for name in ("model.pt", "model_final.pt"))
+    assert best.keys() == final.keys() and all(torch.equal(best[k], final[k]) for k in final)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from bundle.command_errors import Refusal
 from bundle.io_utils import write_json_atomic
 
 SECTIONS = ("training", "validation", "test")
@@ -29,6 +30,19 @@ SECTIONS = ("training", "validation", "test")
 
 class DatalistError(ValueError):
     """A datalist that breaks the contract; the message names the file and the key at fault."""
+
+
+class EmptySectionError(DatalistError, Refusal):
+    """A datalist section a command runs on is empty; the message says how to fill it (one line, no traceback)."""
+
+
+# how to fill a section a command needs, after "the '<section>' list is empty"
+FILL_SECTION = {
+    "training": "add images to the datalist's 'training' list",
+    "validation": "make one with python -m scripts.prepare_data ... --validation IDS (or --validation_fraction F)",
+    "test": "make one with python -m scripts.prepare_data ... --test IDS (or --test_fraction F); for landmarks without "
+    "scores run inferring instead",
+}
 
 
 def read_json(path: str | os.PathLike, what: str = "JSON file") -> Any:
@@ -193,9 +207,10 @@ def section_items(
         raise ValueError(f"section must be one of {SECTIONS}, got {section!r}")
     items = datalist.get(section) or []
     if not items:
-        raise DatalistError(
+        raise EmptySectionError(
             f"{path}: the '{section}' list is empty: nothing to {'train on' if section == 'training' else 'run on'} "
-            f"(the sections hold {', '.join(f'{s}: {len(datalist.get(s) or [])}' for s in SECTIONS)})"
+            f"(the sections hold {', '.join(f'{s}: {len(datalist.get(s) or [])}' for s in SECTIONS)}); "
+            f"{FILL_SECTION[section]}"
         )
     if labelled:
         unlabelled = [i for i, it in enumerate(items) if not any(p is not None for p in it.get("landmarks") or [])]

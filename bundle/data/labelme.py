@@ -113,10 +113,7 @@ def read_labelme_set(
     points: dict[str, dict[str, np.ndarray]] = {}
     for image_id in sorted(images, key=natural_key):
         per = files.get(image_id, {})
-        if not per:
-            warnings.warn(
-                f"{images[image_id]}: no annotation file from any annotator: kept without landmarks", stacklevel=2
-            )
+        if not per:  # an image nobody annotated: unlabelled, as meant (prepare_data counts them in one line)
             continue
         for annotator in folders:
             if annotator not in per:

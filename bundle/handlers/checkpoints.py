@@ -57,7 +57,9 @@ class AtomicCheckpointSaver:
     ``Checkpoint`` objects (a single object is saved as its own ``state_dict``) writing through
     :class:`AtomicSaveHandler`, with the training's ``record`` beside each file when one is given.
     ``state_dict``/``load_state_dict`` carry the key-metric ranking, so that a resumed run keeps the best file of the
-    run before it.
+    run before it. ``best_saver``: the key-metric saver of the same run; when it has saved nothing by the time the
+    engine completes (no validation ran: nothing to choose by), the final state is written under its file name too,
+    with a log line saying so.
     """
 
     def __init__(
@@ -70,12 +72,14 @@ class AtomicCheckpointSaver:
         key_metric_filename: str = "model.pt",
         key_metric_negative_sign: bool = False,
         record: Mapping | None = None,
+        best_saver: AtomicCheckpointSaver | None = None,
     ) -> None:
         if not save_dict:
             raise ValueError("AtomicCheckpointSaver: save_dict is empty, there is nothing to save")
         self.sign = -1.0 if key_metric_negative_sign else 1.0
         self.logger = logging.getLogger(__name__)
         self.final_checkpoint = self.key_metric_checkpoint = None
+        self.best_saver = best_saver
         if save_final:
             self.final_checkpoint = Checkpoint(
                 save_dict,
@@ -110,6 +114,8 @@ class AtomicCheckpointSaver:
         if self.final_checkpoint is not None:
             engine.add_event_handler(Events.COMPLETED, self.save_final)
             engine.add_event_handler(Events.EXCEPTION_RAISED, self.save_final_and_raise)
+            if self.best_saver is not None:
+                engine.add_event_handler(Events.COMPLETED, self.save_final_as_best)
         if self.key_metric_checkpoint is not None:
             engine.add_event_handler(Events.EPOCH_COMPLETED, self.key_metric_checkpoint)
 
@@ -118,6 +124,18 @@ class AtomicCheckpointSaver:
         self.final_checkpoint.reset()
         self.final_checkpoint(engine)
         self.logger.info("final checkpoint saved: %s", self.final_checkpoint.save_handler.path)
+
+    def save_final_as_best(self, engine: Engine) -> None:
+        """When ``best_saver`` has saved nothing (no validation ran), write the final state under its file name."""
+        best = self.best_saver.key_metric_checkpoint
+        if best is None or best.last_checkpoint is not None:
+            return
+        Checkpoint(self.final_checkpoint.to_save, best.save_handler)(engine)
+        self.logger.warning(
+            "no validation ran (no validation items, or val_interval above the epochs run): nothing to choose the "
+            "best checkpoint by; the final weights are written as %s too",
+            best.save_handler.path,
+        )
 
     def save_final_and_raise(self, engine: Engine, error: Exception) -> None:
         """On an exception: keep the state reached, then raise the exception again."""
