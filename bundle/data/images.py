@@ -105,9 +105,16 @@ def pil_as_displayed(image):
     return image if image.mode in _PIL_MODES_KEPT else image.convert("L")
 
 
-def _readers(kwargs: dict) -> dict:
-    """``kwargs`` with, unless a reader is given, MONAI's PIL reader using :func:`pil_as_displayed` first."""
-    return kwargs if kwargs.get("reader") is not None else {**kwargs, "reader": PILReader(converter=pil_as_displayed)}
+# the reader of the files PIL reads (PNG, JPEG, BMP, TIFF): as a viewer shows them
+DISPLAYED_PIL = PILReader(converter=pil_as_displayed)
+
+
+def _runtime_reader(files: Any, reader: Any) -> Any:
+    """The reader for ``files``: ``reader`` when given, :data:`DISPLAYED_PIL` for PIL's suffixes, else None (MONAI
+    then picks the reader by the suffix, without trying each one in turn and logging each failure)."""
+    if reader is None and not isinstance(files, (list, tuple)) and DISPLAYED_PIL.verify_suffix(str(files)):
+        return DISPLAYED_PIL
+    return reader
 
 
 # a 2D picture (PNG, JPEG, BMP, TIFF) of more pixels than this is refused from its header, before it is decoded:
@@ -321,11 +328,15 @@ class LoadImaged(monai.transforms.LoadImaged):
     files are read as a viewer shows them (:func:`pil_as_displayed`)."""
 
     def __init__(self, keys: KeysCollection, reader=None, *args: Any, **kwargs: Any) -> None:
-        super().__init__(keys, *args, **_readers({**kwargs, "reader": reader}))
+        super().__init__(keys, reader, *args, **kwargs)
+        self.given_reader = reader is not None
 
     def __call__(self, data, reader=None):
-        for key in self.key_iterator(dict(data)) if isinstance(data, Mapping) else []:
+        keys = list(self.key_iterator(dict(data))) if isinstance(data, Mapping) else []
+        for key in keys:
             check_file(data[key])
+        if len(keys) == 1 and not self.given_reader:
+            reader = _runtime_reader(data[keys[0]], reader)
         try:
             return super().__call__(data, reader)
         except ImageError:
@@ -340,7 +351,7 @@ def load_image(path: str, **kwargs: Any):
     :class:`ImageError`."""
     check_file(path)
     try:
-        return LoadImage(image_only=True, **_readers(kwargs))(path)
+        return LoadImage(image_only=True, **kwargs)(path, _runtime_reader(path, kwargs.get("reader")))
     except Exception as e:
         raise _read_error([path], e) from e
 

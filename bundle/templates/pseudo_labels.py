@@ -21,6 +21,7 @@ import torch
 from bundle.geometry import physical_to_datalist
 from bundle.inferers.oneshot import OneShotInferer
 from bundle.kshot import combine_templates
+from bundle.progress import progress
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ def pseudo_label(
     """
     network.eval()
     labelled = []
-    for item in items:
+    for item in progress(items, "pseudo-labels"):
         data = preprocessing({k: v for k, v in item.items() if k != "landmarks"})
         image = torch.as_tensor(data["image"])[None].float().to(device)
         matches = inferer.match_templates(image, network, cycle=True)
