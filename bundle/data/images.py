@@ -17,6 +17,7 @@ declares more pixels or voxels than an X-ray or a CT has, is refused naming the 
 
 from __future__ import annotations
 
+import glob
 import math
 import os
 import warnings
@@ -564,14 +565,20 @@ def check_image_file(
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".dcm", ".nii", ".nii.gz", ".mha", ".mhd", ".nrrd")
 
 
+def _is_pattern(path: Path) -> bool:
+    """Whether ``path`` is a glob pattern (``*``, ``?`` or ``[``) rather than a file or folder of that name."""
+    return glob.has_magic(str(path)) and not path.exists()
+
+
 def image_items(
     images: str | Sequence[str] | None, dataset_dir: str | os.PathLike, spatial_dims: int = 2
 ) -> list[dict]:
-    """Datalist-style items ``{"image": path}`` of ``images`` (a path or a list of paths: files, or DICOM series
-    folders), or, when None or empty, of what ``dataset_dir`` holds (sorted; none when it does not exist, so that the
-    config builds without data: :func:`require_items` then fails at run time): in 2D every image file directly in
-    it; in 3D ``dataset_dir`` itself when it holds DICOM files (the slices of one series, not volumes of their own),
-    then every sub-folder holding DICOM files (a series each), then every volume file directly in it."""
+    """Datalist-style items ``{"image": path}`` of ``images`` (a path, a glob pattern such as ``scans/*.png``, or a
+    list of them: files, or DICOM series folders; a pattern's matches sorted), or, when None or empty, of what
+    ``dataset_dir`` holds (sorted; none when it does not exist, so that the config builds without data:
+    :func:`require_items` then fails at run time): in 2D every image file directly in it; in 3D ``dataset_dir``
+    itself when it holds DICOM files (the slices of one series, not volumes of their own), then every sub-folder
+    holding DICOM files (a series each), then every volume file directly in it."""
     if isinstance(images, (str, os.PathLike)):
         text = str(images).strip()
         if text.startswith("[") and text.endswith("]") and not Path(text).is_file():
@@ -582,6 +589,10 @@ def image_items(
         images = [images]
     if images:
         paths = [Path(os.path.expanduser(str(p))) for p in images]
+        unmatched = [str(p) for p in paths if _is_pattern(p) and not glob.glob(str(p))]
+        if unmatched:
+            raise FileNotFoundError(f"images: no file matches {unmatched}")
+        paths = [m for p in paths for m in (sorted(map(Path, glob.glob(str(p)))) if _is_pattern(p) else [p])]
         missing = [str(p) for p in paths if not (p.is_file() or p.is_dir())]
         if missing:
             raise FileNotFoundError(f"images not found: {missing}")
