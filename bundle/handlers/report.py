@@ -144,7 +144,16 @@ class LandmarkReportHandler:
         )
 
     def collect(self, engine: Engine) -> None:
-        """Record the predictions of the current iteration (and draw their overlays)."""
+        """Record the predictions of the current iteration (and draw their overlays); on a failure (a user's file in
+        the way) the staging folder goes (a failure elsewhere leaves it to the next run's start or the process's
+        end, :class:`bundle.io_utils.StagedOutputs`)."""
+        try:
+            self._collect(engine)
+        except BaseException:
+            self._staging.discard()
+            raise
+
+    def _collect(self, engine: Engine) -> None:
         outputs, batches = batch_items(engine.state.output), batch_items(engine.state.batch)
         if batches and len(batches) != len(outputs):
             raise ValueError(f"LandmarkReportHandler: {len(batches)} batch items but {len(outputs)} output items")
