@@ -17,7 +17,7 @@ PYTEST_ARGS ?= -q
 PYTEST_WORKERS ?= 2
 PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadfile
 
-.PHONY: install monailabel package demo demo-train demo-evaluate demo-3d lint test test-fast benchmark clean
+.PHONY: install monailabel package demo demo-train demo-evaluate demo-3d lint test test-fast test-zoo-pins benchmark clean
 
 install: $(VENV)/.installed
 
@@ -35,6 +35,19 @@ monailabel: $(MONAILABEL_VENV)/.installed
 $(MONAILABEL_VENV)/.installed: $(VENV)/.installed requirements-monailabel.txt
 	bash apps/monailabel/install.sh $(VENV) $(MONAILABEL_VENV)
 	touch $@
+
+# the versions the model zoo installs (configs/metadata.json: those with Python 3.10 wheels, scripts/zoo_ci.py), tested:
+# .venv-zoo-pins holds the pins that differ from requirements.txt over .venv's packages, and runs the zoo's unit test
+# (ci/unit_tests) and the report, console and image-option tests with them
+ZOO_PINS_VENV ?= .venv-zoo-pins
+test-zoo-pins: install
+	$(PYTHON) -m venv $(ZOO_PINS_VENV)
+	$(PY) -c "import site; print(site.getsitepackages()[0])" > \
+		"$$($(ZOO_PINS_VENV)/bin/python -c 'import site; print(site.getsitepackages()[0])')/project_venv.pth"
+	$(ZOO_PINS_VENV)/bin/pip install --quiet --no-deps $$($(PY) -c "from scripts.zoo_ci import PY310_WHEELS as z; \
+		import importlib.metadata as m; print(' '.join(f'{k}=={v}' for k, v in z.items() if m.version(k).split('+')[0] != v))")
+	MONAILABEL_PYTHON=$(MONAILABEL_PYTHON) $(ZOO_PINS_VENV)/bin/python -m pytest $(PYTEST_ARGS) tests/test_zoo_unit.py \
+		tests/test_reporting.py tests/test_console.py tests/test_images_option.py
 
 package: install
 	$(PY) -m scripts.package --output_dir dist

@@ -293,8 +293,8 @@ def check_command_line(argv: Sequence[str] | None = None) -> None:
     if stray:
         raise ValueError(
             f"command line: {stray} follow(s) no --key: each value must be one word. A shell wildcard (--images *.png) "
-            "or a space in a value splits it; give a list as one quoted word, --images \"['a.png','b.png']\", or a "
-            "folder: --dataset_dir FOLDER"
+            "or a space in a value splits it; quote the pattern, --images 'scans/*.png', give a list as one quoted "
+            "word, --images \"['a.png','b.png']\", or a folder: --dataset_dir FOLDER"
         )
     if not overrides:
         return

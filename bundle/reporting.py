@@ -9,17 +9,20 @@ canvas directly, without pyplot's global state, so they work headless and in thr
 from __future__ import annotations
 
 import csv
+import html
 import io
 import math
 import os
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
+from urllib.parse import quote
 
 import numpy as np
 from bundle.data.annotations import image_stem
 from bundle.data.markups import ControlPoint, write_mrk_json
 from bundle.io_utils import atomic_path, write_json_atomic, write_text_atomic
 from bundle.metrics import DEFAULT_THRESHOLDS, success_detection_rate
+from matplotlib import patheffects
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from monai.utils import convert_to_numpy
@@ -141,15 +144,30 @@ def save_overlay_png(
     return write_png(path, overlay_png(image_2d, ref_px, pred_px, names, pixel_aspect, where=f"overlay {path}"))
 
 
+# an overlay's longer side, in pixels, at least (a smaller image is enlarged so that its key and numbers read)
+OVERLAY_MIN_SIDE = 800
+# landmarks per column of an overlay's key
+KEY_ROWS = 20
+
+
 def overlay_png(
     image_2d, ref_px, pred_px, names: Sequence[str], pixel_aspect: float = 1.0, where: str = "overlay"
 ) -> bytes:
-    """Grey image with reference (green circles) and predicted (red crosses) landmarks joined by a line, as PNG.
+    """The figure of :func:`overlay_figure` as PNG file content."""
+    return _png(overlay_figure(image_2d, ref_px, pred_px, names, pixel_aspect, where))
+
+
+def overlay_figure(
+    image_2d, ref_px, pred_px, names: Sequence[str], pixel_aspect: float = 1.0, where: str = "overlay"
+) -> Figure:
+    """Grey image with its predicted landmarks (red crosses, each numbered: the key in the top left corner names
+    them) and, where known, the reference ones (green circles, each joined to its prediction); the legend lists only
+    what is drawn.
 
     ``image_2d`` is indexed ``[x, y]`` (tensor axis order: x the column); ``ref_px`` and ``pred_px`` are
-    ``(L, 2)`` ``[x, y]`` positions in that image's pixels, NaN for missing. ``pixel_aspect`` is a
-    pixel's height over its width (so a resized grid is shown with the anatomy's true proportions).
-    ``where`` names the overlay in error messages.
+    ``(L, 2)`` ``[x, y]`` positions in that image's pixels, NaN for missing. The figure has the image's own pixels
+    (one per image pixel; a longer side under :data:`OVERLAY_MIN_SIDE` is enlarged to it); ``pixel_aspect`` is a
+    pixel's height over its width (the anatomy's true proportions). ``where`` names the overlay in error messages.
     """
     image = np.asarray(convert_to_numpy(image_2d), dtype=np.float64).squeeze()
     if image.ndim != 2:
@@ -159,26 +177,95 @@ def overlay_png(
     if len(ref) != len(pred) or len(names) != len(ref):
         raise ValueError(f"{where}: {len(ref)} references, {len(pred)} predictions and {len(names)} names")
     width, height = image.shape
-    fig = Figure(figsize=(7.0, 7.0 * pixel_aspect * height / width), dpi=100)
+    scale = max(1.0, OVERLAY_MIN_SIDE / max(width, height * pixel_aspect))
+    dpi = 100.0
+    fig = Figure(figsize=(width * scale / dpi, height * pixel_aspect * scale / dpi), dpi=dpi)
     ax = fig.add_axes((0.0, 0.0, 1.0, 1.0))
     finite = image[np.isfinite(image)]
     lo, hi = np.percentile(finite, (0.5, 99.5)) if finite.size else (0.0, 1.0)
     ax.imshow(
-        image.T, cmap="gray", vmin=lo, vmax=hi if hi > lo else lo + 1.0, interpolation="bilinear", aspect=pixel_aspect
+        image.T, cmap="gray", vmin=lo, vmax=hi if hi > lo else lo + 1.0, interpolation="nearest", aspect=pixel_aspect
     )
-    for (rx, ry), (px, py) in zip(ref, pred):
-        if np.isfinite([rx, ry, px, py]).all():
-            ax.plot([rx, px], [ry, py], color="yellow", linewidth=1.0)
-    ax.scatter(ref[:, 0], ref[:, 1], s=36, facecolors="none", edgecolors="lime", linewidths=1.5, label="reference")
-    ax.scatter(pred[:, 0], pred[:, 1], s=36, marker="x", color="red", linewidths=1.5, label="prediction")
-    for name, (rx, ry) in zip(names, ref):
-        if np.isfinite([rx, ry]).all():
-            ax.annotate(str(name), (rx, ry), xytext=(4, 4), textcoords="offset points", color="cyan", fontsize=7)
+    # text and marks sized to the figure: a point is dpi / 72 pixels
+    font = max(8.0, max(width, height * pixel_aspect) * scale / 110 * 72 / dpi)
+    outline = [patheffects.withStroke(linewidth=font / 4, foreground="black")]
+    has_ref = np.isfinite(ref).all(1)
+    has_pred = np.isfinite(pred).all(1)
+    for (rx, ry), (px, py) in zip(ref[has_ref & has_pred], pred[has_ref & has_pred]):
+        ax.plot([rx, px], [ry, py], color="yellow", linewidth=font / 8)
+    if has_ref.any():
+        ax.scatter(
+            *ref[has_ref].T,
+            s=(font * 1.2) ** 2,
+            facecolors="none",
+            edgecolors="lime",
+            linewidths=font / 6,
+            label="reference",
+        )
+    if has_pred.any():
+        ax.scatter(
+            *pred[has_pred].T,
+            s=(font * 1.2) ** 2,
+            marker="x",
+            color="red",
+            linewidths=font / 6,
+            label="prediction (number: the key)",
+        )
+    for number in np.flatnonzero(has_pred):
+        ax.annotate(
+            str(number + 1),
+            tuple(pred[number]),
+            xytext=(font / 2, font / 2),
+            textcoords="offset points",
+            color="cyan",
+            fontsize=font,
+            path_effects=outline,
+        )
+    rows = min(KEY_ROWS, len(names))
+    key_font = min(font, fig.get_figheight() * 72 * 0.9 / (max(rows, 1) * 1.3))
+    columns = [
+        "\n".join(f"{i + 1} {names[i]}" for i in range(c, min(c + rows, len(names))))
+        for c in range(0, len(names), max(rows, 1))
+    ]
+    for c, text in enumerate(columns):
+        ax.annotate(
+            text,
+            (0.01 + 0.2 * c, 0.99),
+            xycoords="axes fraction",
+            va="top",
+            color="white",
+            fontsize=key_font,
+            family="monospace",
+            path_effects=outline,
+        )
     ax.set_xlim(-0.5, width - 0.5)
     ax.set_ylim(height - 0.5, -0.5)
     ax.set_axis_off()
-    ax.legend(loc="lower right", fontsize=8, framealpha=0.7)
-    return _png(fig)
+    if has_ref.any() or has_pred.any():
+        ax.legend(loc="lower right", fontsize=font, framealpha=0.7)
+    return fig
+
+
+def write_overview_html(
+    path: str | os.PathLike, overlays: Mapping[str, tuple[str, float | None]], names: Sequence[str], pipeline: str
+) -> Path:
+    """Write a page showing every overlay of a run (``overlays``: file name in ``overlays/`` -> (its image, its MRE
+    in mm or None)), each captioned with its image and MRE, under the key of the landmark numbers."""
+    key = ", ".join(f"{i + 1} {html.escape(str(n))}" for i, n in enumerate(names))
+    figures = "".join(
+        f'<figure><a href="overlays/{quote(name)}"><img src="overlays/{quote(name)}" loading="lazy" alt=""></a>'
+        f"<figcaption>{html.escape(str(image))}{'' if mre is None else f' (MRE {mre:.2f} mm)'}</figcaption></figure>\n"
+        for name, (image, mre) in overlays.items()
+    )
+    page = (
+        '<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>Landmarks on '
+        f"{len(overlays)} images</title><style>body{{font-family:sans-serif}}figure{{display:inline-block;"
+        "margin:4px;width:360px;vertical-align:top}img{width:100%}figcaption{font-size:12px;word-break:break-all}"
+        f"</style></head><body>\n<h1>Landmarks ({html.escape(pipeline)}) on {len(overlays)} images</h1>\n"
+        f"<p>Red crosses: predictions, numbered: {key}. Green circles: reference landmarks, where known. "
+        f"Click an image for its full resolution.</p>\n{figures}</body></html>\n"
+    )
+    return write_text_atomic(path, page)
 
 
 def save_sdr_curve(

@@ -246,9 +246,10 @@ def write(
     out_path = check_output_file(out)  # before the images are read; a quoted ~/... reaches us unexpanded
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        # libraries' (SWIG's, ITK's), not the data's; shown always, SWIG's also comes back as the process ends
+        warnings.simplefilter("ignore", DeprecationWarning)
         datalist, extra = read()
         check_images(datalist)
-    caught = [w for w in caught if not issubclass(w.category, DeprecationWarning)]  # libraries' (SWIG), not the data's
     for w in caught:
         print(f"warning: {w.message}")
     datalist = set_template(datalist, template)

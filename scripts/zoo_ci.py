@@ -49,6 +49,7 @@ PY310_WHEELS = {
     "PyYAML": "6.0.3",
     "tensorboard": "2.21.0",
     "matplotlib": "3.10.9",
+    "tqdm": "4.70.1",
 }
 ZOO_SETTINGS = ("setup.cfg", "pyproject.toml")
 

@@ -84,6 +84,9 @@ def test_metadata_verifies_offline_against_the_shipped_schema_and_zoo_rules():
     )
     assert not re.search(r"^version\s*=", (ROOT / "pyproject.toml").read_text(), re.M)  # one version: the metadata's
     assert "pytorch-ignite" in meta["required_packages_version"]
+    # every runtime import pinned (tqdm: the progress bars, bundle.progress); the app it serves, at its pinned version
+    assert meta["required_packages_version"]["tqdm"] == pins["tqdm"]
+    assert meta["supported_apps"] == {"monai-label": _pins(ROOT / "requirements-monailabel.txt")["monailabel"]}
     fmt = meta["network_data_format"]
     assert list(fmt["inputs"]) == ["image"] and list(fmt["outputs"]) == ["pred"]
     assert fmt["outputs"]["pred"]["format"] == "points" and "points" in fmt["post_processed_outputs"]

@@ -6,12 +6,14 @@ import csv
 import json
 import logging
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from bundle.handlers.report import LandmarkReportHandler
 from bundle.reporting import (
+    overlay_figure,
     read_predictions_csv,
     run_provenance,
     save_overlay_png,
@@ -22,6 +24,7 @@ from bundle.reporting import (
 from ignite.engine import Engine
 from matplotlib.image import imread
 from monai.data import MetaTensor
+from PIL import Image
 
 NAN = float("nan")
 NAMES = ["sella", "nasion"]
@@ -123,7 +126,7 @@ def test_overlay_and_sdr_curve_are_readable_pngs(tmp_path):
     pred = ref + np.array([[5.0, 3.0], [-4.0, 6.0], [0.0, 0.0]])
     path = save_overlay_png(tmp_path / "overlays" / "img.png", image, ref, pred, ["a", "b", "c"], pixel_aspect=1.5)
     png = imread(path)
-    assert png.shape[:2] == (700, 700)  # 80 rows of pixels 1.5 times as tall as wide: 120 x 120 units
+    assert png.shape[:2] == (800, 800)  # 80 rows of pixels 1.5 times as tall as wide: 120 x 120, enlarged to 800
     assert _colour_fraction(png, (1.0, 0.0, 0.0)) > 0  # prediction crosses
     assert _colour_fraction(png, (0.0, 1.0, 0.0)) > 0  # reference circles
     with pytest.raises(ValueError, match="names"):
@@ -150,7 +153,10 @@ def test_report_handler_2d_through_an_engine(tmp_path, caplog):
     pred_px = ref_px + np.array([[[3.0, 4.0], [0.0, 1.0]], [[-6.0, 8.0], [0.0, 0.0]], [[0.0, 0.0], [1.0, 0.0]]])
     pred_px[1, 1] = [11.0, 12.0]
     ref_mm, pred_mm = ref_px * spacing[:, None], pred_px * spacing[:, None]
-    paths = ["/d/img001.png", "/d/img002.png", "/e/img001.png"]
+    paths = [str(tmp_path / "d" / "img001.png"), str(tmp_path / "d" / "img002.png"), str(tmp_path / "e" / "img001.png")]
+    for path in paths:  # the overlays are drawn from the files
+        Path(path).parent.mkdir(exist_ok=True)
+        Image.fromarray(np.full((60, 50), 80, np.uint8)).save(path)
     grid_scale = torch.as_tensor(spacing * 2.0, dtype=torch.float32)  # grid pixels of half the image's resolution
     first, first_out = _batch(pred_mm[:2], ref_mm[:2], spacing[:2], paths[:2], grid_scale[:2])
     second, second_out = _batch(pred_mm[2:], ref_mm[2:], spacing[2:], paths[2:], grid_scale[2:])
@@ -175,7 +181,7 @@ def test_report_handler_2d_through_an_engine(tmp_path, caplog):
 
     table = _read_csv(tmp_path / "eval" / "predictions.csv")
     assert table[0] == ["image", "landmark", "x", "y", "error_mm"] and len(table) == 7
-    assert table[1][:2] == ["/d/img001.png", "sella"]
+    assert table[1][:2] == [paths[0], "sella"]
     np.testing.assert_allclose(
         [float(v) for v in table[1][2:]], [13.0, 14.0, math.hypot(0.3, 0.8)], atol=1e-6
     )  # original pixels
@@ -206,3 +212,38 @@ def test_report_handler_3d_world_mm_and_missing_keys(tmp_path):
     LandmarkReportHandler(tmp_path / "b", NAMES).attach(broken)
     with pytest.raises(KeyError, match="spacing"):
         broken.run([{"image_path": ["/v/ct.nii.gz"]}], max_epochs=1)
+
+
+def test_overlay_names_every_point_and_its_legend_lists_only_what_is_drawn():
+    image = np.zeros((200, 100))
+    pred = np.array([[30.0, 20.0], [90.0, 60.0], [NAN, NAN]])
+    unlabelled = overlay_figure(image, np.full((3, 2), NAN), pred, ["sella", "nasion", "orbitale"])
+    ax = unlabelled.axes[0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["prediction (number: the key)"]  # no reference
+    texts = [t.get_text() for t in ax.texts]
+    assert "1" in texts and "2" in texts and "3" not in texts  # each predicted point numbered
+    assert "1 sella\n2 nasion\n3 orbitale" in texts  # the key
+    labelled = overlay_figure(image, pred + 1.0, pred, ["sella", "nasion", "orbitale"]).axes[0]
+    assert [t.get_text() for t in labelled.get_legend().get_texts()] == ["reference", "prediction (number: the key)"]
+
+
+def test_report_overlays_are_drawn_at_the_images_resolution_with_an_overview(tmp_path):
+    """A 1000 x 850 image seen by the network on a 64 x 48 grid: its overlay has the image's 1000 x 850 pixels."""
+    paths = [str(tmp_path / "in" / f"case{i}.png") for i in range(2)]
+    (tmp_path / "in").mkdir()
+    for path in paths:
+        Image.fromarray(np.linspace(0, 255, 850 * 1000).reshape(850, 1000).astype(np.uint8)).save(path)
+    spacing = np.array([[0.1, 0.1], [0.1, 0.1]])
+    ref_px = np.array([[[100.0, 200.0], [700.0, 600.0]], [[NAN, NAN], [NAN, NAN]]])
+    pred_px = np.array([[[110.0, 190.0], [690.0, 610.0]], [[300.0, 300.0], [500.0, 400.0]]])
+    batch, output = _batch(pred_px * spacing[:, None], ref_px * spacing[:, None], spacing, paths, torch.ones(2, 2))
+    engine = Engine(lambda e, b: output)
+    LandmarkReportHandler(tmp_path / "eval", NAMES).attach(engine)
+    engine.run([batch], max_epochs=1)
+    for path in paths:
+        assert imread(tmp_path / "eval" / "overlays" / f"{Path(path).stem}.png").shape[:2] == (850, 1000)
+    page = (tmp_path / "eval" / "overview.html").read_text()
+    assert page.count("<img ") == 2 and 'src="overlays/case0.png"' in page and 'src="overlays/case1.png"' in page
+    assert f"{paths[0]} (MRE 1.41 mm)" in page and f"{paths[1]}</figcaption>" in page  # case1: no reference
+    assert "1 sella, 2 nasion" in page
+    assert not list(tmp_path.glob(".eval*"))  # the staging folder is gone

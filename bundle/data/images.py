@@ -17,6 +17,7 @@ declares more pixels or voxels than an X-ray or a CT has, is refused naming the 
 
 from __future__ import annotations
 
+import glob
 import math
 import os
 import warnings
@@ -105,9 +106,16 @@ def pil_as_displayed(image):
     return image if image.mode in _PIL_MODES_KEPT else image.convert("L")
 
 
-def _readers(kwargs: dict) -> dict:
-    """``kwargs`` with, unless a reader is given, MONAI's PIL reader using :func:`pil_as_displayed` first."""
-    return kwargs if kwargs.get("reader") is not None else {**kwargs, "reader": PILReader(converter=pil_as_displayed)}
+# the reader of the files PIL reads (PNG, JPEG, BMP, TIFF): as a viewer shows them
+DISPLAYED_PIL = PILReader(converter=pil_as_displayed)
+
+
+def _runtime_reader(files: Any, reader: Any) -> Any:
+    """The reader for ``files``: ``reader`` when given, :data:`DISPLAYED_PIL` for PIL's suffixes, else None (MONAI
+    then picks the reader by the suffix, without trying each one in turn and logging each failure)."""
+    if reader is None and not isinstance(files, (list, tuple)) and DISPLAYED_PIL.verify_suffix(str(files)):
+        return DISPLAYED_PIL
+    return reader
 
 
 # a 2D picture (PNG, JPEG, BMP, TIFF) of more pixels than this is refused from its header, before it is decoded:
@@ -321,11 +329,15 @@ class LoadImaged(monai.transforms.LoadImaged):
     files are read as a viewer shows them (:func:`pil_as_displayed`)."""
 
     def __init__(self, keys: KeysCollection, reader=None, *args: Any, **kwargs: Any) -> None:
-        super().__init__(keys, *args, **_readers({**kwargs, "reader": reader}))
+        super().__init__(keys, reader, *args, **kwargs)
+        self.given_reader = reader is not None
 
     def __call__(self, data, reader=None):
-        for key in self.key_iterator(dict(data)) if isinstance(data, Mapping) else []:
+        keys = list(self.key_iterator(dict(data))) if isinstance(data, Mapping) else []
+        for key in keys:
             check_file(data[key])
+        if len(keys) == 1 and not self.given_reader:
+            reader = _runtime_reader(data[keys[0]], reader)
         try:
             return super().__call__(data, reader)
         except ImageError:
@@ -340,7 +352,7 @@ def load_image(path: str, **kwargs: Any):
     :class:`ImageError`."""
     check_file(path)
     try:
-        return LoadImage(image_only=True, **_readers(kwargs))(path)
+        return LoadImage(image_only=True, **kwargs)(path, _runtime_reader(path, kwargs.get("reader")))
     except Exception as e:
         raise _read_error([path], e) from e
 
@@ -553,14 +565,20 @@ def check_image_file(
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".dcm", ".nii", ".nii.gz", ".mha", ".mhd", ".nrrd")
 
 
+def _is_pattern(path: Path) -> bool:
+    """Whether ``path`` is a glob pattern (``*``, ``?`` or ``[``) rather than a file or folder of that name."""
+    return glob.has_magic(str(path)) and not path.exists()
+
+
 def image_items(
     images: str | Sequence[str] | None, dataset_dir: str | os.PathLike, spatial_dims: int = 2
 ) -> list[dict]:
-    """Datalist-style items ``{"image": path}`` of ``images`` (a path or a list of paths: files, or DICOM series
-    folders), or, when None or empty, of what ``dataset_dir`` holds (sorted; none when it does not exist, so that the
-    config builds without data: :func:`require_items` then fails at run time): in 2D every image file directly in
-    it; in 3D ``dataset_dir`` itself when it holds DICOM files (the slices of one series, not volumes of their own),
-    then every sub-folder holding DICOM files (a series each), then every volume file directly in it."""
+    """Datalist-style items ``{"image": path}`` of ``images`` (a path, a glob pattern such as ``scans/*.png``, or a
+    list of them: files, or DICOM series folders; a pattern's matches sorted), or, when None or empty, of what
+    ``dataset_dir`` holds (sorted; none when it does not exist, so that the config builds without data:
+    :func:`require_items` then fails at run time): in 2D every image file directly in it; in 3D ``dataset_dir``
+    itself when it holds DICOM files (the slices of one series, not volumes of their own), then every sub-folder
+    holding DICOM files (a series each), then every volume file directly in it."""
     if isinstance(images, (str, os.PathLike)):
         text = str(images).strip()
         if text.startswith("[") and text.endswith("]") and not Path(text).is_file():
@@ -571,6 +589,10 @@ def image_items(
         images = [images]
     if images:
         paths = [Path(os.path.expanduser(str(p))) for p in images]
+        unmatched = [str(p) for p in paths if _is_pattern(p) and not glob.glob(str(p))]
+        if unmatched:
+            raise FileNotFoundError(f"images: no file matches {unmatched}")
+        paths = [m for p in paths for m in (sorted(map(Path, glob.glob(str(p)))) if _is_pattern(p) else [p])]
         missing = [str(p) for p in paths if not (p.is_file() or p.is_dir())]
         if missing:
             raise FileNotFoundError(f"images not found: {missing}")

@@ -1,5 +1,5 @@
 """Ignite handlers of the configs: checkpoints and resuming, the evaluation report, the detector's confidence,
-TensorBoard, templates, the training's time budget."""
+the console's progress, TensorBoard, templates, the training's time budget."""
 
 from bundle.handlers.checkpoints import (
     AtomicCheckpointSaver,
@@ -10,6 +10,7 @@ from bundle.handlers.checkpoints import (
     resume_handlers,
 )
 from bundle.handlers.confidence import ConfidenceHandler
+from bundle.handlers.progress import EngineProgress
 from bundle.handlers.report import LandmarkReportHandler
 from bundle.handlers.templates import TemplateHandler
 from bundle.handlers.tensorboard import DeferredSummaryWriter
@@ -20,6 +21,7 @@ __all__ = [
     "AtomicSaveHandler",
     "CheckpointDirReport",
     "DeferredSummaryWriter",
+    "EngineProgress",
     "ConfidenceHandler",
     "LandmarkReportHandler",
     "LastCheckpointSaver",

@@ -9,7 +9,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 from bundle.data.annotations import image_stem
-from bundle.geometry import apply_homogeneous, physical_to_datalist
+from bundle.data.images import load_grey
+from bundle.geometry import physical_to_datalist
 from bundle.io_utils import StagedOutputs, write_json_atomic
 from bundle.metrics import DEFAULT_THRESHOLDS, radial_errors, summarize_errors
 from bundle.reporting import (
@@ -20,6 +21,7 @@ from bundle.reporting import (
     unique_name,
     write_markups_per_image,
     write_metrics_json,
+    write_overview_html,
     write_png,
     write_predictions_csv,
 )
@@ -53,17 +55,17 @@ class LandmarkReportHandler:
         Pixel errors (``mre_px``) are ``|(pred - ref) / spacing|``;
       - ``path_key`` ("image_path"): the image's path for the CSV, else the ``filename_or_obj`` of
         the ``image_key`` MetaTensor;
-      - 2D overlays only: ``image_key`` ("image") the ``(1, W, H)`` grid image and ``grid_key``
-        ("grid_to_physical") its ``(3, 3)`` grid-to-mm matrix; items without them get no overlay.
+      - 2D overlays: drawn from the image's file (``path_key`` / ``filename_or_obj``) at its own resolution.
     At ``EPOCH_STARTED`` the collection is reset; at ``COMPLETED`` it writes ``output_dir``/metrics.json,
-    predictions.csv, sdr_curve.png and overlays/<image stem>.png (2D) or <image stem>.mrk.json (3D, the
-    predictions as a 3D Slicer point list in RAS), and logs MRE and SDR. When no image has a reference landmark
-    (inference on new images), predictions.csv, the overlays (markups) and provenance.json are written.
+    predictions.csv, sdr_curve.png and overlays/<image stem>.png with overview.html, a page showing them all (2D),
+    or <image stem>.mrk.json (3D, the predictions as a 3D Slicer point list in RAS), and logs MRE and SDR. When no
+    image has a reference landmark (inference on new images), predictions.csv, the overlays (markups) and
+    provenance.json are written.
     metrics.json and provenance.json say what made the predictions (:func:`bundle.reporting.run_provenance`):
     ``pipeline``, the ``template`` images (set by :class:`bundle.handlers.templates.TemplateHandler` when the
     templates are chosen as the run starts), ``pseudo_templates``, ``checkpoint`` and the ``refinement`` that ran after
     the pipeline (:class:`bundle.inferers.refinement.DescriptorRefinement`, None: none).
-    Everything is written at ``COMPLETED`` (the overlays drawn as their images come, kept in memory) into a
+    Everything is written at ``COMPLETED`` (the overlays as their images come, none kept in memory) into a
     staging folder beside ``output_dir``, which replaces the previous run's report files only when complete
     (:class:`bundle.io_utils.StagedOutputs`): after a failure ``output_dir`` is as it was, and files that no
     run wrote are never touched. Each report file is checked (:meth:`bundle.io_utils.StagedOutputs.check`) as
@@ -90,7 +92,6 @@ class LandmarkReportHandler:
         spacing_key: str = "spacing",
         path_key: str = "image_path",
         image_key: str = "image",
-        grid_key: str = "grid_to_physical",
         logger_name: str = "bundle.reporting",
     ) -> None:
         self.output_dir = Path(output_dir)
@@ -104,13 +105,13 @@ class LandmarkReportHandler:
         self.overlays = overlays
         self.unlabelled = unlabelled
         self.pred_key, self.label_key, self.spacing_key = pred_key, label_key, spacing_key
-        self.path_key, self.image_key, self.grid_key = path_key, image_key, grid_key
+        self.path_key, self.image_key = path_key, image_key
         self.logger = logging.getLogger(logger_name)
         self.records: list[dict] = []
         self._stems: set[str] = set()
         self._markups: set[str] = set()  # the 3D markup files' stems (as write_markups_per_image names them)
         self._labelled = False  # whether an image with reference landmarks came
-        self._overlays: dict[str, bytes] = {}  # overlay file name -> PNG, written with the report
+        self._overlays: dict[str, int] = {}  # overlay file name (written in the staging folder) -> its record
         self._staging = StagedOutputs(self.output_dir)
 
     def attach(self, engine: Engine) -> None:
@@ -146,7 +147,16 @@ class LandmarkReportHandler:
         )
 
     def collect(self, engine: Engine) -> None:
-        """Record the predictions of the current iteration (and draw their overlays)."""
+        """Record the predictions of the current iteration (and draw their overlays); on a failure (a user's file in
+        the way) the staging folder goes (a failure elsewhere leaves it to the next run's start or the process's
+        end, :class:`bundle.io_utils.StagedOutputs`)."""
+        try:
+            self._collect(engine)
+        except BaseException:
+            self._staging.discard()
+            raise
+
+    def _collect(self, engine: Engine) -> None:
         outputs, batches = batch_items(engine.state.output), batch_items(engine.state.batch)
         if batches and len(batches) != len(outputs):
             raise ValueError(f"LandmarkReportHandler: {len(batches)} batch items but {len(outputs)} output items")
@@ -167,19 +177,25 @@ class LandmarkReportHandler:
             if spacing.size == 3:
                 self._staging.check([f"{unique_name(image_stem(record['image']), self._markups)}.mrk.json"])
             self.records.append(record)
-            if self.overlays and spacing.size == 2 and self.image_key in item and self.grid_key in item:
-                self._overlay(record, item)
+            if self.overlays and spacing.size == 2:
+                self._overlay(record)
 
-    def _overlay(self, record: dict, item: Mapping) -> None:
+    def _overlay(self, record: dict) -> None:
+        """Draw the image's overlay from its file, at its own resolution, into the staging folder."""
         name = unique_name(Path(record["image"]).stem, self._stems)
-        self._staging.check([f"overlays/{name}.png"])
-        matrix = np.asarray(convert_to_numpy(item[self.grid_key]), dtype=np.float64)
-        ref_grid = apply_homogeneous(matrix, record["ref"], inverse=True).numpy()
-        pred_grid = apply_homogeneous(matrix, record["pred"], inverse=True).numpy()
-        size_x, size_y = np.linalg.norm(matrix[:2, :2], axis=0)  # mm per grid pixel along x and y
-        self._overlays[f"{name}.png"] = overlay_png(
-            item[self.image_key], ref_grid, pred_grid, self.landmark_names, size_y / size_x, where=f"overlay {name}.png"
+        self._staging.check([f"overlays/{name}.png"] + ([] if self._overlays else ["overview.html"]))
+        image, _ = load_grey(record["image"], 2)
+        spacing = record["spacing"]
+        png = overlay_png(
+            image,
+            physical_to_datalist(record["ref"], spacing),
+            physical_to_datalist(record["pred"], spacing),
+            self.landmark_names,
+            float(spacing[1] / spacing[0]),
+            where=f"overlay {name}.png",
         )
+        write_png(self._staging.folder / "overlays" / f"{name}.png", png)
+        self._overlays[f"{name}.png"] = len(self.records) - 1
 
     def write(self, engine: Engine | None = None) -> dict[str, Any]:
         """Write metrics.json, predictions.csv and sdr_curve.png, then move the report into ``output_dir``;
@@ -231,8 +247,15 @@ class LandmarkReportHandler:
             for j, name in enumerate(self.landmark_names)
         ]
         write_predictions_csv(folder / "predictions.csv", rows)
-        for name, png in self._overlays.items():
-            write_png(folder / "overlays" / name, png)
+        if self._overlays:
+            captions = {
+                name: (
+                    self.records[i]["image"],
+                    float(np.nanmean(errors_mm[i])) if np.isfinite(errors_mm[i]).any() else None,
+                )
+                for name, i in self._overlays.items()
+            }
+            write_overview_html(folder / "overview.html", captions, self.landmark_names, self.pipeline)
         if preds.shape[-1] == 3:
             write_markups_per_image(folder, self.records, self.landmark_names)
         provenance = run_provenance(

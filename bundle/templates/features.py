@@ -19,6 +19,7 @@ from bundle.data.embedded import open_datalist
 from bundle.geometry import plain_tensor
 from bundle.io_utils import cache_root, not_private, private_folder
 from bundle.networks.matching import feature_vectors
+from bundle.progress import progress
 from bundle.template_file import TEMPLATE_FORMAT, bundle_path, check_template, file_sha256, load_template, save_template
 from bundle.templates.resolution import check_rule, prepare_template, resolve_templates
 
@@ -45,7 +46,7 @@ def compute_template(
         raise ValueError("compute_template needs at least one annotated item")
     network.eval()
     per_template, grid_size = [], None
-    for item in items:
+    for item in progress(items, "template features"):
         image, points = prepare_template(dict(item), preprocessing)
         if points.shape[0] != len(landmark_names):
             raise ValueError(f"template {item['image']}: {points.shape[0]} landmarks for {len(landmark_names)} names")

@@ -22,6 +22,7 @@ from bundle.data.datalist import datalist_landmarks
 from bundle.geometry import physical_to_datalist
 from bundle.inferers.oneshot import OneShotInferer
 from bundle.kshot import combine_templates
+from bundle.progress import progress
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ def pseudo_label(
     """
     network.eval()
     labelled = []
-    for item in items:
+    for item in progress(items, "pseudo-labels"):
         data = preprocessing({k: v for k, v in item.items() if k != "landmarks"})
         image = torch.as_tensor(data["image"])[None].float().to(device)
         matches = inferer.match_templates(image, network, cycle=True)

@@ -15,6 +15,7 @@ import torch
 from bundle.configs import as_number
 from bundle.geometry import grid_landmarks
 from bundle.inferers.oneshot import OneShotInferer
+from bundle.progress import progress
 from bundle.templates.pseudo_labels import pseudo_label, select_pseudo_templates
 from bundle.templates.selection import select_template, select_template_by_landmarks
 from bundle.transforms.landmarks import TEMPLATE_KEY
@@ -74,7 +75,7 @@ def default_templates(datalist: dict) -> list[dict]:
 
 def with_templates(inferer, items: list[dict], preprocessing, device: torch.device | str):
     """Give ``inferer`` (a ``bundle.inferers.oneshot.OneShotInferer``) the template ``items`` and return it."""
-    prepared = [prepare_template(item, preprocessing) for item in items]
+    prepared = [prepare_template(item, preprocessing) for item in progress(items, "templates")]
     inferer.set_templates([image.to(device) for image, _ in prepared], [points.to(device) for _, points in prepared])
     return inferer
 
@@ -111,7 +112,7 @@ def ranked_templates(
     unlabelled = [it for it in datalist["training"] if it not in labelled]
     pool = (labelled if rule == "landmarks" else labelled + unlabelled)[: max(max_images, 2)]
     candidates = [i for i, it in enumerate(pool) if it in labelled]
-    prepared = [preprocessing(dict(it)) for it in pool]
+    prepared = [preprocessing(dict(it)) for it in progress(pool, "template candidates")]
     images = [torch.as_tensor(d["image"]).to(device) for d in prepared]
     network.eval()
     with torch.no_grad():

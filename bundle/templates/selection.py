@@ -22,6 +22,7 @@ import torch
 from bundle.geometry import apply_homogeneous, plain_tensor
 from bundle.inferers.oneshot import OneShotInferer
 from bundle.networks.matching import feature_vectors
+from bundle.progress import progress
 
 
 def grid_points(grid_size: Sequence[int], n_points: int, margin: float = 0.1) -> torch.Tensor:
@@ -100,7 +101,7 @@ def select_template(
     # of the backward match into the candidate, every image's in one call per candidate
     similarities: dict[int, dict[int, torch.Tensor]] = {c: {} for c in candidates}
     back_queries: dict[int, dict[int, list[torch.Tensor]]] = {c: {} for c in candidates}
-    for j in range(n_images):
+    for j in progress(range(n_images), "template ranking"):
         others = [c for c in candidates if c != j]
         if not others:
             continue
@@ -151,14 +152,17 @@ def landmark_transfer_errors(
     inferer = OneShotInferer() if inferer is None else inferer
     grid_size = tuple(torch.as_tensor(images[0]).shape[1:])
     device = _device(network, torch.as_tensor(images[0]).device)
-    features = [_encode(network, image, i, grid_size, device) for i, image in enumerate(images)]
+    features = [
+        _encode(network, image, i, grid_size, device)
+        for i, image in progress(enumerate(images), "template ranking", n_images)
+    ]
     pts = [torch.as_tensor(p, dtype=torch.float32, device=device) for p in points]
     physical = [apply_homogeneous(m, p) for m, p in zip(grid_to_physical, pts)]
     errors = torch.full((n_images, n_images), float("nan"), dtype=torch.float64)
     rows = range(n_images) if templates is None else [int(t) for t in templates]
     known = {c: ~torch.isnan(pts[c]).any(dim=1) for c in rows}
     queries = {c: feature_vectors(features[c], pts[c][known[c]][None], grid_size) for c in rows if known[c].any()}
-    for j in range(n_images):
+    for j in progress(range(n_images), "template ranking"):
         # every template's landmarks found in image j in one matcher call (each query's match is its own)
         sources = [c for c in queries if c != j]
         if not sources:

@@ -30,6 +30,7 @@ positions in the file's frame (:func:`file_frame`, :func:`file_positions`).
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 from typing import Any, Hashable, Mapping, Sequence
 
 import numpy as np
@@ -63,6 +64,10 @@ TEMPLATE_KEY = "as_template"
 TEMPLATE_MIN_SIZE = {2: 64, 3: 16}
 # a template needs this many landmark positions at least one pixel (voxel) apart, or as many as it places when fewer
 TEMPLATE_MIN_POSITIONS = 3
+
+
+# (folder, suffix) of the images whose missing spacing was warned about: one line for a folder of PNGs, not one each
+_NO_SPACING_SAID: set[tuple[Path, str]] = set()
 
 
 def _file(image) -> str:
@@ -281,11 +286,14 @@ class LandmarkTargets(Transform):
                     f"{low:g} to {high:g} mm per pixel: give the item a 'spacing' in the datalist"
                 )
             return spacing
-        warnings.warn(
-            f"no spacing for {_file(image)}: neither the datalist item nor the header gives one; using 1.0 "
-            "(mm figures are then pixels)",
-            stacklevel=2,
-        )
+        name = Path(str(_file(image)))
+        if (name.parent, name.suffix.lower()) not in _NO_SPACING_SAID:
+            _NO_SPACING_SAID.add((name.parent, name.suffix.lower()))
+            warnings.warn(
+                f"no spacing for {name}: neither the datalist item nor the header gives one; using 1.0 (mm figures "
+                f"are then pixels; said once for the {name.suffix or 'other'} files of {name.parent})",
+                stacklevel=2,
+            )
         return np.ones(dims)
 
     def __call__(self, img, landmarks=None, spacing=None, template: bool = False) -> tuple[torch.Tensor, ...]:
