@@ -31,12 +31,13 @@ suggestions may change. The request key
 ``predictor`` (or the app's conf key of that name: ``auto``, ``detector`` or ``templates``) forces one, e.g. template
 matching beside a served detector.
 
-The result is returned in the forms viewers read: a 3D Slicer markups file (``.mrk.json``, also under
-``markups`` in the result JSON, in the image's own LPS frame so that Slicer shows it over the image), the
-points as ``landmarks`` (image pixels in 2D / world mm in 3D) and OHIF-style ``centroids``
-(``{name: [index, i, j, k]}``). The reply names things, never a server path: ``templates`` by datastore id (the
-bundle's by file name), ``checkpoint`` by file name with ``checkpoint_source`` (``shipped`` | ``published``);
-``device`` is the app's.
+The result is returned in the forms viewers read: a 3D Slicer point list (``markups`` in the result JSON, in the
+image's own LPS frame so that Slicer shows it over the image), the result file of the same points as the boxes that
+3D Slicer's MONAILabel module edits and sends back (:mod:`landmark_tasks.slicer`, with the warning of a
+low-confidence suggestion), the points as ``landmarks`` (image pixels in 2D / world mm in 3D) and OHIF-style
+``centroids`` (``{name: [index, i, j, k]}``). The reply names things, never a server path: ``templates`` by
+datastore id (the bundle's by file name), ``checkpoint`` by file name with ``checkpoint_source`` (``shipped`` |
+``published``); ``device`` is the app's.
 """
 
 from __future__ import annotations
