@@ -18,6 +18,7 @@ without it the module is skipped, except under CI where it must run.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -125,9 +126,12 @@ def test_upload_suggests_the_bundle_command_line_landmarks(server):
     assert list(result["landmarks"]) == list(names) == list(reference)
     for name in names:
         assert result["landmarks"][name] == pytest.approx(reference[name], abs=1e-3), name
-    # no saved label yet: the bundle's template(s); the result file is the Slicer point list
+    # no saved label yet: the bundle's template(s); the result file holds a box per landmark, as 3D Slicer's
+    # MONAILabel module edits them (tested below), each at the reply's Slicer point of that landmark
     assert result["templates"] and all(t["source"] == "bundle" for t in result["templates"])
-    assert json.loads(Path(out).read_text()) == result["markups"]
+    points = {cp["label"]: cp["position"] for cp in result["markups"]["markups"][0]["controlPoints"]}
+    boxes = json.loads(Path(out).read_text())["markups"]
+    assert [(b["type"], b["name"], b["center"]) for b in boxes] == [("ROI", n, points[n]) for n in names]
     for i, name in enumerate(names):  # OHIF-style centroids: 1-based index, then rounded pixel indices
         x, y = result["landmarks"][name]
         assert result["centroids"][name] == [str(i + 1), str(round(x)), str(round(y)), "0"]
@@ -440,30 +444,106 @@ def test_a_label_that_cannot_be_a_template_is_refused_and_skipped_when_stored(se
 SLICER_SCHEMA = "https://raw.githubusercontent.com/slicer/slicer/master/Modules/Loadable/Markups/Resources/Schema/markups-schema-v1.0.3.json#"
 
 
-def _slicer_roi_submission(path: Path, centers: list) -> Path:
-    """The label file of 3D Slicer's MONAILabel module for a ``detection`` model, written as
-    ``MONAILabelWidget.onGenerateJSONFromMulipltROIs`` writes it: one ROI markup (as ``slicer.util.saveNode`` saves
-    an ROI node) per ROI node of the scene; point lists are not collected."""
-    rois = [
-        {
-            "type": "ROI",
-            "coordinateSystem": "LPS",
-            "coordinateUnits": "mm",
-            "locked": False,
-            "fixedNumberOfControlPoints": False,
-            "labelFormat": "%N-%d",
-            "lastUsedControlPointNumber": 1,
-            "roiType": "Box",
-            "center": list(c),
-            "orientation": [-1.0, -0.0, -0.0, -0.0, -1.0, -0.0, 0.0, 0.0, 1.0],
-            "size": [10.0, 10.0, 1.0],
-            "insideOut": False,
-            "controlPoints": [{"id": "1", "label": "R-1", "position": list(c), "positionStatus": "defined"}],
-        }
-        for c in centers
+def _slicer_run(server, image_id: str, options: dict | None = None) -> tuple[Path, dict, list[dict], list[dict]]:
+    """3D Slicer's MONAILabel module's Run on a datastore image, replayed: its model (the first of type
+    ``segmentation`` or ``detection`` in ``/info/``), its params (the model's ``config`` as its options table sends
+    it, a list by its first item, edited to ``options``, with the result format it asks for), MONAI Label's client
+    (the module's transport: its ``MONAILabelLib/client.py`` sends and reads the same bytes), and the result file
+    loaded as the module loads it: ``slicer.util.loadMarkups`` when its name ends with ``.json``.
+
+    Returns the result file, the reply, the scene's ROI nodes (:func:`_slicer_rois`) and its other markups nodes
+    (``{"type", "name", "points": [{"label", "description", "position"}]}``)."""
+    info = server["client"].info()
+    model = next(k for k, v in info["models"].items() if v.get("type", "segmentation") in ("segmentation", "detection"))
+    config = info["models"][model]["config"]
+    params = {k: v[0] if isinstance(v, list) else v for k, v in config.items()}
+    params.update(options or {}, result_extension=".nrrd", result_dtype="uint8")
+    result_file, reply = server["client"].infer(model, image_id, params)
+    assert model == "landmarks" and result_file.endswith(".json"), result_file  # else not loaded as markups
+    markups = json.loads(Path(result_file).read_text())["markups"]
+    others = [
+        {"type": m["type"], "name": m.get("name"), "points": m["controlPoints"]} for m in markups if m["type"] != "ROI"
     ]
+    return Path(result_file), reply, _slicer_rois([m for m in markups if m["type"] == "ROI"]), others
+
+
+def _slicer_rois(loaded: list[dict]) -> list[dict]:
+    """The ROI nodes of the module's scene once the ROI markups ``loaded`` are in it: the two it makes for each image
+    (``Scribbles ROI``, ``SAM2 ROI``, with no control point), then one per markup, in order; every one but the
+    scribbles' renamed ``Detection ROI - i`` (i: its index among the scene's ROI nodes), as the module does after
+    loading. A node: ``{"name", "center" (LPS), "size", "points": [[label, LPS]]}`` (the files here are LPS)."""
+    rois = [
+        {"name": n, "center": [0.0, 0.0, 0.0], "size": [0.0, 0.0, 0.0], "points": []}
+        for n in ("Scribbles ROI", "SAM2 ROI")
+    ]
+    for m in loaded:
+        assert m["coordinateSystem"] == "LPS" and m["roiType"] == "Box"
+        rois.append(
+            {
+                "name": m.get("name"),
+                "center": m["center"],
+                "size": m["size"],
+                "points": [[cp["label"], cp["position"]] for cp in m["controlPoints"]],
+            }
+        )
+    for i, roi in enumerate(rois):
+        if roi["name"] != "Scribbles ROI":
+            roi["name"] = f"Detection ROI - {i}"
+    return rois
+
+
+def _slicer_drag(roi: dict, shift: list[float]) -> None:
+    """A box dragged by its centre handle: Slicer moves its centre and, with it, its one control point."""
+    roi["center"] = [c + d for c, d in zip(roi["center"], shift)]
+    roi["points"] = [[label, roi["center"]] for label, _ in roi["points"]]
+
+
+def _slicer_submission(path: Path, rois: list[dict]) -> Path:
+    """The label file of the module's Submit Label for a ``detection`` model: its ``SAM2 ROI`` emptied first
+    (``resetSam2ROI``), then every ROI node but ``Scribbles ROI`` saved as ``slicer.util.saveNode`` saves an ROI node
+    (markups[0] of that file, in Slicer's keys), written one per line as ``onGenerateJSONFromMulipltROIs`` writes
+    them; point lists are not sent."""
+    saved = []
+    for roi in rois:
+        if roi["name"] == "Scribbles ROI":
+            continue
+        empty = roi["name"] == "Detection ROI - 1"  # the SAM2 ROI, renamed when the result was loaded
+        points = [] if empty else roi["points"]
+        saved.append(
+            {
+                "type": "ROI",
+                "coordinateSystem": "LPS",
+                "coordinateUnits": "mm",
+                "locked": False,
+                "fixedNumberOfControlPoints": False,
+                "labelFormat": "%N-%d",
+                "lastUsedControlPointNumber": len(points),
+                "roiType": "Box",
+                "center": [0.0, 0.0, 0.0] if empty else roi["center"],
+                "orientation": [-1.0, -0.0, -0.0, -0.0, -1.0, -0.0, 0.0, 0.0, 1.0],
+                "size": [0.0, 0.0, 0.0] if empty else roi["size"],
+                "insideOut": False,
+                "controlPoints": [
+                    {
+                        "id": str(k + 1),
+                        "label": label,
+                        "description": "",
+                        "associatedNodeID": "",
+                        "position": position,
+                        "orientation": [-1.0, -0.0, -0.0, -0.0, -1.0, -0.0, 0.0, 0.0, 1.0],
+                        "selected": True,
+                        "locked": False,
+                        "visibility": True,
+                        "positionStatus": "defined",
+                    }
+                    for k, (label, position) in enumerate(points)
+                ],
+                "measurements": [{"name": "volume", "enabled": False, "units": "cm3", "printFormat": "%-#4.4g%s"}],
+                "display": {"visibility": True, "opacity": 1.0, "color": [0.4, 1.0, 1.0], "fillOpacity": 0.4},
+            }
+        )
     text = "{\n" + f' "@schema": "{SLICER_SCHEMA}",\n' + ' "markups": [\n'
-    text += ",\n".join(f"  {json.dumps(r)}" for r in rois) + "]\n}"
+    text += ",\n".join(f"  {json.dumps(m)}" for m in saved) + "]\n}"
     path.write_text(text)
     return path
 
@@ -501,33 +581,90 @@ def _slicer_point_list(path: Path, names: list[str], points: list) -> Path:
     return path
 
 
-def test_slicer_submit_label_of_points(server, tmp_path):
-    """3D Slicer's MONAILabel module submits a detection model's label as ROI boxes only (its request replayed:
-    the file as the module writes it, under a temporary ``.json`` name, with its params and no tag): the answer is
-    422 giving the way that carries the points, and nothing is stored. That way (the console snippet's
-    ``logic.save_label(image id, saved point list, {})``, which is the client's ``save_label``) stores the label."""
+def _draw_result(image: Path, result_file: Path, out: Path, width: int = 480) -> Path:
+    """The result file's markups drawn over a PNG as Slicer places them (LPS (x, y, 0) is pixel (x, y)): each box's
+    outline with its control point's label, a point list's points with theirs (a 64-colour PNG)."""
+    from bundle.reporting import write_png
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Rectangle
+
+    picture = np.asarray(Image.open(image).convert("L"))
+    height, side = picture.shape
+    fig = Figure(figsize=(width / 100, width / 100 * height / side), dpi=100)
+    ax = fig.add_axes((0.0, 0.0, 1.0, 1.0))
+    ax.imshow(picture, cmap="gray")
+    for m in json.loads(result_file.read_text())["markups"]:
+        for cp in m["controlPoints"]:
+            x, y, _ = cp["position"]
+            if m["type"] == "ROI":
+                sx, sy, _ = m["size"]
+                ax.add_patch(Rectangle((x - sx / 2, y - sy / 2), sx, sy, fill=False, edgecolor="cyan", linewidth=1.2))
+                ax.annotate(cp["label"], (x, y), xytext=(5, 3), textcoords="offset points", color="cyan", fontsize=6)
+            else:
+                ax.plot([x], [y], "o", color="orange", markersize=4)
+                ax.annotate(cp["label"], (x, y), xytext=(5, 3), textcoords="offset points", color="orange", fontsize=6)
+    ax.set_xlim(-0.5, side - 0.5)
+    ax.set_ylim(height - 0.5, -0.5)
+    ax.set_axis_off()
+    FigureCanvasAgg(fig)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=fig.dpi)
+    small = io.BytesIO()  # 64 colours: a fraction of the size
+    Image.open(buffer).convert("RGB").quantize(64).save(small, format="png", optimize=True)
+    return write_png(out, small.getvalue())
+
+
+def test_slicer_run_correct_and_submit_label(server, tmp_path):
+    """3D Slicer's MONAILabel module's whole loop replayed with its own requests and files: Run on an image loads
+    one box per landmark, labelled with its name; two boxes dragged by a known shift; Submit Label (the file as the
+    module writes it, under a temporary ``.json`` name, with its params and no tag) stores the moved landmarks under
+    their names, and the next suggestion on another image uses the label as its template. (Submit Label sent ROI
+    boxes only, and the point list Run loaded was answered 422.) The picture of docs/monailabel.md is this result
+    drawn over the image (``slicer_suggestions.png`` in this test's temp folder)."""
     client, names = server["client"], server["names"]
-    truth = server["truth"]["test_002"]
-    for centers in ([], [(-40.0, -50.0, 0.0), (-60.0, -70.0, 0.0)]):
-        label_in = _slicer_roi_submission(tmp_path / f"tmp{uuid.uuid4().hex[:8]}.json", centers)
-        with pytest.raises(MONAILabelClientException) as refused:
-            client.save_label("test_002", str(label_in), params={"label_info": [], "model": "landmarks"})
-        status, _, response = refused.value.msg.partition("; Response: ")
-        detail = json.loads(response)["detail"]
-        assert status == "Status: 422" and "'test_002'" in detail, detail
-        assert f"holds {len(centers)} ROI box" in detail and "no point list" in detail
-        assert "slicer.util.saveNode(n, p)" in detail and 'w.logic.save_label(w.current_sample["id"], p, {})' in detail
-        assert "curl -X PUT '<server>/datastore/label?image=<image id>' -F 'label=@landmarks.mrk.json'" in detail
-        assert client.datastore()["objects"]["test_002"]["labels"] == {}
-    moved = [[x + 1.0, y - 2.0] for x, y in truth]
-    points = _slicer_point_list(tmp_path / "landmarks.mrk.json", names, moved)
+    result_file, reply, rois, others = _slicer_run(server, "test_002")
+    assert others == [] and "warning" not in reply  # a warning would come as a point list (below, the detector's)
+    boxes = rois[2:]
+    assert [label for roi in boxes for label, _ in roi["points"]] == names  # one box per landmark, by its name
+    for roi, name in zip(boxes, names):
+        x, y = reply["landmarks"][name]  # a PNG's pixel (x, y) is LPS (x, y, 0)
+        assert roi["center"] == roi["points"][0][1] == pytest.approx([x, y, 0.0], abs=1e-6), name
+        assert roi["size"][0] > 0
+    _draw_result(server["studies"] / "test_002.png", result_file, tmp_path / "slicer_suggestions.png")
+    shifts = {names[0]: [3.0, -2.0, 0.0], names[5]: [-1.5, 4.25, 0.0]}
+    for roi in boxes:
+        if roi["points"][0][0] in shifts:
+            _slicer_drag(roi, shifts[roi["points"][0][0]])
+    label_in = _slicer_submission(tmp_path / f"tmp{uuid.uuid4().hex[:8]}.json", rois)
     try:
-        client.save_label("test_002", str(points), params={})
-        reply, status = _infer_id(server, "test_001")
-        assert status == 200 and reply["templates"] == [{"image": "test_002", "source": "datastore"}], reply
+        client.save_label("test_002", str(label_in), params={"label_info": [], "model": "landmarks"})
+        stored = json.loads((server["studies"] / "labels" / "final" / "test_002.json").read_text())
+        centres = {m["controlPoints"][0]["label"]: m["center"] for m in stored["markups"] if m["controlPoints"]}
+        assert list(centres) == names
+        for name in names:
+            x, y = reply["landmarks"][name]
+            dx, dy, _ = shifts.get(name, [0.0, 0.0, 0.0])
+            assert centres[name] == pytest.approx([x + dx, y + dy, 0.0], abs=0.01), name
+        _, after, _, _ = _slicer_run(server, "test_001")
+        assert after["templates"] == [{"image": "test_002", "source": "datastore"}], after
     finally:
         reply, status = request_json(f"{server['base']}/datastore/label?id=test_002&tag=final", method="DELETE")
         assert status == 200, reply
+
+
+def test_slicer_submit_label_without_a_placed_box_is_refused_saying_what_to_do(server, tmp_path):
+    """Submit Label before Run sends only the module's empty ``SAM2 ROI``: 422 naming the image and saying to press
+    Run and drag the boxes; nothing is stored."""
+    rois = _slicer_rois([])
+    label_in = _slicer_submission(tmp_path / f"tmp{uuid.uuid4().hex[:8]}.json", rois)
+    with pytest.raises(MONAILabelClientException) as refused:
+        server["client"].save_label("test_002", str(label_in), params={"label_info": [], "model": "landmarks"})
+    status, _, response = refused.value.msg.partition("; Response: ")
+    detail = json.loads(response)["detail"]
+    assert status == "Status: 422" and "'test_002'" in detail and "no placed box" in detail, detail
+    assert "press Run, drag the wrong boxes" in detail
+    assert server["client"].datastore()["objects"]["test_002"]["labels"] == {}
 
 
 def _labels_of(server, image_id: str) -> list[str]:
@@ -816,13 +953,27 @@ def test_training_reads_the_labels_and_keeps_the_served_model_when_not_better(se
     )
     stats = client.info()["train_stats"]["landmarks"]  # written by the training process, shown by /info/
     assert stats["published"] is False and "kept the served model" in stats["decision"]
+    _module_reads_the_accuracy(client, stats, "served")
     assert stats["train"]["init_weights"] == "model.pt"  # fine-tuned from the served (shipped) weights, by name
-    assert stats["eval"]["key_metric_name"] == "mre" and stats["eval"]["metrics"]["mre_trained"] > 0
+    assert stats["eval"]["metrics"]["mre_trained"] > 0
     assert "leave-one-out" in stats["eval"]["scored_on"] and stats["epoch"] == 1 and "total_time" in stats
     assert (model / "candidate" / "model_final.pt").is_file() and not (model / "model.pt").exists()
     assert stats["device"] == "cpu"  # the app's conf device, also given to the bundle's training
     reply, _ = _infer_id(server, "test_001")
     assert reply["checkpoint"] == "model.pt" and reply["checkpoint_source"] == "shipped"
+
+
+def _module_reads_the_accuracy(client, stats: dict, served: str) -> None:
+    """3D Slicer's MONAILabel module's accuracy bar, read as it reads it (``/info/``'s first ``train_stats``, its
+    ``best_metric``, 0 when absent, drawn as 0 to 100 %): the share of landmarks within 2 mm of the saved labels (20
+    pixels without spacing) of the model ``served`` after the training (``served`` or ``trained``), the MRE beside it.
+    (It was the MRE, which filled the bar as the model got worse.)"""
+    train_stats = next(iter(client.info()["train_stats"].values()))
+    accuracy = train_stats.get("best_metric", 0)
+    metrics = stats["eval"]["metrics"]
+    assert 0.0 <= accuracy <= 1.0 and accuracy == metrics[f"success_{served}"], train_stats
+    assert train_stats["mre"] == metrics[f"mre_{served}"] > 0 and stats["eval"]["key_metric_name"] == "success"
+    assert stats["eval"]["success_radius"] == "2 mm (20 pixels on an image without spacing)"
 
 
 def _publish_always(server, request: dict) -> dict:
@@ -840,7 +991,7 @@ def test_training_publishes_and_keeps_the_previous_model(server):
     assert stats["epoch"] == 1  # not the default 10
     assert stats["published"] is True and stats["checkpoint"] == "model.pt"
     assert stats["decision"].startswith("published (publish 'always')")
-    assert stats["best_metric"] == stats["eval"]["metrics"]["mre_trained"]
+    _module_reads_the_accuracy(server["client"], stats, "trained")
     assert stats["kept_previous"] == {}  # the shipped weights were served: nothing replaced
     reply, _ = _infer_id(server, "test_001")
     assert reply["checkpoint"] == "model.pt" and reply["checkpoint_source"] == "published"
@@ -892,11 +1043,12 @@ def _detector_stats(server, params: dict) -> dict:
     status = wait_training(server)
     assert status["status"] == "DONE", f"{status}\n{server['log'].read_text()[-4000:]}"
     stats = server["client"].info()["train_stats"]["landmarks"]
-    assert stats["network"] == "detector" and stats["eval"]["key_metric_name"] == "mre"
+    assert stats["network"] == "detector"
     assert np.isfinite(stats["eval"]["metrics"]["mre_trained"]) and np.isfinite(stats["eval"]["metrics"]["mre_served"])
     assert (
         server["app"] / "model" / "candidate_detector" / "model_final.pt"
     ).is_file()  # no validation, still a checkpoint
+    _module_reads_the_accuracy(server["client"], stats, "trained" if stats["published"] else "served")
     return stats
 
 
@@ -964,6 +1116,25 @@ def test_published_detector_is_served(server):
     assert forced["predictor"] == "templates" and forced["templates"][0]["source"] == "datastore"
     with pytest.raises(MONAILabelClientException, match="Status: 422.*predictor"):
         server["client"].infer("landmarks", "test_001", {"predictor": "magic"})
+
+
+def test_slicer_shows_a_low_confidence_warning(server):
+    """A suggestion the served model is unsure of (the detector published above, trained for one iteration: its
+    heatmap peaks are low; the module's options table set to ``predictor: detector``) carries its warning where the
+    module shows it: beside the boxes, a point list of one point near the image's corner labelled as unsure, the
+    warning in full its description. (The module printed the reply to its Python console only.) Submit Label sends
+    ROI nodes only, so the point is never part of the label."""
+    _, reply, rois, others = _slicer_run(server, "test_002", {"predictor": "detector"})
+    assert reply["predictor"] == "detector" and "the detector's heatmap peaks average" in reply["warning"], reply
+    assert len(rois) == 2 + len(server["names"])
+    (note,) = others
+    assert note["type"] == "Fiducial" and note["name"] == "Warning"
+    (point,) = note["points"]
+    assert point["label"].startswith("Low confidence: these suggestions are likely wrong")
+    assert point["description"] == reply["warning"] and point["locked"] is True
+    width, height = Image.open(server["studies"] / "test_002.png").size
+    x, y, _ = point["position"]
+    assert 0 <= x < 0.1 * width and 0 <= y < 0.1 * height
 
 
 def test_detector_retrains_from_the_served_one_on_the_same_held_out_images(server, tmp_path):

@@ -53,10 +53,10 @@ def rule(app_modules, monkeypatch):
         calls.append((name, [it["id"] for it, _ in cases], [[o["id"] for o in others] for _, others in cases]))
         return score(name)
 
-    def score(name: str) -> float:
+    def score(name: str):
         if isinstance(table[name], Exception):
             raise table[name]
-        return table[name]
+        return scoring.Score(table[name], 0.0)
 
     monkeypatch.setattr(scoring, "score_detector", score_detector)
     monkeypatch.setattr(scoring, "score_checkpoint", score_checkpoint)

@@ -43,6 +43,8 @@ from bundle.templates.pipeline_choice import SHIPPED_TEMPLATE, builtin_templates
 from bundle.templates.resolution import resolve_templates
 from bundle.transforms.landmarks import LandmarkTargets, file_frame, file_positions, outside_excess, template_problem
 
+from .slicer import box_points
+
 logger = logging.getLogger(__name__)
 PREDICTORS = ("auto", "detector", "templates")
 IMAGE_EXTENSIONS = (
@@ -62,16 +64,6 @@ IMAGE_EXTENSIONS = (
 LABEL_EXTENSIONS = ("*.json", "*.mrk.json", "*.fcsv")
 FINAL_TAG = "final"
 ITEM_KEYS = ("image", "landmarks", "spacing", "id")  # what of a datastore item a template needs (not its label file)
-# how corrected landmarks reach the server from 3D Slicer: its MONAILabel module's "Submit Label" sends only ROI boxes
-# for a detection model (MONAILabelWidget.onGenerateJSONFromMulipltROIs), never a point list (docs/monailabel.md)
-SUBMIT_POINTS_HELP = (
-    "send the corrected point list itself: in 3D Slicer's Python console run\n"
-    "  w = slicer.modules.monailabel.widgetRepresentation().self()\n"
-    '  n = slicer.util.getNodesByClass("vtkMRMLMarkupsFiducialNode")[-1]\n'
-    '  p = slicer.app.temporaryPath + "/landmarks.mrk.json"; slicer.util.saveNode(n, p)\n'
-    '  w.logic.save_label(w.current_sample["id"], p, {})\n'
-    "or, from a shell, curl -X PUT '<server>/datastore/label?image=<image id>' -F 'label=@landmarks.mrk.json'"
-)
 
 
 class ImageError(ValueError):
@@ -92,23 +84,6 @@ def check_upload(path: str, name: str) -> None:
 
 class LabelError(ValueError):
     """A saved label that is not a usable landmark file (the message names it)."""
-
-
-def roi_boxes_only(path: str | Path) -> int | None:
-    """The number of ROI boxes of a markups JSON file that holds no point list (what 3D Slicer's MONAILabel module
-    submits for a detection model: every ROI node of the scene, possibly none), else None."""
-    if not str(path).casefold().endswith(".json"):
-        return None
-    try:
-        content = read_json(path, "markups JSON file")
-    except DatalistError:
-        return None  # read_markups names the fault
-    markups = content.get("markups") if isinstance(content, dict) else None
-    if not isinstance(markups, list) or not all(isinstance(m, dict) for m in markups):
-        return None
-    if any(m.get("type", "Fiducial") == "Fiducial" for m in markups):
-        return None
-    return sum(m.get("type") == "ROI" for m in markups)
 
 
 def file_key(path: str | Path) -> tuple[str, int, int]:
@@ -706,10 +681,14 @@ class BundleContext:
             self._frames[key] = frame
         return frame
 
+    def spacing_known(self, item: dict) -> bool:
+        """Whether a datalist ``item`` has a spacing, its own or its image header's (its errors are in mm)."""
+        return bool(item.get("spacing")) or self.frame(item["image"])["spacing_known"]
+
     def error_units(self, items: Sequence[dict]) -> str:
-        """The unit of radial errors on ``items``: ``mm`` when each has a spacing (its own or its header's),
+        """The unit of radial errors on ``items``: ``mm`` when each has a spacing (:meth:`spacing_known`),
         ``pixels`` when none has, else ``mm where the spacing is known, else pixels``."""
-        known = [bool(it.get("spacing")) or self.frame(it["image"])["spacing_known"] for it in items]
+        known = [self.spacing_known(it) for it in items]
         if all(known):
             return "mm"
         return "pixels" if not any(known) else "mm where the spacing is known, else pixels"
@@ -738,17 +717,14 @@ class BundleContext:
 
         Control points are matched by label to the landmark names; a file whose labels name none of them but
         holds exactly one point per landmark is read in order (Slicer's default labels ``F-1``, ``F-2``, ...);
-        ``strict``: see :meth:`points_to_landmarks`.
+        a file of ROI boxes (3D Slicer's MONAILabel module's Submit Label) gives their centres, named by their
+        control points' labels (:func:`landmark_tasks.slicer.box_points`); ``strict``: see
+        :meth:`points_to_landmarks`.
         """
-        boxes = roi_boxes_only(label_path)
-        if boxes is not None:
-            raise LabelError(
-                f"label of {where}: the file holds {boxes} ROI box{'' if boxes == 1 else 'es'} and no point list "
-                "(3D Slicer's MONAILabel module submits only ROI boxes for a detection model, so the corrected "
-                f"landmarks did not reach the server); {SUBMIT_POINTS_HELP}"
-            )
         try:
-            points = read_markups(label_path)
+            points = box_points(label_path)
+            if points is None:
+                points = read_markups(label_path)
         except Exception as e:
             detail = str(e).replace(str(label_path), "the file")  # a server path (an upload's temporary file)
             raise LabelError(

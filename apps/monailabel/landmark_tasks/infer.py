@@ -31,12 +31,13 @@ suggestions may change. The request key
 ``predictor`` (or the app's conf key of that name: ``auto``, ``detector`` or ``templates``) forces one, e.g. template
 matching beside a served detector.
 
-The result is returned in the forms viewers read: a 3D Slicer markups file (``.mrk.json``, also under
-``markups`` in the result JSON, in the image's own LPS frame so that Slicer shows it over the image), the
-points as ``landmarks`` (image pixels in 2D / world mm in 3D) and OHIF-style ``centroids``
-(``{name: [index, i, j, k]}``). The reply names things, never a server path: ``templates`` by datastore id (the
-bundle's by file name), ``checkpoint`` by file name with ``checkpoint_source`` (``shipped`` | ``published``);
-``device`` is the app's.
+The result is returned in the forms viewers read: a 3D Slicer point list (``markups`` in the result JSON, in the
+image's own LPS frame so that Slicer shows it over the image), the result file of the same points as the boxes that
+3D Slicer's MONAILabel module edits and sends back (:mod:`landmark_tasks.slicer`, with the warning of a
+low-confidence suggestion), the points as ``landmarks`` (image pixels in 2D / world mm in 3D) and OHIF-style
+``centroids`` (``{name: [index, i, j, k]}``). The reply names things, never a server path: ``templates`` by
+datastore id (the bundle's by file name), ``checkpoint`` by file name with ``checkpoint_source`` (``shipped`` |
+``published``); ``device`` is the app's.
 """
 
 from __future__ import annotations
@@ -53,11 +54,14 @@ from typing import Any, Callable
 import numpy as np
 import torch
 from bundle.data.markups import ControlPoint, write_mrk_json
+from bundle.geometry import apply_homogeneous
 from bundle.handlers.confidence import low_confidence_messages
+from bundle.io_utils import write_json_atomic
 from monailabel.interfaces.tasks.infer_v2 import InferTask, InferType
 
 from .common import ITEM_KEYS, PREDICTORS, BackgroundValue, BundleContext, file_key, labels_key
 from .scoring import choose_predictor, served_before_choice
+from .slicer import result_markups
 
 logger = logging.getLogger(__name__)
 
@@ -184,6 +188,14 @@ class LandmarkInferTask(InferTask):
             return "detector" if served and choice["predictor"] == "detector" else "templates", choice, current
         return wanted, choice, current
 
+    def _corners(self, data: dict, spacing: np.ndarray, frame: dict | None) -> np.ndarray:
+        """The first and last corners of the image's grid in RAS mm (2D: in its frame, as the suggestions)."""
+        grid = np.asarray(data["image"].shape[1:], dtype=np.float64)
+        ends = apply_homogeneous(data["grid_to_physical"], np.stack([np.zeros_like(grid), grid - 1])).numpy()
+        if self.spatial_dims == 3:
+            return ends
+        return np.array([cp.position for cp in markups_points(["first", "last"], ends / spacing, frame)])
+
     def _datastore_items(self) -> tuple[list[dict], list[dict]]:
         """The datastore's images with a saved label, and those without."""
         if self.datastore is None:
@@ -231,15 +243,14 @@ class LandmarkInferTask(InferTask):
         result = landmark_result(self.names, points_mm, spacing)
         frame = self.context.frame(image, data) if self.spatial_dims == 2 else None
         points = points_mm / spacing if self.spatial_dims == 2 else points_mm
+        control_points = markups_points(self.names, points, frame)
         fd, path = tempfile.mkstemp(prefix="landmarks-", suffix=".mrk.json")
         os.close(fd)
         try:
-            write_mrk_json(
-                path,
-                markups_points(self.names, points, frame),
-                coordinate_system="LPS" if self.spatial_dims == 2 else "RAS",
-            )
+            # the point list for the reply; the result file: a box per landmark, what 3D Slicer's module edits
+            write_mrk_json(path, control_points, coordinate_system="LPS" if self.spatial_dims == 2 else "RAS")
             result["markups"] = json.loads(Path(path).read_text(encoding="utf-8"))
+            write_json_atomic(path, result_markups(control_points, self._corners(data, spacing, frame), warning))
         except BaseException:
             Path(path).unlink(missing_ok=True)
             raise

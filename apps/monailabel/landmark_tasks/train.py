@@ -59,8 +59,10 @@ its learning-rate schedule shortened to end there; ``epoch`` in the stats is the
 the app's one stage-1 network of that device, and a CUDA device's cache is emptied after each training.
 
 ``model/train_stats.json`` (MONAI Label's convention; ``/info/`` shows it under ``train_stats``) records the
-network trained, both scores and their ``units`` (``mm`` when every scored image has a spacing, else pixels), the
-decision, the predictor served and the device.
+network trained, both scores (each the MRE, which the publication rule compares, and the share of landmarks within
+2 mm, 20 pixels on an image without spacing) and their ``units`` (``mm`` when every scored image has a spacing, else
+pixels), the decision, the predictor served and the device; ``best_metric`` is the share of the model served after
+the training, what 3D Slicer's MONAILabel module shows as its accuracy, with its ``mre`` beside it.
 """
 
 from __future__ import annotations
@@ -87,7 +89,16 @@ from monailabel.interfaces.datastore import Datastore
 from monailabel.interfaces.tasks.train import TrainTask
 
 from .common import BundleContext, device_expression, lower_priority
-from .scoring import leave_one_out, score_checkpoint, score_detector, scoring_cases, served_before_choice
+from .scoring import (
+    SUCCESS_RADIUS_MM,
+    SUCCESS_RADIUS_PIXELS,
+    Score,
+    leave_one_out,
+    score_checkpoint,
+    score_detector,
+    scoring_cases,
+    served_before_choice,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -334,6 +345,26 @@ def publication(
     return False, f"kept {kept}: the new one's MRE {new:.3f} is not below {old:.3f}{margin}"
 
 
+def score_stats(new: Score | None, old: Score | None, published: bool) -> dict[str, Any]:
+    """The stats' scores of a training (None: nothing scored): ``best_metric``, the share of landmarks that the
+    predictor served after it finds within the success radius (0 to 1, higher is better: what 3D Slicer's
+    MONAILabel module shows as its accuracy bar; left out when nothing was scored, which the module reads as 0), its
+    ``mre`` beside it, and ``eval`` with both predictors' scores."""
+    best = new if published else old
+    metrics = {"mre_served": None, "mre_trained": None, "success_served": None, "success_trained": None}
+    for which, score in (("served", old), ("trained", new)):
+        if score is not None:
+            metrics.update({f"mre_{which}": score.mre, f"success_{which}": score.success})
+    evaluation = {
+        "metrics": metrics,
+        "key_metric_name": "success",
+        "best_metric": None if best is None else best.success,
+        "success_radius": f"{SUCCESS_RADIUS_MM:g} mm ({SUCCESS_RADIUS_PIXELS:g} pixels on an image without spacing)",
+    }
+    scores = {} if best is None else {"best_metric": best.success, "mre": best.mre}
+    return {**scores, "eval": evaluation}
+
+
 def keep_previous(*paths: Path) -> dict[str, str]:
     """Before ``paths`` are replaced: a copy of each existing one beside it, ``<stem>.<YYYYmmdd-HHMMSS><suffix>``
     (one time stamp for all, made unique), so that a published model stays restorable. {file name: copy's name}."""
@@ -499,16 +530,21 @@ class BundleTrainTask(TrainTask):
             unlabelled = [it for it in items if not it.get("landmarks")]
             old = score_checkpoint(self.context, served, cases, unlabelled)
             new = score_checkpoint(self.context, candidate, cases, unlabelled)
-        published, decision = publication(new, old, f"the served model {Path(served).name}", **rule)
+        published, decision = publication(
+            None if new is None else new.mre,
+            None if old is None else old.mre,
+            f"the served model {served.name}",
+            **rule,
+        )
         kept_previous = {}
         if published:
             kept_previous = keep_previous(self.context.served_path)
             with atomic_path(self.context.served_path) as tmp:
                 shutil.copyfile(candidate, tmp)
         logger.info(f"scored on {scored_on}: {decision}")
-        best = None if old is None else (new if published else old)
+        scores = score_stats(new, old, published)
         return {
-            "best_metric": best,
+            **scores,
             "train": {
                 "images": len(items),
                 "labelled": len(labelled),
@@ -517,9 +553,7 @@ class BundleTrainTask(TrainTask):
                 "epochs_run": epochs_run,
             },
             "eval": {
-                "metrics": {"mre_served": old, "mre_trained": new},
-                "key_metric_name": "mre",
-                "best_metric": best,
+                **scores["eval"],
                 "units": self.context.error_units([item for item, _ in cases]) if cases else None,
                 "scored_on": scored_on,
             },
@@ -591,7 +625,7 @@ class BundleTrainTask(TrainTask):
                 f"{len(held)} held-out labelled images: the new detector, and template matching from the other "
                 "templates (leave-one-out; with their pseudo-templates while the labels are few)"
             )
-        published, decision = publication(new, old, kept, **rule)
+        published, decision = publication(new.mre, old.mre, kept, **rule)
         if published and rule["publish"] != "always" and len(held) < min_held_out:
             published = False
             decision = (
@@ -608,15 +642,15 @@ class BundleTrainTask(TrainTask):
                     "image_size": [int(v) for v in image_size],
                     "trained_on": trained_ids,
                     "held_out": held_ids,
-                    "mre_held_out": new,
+                    "mre_held_out": new.mre,
                     "published_ts": int(time.time()),
                     **init,
                 },
             )
         logger.info(f"scored on {scored_on}: {decision}")
-        best = new if published else old
+        scores = score_stats(new, old, published)
         return {
-            "best_metric": best,
+            **scores,
             "train": {
                 "images": len(trained),
                 "labelled": len(labelled),
@@ -627,9 +661,7 @@ class BundleTrainTask(TrainTask):
                 "epochs_run": epochs_run,
             },
             "eval": {
-                "metrics": {"mre_served": old, "mre_trained": new},
-                "key_metric_name": "mre",
-                "best_metric": best,
+                **scores["eval"],
                 "units": context.error_units(held),
                 "scored_on": scored_on,
                 "served_predictor": served_predictor,
