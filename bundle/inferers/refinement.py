@@ -26,6 +26,7 @@ from bundle.kshot import check_combine_rule, combine_landmarks
 from bundle.networks.matching import disc_lattice, local_votes
 from bundle.networks.xfeat import descriptor_map, xfeat_network
 from monai.inferers import Inferer
+from monai.transforms import Compose
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,8 @@ class DescriptorRefinement:
         step_px: the lattice step in file pixels.
         combine: how the templates' votes are combined (:data:`bundle.kshot.COMBINE_RULES`).
         scale: the image size given to XFeat, as a multiple of the file's.
+        load_transforms: the dictionary transforms that read an image file as the pipeline does (``load_transforms``
+            of the configs: a DICOM X-ray's photometric interpretation applied, grey); None: MONAI's ``LoadImage``.
     """
 
     def __init__(
@@ -55,6 +58,7 @@ class DescriptorRefinement:
         step_px: float = STEP_PX,
         combine: str = "weighted_geometric_median",
         scale: float = 1.0,
+        load_transforms: Sequence | None = None,
     ) -> None:
         if not templates:
             raise ValueError("the XFeat refinement needs at least one labelled template")
@@ -65,6 +69,7 @@ class DescriptorRefinement:
         ]
         self.radius_mm, self.step_px, self.scale = float(radius_mm), float(step_px), float(scale)
         self.combine = check_combine_rule(combine)
+        self.load = Compose(list(load_transforms)) if load_transforms else None
         self._network: torch.nn.Module | None = None
         self._queries: torch.Tensor | None = None
 
@@ -80,7 +85,9 @@ class DescriptorRefinement:
     def _descriptors(self, image):
         if self._network is None:
             self._network = xfeat_network()
-        pixels = load_image(image) if isinstance(image, (str, Path)) else image
+        if isinstance(image, (str, Path)):
+            image = self.load({"image": str(image)})["image"] if self.load is not None else load_image(str(image))
+        pixels = image
         return descriptor_map(self._network, pixels, self.scale)
 
     def queries(self) -> torch.Tensor:

