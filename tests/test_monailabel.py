@@ -1103,6 +1103,8 @@ def test_published_detector_is_served(server):
         and reply["checkpoint_source"] == "published"
         and reply["templates"] == []
     )
+    # refined by XFeat from the saved labels, as inferring refines a detector trained on human labels
+    assert reply["xfeat_refinement"] == {"templates": ["test_000", "test_003"], "radius_mm": 1.0}, reply
     width, height = Image.open(server["studies"] / "test_001.png").size
     points = np.array([reply["landmarks"][n] for n in server["names"]], dtype=float)
     assert (

@@ -257,7 +257,7 @@ def refinement_templates(datalist: dict | str | os.PathLike | None, max_template
     return [it for it in chosen if _real(it["image"]) not in tested]
 
 
-def _refinement(
+def choose_refinement(
     setting: bool | str,
     templates: Sequence[dict],
     spatial_dims: int,
@@ -266,9 +266,10 @@ def _refinement(
     radius_mm: float,
     load_transforms: Sequence | None,
 ):
-    """The refinement for ``setting`` (``xfeat_refinement``): ``false`` None; ``true`` one (ValueError in 3D or without
-    labelled ``templates``, ImportError without the wheel); ``auto`` one where it ``helps``, in 2D, with the wheel
-    installed and labelled templates at hand."""
+    """The refinement for ``setting`` (``xfeat_refinement``) from the human-labelled ``templates``: ``false`` None;
+    ``true`` one (ValueError in 3D or without templates, ImportError without the wheel); ``auto`` one where it
+    ``helps``, in 2D, with the wheel installed and templates at hand (the MONAI Label app: after a detector, which it
+    trains on the saved labels)."""
     if not (isinstance(setting, str) and setting.strip().lower() == "auto"):
         setting = as_flag(setting, "xfeat_refinement")
         if setting and spatial_dims != 2:
@@ -305,7 +306,7 @@ def prediction_refinement(
     pipeline reads an image file (:class:`bundle.inferers.refinement.DescriptorRefinement`)."""
     helps = detector is not None and detector_info(detector).get("labels") == "human"
     templates = refinement_templates(datalist, max_templates) if spatial_dims == 2 else []
-    return _refinement(setting, templates, spatial_dims, combine, helps, RADIUS_MM, load_transforms)
+    return choose_refinement(setting, templates, spatial_dims, combine, helps, RADIUS_MM, load_transforms)
 
 
 def pseudo_label_refinement(
@@ -319,4 +320,4 @@ def pseudo_label_refinement(
     ones of its ``templates``, within :data:`~bundle.inferers.refinement.PSEUDO_LABEL_RADIUS_MM`; ``auto`` refines
     them (validation: docs/results.md, "A pretrained fine step")."""
     human = [t for t in templates if not t.get("pseudo_label")]
-    return _refinement(setting, human, spatial_dims, combine, True, PSEUDO_LABEL_RADIUS_MM, load_transforms)
+    return choose_refinement(setting, human, spatial_dims, combine, True, PSEUDO_LABEL_RADIUS_MM, load_transforms)

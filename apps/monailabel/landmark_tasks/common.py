@@ -34,12 +34,13 @@ from bundle.data.dicom import dicom_tags
 from bundle.data.images import detached_data_file
 from bundle.data.markups import ControlPoint, check_label_names, label_key, read_markups
 from bundle.inferers.oneshot import OneShotInferer, TemplateFeatureInferer
+from bundle.inferers.refinement import RADIUS_MM, DescriptorRefinement
 from bundle.io_utils import error_summary, write_json_atomic
 from bundle.template_file import join_templates, load_template
 from bundle.templates.detector_data import base_grid
 from bundle.templates.detector_data import detector_info as recorded_detector_info
 from bundle.templates.features import compute_template
-from bundle.templates.pipeline_choice import SHIPPED_TEMPLATE, builtin_templates, choose_detector
+from bundle.templates.pipeline_choice import SHIPPED_TEMPLATE, builtin_templates, choose_detector, choose_refinement
 from bundle.templates.resolution import resolve_templates
 from bundle.transforms.landmarks import LandmarkTargets, file_frame, file_positions, outside_excess, template_problem
 
@@ -344,6 +345,7 @@ class BundleContext:
         self._item_features: dict[tuple, dict[tuple, dict]] = {}
         self._frames: dict[tuple, dict] = {}
         self._detector_parsers: dict[tuple, Any] = {}
+        self._refinement: tuple[tuple, DescriptorRefinement | None] | None = None  # (saved labels' key, refinement)
 
     def _check_builtin(self, checkpoint: Path) -> dict:
         """The built-in template features, refused (ValueError) for weights other than those that computed them."""
@@ -455,6 +457,21 @@ class BundleContext:
         if self.shipped_detector is not None:
             return {"image_size": recorded_detector_info(self.shipped_detector)["image_size"]}
         return {}
+
+    def refinement(self, labelled: Sequence[dict], exclude: str | None = None) -> DescriptorRefinement | None:
+        """The XFeat refinement of the served detector's suggestions (``xfeat_refinement`` of the conf, as the commands
+        decide it: :func:`bundle.templates.pipeline_choice.choose_refinement`; the app's detectors learn from human
+        labels) from the saved labels but the image ``exclude``, kept while those labels stay the same."""
+        templates = [{"image": it["image"], "landmarks": it["landmarks"]} for it in labelled if it.get("id") != exclude]
+        key = (labels_key([it for it in labelled if it.get("id") != exclude]),)
+        if self._refinement is None or self._refinement[0] != key:
+            setting = self.parser.get_parsed_content("xfeat_refinement")
+            load = self.parser.get_parsed_content("load_transforms")
+            refinement = choose_refinement(
+                setting, templates, self.spatial_dims, self.template_combine, True, RADIUS_MM, load
+            )
+            self._refinement = (key, refinement)
+        return self._refinement[1]
 
     def detector_parser(self, image_size: Sequence[int] | None = None):
         """The bundle's fine-tuning configs for the datalist's dimensionality (``detector_configs``)

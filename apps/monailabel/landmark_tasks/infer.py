@@ -211,6 +211,7 @@ class LandmarkInferTask(InferTask):
         labelled, unlabelled = self._datastore_items()
         predictor, choice, choice_current = self._predictor(request, labelled, unlabelled)
         data = self.context.prepare({"image": str(image)}, name)
+        refined = None  # the XFeat fine step after a detector: the saved labels (ids) it refined from, its radius
         with self._lock, torch.no_grad():
             if predictor == "detector":
                 detector_path = self.context.served_detector()
@@ -221,6 +222,12 @@ class LandmarkInferTask(InferTask):
                 g2p = torch.as_tensor(grid["grid_to_physical"]).unsqueeze(0).to(self.context.device)
                 points_mm = inferer(batch, network, g2p)[0].cpu().numpy()
                 detector_peak, match_score = float(inferer.peak_values[0].mean()), None
+                refinement = self.context.refinement(labelled, request.get("image_id"))
+                if refinement is not None:  # as inferring after a detector trained on human labels
+                    spacing_mm = np.asarray(torch.as_tensor(grid["spacing"]).cpu(), dtype=np.float64).reshape(-1)
+                    points_mm = refinement.refine(str(image), points_mm / spacing_mm, spacing_mm) * spacing_mm
+                    ids = [it["id"] for it in labelled if it["id"] != request.get("image_id")]
+                    refined = {"templates": ids, "radius_mm": refinement.radius_mm}
                 templates, checkpoint = [], detector_path
             else:
                 # one checkpoint for the whole request: the train task may publish new weights meanwhile
@@ -261,6 +268,7 @@ class LandmarkInferTask(InferTask):
         result["checkpoint"] = checkpoint.name
         result["checkpoint_source"] = "published" if self.context.is_published(checkpoint) else "shipped"
         result["predictor"] = predictor
+        result["xfeat_refinement"] = refined
         result["predictor_choice"] = choice
         result["pending"] = self.pending(choice_current)
         result["device"] = str(self.context.device)
