@@ -253,6 +253,7 @@ def test_a_datalists_template_features_are_kept_for_the_next_call(tmp_path, tiny
         "templates": ["template.png", *pseudo],
         "pseudo_templates": pseudo,
         "checkpoint": str(ROOT / "models" / "model.pt"),
+        "xfeat_refinement": None,  # auto: not after matching
         "n_images": 1,
     }
     assert json.loads((tmp_path / "b" / "provenance.json").read_text()) == provenance

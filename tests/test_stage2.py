@@ -361,7 +361,7 @@ def test_tiny_stage2_training_and_evaluation_beat_chance(tmp_path):
         torch.set_num_threads(threads)
     record = json.loads((tmp_path / "m3" / "detector_info.json").read_text())
     assert record["init_weights"] == os.path.realpath(tmp_path / "m2" / "model.pt") and record["n_labelled"] == 2
-    assert record["checkpoints"] == ["model_final.pt"]  # written with the weights: no validation ran, no model.pt
+    assert record["checkpoints"] == ["model.pt", "model_final.pt"]  # no validation ran: model.pt is the final weights
 
     out = tmp_path / "eval"
     run(  # no image_size given: the detector's own grid, read from detector_info.json

@@ -16,6 +16,7 @@ from typing import Sequence
 from bundle.data.images import image_name
 from bundle.handlers.report import batch_items
 from ignite.engine import Engine, Events
+from tqdm import tqdm
 
 __all__ = [
     "MIN_PEAK",
@@ -102,7 +103,8 @@ class ConfidenceHandler:
         for name, message in zip(names, messages):
             if message is not None:
                 self.low.append(name)
-                warnings.warn(message, stacklevel=2)
+                with tqdm.external_write_mode():  # on its own line, not after a progress bar's
+                    warnings.warn(message, stacklevel=2)
 
     def summary(self, engine: Engine) -> None:
         if self.low:

@@ -118,6 +118,13 @@ class LandmarkReportHandler:
         engine.add_event_handler(Events.EPOCH_STARTED, self.reset)
         engine.add_event_handler(Events.ITERATION_COMPLETED, self.collect)
         engine.add_event_handler(Events.COMPLETED, self.write)
+        engine.add_event_handler(Events.EXCEPTION_RAISED, self.failed)
+
+    def failed(self, engine: Engine, error: BaseException) -> None:
+        """A failed run: the staging folder goes and the error is raised again. Ignite calls only the first
+        ``EXCEPTION_RAISED`` handler that raises, so the configs attach this handler before MONAI's StatsHandler."""
+        self._staging.discard()
+        raise error
 
     def reset(self, engine: Engine | None = None) -> None:
         self.records = []
