@@ -81,3 +81,33 @@ def test_monai_finds_every_property(name, datalists, tmp_path):
     else:
         evaluator = workflow.evaluator
         assert isinstance(evaluator, SupervisedEvaluator) and workflow.inferer is evaluator.inferer
+
+
+@pytest.mark.parametrize("name", WORKFLOWS)
+def test_initialize_computes_and_writes_nothing(name, tmp_path, monkeypatch):
+    """``ConfigWorkflow(...).initialize()`` in an empty working folder, with the default settings (the embedded data,
+    no datalist given): no file is written there or under the output folder, and neither the embedded data sets nor
+    pseudo-labels are made (each raises if called); the work is ``run``'s."""
+    import bundle.data.embedded
+    import bundle.data.synthetic
+    import bundle.templates.detector_data
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("initialize() computed what only run should")
+
+    for module, function in (
+        (bundle.data.embedded, "ensure_synthetic_dataset"),
+        (bundle.data.synthetic, "ensure_synthetic_dataset"),
+        (bundle.templates.detector_data, "pseudo_labelled_items"),
+    ):
+        monkeypatch.setattr(module, function, refuse)
+    monkeypatch.chdir(tmp_path)
+    workflow_type, files = WORKFLOWS[name]
+    workflow = ConfigWorkflow(
+        config_file=[str(ROOT / f) for f in files],
+        workflow_type=workflow_type,
+        bundle_root=str(ROOT),
+        output_dir=str(tmp_path / "out"),
+    )
+    workflow.initialize()
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == []
