@@ -19,6 +19,7 @@ from bundle.templates.detector_data import detector_info, detector_record, recor
 from bundle.templates.pipeline_choice import (
     SHIPPED_TEMPLATE,
     SHIPPED_WEIGHTS,
+    STARTING_DETECTORS,
     assess_detector,
     builtin_templates,
     choose_detector,
@@ -285,6 +286,20 @@ def test_the_shipped_stage2_detector_is_auto_s_choice_for_hamedan_s_046_alone():
     three = {**one, "training": one["training"] + other["training"] + [mine]}
     assert choose_detector("auto", default_detectors(ROOT), names, 2, three, 32, test) is None  # 1 label < 3
     assert choose_detector("auto", default_detectors(ROOT), names, 2, one, 32, [image.format("001")]) is None
+
+
+def test_a_fine_tuning_on_hamedan_s_five_continues_the_shipped_unrefined_stage2_detector():
+    """046 and 001-004 labelled: predictions at one label come from models/stage2 (refined pseudo-labels), a
+    fine-tuning on the five continues models/stage2_unrefined (matching's own pseudo-labels; the better start)."""
+    names = detector_info(str(ROOT / "models" / "stage2" / "model.pt"))["landmark_names"]
+    image = "/any/where/hamedan_ceph/images/{}.png"
+    items = [{"image": image.format(i), "landmarks": [[1.0, 1.0]] * 19} for i in ("046", "001", "002", "003", "004")]
+    datalist = {"landmark_names": names, "training": items, "test": [{"image": image.format("005")}]}
+    network = detector_info(str(ROOT / "models" / "stage2" / "model.pt"))["network"]
+    candidates = default_detectors(ROOT, STARTING_DETECTORS)
+    assert str(ROOT / "models" / "stage2" / "model.pt") not in candidates
+    start = starting_detector(candidates, items, names, network, datalist)
+    assert start == str(ROOT / "models" / "stage2_unrefined" / "model.pt")
 
 
 def test_inferring_without_a_datalist_takes_the_shipped_fine_tuned_detector(tmp_path, monkeypatch):

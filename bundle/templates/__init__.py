@@ -26,6 +26,7 @@ from bundle.templates.pipeline_choice import (
     PIPELINE_CHOICES,
     SHIPPED_TEMPLATE,
     SHIPPED_WEIGHTS,
+    STARTING_DETECTORS,
     assess_detector,
     builtin_templates,
     check_pipeline_choice,
@@ -58,6 +59,7 @@ from bundle.templates.selection import (
 
 __all__ = [
     "DEFAULT_DETECTORS",
+    "STARTING_DETECTORS",
     "ENOUGH_LABELS",
     "PIPELINE_CHOICES",
     "SHIPPED_TEMPLATE",

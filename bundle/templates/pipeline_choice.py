@@ -41,17 +41,21 @@ DEFAULT_DETECTORS = (
     "models/finetune/model.pt",
     "models/stage2/model.pt",
 )
+# what a fine-tuning may continue: the same, but the shipped stage-2 detector trained on matching's own pseudo-labels
+# (0.27.0's) in place of the one trained on the refined ones: the better start at 5 labels (docs/results.md, "A
+# pretrained fine step")
+STARTING_DETECTORS = (*DEFAULT_DETECTORS[:3], "models/stage2_unrefined/model.pt")
 # inferring's built-in templates (configs/inference.yaml ``template_path``) and the shipped weights they were computed
 # with (``ckpt_path``)
 SHIPPED_TEMPLATE = "models/template_features.pt"
 SHIPPED_WEIGHTS = "models/model.pt"
 
 
-def default_detectors(bundle_root: str | os.PathLike) -> list[str]:
-    """The candidates of ``pipeline: auto`` under ``bundle_root`` (:data:`DEFAULT_DETECTORS`), in that order; a relative
-    one missing from the working directory is taken in the bundle's own folder, as the configs' files are
-    (:func:`bundle.template_file.bundle_path`)."""
-    return [str(bundle_path(Path(bundle_root) / p)) for p in DEFAULT_DETECTORS]
+def default_detectors(bundle_root: str | os.PathLike, candidates: Sequence[str] = DEFAULT_DETECTORS) -> list[str]:
+    """The candidates of ``pipeline: auto`` under ``bundle_root`` (:data:`DEFAULT_DETECTORS`; a fine-tuning's:
+    :data:`STARTING_DETECTORS`), in that order; a relative one missing from the working directory is taken in the
+    bundle's own folder, as the configs' files are (:func:`bundle.template_file.bundle_path`)."""
+    return [str(bundle_path(Path(bundle_root) / p)) for p in candidates]
 
 
 def builtin_templates(
