@@ -14,7 +14,6 @@ pseudo-labels of stage 2 are refined by :meth:`DescriptorRefinement.refine` dire
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Sequence
 
@@ -27,8 +26,6 @@ from bundle.networks.matching import disc_lattice, local_votes
 from bundle.networks.xfeat import descriptor_map, xfeat_network
 from monai.inferers import Inferer
 from monai.transforms import Compose
-
-logger = logging.getLogger(__name__)
 
 # the search radii chosen on the 10 validation cephalograms (docs/results.md, "A pretrained fine step"): after a
 # detector, and for the stage-2 pseudo-labels (from matching, further from the landmarks)
@@ -46,7 +43,6 @@ class DescriptorRefinement:
         radius_mm: the search radius around each prediction (pixels when an image has no spacing).
         step_px: the lattice step in file pixels.
         combine: how the templates' votes are combined (:data:`bundle.kshot.COMBINE_RULES`).
-        scale: the image size given to XFeat, as a multiple of the file's.
         load_transforms: the dictionary transforms that read an image file as the pipeline does (``load_transforms``
             of the configs: a DICOM X-ray's photometric interpretation applied, grey); None: MONAI's ``LoadImage``.
     """
@@ -57,7 +53,6 @@ class DescriptorRefinement:
         radius_mm: float = RADIUS_MM,
         step_px: float = STEP_PX,
         combine: str = "weighted_geometric_median",
-        scale: float = 1.0,
         load_transforms: Sequence | None = None,
     ) -> None:
         if not templates:
@@ -67,7 +62,7 @@ class DescriptorRefinement:
         self.templates = [
             {"image": str(t["image"]), "landmarks": landmarks_array(t, len(t["landmarks"]), 2)} for t in templates
         ]
-        self.radius_mm, self.step_px, self.scale = float(radius_mm), float(step_px), float(scale)
+        self.radius_mm, self.step_px = float(radius_mm), float(step_px)
         self.combine = check_combine_rule(combine)
         self.load = Compose(list(load_transforms)) if load_transforms else None
         self._network: torch.nn.Module | None = None
@@ -87,8 +82,7 @@ class DescriptorRefinement:
             self._network = xfeat_network()
         if isinstance(image, (str, Path)):
             image = self.load({"image": str(image)})["image"] if self.load is not None else load_image(str(image))
-        pixels = image
-        return descriptor_map(self._network, pixels, self.scale)
+        return descriptor_map(self._network, image)
 
     def queries(self) -> torch.Tensor:
         """The templates' unit descriptors ``(K, L, 64)`` at their landmarks (NaN where one lacks the landmark)."""

@@ -4,8 +4,9 @@ COCO, shipped inside the wheel: nothing is downloaded). Not in the paper: a pret
 :class:`bundle.inferers.refinement.DescriptorRefinement`.
 
 XFeat takes a grey image whose sides are multiples of 32 and gives unit 64-channel descriptors at 1/8 of it. An image
-file's pixels are resized to the nearest such size (at ``scale`` times the file's size), so a descriptor map covers the
-whole image; :class:`DescriptorMap` holds the map, its input size and the factors from file pixels to that input.
+is resized to the nearest such size, so a descriptor map covers the whole image at about the file's own pixels (half
+of them measured worse on the validation cephalograms: docs/results.md, "A pretrained fine step");
+:class:`DescriptorMap` holds the map, its input size and the factors from file pixels to that input.
 """
 
 from __future__ import annotations
@@ -60,16 +61,16 @@ def xfeat_network() -> torch.nn.Module:
 
 
 @torch.no_grad()
-def descriptor_map(network: torch.nn.Module, image, scale: float = 1.0) -> DescriptorMap:
+def descriptor_map(network: torch.nn.Module, image) -> DescriptorMap:
     """The descriptor map of a 2D ``image`` ``(X, Y)`` or ``(C, X, Y)`` (MONAI's axis order, channels averaged, any
-    intensity range) at ``scale`` times its size."""
+    intensity range)."""
     pixels = torch.as_tensor(np.asarray(image), dtype=torch.float32)
     pixels = pixels.mean(0) if pixels.ndim == 3 else pixels
     if pixels.ndim != 2:
         raise ValueError(f"the XFeat refinement takes 2D images, got one of shape {tuple(np.asarray(image).shape)}")
     grey = (pixels - pixels.min()) / (pixels.max() - pixels.min()).clamp_min(1e-6)
     width, height = grey.shape
-    size = [max(32, round(n * scale / 32) * 32) for n in (height, width)]
+    size = [max(32, round(n / 32) * 32) for n in (height, width)]
     net_input = F.interpolate(grey.T[None, None], size=size, mode="bilinear", align_corners=False)
     maps = F.normalize(network(net_input)[0], dim=1)
     return DescriptorMap(maps, size, np.array([size[1] / width, size[0] / height]))
