@@ -7,7 +7,9 @@ hand: the ranking measured on validation images in docs/results.md, "The default
 Without a datalist, ``inferring``'s labels at hand are the shipped ones: the built-in templates
 (``models/template_features.pt``) and the detectors shipped beside them (:func:`builtin_templates`).
 A fine-tuning on human labels (configs/finetune.yaml) continues the detector that learnt from fewer of the same labels
-(:func:`starting_detector`), the one-label stage-2 detector for example.
+(:func:`starting_detector`), the one-label stage-2 detector for example. Whether XFeat's fine step follows the
+pipeline, and refines stage 2's pseudo-labels: :func:`prediction_refinement`, :func:`pseudo_label_refinement`
+(``xfeat_refinement: auto``, the gains measured on validation images).
 """
 
 from __future__ import annotations
