@@ -114,3 +114,23 @@ def test_the_templates_votes_are_combined_and_a_missing_landmark_does_not_vote(t
     mixed = DescriptorRefinement([lacking, right], 10, 1.0, combine="mean").refine(image, displaced)
     only_right = DescriptorRefinement([right], 10, 1.0).refine(image, displaced)
     assert np.allclose(mixed[0], only_right[0]) and not np.allclose(mixed[1:], only_right[1:])
+
+
+def test_a_template_left_out_keeps_the_others_descriptors(tmp_path):
+    """``without(image)`` (the MONAI Label app: an image is never its own template) refines as a refinement built from
+    the other templates would, reading only the image refined (the templates' descriptors are not computed again);
+    none left: None; an image not among the templates: the same refinement."""
+    datalist = json.loads(generate_synthetic_2d(tmp_path, n_training=2, n_validation=0, n_test=1).read_text())
+    first, second = (
+        {"image": str(tmp_path / it["image"]), "landmarks": it["landmarks"]} for it in datalist["training"]
+    )
+    image = str(tmp_path / datalist["test"][0]["image"])
+    points = np.asarray(datalist["test"][0]["landmarks"], float) + [3.0, -2.0]
+    both = DescriptorRefinement([first, second], 8, 1.0)
+    both.queries()
+    expected = DescriptorRefinement([second], 8, 1.0).refine(image, points)
+    left, read = both.without(first["image"]), []
+    descriptors = left._descriptors
+    left._descriptors = lambda path: read.append(str(path)) or descriptors(path)
+    assert left.sources == [second["image"]] and np.allclose(left.refine(image, points), expected) and read == [image]
+    assert both.without(image) is both and left.without(second["image"]) is None

@@ -14,6 +14,7 @@ pseudo-labels of stage 2 are refined by :meth:`DescriptorRefinement.refine` dire
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Sequence
 
@@ -93,6 +94,19 @@ class DescriptorRefinement:
                 found.append(vectors.masked_fill(torch.as_tensor(np.isnan(t["landmarks"]).any(-1))[:, None], np.nan))
             self._queries = torch.stack(found)
         return self._queries
+
+    def without(self, image: str) -> DescriptorRefinement | None:
+        """This refinement less the templates of ``image`` (an image is never its own template), their descriptors
+        kept, not computed again; None when no template is left."""
+        keep = [i for i, t in enumerate(self.templates) if t["image"] != str(image)]
+        if len(keep) == len(self.templates):
+            return self
+        if not keep:
+            return None
+        other = copy.copy(self)
+        other.templates = [self.templates[i] for i in keep]
+        other._queries = self.queries()[keep]
+        return other
 
     @torch.no_grad()
     def refine(self, image, points: np.ndarray, spacing: Sequence[float] | None = None) -> np.ndarray:

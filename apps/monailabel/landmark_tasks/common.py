@@ -461,17 +461,21 @@ class BundleContext:
     def refinement(self, labelled: Sequence[dict], exclude: str | None = None) -> DescriptorRefinement | None:
         """The XFeat refinement of the served detector's suggestions (``xfeat_refinement`` of the conf, as the commands
         decide it: :func:`bundle.templates.pipeline_choice.choose_refinement`; the app's detectors learn from human
-        labels) from the saved labels but the image ``exclude``, kept while those labels stay the same."""
-        templates = [{"image": it["image"], "landmarks": it["landmarks"]} for it in labelled if it.get("id") != exclude]
-        key = (labels_key([it for it in labelled if it.get("id") != exclude]),)
+        labels) from the first ``max_templates`` saved labels, less the image ``exclude`` (an id); the templates'
+        descriptors are kept while those labels stay the same."""
+        chosen = list(labelled)[: int(self.parser.get_parsed_content("max_templates"))]
+        key = labels_key(chosen)
         if self._refinement is None or self._refinement[0] != key:
+            templates = [{"image": it["image"], "landmarks": it["landmarks"]} for it in chosen]
             setting = self.parser.get_parsed_content("xfeat_refinement")
             load = self.parser.get_parsed_content("load_transforms")
             refinement = choose_refinement(
                 setting, templates, self.spatial_dims, self.template_combine, True, RADIUS_MM, load
             )
             self._refinement = (key, refinement)
-        return self._refinement[1]
+        refinement = self._refinement[1]
+        excluded = [it["image"] for it in chosen if it.get("id") == exclude]
+        return refinement.without(excluded[0]) if refinement is not None and excluded else refinement
 
     def detector_parser(self, image_size: Sequence[int] | None = None):
         """The bundle's fine-tuning configs for the datalist's dimensionality (``detector_configs``)

@@ -226,7 +226,7 @@ class LandmarkInferTask(InferTask):
                 if refinement is not None:  # as inferring after a detector trained on human labels
                     spacing_mm = np.asarray(torch.as_tensor(grid["spacing"]).cpu(), dtype=np.float64).reshape(-1)
                     points_mm = refinement.refine(str(image), points_mm / spacing_mm, spacing_mm) * spacing_mm
-                    ids = [it["id"] for it in labelled if it["id"] != request.get("image_id")]
+                    ids = [it["id"] for it in labelled if it["image"] in refinement.sources]
                     refined = {"templates": ids, "radius_mm": refinement.radius_mm}
                 templates, checkpoint = [], detector_path
             else:
