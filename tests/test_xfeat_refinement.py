@@ -134,3 +134,15 @@ def test_a_template_left_out_keeps_the_others_descriptors(tmp_path):
     left._descriptors = lambda path: read.append(str(path)) or descriptors(path)
     assert left.sources == [second["image"]] and np.allclose(left.refine(image, points), expected) and read == [image]
     assert both.without(image) is both and left.without(second["image"]) is None
+
+
+def test_the_search_radius_is_in_millimetres_along_each_axis(tmp_path):
+    """Pixels of 0.1 x 0.2 mm and a 1 mm radius: no landmark moves further than 1 mm (10 px along x, 5 along y),
+    however far off the predictions are."""
+    datalist = json.loads(generate_synthetic_2d(tmp_path, n_training=1, n_validation=0, n_test=1).read_text())
+    item = datalist["training"][0]
+    template = {"image": str(tmp_path / item["image"]), "landmarks": item["landmarks"]}
+    points = np.asarray(item["landmarks"], float) + [7.0, 7.0]
+    spacing = np.array([0.1, 0.2])
+    moved = DescriptorRefinement([template], 1.0, 1.0).refine(template["image"], points, spacing) - points
+    assert (np.linalg.norm(moved * spacing, axis=1) <= 1.0 + 1e-9).all() and np.abs(moved).max() > 0

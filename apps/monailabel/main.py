@@ -128,6 +128,7 @@ class LandmarkApp(MONAILabelApp):
             self.model_dir,
             conf.get("device"),
             conf.get("pseudo_templates"),
+            conf.get("xfeat_refinement", "auto"),
         )
         self.train_defaults = training_defaults(conf)
         self.predictor = conf.get("predictor", "auto")

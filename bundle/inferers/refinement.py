@@ -45,7 +45,8 @@ class DescriptorRefinement:
         step_px: the lattice step in file pixels.
         combine: how the templates' votes are combined (:data:`bundle.kshot.COMBINE_RULES`).
         load_transforms: the dictionary transforms that read an image file as the pipeline does (``load_transforms``
-            of the configs: a DICOM X-ray's photometric interpretation applied, grey); None: MONAI's ``LoadImage``.
+            of the configs: a DICOM X-ray's photometric interpretation applied, grey); None: MONAI's ``LoadImage``,
+            channel first (the channels averaged).
     """
 
     def __init__(
@@ -82,7 +83,12 @@ class DescriptorRefinement:
         if self._network is None:
             self._network = xfeat_network()
         if isinstance(image, (str, Path)):
-            image = self.load({"image": str(image)})["image"] if self.load is not None else load_image(str(image))
+            path = str(image)
+            image = (
+                self.load({"image": path})["image"]
+                if self.load is not None
+                else load_image(path, ensure_channel_first=True)
+            )
         return descriptor_map(self._network, image)
 
     def queries(self) -> torch.Tensor:
@@ -121,6 +127,7 @@ class DescriptorRefinement:
             )
         spacing_xy = np.ones(2) if spacing is None else np.asarray(spacing, dtype=np.float64).reshape(2)
         lattice = disc_lattice(self.radius_mm / float(spacing_xy.min()), self.step_px).numpy()
+        lattice = lattice[np.linalg.norm(lattice * spacing_xy, axis=1) <= self.radius_mm + 1e-9]  # in mm: anisotropic
         candidates = np.nan_to_num(points)[:, None] + lattice[None]  # (L, P, 2)
         descriptors = self._descriptors(image).sample(candidates)
         votes, cosines = local_votes(queries, descriptors, torch.as_tensor(candidates))
@@ -128,10 +135,12 @@ class DescriptorRefinement:
         refined = (combine_landmarks(votes * scale, self.combine, cosines) / scale).numpy()
         return np.where(np.isnan(points) | np.isnan(refined), points, refined)
 
-    def refine_item(self, item: dict) -> dict:
-        """A copy of datalist ``item`` (``image``, ``landmarks``, optional ``spacing``) with its landmarks refined."""
+    def refine_item(self, item: dict, spacing: Sequence[float] | None = None) -> dict:
+        """A copy of datalist ``item`` (``image``, ``landmarks``) with its landmarks refined; ``spacing``: mm per pixel,
+        else the item's ``spacing``."""
         points = landmarks_array(item, len(item["landmarks"]), 2)
-        return {**item, "landmarks": datalist_landmarks(self.refine(item["image"], points, item.get("spacing")))}
+        spacing = item.get("spacing") if spacing is None else spacing
+        return {**item, "landmarks": datalist_landmarks(self.refine(item["image"], points, spacing))}
 
 
 class RefiningInferer(Inferer):

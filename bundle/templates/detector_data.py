@@ -79,8 +79,8 @@ def pseudo_labelled_items(
     inferer = with_templates(OneShotInferer(template_combine=combine), list(templates), preprocessing, device)
     labelled = pseudo_label(network, inferer, pool, preprocessing, device)
     if refinement is not None:
-        for entry in labelled:
-            entry["item"] = refinement.refine_item(entry["item"])
+        for entry in labelled:  # the spacing the pipeline read (a DICOM header's when the datalist gives none)
+            entry["item"] = refinement.refine_item(entry["item"], entry["spacing"])
         logger.info("stage 2: %d pseudo-labelled images refined by XFeat", len(labelled))
     items = [dict(t) for t in templates]
     cycle = {}

@@ -35,7 +35,8 @@ def pseudo_label(
 
     Returns one dict per item: ``item`` (a copy of the datalist item whose ``landmarks`` are the combined
     predictions in the datalist convention), ``cycle_error`` (``(L,)`` grid pixels, median over the
-    templates; NaN where no template gives the landmark). ``preprocessing`` is the evaluation pipeline
+    templates; NaN where no template gives the landmark) and ``spacing`` (mm per pixel, the datalist's or the
+    header's, as the pipeline read it). ``preprocessing`` is the evaluation pipeline
     (ending with ``LandmarkTargetsd``); the caller's network is put in eval mode.
     """
     network.eval()
@@ -52,7 +53,8 @@ def pseudo_label(
         landmarks = datalist_landmarks(points)
         errors = matches.cycle_errors[:, 0].cpu()
         median = torch.where(torch.isnan(errors).all(0), float("nan"), errors.nanmedian(dim=0).values)
-        labelled.append({"item": {**item, "landmarks": landmarks}, "cycle_error": median.numpy()})
+        spacing = [float(v) for v in torch.as_tensor(data["spacing"]).reshape(-1)]
+        labelled.append({"item": {**item, "landmarks": landmarks}, "cycle_error": median.numpy(), "spacing": spacing})
     return labelled
 
 

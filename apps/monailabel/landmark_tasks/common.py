@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from bundle.checkpoints import load_weights
 from bundle.command_errors import root_cause
-from bundle.configs import as_number, bundle_parser, config_files
+from bundle.configs import as_flag, as_number, bundle_parser, config_files
 from bundle.data.datalist import DatalistError, read_json
 from bundle.data.dicom import dicom_tags
 from bundle.data.images import detached_data_file
@@ -266,6 +266,7 @@ class BundleContext:
         model_dir: Path,
         device: str | None = None,
         pseudo_templates: str | int | None = None,
+        xfeat_refinement: str | bool = "auto",
     ) -> None:
         """``datalist``: the bundle's templates and landmark names come from it; None: the built-in templates
         (``models/template_features.pt``, the shipped weights' features of the cephalometric templates, with their
@@ -273,7 +274,8 @@ class BundleContext:
         training publishes others; None: the evaluation config's ``ckpt_path`` (2D: the shipped ``models/model.pt``; 3D:
         ``output/models/ct3d/model.pt``, where the default 3D training writes). ``device``: see
         :func:`resolve_device`. ``pseudo_templates``: how many pseudo-templates join few saved labels
-        (:meth:`pseudo_templates`; None: the evaluation config's ``pseudo_templates``, 0: none)."""
+        (:meth:`pseudo_templates`; None: the evaluation config's ``pseudo_templates``, 0: none). ``xfeat_refinement``:
+        whether XFeat's fine step follows the detector (:meth:`refinement`; ``auto``, ``true``, ``false``)."""
         self.device = resolve_device(device)
         self.bundle_root = Path(bundle_root)
         self.datalist = Path(datalist).resolve() if datalist else None
@@ -291,6 +293,11 @@ class BundleContext:
         self.detector_configs = config_files("finetune", self.spatial_dims)
         # what every parser of the app sets: the device, and the datalist or (below) the built-in templates' names
         self.overrides: dict[str, Any] = {"device": device_expression(self.device)}
+        if not (isinstance(xfeat_refinement, str) and xfeat_refinement.strip().lower() == "auto"):
+            xfeat_refinement = as_flag(xfeat_refinement, "--conf xfeat_refinement")
+            if xfeat_refinement and self.spatial_dims != 2:
+                raise ValueError("--conf xfeat_refinement true: the XFeat refinement is 2D only")
+        self.xfeat_refinement = xfeat_refinement
         if self.datalist:
             self.overrides["datalist"] = str(self.datalist)
         if pseudo_templates is not None:
@@ -459,21 +466,33 @@ class BundleContext:
         return {}
 
     def refinement(self, labelled: Sequence[dict], exclude: str | None = None) -> DescriptorRefinement | None:
-        """The XFeat refinement of the served detector's suggestions (``xfeat_refinement`` of the conf, as the commands
-        decide it: :func:`bundle.templates.pipeline_choice.choose_refinement`; the app's detectors learn from human
-        labels) from the first ``max_templates`` saved labels, less the image ``exclude`` (an id); the templates'
-        descriptors are kept while those labels stay the same."""
-        chosen = list(labelled)[: int(self.parser.get_parsed_content("max_templates"))]
-        key = labels_key(chosen)
-        if self._refinement is None or self._refinement[0] != key:
-            templates = [{"image": it["image"], "landmarks": it["landmarks"]} for it in chosen]
-            setting = self.parser.get_parsed_content("xfeat_refinement")
-            load = self.parser.get_parsed_content("load_transforms")
-            refinement = choose_refinement(
-                setting, templates, self.spatial_dims, self.template_combine, True, RADIUS_MM, load
-            )
-            self._refinement = (key, refinement)
-        refinement = self._refinement[1]
+        """The XFeat refinement of the served detector's suggestions (``xfeat_refinement``, as the commands decide it:
+        :func:`bundle.templates.pipeline_choice.choose_refinement`; the app's detectors learn from human labels) from
+        the first ``max_templates`` saved labels, less the image ``exclude`` (an id); None without another saved label.
+        The templates' descriptors are kept while those labels stay the same."""
+        if self.xfeat_refinement is False:
+            return None
+        with self._lock:
+            chosen = list(labelled)[: int(self.parser.get_parsed_content("max_templates"))]
+            key = labels_key(chosen)
+            if self._refinement is None or self._refinement[0] != key:
+                templates = [{"image": it["image"], "landmarks": it["landmarks"]} for it in chosen]
+                load = self.parser.get_parsed_content("load_transforms")
+                refinement = (
+                    choose_refinement(
+                        self.xfeat_refinement,
+                        templates,
+                        self.spatial_dims,
+                        self.template_combine,
+                        True,
+                        RADIUS_MM,
+                        load,
+                    )
+                    if templates
+                    else None
+                )
+                self._refinement = (key, refinement)
+            refinement = self._refinement[1]
         excluded = [it["image"] for it in chosen if it.get("id") == exclude]
         return refinement.without(excluded[0]) if refinement is not None and excluded else refinement
 
