@@ -28,4 +28,8 @@ def progress_shown() -> bool:
 def progress(iterable: Iterable, description: str, total: int | None = None) -> Iterable:
     """``iterable`` counted on the console as ``description`` (count, time left) while it is consumed, when progress
     is shown; the bar goes once done."""
-    return tqdm(iterable, desc=description, total=total, disable=not _SHOWN[0], leave=False, dynamic_ncols=True)
+    # every item drawn (mininterval 0): the steps take a second or more an item, and the count a user reads, the
+    # last one included, does not depend on the machine's speed
+    return tqdm(
+        iterable, desc=description, total=total, disable=not _SHOWN[0], leave=False, dynamic_ncols=True, mininterval=0
+    )
