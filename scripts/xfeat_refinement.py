@@ -24,8 +24,8 @@ import numpy as np
 from bundle.data.datalist import landmarks_array, load_datalist, read_json
 from bundle.inferers.refinement import RADIUS_MM, DescriptorRefinement
 from bundle.io_utils import write_json_atomic
+from bundle.pipeline.choice import refinement_templates
 from bundle.reporting import read_predictions_csv
-from bundle.templates.pipeline_choice import refinement_templates
 from scripts.cli import run_fire
 
 

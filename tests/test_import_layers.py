@@ -39,6 +39,7 @@ LAYERS = [
         "bundle.templates.pseudo_labels",
     ],
     ["bundle.templates", "bundle.reporting"],
+    ["bundle.pipeline"],  # which pipeline predicts, the detector's data
     ["bundle.handlers"],  # engines' glue, read by the configs
 ]
 

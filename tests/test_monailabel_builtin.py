@@ -97,7 +97,7 @@ def test_the_shipped_detector_is_served_until_the_train_task_publishes_one(conte
     templates) on its recorded grid; a published detector replaces it, with its own record."""
     import json
 
-    from bundle.templates.detector_data import detector_info
+    from bundle.pipeline.detector_data import detector_info
 
     shipped = (ROOT / "models" / "finetune" / "model.pt").resolve()
     assert context.served_detector().resolve() == shipped

@@ -1,5 +1,5 @@
 """Which pipeline predicts (``pipeline: auto | templates | detector``): the detector record, the rule of
-:func:`bundle.templates.pipeline_choice.choose_detector`, the templates and labelled images it counts, and a
+:func:`bundle.pipeline.choice.choose_detector`, the templates and labelled images it counts, and a
 pipeline moved to a detector's grid (the commands with a detector at hand: tests/test_stage2.py)."""
 
 from __future__ import annotations
@@ -10,13 +10,12 @@ import re
 from pathlib import Path
 
 import bundle.checkpoints
-import bundle.templates.pipeline_choice
+import bundle.pipeline.choice
 import pytest
 import torch
 from bundle.checkpoints import CheckpointError, save_with_record
 from bundle.networks.detector import HeatmapDetector
-from bundle.templates.detector_data import detector_info, detector_record, recorded_detector, write_detector_info
-from bundle.templates.pipeline_choice import (
+from bundle.pipeline.choice import (
     SHIPPED_TEMPLATE,
     SHIPPED_WEIGHTS,
     STARTING_DETECTORS,
@@ -29,6 +28,7 @@ from bundle.templates.pipeline_choice import (
     pseudo_label_refinement,
     starting_detector,
 )
+from bundle.pipeline.detector_data import detector_info, detector_record, recorded_detector, write_detector_info
 from bundle.transforms.utils import on_grid
 from monai.transforms import Compose, Lambdad, Resized
 
@@ -159,7 +159,7 @@ def test_auto_passes_over_a_detector_that_is_not_this_run_s(tmp_path, caplog):
     missing = tmp_path / "missing" / "model.pt"
     tested = ["/test/0.png", "/test/1.png"]
     candidates = [str(p) for p in (other, flat, unnamed, elsewhere, seen, missing)]
-    with caplog.at_level(logging.INFO, logger="bundle.templates.pipeline_choice"):
+    with caplog.at_level(logging.INFO, logger="bundle.pipeline.choice"):
         assert choose_detector("auto", candidates, NAMES, 2, datalist, 32, test_images=tested) is None
     for why in (
         "trained for other landmarks",
@@ -171,7 +171,7 @@ def test_auto_passes_over_a_detector_that_is_not_this_run_s(tmp_path, caplog):
         assert why in caplog.text, why
     # forced: a doubt is a warning, a refusal stays one
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="bundle.templates.pipeline_choice"):
+    with caplog.at_level(logging.WARNING, logger="bundle.pipeline.choice"):
         assert choose_detector("detector", [str(seen)], NAMES, 2, datalist, 32, test_images=tested) == str(seen)
     assert "trained on 1 of the test images" in caplog.text
     assert choose_detector("detector", [str(unnamed)], NAMES, 2, datalist, 32) == str(unnamed)
@@ -352,7 +352,7 @@ def test_the_xfeat_refinement_runs_where_validation_says_it_helps(tmp_path, monk
         prediction_refinement("true", str(human), None, 3, 2, "median")
     with pytest.raises(ValueError, match="xfeat_refinement"):
         prediction_refinement("sometimes", str(human), datalist, 3, 2, "median")
-    monkeypatch.setattr(bundle.templates.pipeline_choice, "available", lambda: False)
+    monkeypatch.setattr(bundle.pipeline.choice, "available", lambda: False)
     assert prediction_refinement("auto", str(human), datalist, 3, 2, "median") is None
     # stage 2's pseudo-labels: refined by auto from the human-labelled templates only
     monkeypatch.undo()

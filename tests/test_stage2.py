@@ -21,7 +21,7 @@ from bundle.networks.contrastive import ContrastiveLandmarkNet
 from bundle.networks.detector import HeatmapDetector, load_stage1_encoder
 from bundle.networks.matching import refine_peaks
 from bundle.networks.xfeat import available as xfeat_available
-from bundle.templates.detector_data import (
+from bundle.pipeline.detector_data import (
     detector_grid,
     detector_templates,
     finetune_grid,

@@ -11,7 +11,7 @@ from bundle.configs import bundle_parser, config_files
 from bundle.data.datalist import load_datalist
 from bundle.data.synthetic import generate_synthetic_2d, generate_synthetic_3d
 from bundle.networks.detector import HeatmapDetector
-from bundle.templates.detector_data import write_detector_info
+from bundle.pipeline.detector_data import write_detector_info
 from monai.bundle import ConfigWorkflow
 from monai.engines import SupervisedEvaluator, SupervisedTrainer
 from monai.inferers import Inferer
@@ -90,7 +90,7 @@ def test_initialize_computes_and_writes_nothing(name, tmp_path, monkeypatch):
     pseudo-labels are made (each raises if called); the work is ``run``'s."""
     import bundle.data.embedded
     import bundle.data.synthetic
-    import bundle.templates.detector_data
+    import bundle.pipeline.detector_data
 
     def refuse(*args, **kwargs):
         raise AssertionError("initialize() computed what only run should")
@@ -98,7 +98,7 @@ def test_initialize_computes_and_writes_nothing(name, tmp_path, monkeypatch):
     for module, function in (
         (bundle.data.embedded, "ensure_synthetic_dataset"),
         (bundle.data.synthetic, "ensure_synthetic_dataset"),
-        (bundle.templates.detector_data, "pseudo_labelled_items"),
+        (bundle.pipeline.detector_data, "pseudo_labelled_items"),
     ):
         monkeypatch.setattr(module, function, refuse)
     monkeypatch.chdir(tmp_path)

@@ -1,39 +1,12 @@
-"""Templates of one-shot (k-shot) detection: their choice, pseudo-templates and pseudo-labels, the detector's
-training items, and the template features of inference."""
+"""Templates of one-shot (k-shot) detection: their choice, pseudo-templates and pseudo-labels,
+and the template features of inference."""
 
-from bundle.templates.detector_data import (
-    detector_info,
-    detector_record,
-    detector_templates,
-    labelled_items,
-    load_detector,
-    pseudo_label_templates,
-    pseudo_labelled_items,
-    read_pseudo_labels,
-    recorded_detector,
-    write_detector_info,
-)
 from bundle.templates.features import (
     compute_template,
     default_template_cache,
     resolve_template_features,
     template_cache_key,
     template_source_names,
-)
-from bundle.templates.pipeline_choice import (
-    DEFAULT_DETECTORS,
-    ENOUGH_LABELS,
-    PIPELINE_CHOICES,
-    SHIPPED_TEMPLATE,
-    SHIPPED_WEIGHTS,
-    STARTING_DETECTORS,
-    assess_detector,
-    builtin_templates,
-    check_pipeline_choice,
-    choose_detector,
-    default_detectors,
-    labelled_at_hand,
-    starting_detector,
 )
 from bundle.templates.pseudo_labels import pseudo_label, reliability, reliable_landmarks, select_pseudo_templates
 from bundle.templates.resolution import (
@@ -58,39 +31,18 @@ from bundle.templates.selection import (
 )
 
 __all__ = [
-    "DEFAULT_DETECTORS",
-    "STARTING_DETECTORS",
-    "ENOUGH_LABELS",
-    "PIPELINE_CHOICES",
-    "SHIPPED_TEMPLATE",
-    "SHIPPED_WEIGHTS",
-    "assess_detector",
-    "builtin_templates",
-    "check_pipeline_choice",
     "check_rule",
-    "choose_detector",
     "compute_template",
     "default_template",
     "default_template_cache",
-    "default_detectors",
     "default_templates",
-    "detector_info",
-    "detector_record",
-    "detector_templates",
     "grid_points",
     "held_out_images",
-    "labelled_at_hand",
-    "labelled_items",
     "labelled_training_items",
     "landmark_transfer_errors",
-    "load_detector",
     "prepare_template",
     "pseudo_label",
-    "pseudo_label_templates",
-    "pseudo_labelled_items",
     "pseudo_template_pool",
-    "read_pseudo_labels",
-    "recorded_detector",
     "reliability",
     "reliable_landmarks",
     "resolve_template",
@@ -99,11 +51,9 @@ __all__ = [
     "select_pseudo_templates",
     "select_template",
     "select_template_by_landmarks",
-    "starting_detector",
     "template_cache_key",
     "template_items",
     "template_source_names",
     "with_templates",
     "without_test_images",
-    "write_detector_info",
 ]

@@ -36,17 +36,17 @@ from bundle.data.markups import ControlPoint, check_label_names, label_key, read
 from bundle.inferers.oneshot import OneShotInferer, TemplateFeatureInferer
 from bundle.inferers.refinement import RADIUS_MM, DescriptorRefinement
 from bundle.io_utils import error_summary, write_json_atomic
-from bundle.template_file import join_templates, load_template
-from bundle.templates.detector_data import base_grid
-from bundle.templates.detector_data import detector_info as recorded_detector_info
-from bundle.templates.features import compute_template
-from bundle.templates.pipeline_choice import (
+from bundle.pipeline.choice import (
     SHIPPED_TEMPLATE,
     builtin_templates,
     choose_detector,
     choose_refinement,
     refinement_setting,
 )
+from bundle.pipeline.detector_data import base_grid
+from bundle.pipeline.detector_data import detector_info as recorded_detector_info
+from bundle.template_file import join_templates, load_template
+from bundle.templates.features import compute_template
 from bundle.templates.resolution import resolve_templates
 from bundle.transforms.landmarks import LandmarkTargets, file_frame, file_positions, outside_excess, template_problem
 
@@ -378,7 +378,7 @@ class BundleContext:
 
     def _shipped_detector(self) -> Path | None:
         """The detector shipped beside the built-in templates that ``inferring`` takes without a datalist
-        (:func:`bundle.templates.pipeline_choice.choose_detector`, ``pipeline: auto``), served until the train task
+        (:func:`bundle.pipeline.choice.choose_detector`, ``pipeline: auto``), served until the train task
         publishes one; None with a datalist (the user's landmarks and templates) or when ``auto`` takes matching."""
         if self.datalist is not None:
             return None
@@ -469,7 +469,7 @@ class BundleContext:
 
     def refinement(self, labelled: Sequence[dict], exclude: str | None = None) -> DescriptorRefinement | None:
         """The XFeat refinement of the served detector's suggestions (``xfeat_refinement``, as the commands decide it:
-        :func:`bundle.templates.pipeline_choice.choose_refinement`; the app's detectors learn from human labels) from
+        :func:`bundle.pipeline.choice.choose_refinement`; the app's detectors learn from human labels) from
         the first ``max_templates`` saved labels, less the image ``exclude`` (an id); None without another saved label.
         The templates' descriptors are kept while those labels stay the same."""
         if self.xfeat_refinement is False:

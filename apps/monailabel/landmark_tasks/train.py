@@ -84,7 +84,7 @@ from bundle.checkpoints import read_checkpoint
 from bundle.configs import check_crop_size, check_image_size, config_files
 from bundle.data.datalist import is_finite_number
 from bundle.io_utils import atomic_path, write_json_atomic
-from bundle.templates.detector_data import base_grid, base_setting, detector_info
+from bundle.pipeline.detector_data import base_grid, base_setting, detector_info
 from monailabel.interfaces.datastore import Datastore
 from monailabel.interfaces.tasks.train import TrainTask
 

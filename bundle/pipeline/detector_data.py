@@ -7,7 +7,7 @@
 - ``detector_info.json`` beside the detector's checkpoints: what it learnt from (the templates that made its
   pseudo-labels, its labelled and training images), its landmarks, network settings and the grid it was trained
   on; :func:`detector_grid` gives that grid to the evaluation, :func:`load_detector` refuses to run it on another,
-  :func:`recorded_detector` rebuilds its network, and ``bundle.templates.pipeline_choice`` reads the rest;
+  :func:`recorded_detector` rebuilds its network, and ``bundle.pipeline.choice`` reads the rest;
 - :func:`finetune_grid` and :func:`follow_grid`: the fine-tuned detector's grid by its number of labels, and the
   settings in grid pixels that follow it.
 """

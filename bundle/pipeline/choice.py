@@ -25,9 +25,9 @@ from bundle.configs import as_flag
 from bundle.data.embedded import open_datalist
 from bundle.inferers.refinement import PSEUDO_LABEL_RADIUS_MM, RADIUS_MM, DescriptorRefinement
 from bundle.networks.xfeat import INSTALL_HINT, available
+from bundle.pipeline.detector_data import INFO_FILE, detector_info
 from bundle.reporting import PIPELINES
 from bundle.template_file import bundle_path, load_template
-from bundle.templates.detector_data import INFO_FILE, detector_info
 from bundle.templates.resolution import RANKED_POOL, held_out_images, labelled_training_items, template_items
 
 logger = logging.getLogger(__name__)
@@ -120,7 +120,7 @@ def assess_detector(
     network: dict | None = None,
 ):
     """What a detector checkpoint offers a run: ``(n_labelled, refusal, doubts)``. ``n_labelled``: the human-labelled
-    images behind it (:func:`bundle.templates.detector_data.write_detector_info`; 0 when not recorded);
+    images behind it (:func:`bundle.pipeline.detector_data.write_detector_info`; 0 when not recorded);
     ``refusal``: why it cannot predict this run (no file, a record that does not describe it, other landmarks or
     dimensionality recorded, or, given the run's ``network`` settings, other ones recorded: its weights would not
     fit), else None;
@@ -226,7 +226,7 @@ def starting_detector(
     (configs/finetune.yaml ``init_weights``), or None: it starts from the stage-1 encoder.
 
     Among ``detectors``, the one that learnt from the most labelled images (the first of equals) for the same
-    landmarks, with the run's ``network`` settings (:func:`bundle.templates.detector_data.recorded_detector`: the
+    landmarks, with the run's ``network`` settings (:func:`bundle.pipeline.detector_data.recorded_detector`: the
     weights fit), from fewer labelled images than ``items`` and only from images among them, and from none of the
     datalist's validation and test images (:func:`assess_detector`), on any grid (the network is convolutional and
     the fine-tuning's grid keeps the landmarks' scale in mm). At 5 labels that is the one-label stage-2 detector made
