@@ -156,5 +156,6 @@ def test_a_command_line_null_is_unset_for_every_nullable_key(value, unset):
     assert is_unset(value) is unset
     if unset:
         assert template_cache_dir(value) is None
-        parser = bundle_parser(config_files("evaluate"), bundle_root=ROOT, registration_tolerance=value)
-        assert parser.get_parsed_content("evaluate#matching_inferer").registration_tolerance is None
+        from bundle.pipeline.predictor import matching_inferer
+
+        assert matching_inferer("median", False, value).registration_tolerance is None

@@ -41,6 +41,7 @@ LAYERS = [
     ["bundle.templates", "bundle.reporting"],
     ["bundle.pipeline"],  # which pipeline predicts, the detector's data
     ["bundle.handlers"],  # engines' glue, read by the configs
+    ["bundle.pipeline.predictor"],  # what predicts, built from all of the above
 ]
 
 

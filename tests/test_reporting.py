@@ -7,6 +7,7 @@ import json
 import logging
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -83,8 +84,6 @@ def test_run_provenance_templates_pseudo_templates_and_pipeline():
     }
     with pytest.raises(ValueError, match="'matching'"):
         run_provenance("matching", "a.png", "m.pt")
-    with pytest.raises(ValueError, match="pipeline"):
-        LandmarkReportHandler("unused", NAMES, pipeline="heatmap")
 
 
 def test_write_predictions_csv_2d_3d_and_missing(tmp_path):
@@ -163,7 +162,8 @@ def test_report_handler_2d_through_an_engine(tmp_path, caplog):
     # iteration 1: batched dicts; iteration 2: decollated lists of per-image dicts, as SupervisedEvaluator gives
     steps = [(first, first_out), ([{k: v[0] for k, v in second.items()}], [{k: v[0] for k, v in second_out.items()}])]
     engine = Engine(lambda e, batch: steps[e.state.iteration - 1][1])
-    handler = LandmarkReportHandler(tmp_path / "eval", NAMES, template="/d/tmpl.png", checkpoint="models/model.pt")
+    named = SimpleNamespace(provenance=lambda: run_provenance("templates", "/d/tmpl.png", "models/model.pt"))
+    handler = LandmarkReportHandler(tmp_path / "eval", NAMES, predictor=named)
     handler.attach(engine)
     with caplog.at_level(logging.INFO, logger="bundle.reporting"):
         engine.run([batch for batch, _ in steps], max_epochs=1)

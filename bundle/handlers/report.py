@@ -14,7 +14,6 @@ from bundle.geometry import physical_to_datalist
 from bundle.io_utils import StagedOutputs, write_json_atomic
 from bundle.metrics import DEFAULT_THRESHOLDS, radial_errors, summarize_errors
 from bundle.reporting import (
-    check_pipeline,
     overlay_png,
     run_provenance,
     save_sdr_curve,
@@ -61,10 +60,10 @@ class LandmarkReportHandler:
     or <image stem>.mrk.json (3D, the predictions as a 3D Slicer point list in RAS), and logs MRE and SDR. When no
     image has a reference landmark (inference on new images), predictions.csv, the overlays (markups) and
     provenance.json are written.
-    metrics.json and provenance.json say what made the predictions (:func:`bundle.reporting.run_provenance`):
-    ``pipeline``, the ``template`` images (set by :class:`bundle.handlers.templates.TemplateHandler` when the
-    templates are chosen as the run starts), ``pseudo_templates``, ``checkpoint`` and the ``refinement`` that ran after
-    the pipeline (:class:`bundle.inferers.refinement.DescriptorRefinement`, None: none).
+    metrics.json and provenance.json say what made the predictions: ``predictor.provenance()`` as the report is
+    written (:class:`bundle.pipeline.predictor.Predictor`: its template images are set by
+    :class:`bundle.handlers.templates.TemplateHandler` when the templates are chosen as the run starts); without a
+    ``predictor``, template matching from unnamed templates (:func:`bundle.reporting.run_provenance`).
     Everything is written at ``COMPLETED`` (the overlays as their images come, none kept in memory) into a
     staging folder beside ``output_dir``, which replaces the previous run's report files only when complete
     (:class:`bundle.io_utils.StagedOutputs`): after a failure ``output_dir`` is as it was, and files that no
@@ -79,11 +78,7 @@ class LandmarkReportHandler:
         self,
         output_dir: str | os.PathLike,
         landmark_names: Sequence[str],
-        template: str | Sequence[str] = "",
-        checkpoint: str = "",
-        pipeline: str = "templates",
-        pseudo_templates: Sequence[str] = (),
-        refinement: Any = None,
+        predictor: Any = None,
         thresholds: Sequence[float] = DEFAULT_THRESHOLDS,
         overlays: bool = True,
         unlabelled: bool = False,
@@ -96,11 +91,7 @@ class LandmarkReportHandler:
     ) -> None:
         self.output_dir = Path(output_dir)
         self.landmark_names = [str(n) for n in landmark_names]
-        self.template = template
-        self.pseudo_templates = list(pseudo_templates)  # those of the templates labelled by matching
-        self.checkpoint = checkpoint
-        self.refinement = refinement  # the fine step after the pipeline (its settings() go to the report), or None
-        self.pipeline = check_pipeline(pipeline)
+        self.predictor = predictor
         self.thresholds = tuple(float(t) for t in thresholds)
         self.overlays = overlays
         self.unlabelled = unlabelled
@@ -219,7 +210,7 @@ class LandmarkReportHandler:
         if "mre_mm" not in summary:  # inference on unlabelled images: predictions only
             self.logger.info(
                 "landmarks (%s) on %d images without reference landmarks: predictions in %s",
-                self.pipeline,
+                self.provenance()["pipeline"],
                 len(self.records),
                 self.output_dir,
             )
@@ -227,7 +218,7 @@ class LandmarkReportHandler:
         sdr = ", ".join(f"{k} mm {v:.1f}%" for k, v in summary["sdr"].items())
         self.logger.info(
             "landmarks (%s) on %d images: MRE %.3f +/- %.3f mm (%.2f px); SDR %s; reports in %s",
-            self.pipeline,
+            self.provenance()["pipeline"],
             summary["n_images"],
             summary["mre_mm"],
             summary["mre_std_mm"],
@@ -237,7 +228,14 @@ class LandmarkReportHandler:
         )
         return summary
 
+    def provenance(self) -> dict[str, Any]:
+        """What made the predictions (metrics.json, provenance.json): the predictor's, as it stands now."""
+        if self.predictor is None:
+            return run_provenance("templates", "", "")
+        return self.predictor.provenance()
+
     def _write(self, folder: Path) -> dict[str, Any]:
+        provenance = self.provenance()
         preds = np.stack([r["pred"] for r in self.records])
         refs = np.stack([r["ref"] for r in self.records])
         spacings = np.stack([r["spacing"] for r in self.records])[:, None, :]
@@ -262,16 +260,9 @@ class LandmarkReportHandler:
                 )
                 for name, i in self._overlays.items()
             }
-            write_overview_html(folder / "overview.html", captions, self.landmark_names, self.pipeline)
+            write_overview_html(folder / "overview.html", captions, self.landmark_names, provenance["pipeline"])
         if preds.shape[-1] == 3:
             write_markups_per_image(folder, self.records, self.landmark_names)
-        provenance = run_provenance(
-            self.pipeline,
-            self.template,
-            self.checkpoint,
-            self.pseudo_templates,
-            self.refinement.settings() if self.refinement is not None else None,
-        )
         if np.isnan(refs).all():  # inference on unlabelled images: predictions only
             write_json_atomic(folder / "provenance.json", {**provenance, "n_images": len(self.records)})
             return {"n_images": len(self.records)}

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-from bundle.handlers.report import LandmarkReportHandler
 from bundle.templates.resolution import with_templates
 from ignite.engine import Engine, Events
 
@@ -16,20 +15,15 @@ class TemplateHandler:
     ``templates`` returns the template items (the configs' ``evaluate#choose_templates``: choosing one may take
     many network passes, so it runs when the evaluation starts, not when the config is parsed). They are set,
     prepared by ``preprocessing``, on ``inferer`` (:func:`bundle.templates.resolution.with_templates`) and, as the
-    list of their images (and of the pseudo-templates' images), on ``report`` (a :class:`LandmarkReportHandler`,
-    for metrics.json) when given.
+    list of their images (and of the pseudo-templates' images), on ``predictor`` (a
+    :class:`bundle.pipeline.predictor.Predictor`, whose provenance the report writes) when given.
     """
 
     def __init__(
-        self,
-        templates: Callable[[], list[dict]],
-        inferer,
-        preprocessing,
-        device: torch.device | str,
-        report: LandmarkReportHandler | None = None,
+        self, templates: Callable[[], list[dict]], inferer, preprocessing, device: torch.device | str, predictor=None
     ) -> None:
         self.templates = templates
-        self.inferer, self.preprocessing, self.device, self.report = inferer, preprocessing, device, report
+        self.inferer, self.preprocessing, self.device, self.predictor = inferer, preprocessing, device, predictor
         self.items: list[dict] | None = None
 
     def attach(self, engine: Engine) -> None:
@@ -40,6 +34,6 @@ class TemplateHandler:
             return
         self.items = list(self.templates())
         with_templates(self.inferer, self.items, self.preprocessing, self.device)
-        if self.report is not None:
-            self.report.template = [t["image"] for t in self.items]
-            self.report.pseudo_templates = [t["image"] for t in self.items if t.get("pseudo_label")]
+        if self.predictor is not None:
+            self.predictor.templates = [t["image"] for t in self.items]
+            self.predictor.pseudo_templates = [t["image"] for t in self.items if t.get("pseudo_label")]

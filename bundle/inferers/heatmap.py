@@ -7,6 +7,10 @@ from bundle.geometry import apply_homogeneous
 from bundle.networks.matching import refine_peaks
 from monai.inferers import Inferer
 
+# the detector's test-time shifts of the commands (train_stage2.yaml, evaluate.yaml, inference.yaml ``shift_tta``):
+# chosen on validation images (docs/results.md, "Fine-tuning on human labels")
+SHIFT_TTA = 2
+
 
 class HeatmapInferer(Inferer):
     """Landmarks from a heatmap network: the peak of each channel, refined to sub-pixel precision by

@@ -45,6 +45,7 @@ from bundle.pipeline.choice import (
 )
 from bundle.pipeline.detector_data import base_grid
 from bundle.pipeline.detector_data import detector_info as recorded_detector_info
+from bundle.pipeline.predictor import matching_inferer
 from bundle.template_file import join_templates, load_template
 from bundle.templates.features import compute_template
 from bundle.templates.resolution import resolve_templates
@@ -687,10 +688,12 @@ class BundleContext:
 
     @property
     def oneshot(self) -> OneShotInferer:
-        """The evaluation's one-shot inferer (``evaluate#matching_inferer``): its matcher and combine rule."""
+        """The evaluation's one-shot inferer (:func:`bundle.pipeline.predictor.matching_inferer` with the config's
+        keys): its matcher and combine rule."""
         with self._lock:
             if self._oneshot is None:
-                self._oneshot = self.parser.get_parsed_content("evaluate#matching_inferer", lazy=False)
+                keys = ("template_combine", "contrast_adaptation", "registration_tolerance")
+                self._oneshot = matching_inferer(*(self.parser.get_parsed_content(k) for k in keys))
             return self._oneshot
 
     def frame(self, image: str | Path, data: dict | None = None) -> dict:

@@ -1,0 +1,156 @@
+"""What predicts a run's landmarks, built in one place (:func:`build_predictor`) for evaluating, inferring and the
+MONAI Label app: the pipeline that :func:`bundle.pipeline.choice.choose_detector` takes (a heatmap detector or
+template matching), its network with its weights, the preprocessing on that network's grid, its inferer, XFeat's
+fine step after it (:func:`bundle.pipeline.choice.prediction_refinement`) and what the reports say ran."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable, Sequence
+
+import torch
+from bundle.configs import as_flag, as_number, is_unset
+from bundle.handlers.templates import TemplateHandler
+from bundle.inferers.heatmap import HeatmapInferer
+from bundle.inferers.oneshot import OneShotInferer, TemplateFeatureInferer
+from bundle.inferers.refinement import DescriptorRefinement, RefiningInferer
+from bundle.pipeline.choice import ENOUGH_LABELS, choose_detector, prediction_refinement
+from bundle.pipeline.detector_data import detector_grid, detector_templates, load_detector
+from bundle.reporting import run_provenance
+from bundle.transforms.utils import on_grid
+from monai.transforms import Compose
+
+
+@dataclasses.dataclass
+class Predictor:
+    """What predicts: ``pipeline`` (``detector`` or ``templates``), the ``checkpoint`` of its weights, its
+    ``network``, the ``preprocessing`` on that network's grid, the pipeline's ``inferer`` (the confidence check reads
+    its scores), the ``refinement`` after it (None: none) and ``refining_inferer``, the two together (the
+    evaluator's). ``templates`` / ``pseudo_templates`` name the template images (a detector's: those that made its
+    pseudo-labels); ``handlers`` run as the evaluation starts (the choice of the templates to match from)."""
+
+    pipeline: str
+    checkpoint: str
+    network: torch.nn.Module
+    preprocessing: Compose
+    inferer: Any
+    refinement: DescriptorRefinement | None
+    templates: list[str]
+    pseudo_templates: list[str]
+    handlers: list
+
+    @property
+    def refining_inferer(self) -> RefiningInferer:
+        return self._refining_inferer
+
+    def __post_init__(self) -> None:
+        self._refining_inferer = RefiningInferer(self.inferer, self.refinement)
+
+    def provenance(self) -> dict[str, Any]:
+        """What made the predictions, for metrics.json and provenance.json (:func:`bundle.reporting.run_provenance`)."""
+        settings = self.refinement.settings() if self.refinement is not None else None
+        return run_provenance(self.pipeline, self.templates, self.checkpoint, self.pseudo_templates, settings)
+
+
+def build_predictor(
+    pipeline: str,
+    detectors: Sequence[str],
+    landmark_names: Sequence[str],
+    spatial_dims: int,
+    datalist: dict | str | os.PathLike | None,
+    encoder: torch.nn.Module,
+    ckpt_path: str | os.PathLike,
+    preprocessing: Compose,
+    device: torch.device | str,
+    backbone: str,
+    embed_dim: int,
+    strides: Sequence[int],
+    max_templates: int,
+    template_combine: str,
+    shift_tta: int,
+    xfeat_refinement: bool | str,
+    load_transforms: Sequence | None = None,
+    choose_templates: Callable[[], list[dict]] | None = None,
+    template_features: Callable[[], dict] | None = None,
+    contrast_adaptation: bool = False,
+    registration_tolerance: float | None = None,
+    test_images: Sequence[str] = (),
+    builtin: str | os.PathLike | None = None,
+    enough_labels: int = ENOUGH_LABELS,
+) -> Predictor:
+    """The :class:`Predictor` of a run (configs/evaluate.yaml, configs/inference.yaml).
+
+    Args:
+        pipeline: ``auto``, ``detector`` or ``templates``: the choice among ``detectors`` (checkpoints) by
+            :func:`bundle.pipeline.choice.choose_detector`, with ``landmark_names``, ``spatial_dims``, the run's
+            ``datalist`` (its labels at hand; None: inferring from a template file, ``builtin`` the shipped one),
+            ``max_templates``, ``test_images`` and ``enough_labels``.
+        encoder: the contrastive network with the weights of ``ckpt_path``, which matching uses.
+        preprocessing: the matching network's (load, grey, [0, 1], its grid); a detector's is moved to the grid
+            recorded beside it. ``device``: where the networks run.
+        backbone, embed_dim, strides: a detector's network settings where its record lacks them.
+        template_combine: how several templates' votes combine (matching and the refinement).
+        shift_tta: a detector's test-time shifts (:class:`bundle.inferers.heatmap.HeatmapInferer`).
+        xfeat_refinement: ``auto``, true or false (:func:`bundle.pipeline.choice.prediction_refinement`), reading
+            images as ``load_transforms`` do.
+        choose_templates: evaluating: the template items matched from, chosen as the evaluation starts (a
+            :class:`bundle.handlers.templates.TemplateHandler`), matched by a
+            :class:`bundle.inferers.oneshot.OneShotInferer` with ``contrast_adaptation`` and
+            ``registration_tolerance``.
+        template_features: inferring: the template features matched from (called only when matching), by a
+            :class:`bundle.inferers.oneshot.TemplateFeatureInferer`.
+    """
+    if (choose_templates is None) == (template_features is None):
+        raise ValueError("build_predictor: give either choose_templates (evaluating) or template_features (inferring)")
+    detector = choose_detector(
+        pipeline, detectors, landmark_names, spatial_dims, datalist, max_templates, test_images, enough_labels, builtin
+    )
+    refinement = prediction_refinement(
+        xfeat_refinement, detector, datalist, max_templates, spatial_dims, template_combine, load_transforms
+    )
+    if detector is not None:
+        grid = detector_grid(detector, spatial_dims)
+        network = load_detector(detector, device, grid, spatial_dims, len(landmark_names), backbone, embed_dim, strides)
+        return Predictor(
+            "detector",
+            str(detector),
+            network,
+            on_grid(preprocessing, grid),
+            HeatmapInferer(shift_tta=shift_tta),
+            refinement,
+            detector_templates(detector),
+            [],
+            [],
+        )
+    if template_features is not None:
+        features = template_features()
+        return Predictor(
+            "templates",
+            str(ckpt_path),
+            encoder,
+            preprocessing,
+            TemplateFeatureInferer(features, template_combine),
+            refinement,
+            list(features["sources"]),
+            list(features.get("pseudo_sources", [])),
+            [],
+        )
+    inferer = matching_inferer(template_combine, contrast_adaptation, registration_tolerance)
+    predictor = Predictor("templates", str(ckpt_path), encoder, preprocessing, inferer, refinement, [], [], [])
+    predictor.handlers.append(TemplateHandler(choose_templates, inferer, preprocessing, device, predictor))
+    return predictor
+
+
+def matching_inferer(
+    template_combine: str, contrast_adaptation: bool | str = False, registration_tolerance: float | str | None = None
+) -> OneShotInferer:
+    """Evaluating's matching from template images (:class:`bundle.inferers.oneshot.OneShotInferer`), the keys
+    ``contrast_adaptation`` (a yes/no value) and ``registration_tolerance`` (null, or a number >= 0) checked."""
+    return OneShotInferer(
+        template_combine=template_combine,
+        contrast_adaptation=as_flag(contrast_adaptation, "contrast_adaptation"),
+        registration_tolerance=None
+        if is_unset(registration_tolerance)
+        else as_number(registration_tolerance, "registration_tolerance", minimum=0),
+    )
