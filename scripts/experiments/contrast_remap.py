@@ -5,6 +5,11 @@ contrasts (T1w / T2w MRI); measured on the AFID check, it has not paid on T2w (d
 against T1w -> T2w"). ``scripts/experiments/configs/contrast_remap.yaml``, merged after ``configs/train.yaml`` (and
 ``configs/train_3d.yaml``), declares ``contrast_remap_prob`` and puts the remap in the views' intensity transforms
 (:func:`crop_transform`, :func:`image_transform`); ``contrast_remap_prob: 0`` trains as the product does.
+
+Key (contrast_remap.yaml, default): ``contrast_remap_prob`` (0.0), the probability of a random intensity curve on
+each of the two views, drawn independently (:class:`RandContrastRemapd`: monotone, non-monotone or an inversion;
+on the crop after its brightness / contrast), so that a template and an image of different contrasts (T1w / T2w
+MRI) still match; ``python -m scripts.afids_check --contrast_remap_prob 0.5`` trains the AFID check with it.
 """
 
 from __future__ import annotations

@@ -4,6 +4,17 @@ An experiment, not the product: ``scripts/experiments/configs/comparison.yaml``,
 ``configs/train.yaml``, declares the training key ``mixing`` (``none | unmix | mochi | zhu``) and the methods'
 keys, and plugs the chosen method into the loss's ``feature_mixing`` or the training step's ``extra_loss``
 (:func:`feature_mixing`, :func:`image_mixing`). ``mixing: none`` trains as the product does.
+``python -m scripts.ablation run --plan comparison`` runs the comparison (docs/results.md).
+
+Keys (comparison.yaml, default):
+
+* ``mixing`` (``none``): ``unmix`` (image mixtures of crops, Shen et al. 2022), ``mochi`` (hard negative mixing,
+  Kalantidis et al. 2020), ``zhu`` (positive extrapolation and negative interpolation, Zhu et al. 2021);
+* ``unmix_alpha`` (1.0), ``unmix_global_prob`` (0.5): Un-mix's Beta parameter of the mixing weight, and its
+  probability of a global mixup rather than a CutMix box;
+* ``mochi_hardest``, ``mochi_synthetic``, ``mochi_query_synthetic`` (1/16, 1/16, 1/128): MoCHi's N, s and s' as
+  fractions of a query's negatives;
+* ``zhu_pos_alpha``, ``zhu_neg_alpha`` (2.0, 1.6): Zhu et al.'s Beta parameters of extrapolation and interpolation.
 
 Feature pixels are the instances: for one query q (a crop-encoder pixel feature) the keys are the positive k+
 and the negatives n_i of :class:`bundle.losses.infonce.MultiScaleInfoNCELoss` (a local window of cells at the fine
