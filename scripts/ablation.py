@@ -44,6 +44,9 @@ from bundle.templates.resolution import labelled_training_items
 from scripts.bundle_commands import run_command
 from scripts.cli import run_fire
 
+# the comparison methods' keys (mixing, ...), merged after the training config where a run sets mixing
+COMPARISON_CONFIG = "scripts/experiments/configs/comparison.yaml"
+
 ROWS = {  # the paper's ablation rows: (entropy_sampling, adaptive_augmentation)
     "baseline": (False, False),
     "entropy": (True, False),
@@ -69,7 +72,7 @@ ROW_TITLES.update(
     full_authors="+ both, the authors' published factor ranges",
     full_pixel="+ both, estimated ranges, groups blended per pixel",
 )
-COMPARISON_ROWS = {  # row: the training's `mixing` (bundle/losses/mixing.py)
+COMPARISON_ROWS = {  # row: the training's `mixing` (scripts/experiments/mixing.py)
     "baseline": "none",
     "unmix": "unmix",
     "mochi": "mochi",
@@ -232,13 +235,15 @@ def run_one(
         overrides["augmentation#group_mode"] = spec["group_mode"]
     if spec.get("high_group_everywhere"):
         overrides.update(high_group_overrides(_load_augmentation(aug)))
+    train_configs = [*config_files("train"), aug]
     if spec.get("mixing"):
         overrides["mixing"] = spec["mixing"]
+        train_configs.insert(-1, COMPARISON_CONFIG)
     # a run interrupted by a stopped session continues from its last epoch instead of starting again
     resumed = (run_dir / "models" / "last.pt").is_file()
     if resumed:
         overrides["resume"] = True
-    train = run_command("training", [*config_files("train"), aug], overrides, run_dir / "train.log", append=resumed)
+    train = run_command("training", train_configs, overrides, run_dir / "train.log", append=resumed)
     evaluation = run_command(
         "evaluating",
         config_files("evaluate"),

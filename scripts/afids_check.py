@@ -31,6 +31,8 @@ import numpy as np
 from scripts.cli import run_fire
 
 ROOT = Path(__file__).resolve().parents[1]
+# contrast_remap_prob, merged after the 3D training configs
+CONTRAST_REMAP_CONFIG = "scripts/experiments/configs/contrast_remap.yaml"
 
 
 def _group_errors(predictions: Path, datalist: dict, template: np.ndarray) -> dict[str, dict[str, list[float]]]:
@@ -163,7 +165,8 @@ def main(
     ``pseudo_templates``: that many pseudo-templates chosen among the first ``pseudo_candidates`` (default
     all) training warps, labelled by matching, their AFIDs not read (``bundle.templates.resolution.resolve_templates``);
     ``pseudo_cycle_tolerance`` in network-grid voxels; ``template_combine`` as in ``configs/train.yaml``;
-    ``contrast_remap_prob``: the training's random intensity curves (``configs/train.yaml``), for T1w -> T2w;
+    ``contrast_remap_prob``: the training's random intensity curves (``scripts/experiments/contrast_remap.py``), for
+    T1w -> T2w;
     ``contrast_adaptation``: each test volume mapped to the template's contrast before matching when they differ
     (``configs/evaluate.yaml``); ``elastic_mm``: every warp of the data also bends by a smooth displacement of that
     root mean square length (``scripts.afids.prepare_afids_datalist``), which an affine registration cannot undo;
@@ -203,7 +206,7 @@ def main(
         else kshot_datalist(datalist, templates, work / "data" / f"datalist_k{templates}.json")
     )
 
-    configs = [str(ROOT / f) for f in config_files("train", spatial_dims=3)]
+    configs = [str(ROOT / f) for f in (*config_files("train", spatial_dims=3), CONTRAST_REMAP_CONFIG)]
     common = {
         "bundle_root": str(ROOT),
         "target_spacing": [spacing] * 3,

@@ -1,7 +1,7 @@
 """Where the pixel-wise loss's hardest negatives lie, and how hard MoCHi's mixtures of them are.
 
 A diagnostic for the comparison of docs/results.md: MoCHi (Kalantidis et al., NeurIPS 2020;
-:class:`bundle.losses.mixing.HardNegativeMixing`) mixes synthetic negatives from a query's hardest negatives. With
+:class:`scripts.experiments.mixing.HardNegativeMixing`) mixes synthetic negatives from a query's hardest negatives. With
 feature pixels as the instances of the multi-scale InfoNCE (Quan et al., CVPR 2023, Sec. 3.1) those may be
 the positive cell's own neighbours. For view pairs drawn by the training config's sampler and a trained
 checkpoint, each scale of the loss reports (over the queries inside both views):
@@ -27,12 +27,15 @@ import torch
 from bundle.configs import bundle_parser
 from bundle.io_utils import write_json_atomic
 from bundle.losses.infonce import window_offsets
-from bundle.losses.mixing import HardNegativeMixing
 from scripts.cli import run_fire
+from scripts.experiments.mixing import HardNegativeMixing
+
+# the training config with the comparison methods' keys (mochi_*), as the comparison's runs trained
+TRAIN_CONFIGS = ("configs/train.yaml", "scripts/experiments/configs/comparison.yaml")
 
 
 class KeySetRecorder:
-    """A stand-in for the loss's ``mixer`` that keeps each scale's ``(query, keys, logits, target)`` and
+    """A stand-in for the loss's ``feature_mixing`` that keeps each scale's ``(query, keys, logits, target)`` and
     changes nothing."""
 
     def __init__(self) -> None:
@@ -90,7 +93,7 @@ def scale_statistics(key_set, valid: torch.Tensor, window: int | None, spatial, 
 def hard_negative_statistics(
     ckpt_path: str,
     datalist: str | None = None,
-    config_file: str = "configs/train.yaml",
+    config_file=TRAIN_CONFIGS,
     batches: int = 20,
     seed: int = 0,
     output: str | None = None,
@@ -117,7 +120,7 @@ def hard_negative_statistics(
     )
     device = next(network.parameters()).device
     recorder, valid, windows, spatial = KeySetRecorder(), [], None, None
-    loss.mixer = recorder
+    loss.feature_mixing = recorder
     with torch.no_grad():
         for batch in itertools.islice(_endless(loader), batches):
             image, crop, points, crop_points = (batch[k].to(device) for k in ("image", "crop", "query", "crop_query"))

@@ -38,6 +38,7 @@ from monai.bundle import run
 from monai.transforms import Compose
 from PIL import Image
 from scripts import prepare_data
+from scripts.experiments.mixing import FeatureTransformation, UnmixLoss
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = config_files("train")
@@ -733,13 +734,19 @@ def test_a_degenerate_template_is_refused_naming_why(data2d):
 
 @pytest.mark.parametrize("mixing", ["foo", "MoCHi", "mix"])
 def test_unknown_mixing_is_refused_naming_the_key(mixing):
+    comparison = [*TRAIN, "scripts/experiments/configs/comparison.yaml"]  # the comparison methods' experiment
     for part in ("loss", "train#trainer#iteration_update"):  # neither trains the baseline in its place
-        text = raises(bundle_parser(TRAIN, ROOT, mixing=mixing).get_parsed_content, part)
+        text = raises(bundle_parser(comparison, ROOT, mixing=mixing).get_parsed_content, part)
         assert f"mixing must be one of ['none', 'unmix', 'mochi', 'zhu'], got {mixing!r}" in text, part
-    for mixing, (loss, step) in {"zhu": ("zhu", "none"), "unmix": ("none", "unmix"), "none": ("none", "none")}.items():
-        parser = bundle_parser(TRAIN, ROOT, mixing=mixing)
-        assert parser.get_parsed_content("loss").mixing == loss
-        assert parser.get_parsed_content("train#trainer#iteration_update").mixing == step
+    none = type(None)
+    for mixing, (loss, step) in {
+        "zhu": (FeatureTransformation, none),
+        "unmix": (none, UnmixLoss),
+        "none": (none, none),
+    }.items():
+        parser = bundle_parser(comparison, ROOT, mixing=mixing)
+        assert type(parser.get_parsed_content("loss").feature_mixing) is loss
+        assert type(parser.get_parsed_content("train#trainer#iteration_update").extra_loss) is step
 
 
 def test_images_by_a_shell_wildcard_are_refused_not_cut_to_the_first(data2d, tmp_path):

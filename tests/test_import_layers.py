@@ -29,8 +29,9 @@ LAYERS = [
         "bundle.template_file",
         "bundle.checkpoints",
         "bundle.information_groups",
+        "bundle.engines.cpu_threads",
     ],
-    ["bundle.networks", "bundle.transforms", "bundle.metrics", "bundle.losses.mixing", "bundle.information"],
+    ["bundle.networks", "bundle.transforms", "bundle.metrics", "bundle.information"],
     [
         "bundle.inferers",
         "bundle.losses",

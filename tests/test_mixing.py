@@ -1,6 +1,7 @@
-"""The paper's comparison methods (bundle.losses.mixing): MoCHi, Zhu et al.'s feature transformation and Un-mix, each
-against a hand computation of its defining property, wired through the loss and the training step; and the
-hard-negative diagnostic of the comparison (scripts/hard_negatives.py)."""
+"""The paper's comparison methods (scripts.experiments.mixing): MoCHi, Zhu et al.'s feature transformation and
+Un-mix, each against a hand computation of its defining property, wired through the loss and the training step
+(scripts/experiments/configs/comparison.yaml); and the hard-negative diagnostic of the comparison
+(scripts/hard_negatives.py)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,21 @@ from bundle.configs import bundle_parser
 from bundle.data.synthetic import generate_synthetic_2d
 from bundle.engines.contrastive import ContrastiveIterationUpdate
 from bundle.losses.infonce import MultiScaleInfoNCELoss
-from bundle.losses.mixing import FeatureTransformation, HardNegativeMixing, unmix_crops, unmix_draw, unmix_loss
 from bundle.networks.contrastive import ContrastiveLandmarkNet
 from monai.inferers import SimpleInferer
+from scripts.experiments.mixing import (
+    FeatureTransformation,
+    HardNegativeMixing,
+    UnmixLoss,
+    feature_mixing,
+    image_mixing,
+    unmix_crops,
+    unmix_draw,
+    unmix_loss,
+)
 from scripts.hard_negatives import cell_distances, hard_negative_statistics, scale_statistics
+
+COMPARISON = ["configs/train.yaml", "scripts/experiments/configs/comparison.yaml"]
 
 
 def key_set(b: int = 2, q: int = 3, k: int = 10, c: int = 8, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -145,12 +157,13 @@ def test_mixing_none_is_todays_loss_and_the_methods_run_in_2d_and_3d(dims):
         f.requires_grad_(True)
     args = (image, crop, points(2, 5, dims, 8, 2), points(2, 5, dims, 8, 3), (8,) * dims, (8,) * dims)
     base = MultiScaleInfoNCELoss(0.1, 3)(*args)
-    assert torch.equal(MultiScaleInfoNCELoss(0.1, 3, mixing="none")(*args), base)
+    assert feature_mixing("none") is None
+    assert torch.equal(MultiScaleInfoNCELoss(0.1, 3, feature_mixing=feature_mixing("none"))(*args), base)
     for name in ("mochi", "zhu"):
         torch.manual_seed(0)
-        first = MultiScaleInfoNCELoss(0.1, 3, mixing=name)(*args)
+        first = MultiScaleInfoNCELoss(0.1, 3, feature_mixing=feature_mixing(name))(*args)
         torch.manual_seed(0)
-        assert torch.equal(MultiScaleInfoNCELoss(0.1, 3, mixing=name)(*args), first)  # reproducible under a seed
+        assert torch.equal(MultiScaleInfoNCELoss(0.1, 3, feature_mixing=feature_mixing(name))(*args), first)
         assert torch.isfinite(first) and first > base  # harder negatives / harder positives
         (grad,) = torch.autograd.grad(first, crop[1])
         assert torch.isfinite(grad).all() and grad.abs().sum() > 0
@@ -248,7 +261,7 @@ def test_training_step_unmix_feeds_the_mixed_crop_and_is_reproducible(global_pro
             return ContrastiveLandmarkNet.encode_crops(before, x)
 
         torch.manual_seed(7)
-        step = ContrastiveIterationUpdate(mixing="unmix", unmix_global_prob=global_prob)
+        step = ContrastiveIterationUpdate(extra_loss=UnmixLoss(global_prob=global_prob))
         losses.append(float(step(engine, dict(batch))["loss"].detach()))
         # the plain crops, then the mixed ones; the loss is the plain loss plus the mixed crops' weighted loss
         torch.testing.assert_close(seen[-2], batch["crop"])
@@ -269,15 +282,15 @@ def test_training_step_unmix_feeds_the_mixed_crop_and_is_reproducible(global_pro
 @pytest.mark.parametrize(
     "make, key",
     [
-        (lambda: MultiScaleInfoNCELoss(mixing="mixup"), "mixing"),
-        (lambda: MultiScaleInfoNCELoss(mixing="mochi", mochi_hardest=0.0), "mochi_hardest"),
-        (lambda: MultiScaleInfoNCELoss(mixing="mochi", mochi_synthetic=2.0), "mochi_synthetic"),
-        (lambda: MultiScaleInfoNCELoss(mixing="mochi", mochi_query_synthetic=-0.1), "mochi_query_synthetic"),
-        (lambda: MultiScaleInfoNCELoss(mixing="zhu", zhu_pos_alpha=0.0), "zhu_pos_alpha"),
-        (lambda: MultiScaleInfoNCELoss(mixing="zhu", zhu_neg_alpha=-1.0), "zhu_neg_alpha"),
-        (lambda: ContrastiveIterationUpdate(mixing="mochi"), "mixing"),
-        (lambda: ContrastiveIterationUpdate(mixing="unmix", unmix_alpha=0.0), "unmix_alpha"),
-        (lambda: ContrastiveIterationUpdate(mixing="unmix", unmix_global_prob=1.5), "unmix_global_prob"),
+        (lambda: feature_mixing("mixup"), "mixing"),
+        (lambda: feature_mixing("mochi", mochi_hardest=0.0), "mochi_hardest"),
+        (lambda: feature_mixing("mochi", mochi_synthetic=2.0), "mochi_synthetic"),
+        (lambda: feature_mixing("mochi", mochi_query_synthetic=-0.1), "mochi_query_synthetic"),
+        (lambda: feature_mixing("zhu", zhu_pos_alpha=0.0), "zhu_pos_alpha"),
+        (lambda: feature_mixing("zhu", zhu_neg_alpha=-1.0), "zhu_neg_alpha"),
+        (lambda: image_mixing("mixup"), "mixing"),
+        (lambda: image_mixing("unmix", unmix_alpha=0.0), "unmix_alpha"),
+        (lambda: image_mixing("unmix", unmix_global_prob=1.5), "unmix_global_prob"),
     ],
 )
 def test_bad_settings_name_their_key(make, key):
@@ -287,15 +300,52 @@ def test_bad_settings_name_their_key(make, key):
 
 @pytest.mark.parametrize("mixing", ["none", "unmix", "mochi", "zhu"])
 def test_the_training_config_turns_each_method_on(mixing):
-    parser = bundle_parser(
-        ["configs/train.yaml"], mixing=mixing, unmix_alpha=0.5, unmix_global_prob=0.25, zhu_neg_alpha=1.2
-    )
+    parser = bundle_parser(COMPARISON, mixing=mixing, unmix_alpha=0.5, unmix_global_prob=0.25, zhu_neg_alpha=1.2)
     loss, step = parser.get_parsed_content("loss"), parser.get_parsed_content("train#trainer#iteration_update")
-    assert loss.mixing == (mixing if mixing in ("mochi", "zhu") else "none")
-    assert step.mixing == (mixing if mixing == "unmix" else "none") and step.unmix_alpha == 0.5
-    assert step.unmix_global_prob == 0.25
+    kinds = {"mochi": HardNegativeMixing, "zhu": FeatureTransformation}
+    assert type(loss.feature_mixing) is kinds.get(mixing, type(None))
+    assert (step.extra_loss is not None) == (mixing == "unmix")
+    if mixing == "unmix":
+        assert step.extra_loss.alpha == 0.5 and step.extra_loss.global_prob == 0.25
     if mixing == "zhu":
-        assert loss.mixer.neg_alpha == 1.2
+        assert loss.feature_mixing.neg_alpha == 1.2
+
+
+def test_mixing_none_through_the_experiment_config_is_the_products_training_bit_for_bit():
+    """``mixing: none`` through comparison.yaml: the same loss object settings and the same training step as
+    configs/train.yaml alone, and the same loss, gradients and updated weights on a fixed batch."""
+    product, experiment = bundle_parser(["configs/train.yaml"]), bundle_parser(COMPARISON, mixing="none")
+    steps = [p.get_parsed_content("train#trainer#iteration_update") for p in (product, experiment)]
+    losses = [p.get_parsed_content("loss") for p in (product, experiment)]
+    assert losses[1].feature_mixing is None and steps[1].extra_loss is None
+    assert vars(losses[0]) == vars(losses[1])
+    g = torch.Generator().manual_seed(0)
+    batch = {
+        "image": torch.rand(2, 1, 32, 32, generator=g),
+        "crop": torch.rand(2, 1, 16, 16, generator=g),
+        "query": 4 + 24 * torch.rand(2, 4, 2, generator=g),
+        "crop_query": 4 + 8 * torch.rand(2, 4, 2, generator=g),
+    }
+    results = []
+    for step, loss_function in zip(steps, losses):
+        torch.manual_seed(0)
+        net = ContrastiveLandmarkNet(channels=(4, 8, 8), strides=(4, 2), embed_dim=8)
+        engine = SimpleNamespace(
+            state=SimpleNamespace(device=torch.device("cpu"), output=None),
+            non_blocking=False,
+            network=net,
+            optimizer=torch.optim.Adam(net.parameters(), lr=1e-3),
+            loss_function=loss_function,
+            optim_set_to_none=True,
+            inferer=SimpleInferer(),
+            amp=False,
+            scaler=None,
+            fire_event=lambda event: None,
+        )
+        loss = step(engine, dict(batch))["loss"]
+        results.append((loss, [p.detach().clone() for p in net.parameters()]))
+    assert torch.equal(results[0][0], results[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))
 
 
 def test_hard_negative_statistics_against_a_hand_built_key_set():

@@ -1,5 +1,5 @@
 """The training step's CPU options (bundle.engines.contrastive.ContrastiveIterationUpdate: channels_last,
-num_threads)."""
+num_threads, tuned by bundle.engines.cpu_threads.CPUThreadTuner)."""
 
 from __future__ import annotations
 
@@ -54,8 +54,8 @@ def test_channels_last_and_thread_tuning_give_the_same_losses_and_try_each_count
     try:
         old, new = _engine(copy.deepcopy(net), loss_function), _engine(copy.deepcopy(net), loss_function)
         fast = ContrastiveIterationUpdate(channels_last=True, num_threads="auto", retune_every=4)
-        assert fast.candidates == [1, 2, 3]
-        n = len(fast.candidates)
+        assert fast.threads.candidates == [1, 2, 3]
+        n = len(fast.threads.candidates)
         losses_old, losses_new, per_call, chosen_from = [], [], [], None
         for k in range(6):
             torch.set_num_threads(threads_before)
@@ -64,14 +64,15 @@ def test_channels_last_and_thread_tuning_give_the_same_losses_and_try_each_count
             losses_new.append(float(fast(new, _batch(k))["loss"]))
             per_call.append(used[0])
             if k == 1 + n:  # the call that picks the fastest; call 1 + retune_every starts a new tuning
-                chosen_from = dict(fast.timings)
+                chosen_from = dict(fast.threads.timings)
         torch.testing.assert_close(torch.tensor(losses_new), torch.tensor(losses_old), rtol=1e-4, atol=0)
         assert all(w.is_contiguous(memory_format=torch.channels_last) for w in new.network.parameters() if w.ndim == 4)
         # call 0: warm-up with torch's count; then one trial per count; then the fastest; retuned after retune_every
-        assert per_call[0] == threads_before and per_call[1 : 1 + n] == fast.candidates
-        assert sorted(chosen_from) == fast.candidates
-        assert fast.threads_chosen == min(chosen_from, key=chosen_from.get) and per_call[1 + n] == fast.threads_chosen
-        assert per_call[5] == fast.candidates[0]  # call 5 = 1 + retune_every: the tuning starts again
+        assert per_call[0] == threads_before and per_call[1 : 1 + n] == fast.threads.candidates
+        assert sorted(chosen_from) == fast.threads.candidates
+        chosen = fast.threads.threads_chosen
+        assert chosen == min(chosen_from, key=chosen_from.get) and per_call[1 + n] == chosen
+        assert per_call[5] == fast.threads.candidates[0]  # call 5 = 1 + retune_every: the tuning starts again
     finally:
         torch.set_num_threads(threads_outside)
 

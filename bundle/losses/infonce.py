@@ -8,19 +8,17 @@ than to the image's features elsewhere (the negatives)::
 
 At the coarsest scale the keys are every cell of the whole image's map; at finer scales they are a local
 window around the positive (cells outside the map are left out of the softmax). The total is the
-(optionally weighted) sum over scales of the mean over queries. ``mixing`` applies one of the paper's
-feature-space comparison methods to every scale's key set (:mod:`bundle.losses.mixing`).
+(optionally weighted) sum over scales of the mean over queries.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
-from bundle.losses.mixing import FEATURE_MIXING
 from bundle.networks.features import points_to_feature_index, sample_features
 from torch.nn.modules.loss import _Loss
 
@@ -33,10 +31,11 @@ class MultiScaleInfoNCELoss(_Loss):
         local_window: key window size per scale, coarse to fine; ``None`` = every cell of the map. An int
             means ``None`` at the coarsest scale and that odd size at every finer one.
         scale_weights: optional weight per scale (default 1 each).
-        mixing: ``"none"``, ``"mochi"`` (:class:`bundle.losses.mixing.HardNegativeMixing`) or ``"zhu"``
-            (:class:`bundle.losses.mixing.FeatureTransformation`), applied to each query's keys at every scale.
-        mochi_hardest / mochi_synthetic / mochi_query_synthetic: MoCHi's N, s, s' as fractions of the negatives.
-        zhu_pos_alpha / zhu_neg_alpha: Zhu et al.'s Beta parameters of extrapolation and interpolation.
+        feature_mixing: optional ``feature_mixing(query, keys, logits, target) -> (logits, target)`` applied to
+            every scale's key set before the softmax (where a method that changes the keys plugs in, e.g. the
+            comparison methods of ``scripts/experiments/mixing.py``): ``query (B, Q, C)`` the unit query
+            features, ``keys (B, Q, K, C)`` each query's key vectors, ``logits (B, Q, K)`` their cosines
+            (``-inf``: a cell left out), ``target (B, Q)`` the positive's column. None: the paper's loss.
 
     Call ``loss(image_features, crop_features, image_points, crop_points, image_size, crop_size)``:
         image_features / crop_features: the two encoders' lists of ``(B, C, *S)`` maps, coarse to fine.
@@ -52,12 +51,7 @@ class MultiScaleInfoNCELoss(_Loss):
         temperature: float = 0.1,
         local_window: int | Sequence[int | None] = 9,
         scale_weights: Sequence[float] | None = None,
-        mixing: str = "none",
-        mochi_hardest: float = 1 / 16,
-        mochi_synthetic: float = 1 / 16,
-        mochi_query_synthetic: float = 1 / 128,
-        zhu_pos_alpha: float = 2.0,
-        zhu_neg_alpha: float = 1.6,
+        feature_mixing: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> None:
         super().__init__()
         if not temperature > 0:
@@ -69,14 +63,7 @@ class MultiScaleInfoNCELoss(_Loss):
         self.temperature = float(temperature)
         self.local_window = local_window
         self.scale_weights = None if scale_weights is None else [float(w) for w in scale_weights]
-        if mixing not in ("none", *FEATURE_MIXING):
-            raise ValueError(f"mixing must be one of {['none', *FEATURE_MIXING]}, got {mixing!r}")
-        self.mixing = mixing
-        params = {
-            "mochi": dict(hardest=mochi_hardest, synthetic=mochi_synthetic, query_synthetic=mochi_query_synthetic),
-            "zhu": dict(pos_alpha=zhu_pos_alpha, neg_alpha=zhu_neg_alpha),
-        }
-        self.mixer = FEATURE_MIXING[mixing](**params[mixing]) if mixing != "none" else None
+        self.feature_mixing = feature_mixing
 
     def windows_for(self, num_scales: int) -> list[int | None]:
         """Key window per scale, coarse to fine."""
@@ -124,8 +111,8 @@ class MultiScaleInfoNCELoss(_Loss):
                 logits, target, keys = _global_logits(image_map, query, cell)
             else:
                 logits, target, keys = _window_logits(image_map, query, cell, window)
-            if self.mixer is not None:
-                logits, target = self.mixer(query, keys, logits, target)
+            if self.feature_mixing is not None:
+                logits, target = self.feature_mixing(query, keys, logits, target)
             ce = F.cross_entropy((logits / self.temperature).flatten(0, 1), target.flatten(), reduction="none")
             terms.append(torch.where(valid, ce.reshape(valid.shape), 0.0).sum() / n_valid)
         total = sum(w * t for w, t in zip(weights, terms))

@@ -3,20 +3,12 @@ docs/transforms.md documents)."""
 
 from bundle.transforms.entropy import EntropyMap, EntropyMapd, local_entropy
 from bundle.transforms.heatmaps import GaussianHeatmap, GaussianHeatmapd
-from bundle.transforms.intensity import (
-    InfoGuidedIntensity,
-    InfoGuidedIntensityd,
-    RandContrastRemap,
-    RandContrastRemapd,
-    adjust_brightness_contrast,
-)
+from bundle.transforms.intensity import InfoGuidedIntensity, InfoGuidedIntensityd, adjust_brightness_contrast
 from bundle.transforms.landmarks import LandmarkTargets, LandmarkTargetsd
 from bundle.transforms.sampling import SamplingWeight, SamplingWeightd, sampling_weights
 from bundle.transforms.view_pair import QuerySampler, RandAffineCrop, RandViewPaird
 
 __all__ = [
-    "RandContrastRemap",
-    "RandContrastRemapd",
     "EntropyMap",
     "EntropyMapd",
     "GaussianHeatmap",

@@ -1,10 +1,9 @@
-"""Adaptive, information-guided brightness / contrast augmentation (paper Sec. 3, step 3), and a contrast remap.
+"""Adaptive, information-guided brightness / contrast augmentation (paper Sec. 3, step 3).
 
 :func:`adjust_brightness_contrast` is the augmentation model (ColorJitter-style brightness then contrast)
 shared with the intensity estimator of :mod:`bundle.information`; :class:`InfoGuidedIntensity` draws its
 factors per information group and blends them per pixel; :class:`InfoGuidedIntensityd` is its dictionary
-wrapper. :class:`RandContrastRemap` (not in the paper; the ``contrast_remap_prob`` option of the training) remaps
-a view's intensities by a random curve, for templates and images of different contrasts (T1w / T2w MRI).
+wrapper.
 """
 
 from __future__ import annotations
@@ -18,15 +17,9 @@ from bundle.information_groups import GROUP_NAMES, check_thresholds, group_membe
 from monai.config import KeysCollection
 from monai.data.meta_obj import get_track_meta
 from monai.transforms import MapTransform, Randomizable, RandomizableTransform
-from monai.utils import TransformBackends, convert_to_dst_type, convert_to_tensor
+from monai.utils import TransformBackends, convert_to_tensor
 
-__all__ = [
-    "adjust_brightness_contrast",
-    "InfoGuidedIntensity",
-    "InfoGuidedIntensityd",
-    "RandContrastRemap",
-    "RandContrastRemapd",
-]
+__all__ = ["adjust_brightness_contrast", "InfoGuidedIntensity", "InfoGuidedIntensityd"]
 
 GROUP_MODES = ("pixel", "query")
 
@@ -318,103 +311,4 @@ class InfoGuidedIntensityd(Randomizable, MapTransform):
         for key in keys:
             _image_in_unit_range(d[key], entropy, owner, repr(key), repr(self.entropy_key))  # errors name the key
             d[key] = self.intensity(d[key], entropy, query, randomize=False)
-        return d
-
-
-REMAP_MODES = ("monotone", "non_monotone", "inversion")
-
-
-class RandContrastRemap(RandomizableTransform):
-    """A random intensity curve far beyond brightness and contrast: the views of a volume differ as a T1-weighted
-    and a T2-weighted scan of it do (the 3D contrast robustness the information-guided augmentation lacks).
-
-    With probability ``prob`` one of ``modes`` is drawn (uniformly) and the image ``(C, *spatial)`` in [0, 1] goes
-    through a piecewise-linear curve on [0, 1]:
-
-    - ``monotone``: through ``n`` random increasing values between 0 and 1 (a histogram shift: order kept);
-    - ``non_monotone``: through ``n + 2`` independent uniform values (dark and bright tissues may swap);
-    - ``inversion``: ``1 - x``.
-
-    ``n`` is drawn in ``num_control_points`` (inclusive range). The output stays in [0, 1]; the IIE map and the
-    query positions are untouched.
-    """
-
-    backend = [TransformBackends.TORCH]
-
-    def __init__(
-        self, prob: float = 0.5, num_control_points: Sequence[int] = (2, 6), modes: Sequence[str] = REMAP_MODES
-    ) -> None:
-        RandomizableTransform.__init__(self, prob)
-        low, high = (int(v) for v in num_control_points)
-        if not 1 <= low <= high:
-            raise ValueError(
-                f"num_control_points must be a range [low, high] with 1 <= low <= high, got {num_control_points!r}"
-            )
-        unknown = [m for m in modes if m not in REMAP_MODES]
-        if unknown or not modes:
-            raise ValueError(f"modes must be some of {REMAP_MODES}, got {list(modes)!r}")
-        self.num_control_points = (low, high)
-        self.modes = tuple(modes)
-        self.mode: str | None = None
-        self.curve = np.array([0.0, 1.0])
-
-    def randomize(self, data: object = None) -> None:
-        """Decide whether to remap and draw the mode and the curve's values at equally spaced points of [0, 1]."""
-        super().randomize(None)
-        if not self._do_transform:
-            return
-        self.mode = self.modes[self.R.randint(len(self.modes))]
-        n = self.R.randint(self.num_control_points[0], self.num_control_points[1] + 1)
-        if self.mode == "monotone":
-            self.curve = np.concatenate([[0.0], np.sort(self.R.uniform(0.0, 1.0, n)), [1.0]])
-        elif self.mode == "non_monotone":
-            self.curve = self.R.uniform(0.0, 1.0, n + 2)
-        else:
-            self.curve = np.array([1.0, 0.0])
-
-    def __call__(self, img, randomize: bool = True) -> torch.Tensor:
-        if randomize:
-            self.randomize(None)
-        img = convert_to_tensor(img, track_meta=get_track_meta())
-        if not self._do_transform:
-            return img
-        values = torch.as_tensor(self.curve, dtype=torch.float32, device=img.device)
-        x = img.clamp(0.0, 1.0) * (len(values) - 1)
-        left = x.floor().clamp(max=len(values) - 2).long()
-        weight = (x - left).to(values.dtype)
-        out = values[left] * (1.0 - weight) + values[left + 1] * weight
-        return convert_to_dst_type(out, dst=img)[0]
-
-
-class RandContrastRemapd(Randomizable, MapTransform):
-    """Dictionary wrapper of :class:`RandContrastRemap`: one draw per call shared by all ``keys``."""
-
-    backend = RandContrastRemap.backend
-
-    def __init__(
-        self,
-        keys: KeysCollection,
-        prob: float = 0.5,
-        num_control_points: Sequence[int] = (2, 6),
-        modes: Sequence[str] = REMAP_MODES,
-        allow_missing_keys: bool = False,
-    ) -> None:
-        MapTransform.__init__(self, keys, allow_missing_keys)
-        self.remap = RandContrastRemap(prob, num_control_points, modes)
-
-    def set_random_state(
-        self, seed: int | None = None, state: np.random.RandomState | None = None
-    ) -> RandContrastRemapd:
-        super().set_random_state(seed, state)
-        self.remap.set_random_state(seed, state)
-        return self
-
-    def randomize(self, data: object = None) -> None:
-        self.remap.randomize(data)
-
-    def __call__(self, data: Mapping[Hashable, torch.Tensor]) -> dict[Hashable, torch.Tensor]:
-        d = dict(data)
-        self.randomize(None)
-        for key in self.key_iterator(d):
-            d[key] = self.remap(d[key], randomize=False)
         return d

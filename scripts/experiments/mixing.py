@@ -1,17 +1,34 @@
 """The view-mixing methods the paper compares with (Quan et al. CVPR 2023), on the pixel-wise contrastive loss.
 
+An experiment, not the product: ``scripts/experiments/configs/comparison.yaml``, merged after
+``configs/train.yaml``, declares the training key ``mixing`` (``none | unmix | mochi | zhu``) and the methods'
+keys, and plugs the chosen method into the loss's ``feature_mixing`` or the training step's ``extra_loss``
+(:func:`feature_mixing`, :func:`image_mixing`). ``mixing: none`` trains as the product does.
+``python -m scripts.ablation run --plan comparison`` runs the comparison (docs/results.md).
+
+Keys (comparison.yaml, default):
+
+* ``mixing`` (``none``): ``unmix`` (image mixtures of crops, Shen et al. 2022), ``mochi`` (hard negative mixing,
+  Kalantidis et al. 2020), ``zhu`` (positive extrapolation and negative interpolation, Zhu et al. 2021);
+* ``unmix_alpha`` (1.0), ``unmix_global_prob`` (0.5): Un-mix's Beta parameter of the mixing weight, and its
+  probability of a global mixup rather than a CutMix box;
+* ``mochi_hardest``, ``mochi_synthetic``, ``mochi_query_synthetic`` (1/16, 1/16, 1/128): MoCHi's N, s and s' as
+  fractions of a query's negatives;
+* ``zhu_pos_alpha``, ``zhu_neg_alpha`` (2.0, 1.6): Zhu et al.'s Beta parameters of extrapolation and interpolation.
+
 Feature pixels are the instances: for one query q (a crop-encoder pixel feature) the keys are the positive k+
 and the negatives n_i of :class:`bundle.losses.infonce.MultiScaleInfoNCELoss` (a local window of cells at the fine
 scales, every cell at the coarsest). The feature-space methods take a scale's ``query (B, Q, C)``, key vectors
 ``keys (B, Q, K, C)``, cosine ``logits (B, Q, K)`` (``-inf`` = a cell left out) and the positive's column
-``target (B, Q)`` and return new logits and target:
+``target (B, Q)`` and return new logits and target (the loss's ``feature_mixing``):
 
 * :class:`HardNegativeMixing`: MoCHi (Kalantidis et al., NeurIPS 2020);
 * :class:`FeatureTransformation`: positive extrapolation and negative interpolation (Zhu et al., ICCV 2021).
 
 Un-mix (Shen et al., AAAI 2022) mixes in image space: :func:`unmix_draw` chooses a mixture,
-:func:`unmix_crops` applies it before the crop encoder and :func:`unmix_loss` weights the loss in the training
-step. Random draws use torch's global RNG (``set_determinism`` seeds it).
+:func:`unmix_crops` applies it before the crop encoder and :func:`unmix_loss` weights the loss;
+:class:`UnmixLoss` is the three as the training step's ``extra_loss``. Random draws use torch's global RNG
+(``set_determinism`` seeds it).
 """
 
 from __future__ import annotations
@@ -181,10 +198,7 @@ class FeatureTransformation:
         return new.masked_fill(torch.isneginf(logits), float("-inf")), target
 
 
-FEATURE_MIXING: dict[str, Callable[..., object]] = {"mochi": HardNegativeMixing, "zhu": FeatureTransformation}
-
-
-MIXING_METHODS = ("none", "unmix", *FEATURE_MIXING)  # the values of the training key ``mixing``
+MIXING_METHODS = ("none", "unmix", "mochi", "zhu")  # the values of the training key ``mixing``
 
 
 def _checked(mixing: str) -> str:
@@ -193,16 +207,30 @@ def _checked(mixing: str) -> str:
     return mixing
 
 
-def image_mixing(mixing: str) -> str:
-    """The training step's part of the training key ``mixing``: ``"unmix"`` or ``"none"`` (an unknown value is
-    refused, naming the key)."""
-    return "unmix" if _checked(mixing) == "unmix" else "none"
+def feature_mixing(
+    mixing: str,
+    mochi_hardest: float = 1 / 16,
+    mochi_synthetic: float = 1 / 16,
+    mochi_query_synthetic: float = 1 / 128,
+    zhu_pos_alpha: float = 2.0,
+    zhu_neg_alpha: float = 1.6,
+) -> HardNegativeMixing | FeatureTransformation | None:
+    """The loss's ``feature_mixing`` for the training key ``mixing``: MoCHi or Zhu et al.'s transformation, None
+    for ``none`` and ``unmix`` (an unknown value is refused, naming the key).
 
-
-def feature_mixing(mixing: str) -> str:
-    """The loss's part of the training key ``mixing``: ``"mochi"``, ``"zhu"`` or ``"none"`` (an unknown value is
-    refused, naming the key)."""
-    return mixing if _checked(mixing) in FEATURE_MIXING else "none"
+    Args:
+        mixing: ``none``, ``unmix``, ``mochi`` or ``zhu``.
+        mochi_hardest: MoCHi's N hardest negatives, a fraction of a query's negatives.
+        mochi_synthetic: MoCHi's s synthetic negatives (mixed from two hard ones), a fraction.
+        mochi_query_synthetic: MoCHi's s' synthetic negatives (mixed from the query and a hard one), a fraction.
+        zhu_pos_alpha: Zhu et al.'s Beta parameter of positive extrapolation.
+        zhu_neg_alpha: Zhu et al.'s Beta parameter of negative interpolation.
+    """
+    if _checked(mixing) == "mochi":
+        return HardNegativeMixing(mochi_hardest, mochi_synthetic, mochi_query_synthetic)
+    if mixing == "zhu":
+        return FeatureTransformation(zhu_pos_alpha, zhu_neg_alpha)
+    return None
 
 
 class UnmixDraw(NamedTuple):
@@ -271,3 +299,53 @@ def unmix_loss(
         crop_size,
     )
     return lam * own + (1 - lam) * partner
+
+
+class UnmixLoss:
+    """Un-mix as the training step's ``extra_loss``: each step draws a mixture (:func:`unmix_draw`: global mixup
+    with probability ``global_prob``, else a CutMix box; ``lam ~ Beta(alpha, alpha)``) from torch's global RNG,
+    mixes the crops with the batch's reverse and returns the mixed crops' loss ``lam L_own + (1 - lam) L_partner``
+    (:func:`unmix_loss`), which the step adds to the plain crops' loss (Un-mix keeps both branches).
+
+    Args:
+        alpha: the Beta parameter of ``lam`` (the training key ``unmix_alpha``).
+        global_prob: the probability of a global mixup rather than a CutMix box (``unmix_global_prob``).
+    """
+
+    def __init__(self, alpha: float = 1.0, global_prob: float = 0.5) -> None:
+        if not alpha > 0:
+            raise ValueError(f"unmix_alpha must be positive, got {alpha}")
+        if not 0.0 <= global_prob <= 1.0:
+            raise ValueError(f"unmix_global_prob must be a probability in [0, 1], got {global_prob}")
+        self.alpha, self.global_prob = float(alpha), float(global_prob)
+
+    def __call__(
+        self,
+        encode_crops: Callable[[torch.Tensor], Sequence[torch.Tensor]],
+        loss_function: Callable[..., torch.Tensor],
+        image_features: Sequence[torch.Tensor],
+        crop: torch.Tensor,
+        image_points: torch.Tensor,
+        crop_points: torch.Tensor,
+        image_size: Sequence[int],
+        crop_size: Sequence[int],
+    ) -> torch.Tensor:
+        draw = unmix_draw(crop.shape[2:], self.alpha, self.global_prob)
+        mixed_features = encode_crops(unmix_crops(crop, draw.lam, draw.box))
+        return unmix_loss(
+            loss_function, image_features, mixed_features, image_points, crop_points, image_size, crop_size, draw.lam
+        )
+
+
+def image_mixing(mixing: str, unmix_alpha: float = 1.0, unmix_global_prob: float = 0.5) -> UnmixLoss | None:
+    """The training step's ``extra_loss`` for the training key ``mixing``: :class:`UnmixLoss` for ``unmix``, None
+    otherwise (an unknown value is refused, naming the key; Un-mix's keys are checked whatever the method).
+
+    Args:
+        mixing: ``none``, ``unmix``, ``mochi`` or ``zhu``.
+        unmix_alpha: Un-mix's Beta parameter of the mixing weight.
+        unmix_global_prob: Un-mix's probability of a global mixup rather than a CutMix box.
+    """
+    _checked(mixing)
+    unmix = UnmixLoss(unmix_alpha, unmix_global_prob)
+    return unmix if mixing == "unmix" else None
