@@ -1,4 +1,5 @@
-"""The ablation driver (scripts/ablation.py) and the results figures (scripts/results_figures.py)."""
+"""The ablation driver (scripts/experiments/ablation.py), the k-shot study and the results figures
+(scripts/experiments/results_figures.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from bundle.configs import config_files
 from bundle.information_groups import information_groups
 from bundle.transforms.entropy import local_entropy
 from PIL import Image
-from scripts import ablation, results_figures
 from scripts.bundle_commands import CommandRun, run_command
+from scripts.experiments import ablation, results_figures
 
 
 def test_plan_covers_rows_seeds_and_sweeps_once():
@@ -234,7 +235,7 @@ def test_selection_datalist_scores_on_labelled_items_outside_test(tmp_path, monk
 
 def test_few_labels_draws_templates_from_the_pool_and_scores_outside_it(tmp_path, monkeypatch):
     from bundle.data.datalist import save_datalist
-    from scripts import kshot_study
+    from scripts.experiments import kshot_study
 
     monkeypatch.chdir(tmp_path)
     training = [item(f"t{i}", True) for i in range(5)] + [item("u0", False), item("t5", True)]

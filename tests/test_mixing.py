@@ -1,6 +1,6 @@
 """The paper's comparison methods (bundle.losses.mixing): MoCHi, Zhu et al.'s feature transformation and Un-mix, each
 against a hand computation of its defining property, wired through the loss and the training step; and the
-hard-negative diagnostic of the comparison (scripts/hard_negatives.py)."""
+hard-negative diagnostic of the comparison (scripts/experiments/hard_negatives.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from bundle.losses.infonce import MultiScaleInfoNCELoss
 from bundle.losses.mixing import FeatureTransformation, HardNegativeMixing, unmix_crops, unmix_draw, unmix_loss
 from bundle.networks.contrastive import ContrastiveLandmarkNet
 from monai.inferers import SimpleInferer
-from scripts.hard_negatives import cell_distances, hard_negative_statistics, scale_statistics
+from scripts.experiments.hard_negatives import cell_distances, hard_negative_statistics, scale_statistics
 
 
 def key_set(b: int = 2, q: int = 3, k: int = 10, c: int = 8, seed: int = 0) -> tuple[torch.Tensor, ...]:

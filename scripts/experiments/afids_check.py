@@ -5,11 +5,11 @@ Trains the 3D model self-supervised on warped T1w copies (``configs/train.yaml``
 with an MRI intensity window), then matches the T1w template's 32 AFIDs in each test volume and prints
 the MRE (mm, world space) per group beside the no-matching baseline (the template's own coordinates):
 
-    python -m scripts.afids_check --workdir output/afids [--iterations 60] [--spacing 3]
+    python -m scripts.experiments.afids_check --workdir output/afids [--iterations 60] [--spacing 3]
     # the same checkpoint, k = 5 labelled templates: the T1w and 4 warped training copies with their AFIDs
-    python -m scripts.afids_check --workdir output/afids --templates 5
+    python -m scripts.experiments.afids_check --workdir output/afids --templates 5
     # the same checkpoint, the T1w template plus 5 pseudo-templates among the 8 training warps (their AFIDs unread)
-    python -m scripts.afids_check --workdir output/afids --pseudo_templates 5 [--pseudo_candidates 8]
+    python -m scripts.experiments.afids_check --workdir output/afids --pseudo_templates 5 [--pseudo_candidates 8]
 
 Pseudo-templates are chosen as the evaluating command's ``pseudo_*`` keys choose them and written as a datalist
 (``WORKDIR/data/datalist_k1_pseudo5.json``) that the evaluation then reads; the script also prints how far each
@@ -30,12 +30,12 @@ from pathlib import Path
 import numpy as np
 from scripts.cli import run_fire
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _group_errors(predictions: Path, datalist: dict, template: np.ndarray) -> dict[str, dict[str, list[float]]]:
     """Per test group: the matching errors (predictions.csv) and the template-coordinate baseline errors."""
-    from scripts.afids import group_of
+    from scripts.experiments.afids import group_of
 
     references = {Path(it["image"]).name: np.asarray(it["landmarks"], float) for it in datalist["test"]}
     groups: dict[str, dict[str, list[float]]] = {}
@@ -166,15 +166,15 @@ def main(
     ``contrast_remap_prob``: the training's random intensity curves (``configs/train.yaml``), for T1w -> T2w;
     ``contrast_adaptation``: each test volume mapped to the template's contrast before matching when they differ
     (``configs/evaluate.yaml``); ``elastic_mm``: every warp of the data also bends by a smooth displacement of that
-    root mean square length (``scripts.afids.prepare_afids_datalist``), which an affine registration cannot undo;
-    ``registration_tolerance``: matches further than this (network-grid voxels) from the registered template's
-    landmarks fall back to them (``configs/evaluate.yaml``).
+    root mean square length (``scripts.experiments.afids.prepare_afids_datalist``), which an affine registration
+    cannot undo; ``registration_tolerance``: matches further than this (network-grid voxels) from the registered
+    template's landmarks fall back to them (``configs/evaluate.yaml``).
     """
     from bundle.configs import as_flag, config_files
     from bundle.data.datalist import load_datalist
     from bundle.io_utils import write_json_atomic
     from monai.bundle import run
-    from scripts.afids import MRI_LOAD_TRANSFORMS, prepare_afids_datalist
+    from scripts.experiments.afids import MRI_LOAD_TRANSFORMS, prepare_afids_datalist
 
     work = Path(workdir).resolve()
     datalist_path = work / "data" / "datalist.json"

@@ -1,16 +1,17 @@
 """The paper's ablation (Quan et al. CVPR 2023, Table 3 rows) and the gamma / alpha_hat sweeps on one datalist.
 
-    python -m scripts.ablation run --datalist runs/hamedan/protocol.json --out runs/hamedan \
+    python -m scripts.experiments.ablation run --datalist runs/hamedan/protocol.json --out runs/hamedan \
         [--iterations 500 --seeds "[0,1]" --augmentation "runs/hamedan/aug_{alpha}.yaml" --only "[name,...]"]
-    python -m scripts.ablation select --datalist runs/hamedan/protocol.json --out runs/hamedan
-    python -m scripts.ablation template_rules --datalist runs/hamedan/protocol.json --run_dir runs/hamedan/entropy_s0
-    python -m scripts.ablation report --out runs/hamedan --docs docs [--long runs/hamedan_long]
-    python -m scripts.ablation run --plan converged --datalist runs/hamedan/protocol.json --out runs/hamedan_3000 \
-        --iterations 3000 --augmentation runs/hamedan/aug_estimated.yaml
-    python -m scripts.ablation report_plan --plan converged --out runs/hamedan_3000 --docs docs
-    python -m scripts.ablation run --plan comparison --datalist runs/hamedan/protocol.json \
+    python -m scripts.experiments.ablation select --datalist runs/hamedan/protocol.json --out runs/hamedan
+    python -m scripts.experiments.ablation template_rules --datalist runs/hamedan/protocol.json \
+        --run_dir runs/hamedan/entropy_s0
+    python -m scripts.experiments.ablation report --out runs/hamedan --docs docs [--long runs/hamedan_long]
+    python -m scripts.experiments.ablation run --plan converged --datalist runs/hamedan/protocol.json \
+        --out runs/hamedan_3000 --iterations 3000 --augmentation runs/hamedan/aug_estimated.yaml
+    python -m scripts.experiments.ablation report_plan --plan converged --out runs/hamedan_3000 --docs docs
+    python -m scripts.experiments.ablation run --plan comparison --datalist runs/hamedan/protocol.json \
         --out runs/hamedan_comparison --iterations 1500 --augmentation runs/hamedan/aug_estimated.yaml
-    python -m scripts.ablation report_plan --plan comparison --out runs/hamedan_comparison --docs docs
+    python -m scripts.experiments.ablation report_plan --plan comparison --out runs/hamedan_comparison --docs docs
 
 ``run`` trains and evaluates every planned run (:func:`plan`) in turn with the bundle's own commands, the
 same budget for all, and writes ``OUT/<run>/result.json`` (settings, validation and test metrics, training
