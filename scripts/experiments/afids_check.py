@@ -31,6 +31,8 @@ import numpy as np
 from scripts.cli import run_fire
 
 ROOT = Path(__file__).resolve().parents[2]
+# the training's random intensity curves (contrast_remap_prob), merged after the 3D training configs when asked for
+CONTRAST_REMAP_CONFIG = "scripts/experiments/configs/contrast_remap.yaml"
 
 
 def _group_errors(predictions: Path, datalist: dict, template: np.ndarray) -> dict[str, dict[str, list[float]]]:
@@ -163,7 +165,8 @@ def main(
     ``pseudo_templates``: that many pseudo-templates chosen among the first ``pseudo_candidates`` (default
     all) training warps, labelled by matching, their AFIDs not read (``bundle.templates.resolution.resolve_templates``);
     ``pseudo_cycle_tolerance`` in network-grid voxels; ``template_combine`` as in ``configs/train.yaml``;
-    ``contrast_remap_prob``: the training's random intensity curves (``configs/train.yaml``), for T1w -> T2w;
+    ``contrast_remap_prob``: the training's random intensity curves (:data:`CONTRAST_REMAP_CONFIG`, merged when
+    above 0), for T1w -> T2w;
     ``contrast_adaptation``: each test volume mapped to the template's contrast before matching when they differ
     (``configs/evaluate.yaml``); ``elastic_mm``: every warp of the data also bends by a smooth displacement of that
     root mean square length (``scripts.experiments.afids.prepare_afids_datalist``), which an affine registration
@@ -217,9 +220,10 @@ def main(
     epochs = max(1, iterations // 20)
     n_iter = epochs * max(1, iterations // epochs)
     if retrain or not ckpt.is_file():
+        remap = {"contrast_remap_prob": contrast_remap_prob} if contrast_remap_prob else {}
         run(
             "training",
-            config_file=configs,
+            config_file=configs + ([str(ROOT / CONTRAST_REMAP_CONFIG)] if remap else []),
             datalist=str(datalist_path),
             output_dir=str(work / "train"),
             ckpt_dir=str(work / "models"),
@@ -228,7 +232,7 @@ def main(
             epochs=epochs,
             epoch_length=max(1, iterations // epochs),
             val_interval=10**6,
-            contrast_remap_prob=contrast_remap_prob,
+            **remap,
             **common,
         )
         training = {
