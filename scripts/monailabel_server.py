@@ -1,5 +1,5 @@
 """A MONAI Label server of the bundle's app (``apps/monailabel``), started and driven from Python with MONAI Label's
-own client: what the tests and ``python -m scripts.labels_loop`` run.
+own client: what the tests and ``python -m scripts.experiments.labels_loop`` run.
 
 MONAI Label lives in its own environment (``make monailabel``: ``.venv-monailabel``, or ``MONAILABEL_PYTHON``); its
 client is imported from there too, after the project's packages.

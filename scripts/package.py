@@ -2,9 +2,12 @@
 
     python -m scripts.package [--output_dir dist] [--name cephalometric_xray_landmark_detection]
 
-What goes in is what the bundle needs to run from its own folder (MONAI model-zoo layout): ``configs/``,
-``models/``, ``docs/``, ``scripts/``, the ``bundle/`` package the configs import, ``LICENSE``,
-``large_files.yml`` and the requirements files. The model zoo refuses files over 25 MB: such a file must
+What goes in is what the bundle needs to run from its own folder and to be read (MONAI model-zoo layout):
+``configs/``, ``models/``, the ``bundle/`` package the configs import, the product's ``scripts/`` (not
+``scripts/experiments/``, the studies behind docs/results.md), ``LICENSE``, ``large_files.yml``,
+``requirements.txt``, and of ``docs/`` the model card (``docs/README.md``), the guides reachable from it by links,
+the files it links itself (its figure) and the data's licence terms (:func:`docs_files`); the other result records
+and figures of docs/ stay out. The model zoo refuses files over 25 MB: such a file must
 be listed in ``large_files.yml`` (and is then fetched by MONAI from its URL, not shipped); an unlisted
 one is an error. ``configs/metadata.json`` must carry its ``version`` in its ``changelog``.
 Each ``configs/*.yaml`` also goes in as ``configs/*.json`` (the same content): ``monai.bundle.load`` builds a
@@ -30,7 +33,11 @@ from scripts.cli import run_fire
 ROOT = Path(__file__).resolve().parents[1]
 
 DEFAULT_NAME = "cephalometric_xray_landmark_detection"
-INCLUDE = ("configs", "models", "docs", "scripts", "bundle", "LICENSE", "large_files.yml", "requirements.txt")
+INCLUDE = ("configs", "models", "scripts", "bundle", "LICENSE", "large_files.yml", "requirements.txt")
+LEFT_OUT = ("scripts/experiments",)  # the studies, sweeps and comparison methods: not part of the product
+MODEL_CARD = "docs/README.md"
+DATA_LICENSE = "docs/data_license.txt"
+LINK = re.compile(r"\]\(([^)\s#]+)")  # a markdown link's target, without its anchor
 SKIP_PARTS = {"__pycache__", ".ipynb_checkpoints"}
 SKIP_SUFFIXES = {".pyc", ".pyo", ".tmp"}
 MAX_MB = 25.0
@@ -52,24 +59,55 @@ def large_file_paths(root: Path) -> set[str]:
     return {str(Path(e["path"])) for e in entries}
 
 
+def linked_docs(root: Path, page: Path) -> list[Path]:
+    """The files under ``root/docs`` that the markdown ``page`` links to (relative links; web addresses skipped)."""
+    docs = root / "docs"
+    found = []
+    for target in LINK.findall(page.read_text(encoding="utf-8")):
+        if ":" in target:
+            continue
+        path = (page.parent / target).resolve()
+        if path.is_file() and path.is_relative_to(docs) and path not in found:
+            found.append(path)
+    return found
+
+
+def docs_files(root: Path) -> list[Path]:
+    """The docs of the archive (``root`` resolved): the model card, the markdown guides reachable from it by links
+    (so that their links to each other hold), the other files the model card links (its figures) and the data's
+    licence terms."""
+    card = root / MODEL_CARD
+    pages, queue, figures = [card], [card], [p for p in linked_docs(root, card) if p.suffix != ".md"]
+    while queue:
+        for path in linked_docs(root, queue.pop(0)):
+            if path.suffix == ".md" and path not in pages:
+                pages.append(path)
+                queue.append(path)
+    licence = [root / DATA_LICENSE] if (root / DATA_LICENSE).is_file() else []
+    return sorted(set(pages + figures + licence))
+
+
 def bundle_files(root: Path, max_mb: float = MAX_MB) -> list[Path]:
     """The files of the archive, relative to ``root``; large files listed in ``large_files.yml`` are left out."""
+    root = root.resolve()
     listed = large_file_paths(root)
-    files = []
+    candidates = []
     for top in INCLUDE:
         base = root / top
-        candidates = [base] if base.is_file() else sorted(p for p in base.rglob("*") if p.is_file())
-        for path in candidates:
-            rel = path.relative_to(root)
-            if SKIP_PARTS & set(rel.parts) or path.suffix in SKIP_SUFFIXES or path.name.startswith("."):
+        candidates += [base] if base.is_file() else sorted(p for p in base.rglob("*") if p.is_file())
+    candidates = [p for p in candidates if not any(p.is_relative_to(root / out) for out in LEFT_OUT)]
+    files = []
+    for path in candidates + docs_files(root):
+        rel = path.relative_to(root)
+        if SKIP_PARTS & set(rel.parts) or path.suffix in SKIP_SUFFIXES or path.name.startswith("."):
+            continue
+        if path.stat().st_size > max_mb * 2**20:
+            if str(rel) in listed:
                 continue
-            if path.stat().st_size > max_mb * 2**20:
-                if str(rel) in listed:
-                    continue
-                raise PackagingError(
-                    f"{rel} is over {max_mb:g} MB: list it in large_files.yml (path, url, hash_val, hash_type)"
-                )
-            files.append(rel)
+            raise PackagingError(
+                f"{rel} is over {max_mb:g} MB: list it in large_files.yml (path, url, hash_val, hash_type)"
+            )
+        files.append(rel)
     if not files:
         raise PackagingError(f"nothing to package under {root}")
     return files

@@ -1,5 +1,5 @@
-"""The AFID real-data check (scripts/afids.py): warps carry landmarks exactly; the autoafids resources and the
-experiment's datalist (skipped when the autoafids package is not installed)."""
+"""The AFID real-data check (scripts/experiments/afids.py): warps carry landmarks exactly; the autoafids resources
+and the experiment's datalist (skipped when the autoafids package is not installed)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from bundle.data.datalist import load_datalist
 from scipy.ndimage import map_coordinates
-from scripts import afids_check
-from scripts.afids import (
+from scripts.experiments import afids_check
+from scripts.experiments.afids import (
     afids_files,
     carry_points,
     group_of,
@@ -145,7 +145,7 @@ def test_afids_check_pseudo_templates_are_written_and_scored_against_the_carried
     AFIDs."""
     import torch
     from bundle.configs import bundle_parser, config_files
-    from scripts.afids import MRI_LOAD_TRANSFORMS
+    from scripts.experiments.afids import MRI_LOAD_TRANSFORMS
 
     path = prepare_afids_datalist(tmp_path / "data", n_training=3, n_test=1, spacing=6.0, seed=3)
     datalist = load_datalist(path)

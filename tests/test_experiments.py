@@ -1,4 +1,5 @@
-"""The ablation driver (scripts/ablation.py) and the results figures (scripts/results_figures.py)."""
+"""The ablation driver (scripts/experiments/ablation*.py), the k-shot study and the results figures
+(scripts/experiments/results_figures.py)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,12 @@ from bundle.configs import config_files
 from bundle.information_groups import information_groups
 from bundle.transforms.entropy import local_entropy
 from PIL import Image
-from scripts import ablation, results_figures
 from scripts.bundle_commands import CommandRun, run_command
+from scripts.experiments import ablation_docs, ablation_plans, ablation_runs, ablation_selection, results_figures
 
 
 def test_plan_covers_rows_seeds_and_sweeps_once():
-    runs = ablation.plan([0, 1])
+    runs = ablation_plans.plan([0, 1])
     names = [r["name"] for r in runs]
     assert len(names) == len(set(names)) == 4 * 2 + 2 + 3
     assert {(r["entropy_sampling"], r["adaptive_augmentation"]) for r in runs if r["name"].startswith("baseline")} == {
@@ -25,8 +26,8 @@ def test_plan_covers_rows_seeds_and_sweeps_once():
     }
     # every sweep value has exactly one run for the first seed, shared points included
     runs_by_name = {r["name"]: r for r in runs}
-    for kind, values in (("gamma", ablation.GAMMAS), ("alpha", ablation.ALPHAS)):
-        picked = [ablation._sweep_run(runs_by_name, kind, v, 0) for v in values]
+    for kind, values in (("gamma", ablation_plans.GAMMAS), ("alpha", ablation_plans.ALPHAS)):
+        picked = [ablation_plans.sweep_run(runs_by_name, kind, v, 0) for v in values]
         assert all(p is not None for p in picked)
         key = "alpha_hat" if kind == "alpha" else "gamma"
         effective = [p[key] if p["entropy_sampling"] or kind == "alpha" else 0.0 for p in picked]
@@ -60,13 +61,13 @@ def test_report_tables_spread_gain_and_markers(tmp_path):
         "alpha1.7_s0": 2.2,
         "gamma1.0_s0": 3.9,
     }
-    for spec in ablation.plan([0, 1]):
+    for spec in ablation_plans.plan([0, 1]):
         if spec["name"] in mre:
             fake_result(tmp_path / "runs", spec, mre[spec["name"]], aug)
     docs = tmp_path / "docs"
     docs.mkdir()
     (docs / "results.md").write_text("intro\n<!-- ablation:begin -->\nold\n<!-- ablation:end -->\noutro\n")
-    ablation.report(str(tmp_path / "runs"), str(docs))
+    ablation_docs.report(str(tmp_path / "runs"), str(docs))
     page = (docs / "results.md").read_text()
     assert page.startswith("intro\n<!-- ablation:begin -->\n") and page.endswith("<!-- ablation:end -->\noutro\n")
     assert "old" not in page
@@ -84,15 +85,15 @@ def test_report_tables_spread_gain_and_markers(tmp_path):
     assert (docs / "results_mre.png").stat().st_size > 10_000
     (docs / "results.md").write_text("no markers\n")
     with pytest.raises(ValueError, match="markers"):
-        ablation.report(str(tmp_path / "runs"), str(docs))
+        ablation_docs.report(str(tmp_path / "runs"), str(docs))
     with pytest.raises(FileNotFoundError, match="no \\*/result.json"):
-        ablation.report(str(tmp_path / "empty"), str(docs))
+        ablation_docs.report(str(tmp_path / "empty"), str(docs))
 
 
 def test_report_adds_the_longer_runs_beside_their_short_runs(tmp_path):
     aug = tmp_path / "aug.yaml"
     aug.write_text("augmentation:\n  brightness: [0.1, 0.2, 0.3]\n  contrast: [0.4, 0.5, 0.6]\n")
-    specs = {s["name"]: s for s in ablation.plan([0])}
+    specs = {s["name"]: s for s in ablation_plans.plan([0])}
     for name, mre in (("baseline_s0", 4.0), ("full_s0", 5.0)):
         fake_result(tmp_path / "short", specs[name], mre, aug)
     for name, mre in (("baseline_s0", 2.5), ("full_s0", 2.0), ("alpha1.0_s0", 3.0)):
@@ -106,7 +107,7 @@ def test_report_adds_the_longer_runs_beside_their_short_runs(tmp_path):
     docs = tmp_path / "docs"
     docs.mkdir()
     (docs / "results.md").write_text("<!-- ablation:begin -->\n<!-- ablation:end -->\n")
-    ablation.report(str(tmp_path / "short"), str(docs), long=str(tmp_path / "long"))
+    ablation_docs.report(str(tmp_path / "short"), str(docs), long=str(tmp_path / "long"))
     page = (docs / "results.md").read_text()
     assert "trained for 3000 iterations" in page
     full_line = [line for line in page.splitlines() if line.startswith("| + both")][-1]
@@ -120,11 +121,11 @@ def test_report_adds_the_longer_runs_beside_their_short_runs(tmp_path):
         "| 0 | 3000 | landmarks | - | - | 3.00 |" in sweep_line and "-20.0 %" in sweep_line
     )  # no short run of it here
     with pytest.raises(FileNotFoundError, match="missing"):
-        ablation.report(str(tmp_path / "short"), str(docs), long=str(tmp_path / "missing"))
+        ablation_docs.report(str(tmp_path / "short"), str(docs), long=str(tmp_path / "missing"))
 
 
 def test_converged_plan_differs_only_in_what_each_row_names():
-    runs = {r["name"]: r for r in ablation.plan_converged([0, 1])}
+    runs = {r["name"]: r for r in ablation_plans.plan_converged([0, 1])}
     assert len(runs) == 10 and {r["seed"] for r in runs.values()} == {0, 1}
     estimated, authors = runs["full_estimated_s1"], runs["full_authors_s1"]
     assert authors["augmentation_file"] == "configs/authors_ranges.yaml" and estimated["augmentation_file"] is None
@@ -137,20 +138,20 @@ def test_converged_plan_differs_only_in_what_each_row_names():
     assert pixel["group_mode"] == "pixel"
     assert (runs["baseline_s0"]["entropy_sampling"], runs["baseline_s0"]["adaptive_augmentation"]) == (False, False)
     with pytest.raises(ValueError, match="plan must be one of"):
-        ablation.run("d.json", str(Path("unused")), plan="long")
+        ablation_runs.run("d.json", str(Path("unused")), plan="long")
 
 
 def test_converged_report_keeps_earlier_runs_and_gives_both_gains(tmp_path):
-    specs = {s["name"]: s for s in ablation.plan_converged([0, 1])}
+    specs = {s["name"]: s for s in ablation_plans.plan_converged([0, 1])}
     docs = tmp_path / "docs"
     docs.mkdir()
     (docs / "results.md").write_text("a\n<!-- converged:begin -->\nold\n<!-- converged:end -->\nb\n")
     for name, mre in (("baseline_s0", 3.0), ("entropy_s0", 2.5)):  # a first session
         fake_result(tmp_path / "first", specs[name], mre, tmp_path / "aug.yaml")
-    ablation.report_plan(str(tmp_path / "first"), "converged", str(docs))
+    ablation_docs.report_plan(str(tmp_path / "first"), "converged", str(docs))
     for name, mre in (("full_estimated_s0", 2.0), ("baseline_s1", 4.0), ("entropy_s0", 2.4)):  # the next one, a rerun
         fake_result(tmp_path / "next", specs[name], mre, tmp_path / "aug.yaml")
-    ablation.report_plan(str(tmp_path / "next"), "converged", str(docs))
+    ablation_docs.report_plan(str(tmp_path / "next"), "converged", str(docs))
     recorded = {
         r["name"]: r["test"]["mre_mm"] for r in json.loads((docs / "results_ablation_converged.json").read_text())
     }
@@ -167,13 +168,13 @@ def test_converged_report_keeps_earlier_runs_and_gives_both_gains(tmp_path):
     # gains over the seeds both rows have: seed 0 only, (3.0 - 2.0) / 3.0 and (2.4 - 2.0) / 2.4
     assert full.endswith("| +33.3 % (1 seed) | +16.7 % (1 seed) |")
     assert not any(line.startswith("| + both, the authors'") for line in page.splitlines())  # not run yet
-    fake_result(tmp_path / "sweep", ablation.plan([0])[3], 2.0, tmp_path / "aug.yaml")
+    fake_result(tmp_path / "sweep", ablation_plans.plan([0])[3], 2.0, tmp_path / "aug.yaml")
     with pytest.raises(ValueError, match="not runs of the converged plan"):
-        ablation.report_plan(str(tmp_path / "sweep"), "converged", str(docs))
+        ablation_docs.report_plan(str(tmp_path / "sweep"), "converged", str(docs))
 
 
 def test_comparison_report_puts_the_papers_numbers_beside_each_row(tmp_path):
-    specs = {s["name"]: s for s in ablation.plan_comparison([0, 1])}
+    specs = {s["name"]: s for s in ablation_plans.plan_comparison([0, 1])}
     docs = tmp_path / "docs"
     docs.mkdir()
     (docs / "results.md").write_text("<!-- converged:begin -->\nkept\n<!-- converged:end -->\n")
@@ -185,9 +186,9 @@ def test_comparison_report_puts_the_papers_numbers_beside_each_row(tmp_path):
     result["common"] = {"mre_mm": 2.1, "template": "/abs/ceph/001.png", "templates": ["/abs/ceph/001.png", "b/2.png"]}
     result_file.write_text(json.dumps(result))
     with pytest.raises(ValueError, match="comparison:begin"):
-        ablation.report_plan(str(tmp_path / "runs"), "comparison", str(docs))
+        ablation_docs.report_plan(str(tmp_path / "runs"), "comparison", str(docs))
     (docs / "results.md").write_text("x\n<!-- comparison:begin -->\n<!-- comparison:end -->\n")
-    ablation.report_plan(str(tmp_path / "runs"), "comparison", str(docs))
+    ablation_docs.report_plan(str(tmp_path / "runs"), "comparison", str(docs))
     page = (docs / "results.md").read_text()
     mochi = next(line for line in page.splitlines() if line.startswith("| MoCHi"))
     assert mochi.endswith("| +10.0 % (1 seed) | 2.56 / 50.4 |")  # (3.0 - 2.7) / 3.0, the paper's row beside
@@ -199,7 +200,7 @@ def test_comparison_report_puts_the_papers_numbers_beside_each_row(tmp_path):
     assert recorded[1]["test"]["template"] == "033.png" and recorded[1]["test"]["mre_mm"] == 2.7
     assert recorded[1]["common"] == {"mre_mm": 2.1, "template": "001.png", "templates": ["001.png", "2.png"]}
     with pytest.raises(ValueError, match="not runs of the converged plan"):
-        ablation.report_plan(str(tmp_path / "runs"), "converged", str(docs))
+        ablation_docs.report_plan(str(tmp_path / "runs"), "converged", str(docs))
 
 
 def item(name: str, labelled: bool) -> dict:
@@ -224,17 +225,17 @@ def test_selection_datalist_scores_on_labelled_items_outside_test(tmp_path, monk
     monkeypatch.chdir(tmp_path)
     training = [item("t0", True), item("u0", False), item("t1", True), item("t2", True)]
     datalist = small_datalist(training, [item("x0", True)])
-    chosen = ablation.selection_datalist(datalist, "img/../img/t1.png")
+    chosen = ablation_selection.selection_datalist(datalist, "img/../img/t1.png")
     assert chosen["template"]["image"] == str(tmp_path / "img" / "t1.png")
     assert [Path(it["image"]).name for it in chosen["test"]] == ["v0.png", "t0.png", "t2.png"]  # never x0, never t1
     assert all(Path(it["image"]).is_absolute() for it in chosen["training"] + chosen["test"])
     with pytest.raises(ValueError, match="u0.png is not a labelled training item"):
-        ablation.selection_datalist(datalist, "img/u0.png")
+        ablation_selection.selection_datalist(datalist, "img/u0.png")
 
 
 def test_few_labels_draws_templates_from_the_pool_and_scores_outside_it(tmp_path, monkeypatch):
     from bundle.data.datalist import save_datalist
-    from scripts import kshot_study
+    from scripts.experiments import kshot_study
 
     monkeypatch.chdir(tmp_path)
     training = [item(f"t{i}", True) for i in range(5)] + [item("u0", False), item("t5", True)]
@@ -275,7 +276,7 @@ def test_template_rules_score_both_choices_outside_the_pool(tmp_path):
     network = bundle_parser(["configs/train.yaml"], datalist=str(datalist)).get_parsed_content("network_def")
     (tmp_path / "run" / "models").mkdir(parents=True)
     torch.save(network.state_dict(), tmp_path / "run" / "models" / "model.pt")
-    result = ablation.template_rules(str(datalist), str(tmp_path / "run"), pool_size=3)
+    result = ablation_selection.template_rules(str(datalist), str(tmp_path / "run"), pool_size=3)
     pool = [it["image"] for it in json.loads(datalist.read_text())["training"][:3]]
     assert result["n_pool"] == 3 and result["n_held_out"] == 2 + 1  # two more labelled training items, one validation
     for rule in ("features", "landmarks"):
@@ -292,9 +293,9 @@ def test_a_failing_bundle_command_names_its_log(tmp_path):
 
 
 def test_missing_augmentation_estimate_is_named(tmp_path):
-    spec = ablation.plan([0])[0]
+    spec = ablation_plans.plan([0])[0]
     with pytest.raises(FileNotFoundError, match="scripts.estimate_augmentation --alpha_hat 0.8"):
-        ablation.run_one(spec, "d.json", tmp_path, 10, 10, str(tmp_path / "aug_{alpha}.yaml"))
+        ablation_runs.run_one(spec, "d.json", tmp_path, 10, 10, str(tmp_path / "aug_{alpha}.yaml"))
 
 
 def write_png(path: Path, seed: int) -> np.ndarray:
@@ -341,7 +342,7 @@ def test_overlays_pick_the_median_and_the_worst_image(tmp_path):
 
 
 def test_comparison_plan_differs_only_in_mixing():
-    runs = ablation.plan_comparison([0, 1])
+    runs = ablation_plans.plan_comparison([0, 1])
     assert [r["name"] for r in runs[:4]] == ["baseline_s0", "unmix_s0", "mochi_s0", "zhu_s0"] and len(runs) == 8
     assert [r["mixing"] for r in runs[:4]] == ["none", "unmix", "mochi", "zhu"]
     for seed in (0, 1):
@@ -355,17 +356,17 @@ def test_comparison_plan_differs_only_in_mixing():
 
 def test_high_group_overrides_take_the_high_group_for_every_group():
     ranges = {"brightness_ranges": [[0.7, 1.5], [0.7, 1.5], [0.65, 1.63]], "contrast_ranges": [[1, 2], [1, 2], [3, 4]]}
-    assert ablation.high_group_overrides(ranges) == {
+    assert ablation_runs.high_group_overrides(ranges) == {
         "augmentation#brightness_ranges": [[0.65, 1.63]] * 3,
         "augmentation#contrast_ranges": [[3, 4]] * 3,
     }
     symmetric = {"brightness": [0.1, 0.2, 0.3], "contrast": [0.4, 0.5, 0.6], "brightness_ranges": None}
-    assert ablation.high_group_overrides(symmetric) == {
+    assert ablation_runs.high_group_overrides(symmetric) == {
         "augmentation#brightness": [0.3] * 3,
         "augmentation#contrast": [0.6] * 3,
     }
     with pytest.raises(ValueError, match="contrast"):
-        ablation.high_group_overrides({"brightness": [0.1, 0.2, 0.3]})
+        ablation_runs.high_group_overrides({"brightness": [0.1, 0.2, 0.3]})
 
 
 def test_run_one_passes_the_mixing_and_the_high_group_augmentation(tmp_path, monkeypatch):
@@ -377,14 +378,15 @@ def test_run_one_passes_the_mixing_and_the_high_group_augmentation(tmp_path, mon
     calls = {}
 
     def fake_run_command(command, configs, overrides, log, append=False):
-        calls[command] = dict(overrides, append=append)
+        calls[command] = dict(overrides, append=append, configs=configs)
         return CommandRun({"val_mre_mm": 2.5} if command == "training" else {"mre_mm": 2.0}, 1.0, 1.0)
 
-    monkeypatch.setattr(ablation, "run_command", fake_run_command)
-    spec = next(r for r in ablation.plan_comparison([0]) if r["row"] == "mochi")
-    result = ablation.run_one(spec, "d.json", tmp_path / "out", 20, 10, str(aug))
+    monkeypatch.setattr(ablation_runs, "run_command", fake_run_command)
+    spec = next(r for r in ablation_plans.plan_comparison([0]) if r["row"] == "mochi")
+    result = ablation_runs.run_one(spec, "d.json", tmp_path / "out", 20, 10, str(aug))
     train = calls["training"]
     assert train["mixing"] == "mochi" and train["entropy_sampling"] is False and train["sampling_gamma"] == 0.0
+    assert train["configs"] == [*config_files("train"), ablation_runs.COMPARISON_CONFIG, str(aug)]
     assert train["augmentation#brightness_ranges"] == [[0.5, 1.5]] * 3
     assert train["augmentation#contrast_ranges"] == [[0.6, 1.6]] * 3
     assert result["mixing"] == "mochi" and result["validation_mre_mm"] == 2.5
@@ -392,7 +394,7 @@ def test_run_one_passes_the_mixing_and_the_high_group_augmentation(tmp_path, mon
     # a run that a stopped session interrupted after an epoch: resumed from its last.pt, its log kept
     (tmp_path / "out" / spec["name"] / "models").mkdir(parents=True, exist_ok=True)
     (tmp_path / "out" / spec["name"] / "models" / "last.pt").write_bytes(b"x")
-    result = ablation.run_one(spec, "d.json", tmp_path / "out", 20, 10, str(aug))
+    result = ablation_runs.run_one(spec, "d.json", tmp_path / "out", 20, 10, str(aug))
     assert calls["training"]["resume"] is True and calls["training"]["append"] and result["resumed"] is True
 
 
@@ -400,20 +402,20 @@ def test_common_templates_are_the_first_labelled_training_items_for_every_run(tm
     monkeypatch.chdir(tmp_path)
     training = [item("u0", False), item("t0", True), item("t1", True), item("t2", True)]
     datalist = small_datalist(training, [item("x0", True), item("x1", True)], template=item("t2", True))
-    common = ablation.common_datalist(datalist, 2)
+    common = ablation_selection.common_datalist(datalist, 2)
     assert [Path(it["image"]).name for it in common["templates"]] == ["t0.png", "t1.png"]
     assert "template" not in common  # the named template would be one more
     assert [Path(it["image"]).name for it in common["test"]] == ["x0.png", "x1.png"]
     assert all(Path(it["image"]).is_absolute() for it in common["templates"] + common["test"])
     with pytest.raises(ValueError, match="4 common templates asked for, the datalist has 3 labelled"):
-        ablation.common_datalist(datalist, 4)
+        ablation_selection.common_datalist(datalist, 4)
     for k in (0, "2"):  # no template would let each run choose its own again
         with pytest.raises(ValueError, match="must be a positive integer"):
-            ablation.common_datalist(datalist, k)
+            ablation_selection.common_datalist(datalist, k)
 
 
 def test_converged_report_gives_the_common_template_mre_where_every_seed_has_it(tmp_path):
-    specs = {s["name"]: s for s in ablation.plan_converged([0, 1])}
+    specs = {s["name"]: s for s in ablation_plans.plan_converged([0, 1])}
     docs = tmp_path / "docs"
     docs.mkdir()
     (docs / "results.md").write_text("<!-- converged:begin -->\n<!-- converged:end -->\n")
@@ -422,7 +424,7 @@ def test_converged_report_gives_the_common_template_mre_where_every_seed_has_it(
     for name, common in (("baseline_s0", 2.0), ("baseline_s1", 2.2)):
         path = tmp_path / "runs" / name / "result.json"
         path.write_text(json.dumps(dict(json.loads(path.read_text()), common_mre_mm=common)))
-    ablation.report_plan(str(tmp_path / "runs"), "converged", str(docs))
+    ablation_docs.report_plan(str(tmp_path / "runs"), "converged", str(docs))
     lines = (docs / "results.md").read_text().splitlines()
     header = next(line for line in lines if line.startswith("| row |"))
     assert "| MRE mm, the same templates for every run (ablation.py common) |" in header

@@ -1,7 +1,7 @@
 """The paper's comparison methods (scripts.experiments.mixing): MoCHi, Zhu et al.'s feature transformation and
 Un-mix, each against a hand computation of its defining property, wired through the loss and the training step
 (scripts/experiments/configs/comparison.yaml); and the hard-negative diagnostic of the comparison
-(scripts/hard_negatives.py)."""
+(scripts/experiments/hard_negatives.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from bundle.engines.contrastive import ContrastiveIterationUpdate
 from bundle.losses.infonce import MultiScaleInfoNCELoss
 from bundle.networks.contrastive import ContrastiveLandmarkNet
 from monai.inferers import SimpleInferer
+from scripts.experiments.hard_negatives import cell_distances, hard_negative_statistics, scale_statistics
 from scripts.experiments.mixing import (
     FeatureTransformation,
     HardNegativeMixing,
@@ -29,7 +30,6 @@ from scripts.experiments.mixing import (
     unmix_draw,
     unmix_loss,
 )
-from scripts.hard_negatives import cell_distances, hard_negative_statistics, scale_statistics
 
 COMPARISON = ["configs/train.yaml", "scripts/experiments/configs/comparison.yaml"]
 

@@ -557,6 +557,16 @@ def test_package_refuses_an_unlisted_large_file(tmp_path):
         packaging.package(output_dir=str(tmp_path / "dist"), root=str(root))
 
 
+def test_archive_holds_the_product_not_the_experiments_nor_the_result_records(zipped):
+    names = {n.split("/", 1)[1] for n in zipfile.ZipFile(zipped).namelist()}
+    assert "scripts/package.py" in names and "scripts/prepare_data.py" in names
+    assert not any(n.startswith("scripts/experiments/") for n in names)
+    # the model card, the guides it links (and theirs), its own figure, the data's terms; no result record
+    assert {"docs/README.md", "docs/results.md", "docs/configuration.md", "docs/results_labels_loop.png"} <= names
+    assert "docs/data_license.txt" in names and not any(n.startswith("docs/") and n.endswith(".json") for n in names)
+    assert "docs/results_mre.png" not in names
+
+
 def _predictions(path: Path) -> list[tuple[str, float, float]]:
     with open(path) as f:
         return [(r["landmark"], float(r["x"]), float(r["y"])) for r in csv.DictReader(f)]

@@ -1,7 +1,7 @@
 """MONAI Label: each test starts its own app, as a server on 127.0.0.1 or in-process in the app's environment
 (tests/monailabel_inprocess.py): the detector's held-out split, a DICOMweb series, the configured device and its one
 network, 3D volumes with the 3D configs, the default server with the shipped model, pseudo-templates for few saved
-labels, and the annotation loop of ``scripts.labels_loop`` on real cephalograms."""
+labels, and the annotation loop of ``scripts.experiments.labels_loop`` on real cephalograms."""
 
 from __future__ import annotations
 
@@ -527,12 +527,12 @@ def test_few_saved_labels_get_pseudo_templates_as_the_commands_make_them(tmp_pat
 
 
 def test_labels_loop_drives_the_server_through_the_annotation_loop(tmp_path):
-    """``python -m scripts.labels_loop`` on the real cephalograms (skipped without ../shared/data): the default
-    server, two labels saved one step at a time, a detector training, the held-out uploads scored; the saved labels
-    join the built-in templates and the results file holds every step."""
+    """``python -m scripts.experiments.labels_loop`` on the real cephalograms (skipped without ../shared/data): the
+    default server, two labels saved one step at a time, a detector training, the held-out uploads scored; the saved
+    labels join the built-in templates and the results file holds every step."""
     if not CEPHALOGRAM.is_file():
         pytest.skip("no ../shared/data/hamedan_ceph")
-    from scripts.labels_loop import run
+    from scripts.experiments.labels_loop import run
     from scripts.prepare_data import hamedan_protocol
 
     datalist = hamedan_protocol(CEPHALOGRAM.parents[1], tmp_path / "protocol.json")

@@ -4,7 +4,7 @@ An experiment, not the product: ``scripts/experiments/configs/comparison.yaml``,
 ``configs/train.yaml``, declares the training key ``mixing`` (``none | unmix | mochi | zhu``) and the methods'
 keys, and plugs the chosen method into the loss's ``feature_mixing`` or the training step's ``extra_loss``
 (:func:`feature_mixing`, :func:`image_mixing`). ``mixing: none`` trains as the product does.
-``python -m scripts.ablation run --plan comparison`` runs the comparison (docs/results.md).
+``python -m scripts.experiments.ablation run --plan comparison`` runs the comparison (docs/results.md).
 
 Keys (comparison.yaml, default):
 

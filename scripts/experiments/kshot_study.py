@@ -1,12 +1,14 @@
 """k-shot and pseudo-template measurements on a protocol datalist (docs/results.md, "Several templates").
 
-    python -m scripts.kshot_study selection --datalist runs/hamedan/protocol.json --template 019 --out runs/kshot
-    python -m scripts.kshot_study test --datalist runs/hamedan/protocol.json --out runs/kshot \
+    python -m scripts.experiments.kshot_study selection --datalist runs/hamedan/protocol.json --template 019 \
+        --out runs/kshot
+    python -m scripts.experiments.kshot_study test --datalist runs/hamedan/protocol.json --out runs/kshot \
         --runs "[{'name': 'one', 'template': '019'}, {'name': 'five', 'first_labelled': 5}]"
 
-    python -m scripts.kshot_study vote_weights --datalist runs/hamedan/protocol.json --split validation \
+    python -m scripts.experiments.kshot_study vote_weights --datalist runs/hamedan/protocol.json --split validation \
         --template_rule landmarks --pseudo_templates 0
-    python -m scripts.kshot_study few_labels --datalist runs/hamedan/protocol.json --named "[['046'], ['018']]"
+    python -m scripts.experiments.kshot_study few_labels --datalist runs/hamedan/protocol.json \
+        --named "[['046'], ['018']]"
 
 ``selection`` chooses the pseudo-template settings without the test images: the template's labels are the only ones
 used; the first ``pool`` other labelled training images are stripped of their landmarks and serve as the

@@ -1,9 +1,9 @@
 """The XFeat fine step measured on an evaluating run's predictions (docs/results.md, "A pretrained fine step"): the
 setting's radius chosen on validation predictions, and a stage-2 pseudo-label file refined after the fact.
 
-    python -m scripts.xfeat_refinement score --datalist runs/one046_val.json \
+    python -m scripts.experiments.xfeat_refinement score --datalist runs/one046_val.json \
         --predictions runs/det_val/predictions.csv --radii_mm "[1.0,2.0,3.0]" --out runs/xfeat_val.json
-    python -m scripts.xfeat_refinement pseudo_labels --datalist runs/one046_val.json \
+    python -m scripts.experiments.xfeat_refinement pseudo_labels --datalist runs/one046_val.json \
         --pseudo_labels runs/stage2/pseudo_labels.json --out runs/stage2/pseudo_labels_xfeat.json \
         --reference runs/hamedan/protocol.json
 

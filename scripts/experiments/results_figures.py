@@ -1,9 +1,10 @@
 """Figures of docs/results.md: the IIE map with its three groups, prediction overlays (drawn locally: a rendering of a
 data set that may not be redistributed stays out of docs/).
 
-    python -m scripts.results_figures iie --image IMAGE --output docs/results_iie_groups.png \
+    python -m scripts.experiments.results_figures iie --image IMAGE --output docs/results_iie_groups.png \
         [--window 10 --thresholds "[2,4]"]
-    python -m scripts.results_figures overlays --datalist D --eval_dir RUN/eval --output_dir docs [--n 2 --width 480]
+    python -m scripts.experiments.results_figures overlays --datalist D --eval_dir RUN/eval --output_dir docs \
+        [--n 2 --width 480]
 
 The figures are downsampled renderings (``width`` pixels wide) for illustration only.
 """

@@ -232,11 +232,11 @@ def prepare_afids_datalist(
     """Write the AFID experiment's volumes (``out_dir/images``, float32 NIfTI at ``spacing`` mm) and datalist.
 
     ``training``: ``n_training`` warped, intensity-perturbed T1w copies with their AFIDs carried (training
-    never reads them; ``python -m scripts.afids_check --templates k`` uses the first k - 1 as labelled templates,
-    pseudo-templates drop them); ``validation``: one more such copy with its AFIDs (for the trainer's
-    validation, off by default); ``template``:
-    the T1w volume with its AFIDs; ``test``: ``n_test`` warped T1w copies (``t1w_warped_*``), the T2w
-    volume (``t2w``) and ``n_test`` warped T2w copies (``t2w_warped_*``), each with the AFIDs carried.
+    never reads them; ``python -m scripts.experiments.afids_check --templates k`` uses the first k - 1 as labelled
+    templates, pseudo-templates drop them); ``validation``: one more such copy with its AFIDs (for the trainer's
+    validation, off by default); ``template``: the T1w volume with its AFIDs; ``test``: ``n_test`` warped T1w
+    copies (``t1w_warped_*``), the T2w volume (``t2w``) and ``n_test`` warped T2w copies (``t2w_warped_*``), each
+    with the AFIDs carried.
     ``elastic_mm`` > 0: every warp also bends by a :func:`random_displacement` of that root mean square length
     (drawn from a generator of its own, so the affine maps and intensities stay those of ``elastic_mm=0``).
     Returns the datalist path.

@@ -5,11 +5,11 @@ Trains the 3D model self-supervised on warped T1w copies (``configs/train.yaml``
 with an MRI intensity window), then matches the T1w template's 32 AFIDs in each test volume and prints
 the MRE (mm, world space) per group beside the no-matching baseline (the template's own coordinates):
 
-    python -m scripts.afids_check --workdir output/afids [--iterations 60] [--spacing 3]
+    python -m scripts.experiments.afids_check --workdir output/afids [--iterations 60] [--spacing 3]
     # the same checkpoint, k = 5 labelled templates: the T1w and 4 warped training copies with their AFIDs
-    python -m scripts.afids_check --workdir output/afids --templates 5
+    python -m scripts.experiments.afids_check --workdir output/afids --templates 5
     # the same checkpoint, the T1w template plus 5 pseudo-templates among the 8 training warps (their AFIDs unread)
-    python -m scripts.afids_check --workdir output/afids --pseudo_templates 5 [--pseudo_candidates 8]
+    python -m scripts.experiments.afids_check --workdir output/afids --pseudo_templates 5 [--pseudo_candidates 8]
 
 Pseudo-templates are chosen as the evaluating command's ``pseudo_*`` keys choose them and written as a datalist
 (``WORKDIR/data/datalist_k1_pseudo5.json``) that the evaluation then reads; the script also prints how far each
@@ -30,14 +30,14 @@ from pathlib import Path
 import numpy as np
 from scripts.cli import run_fire
 
-ROOT = Path(__file__).resolve().parents[1]
-# contrast_remap_prob, merged after the 3D training configs
+ROOT = Path(__file__).resolve().parents[2]
+# the training's random intensity curves (contrast_remap_prob), merged after the 3D training configs when asked for
 CONTRAST_REMAP_CONFIG = "scripts/experiments/configs/contrast_remap.yaml"
 
 
 def _group_errors(predictions: Path, datalist: dict, template: np.ndarray) -> dict[str, dict[str, list[float]]]:
     """Per test group: the matching errors (predictions.csv) and the template-coordinate baseline errors."""
-    from scripts.afids import group_of
+    from scripts.experiments.afids import group_of
 
     references = {Path(it["image"]).name: np.asarray(it["landmarks"], float) for it in datalist["test"]}
     groups: dict[str, dict[str, list[float]]] = {}
@@ -165,19 +165,19 @@ def main(
     ``pseudo_templates``: that many pseudo-templates chosen among the first ``pseudo_candidates`` (default
     all) training warps, labelled by matching, their AFIDs not read (``bundle.templates.resolution.resolve_templates``);
     ``pseudo_cycle_tolerance`` in network-grid voxels; ``template_combine`` as in ``configs/train.yaml``;
-    ``contrast_remap_prob``: the training's random intensity curves (``scripts/experiments/contrast_remap.py``), for
-    T1w -> T2w;
+    ``contrast_remap_prob``: the training's random intensity curves (:data:`CONTRAST_REMAP_CONFIG`, merged when
+    above 0), for T1w -> T2w;
     ``contrast_adaptation``: each test volume mapped to the template's contrast before matching when they differ
     (``configs/evaluate.yaml``); ``elastic_mm``: every warp of the data also bends by a smooth displacement of that
-    root mean square length (``scripts.afids.prepare_afids_datalist``), which an affine registration cannot undo;
-    ``registration_tolerance``: matches further than this (network-grid voxels) from the registered template's
-    landmarks fall back to them (``configs/evaluate.yaml``).
+    root mean square length (``scripts.experiments.afids.prepare_afids_datalist``), which an affine registration
+    cannot undo; ``registration_tolerance``: matches further than this (network-grid voxels) from the registered
+    template's landmarks fall back to them (``configs/evaluate.yaml``).
     """
     from bundle.configs import as_flag, config_files
     from bundle.data.datalist import load_datalist
     from bundle.io_utils import write_json_atomic
     from monai.bundle import run
-    from scripts.afids import MRI_LOAD_TRANSFORMS, prepare_afids_datalist
+    from scripts.experiments.afids import MRI_LOAD_TRANSFORMS, prepare_afids_datalist
 
     work = Path(workdir).resolve()
     datalist_path = work / "data" / "datalist.json"
@@ -206,7 +206,7 @@ def main(
         else kshot_datalist(datalist, templates, work / "data" / f"datalist_k{templates}.json")
     )
 
-    configs = [str(ROOT / f) for f in (*config_files("train", spatial_dims=3), CONTRAST_REMAP_CONFIG)]
+    configs = [str(ROOT / f) for f in config_files("train", spatial_dims=3)]
     common = {
         "bundle_root": str(ROOT),
         "target_spacing": [spacing] * 3,
@@ -220,9 +220,10 @@ def main(
     epochs = max(1, iterations // 20)
     n_iter = epochs * max(1, iterations // epochs)
     if retrain or not ckpt.is_file():
+        remap = {"contrast_remap_prob": contrast_remap_prob} if contrast_remap_prob else {}
         run(
             "training",
-            config_file=configs,
+            config_file=configs + ([str(ROOT / CONTRAST_REMAP_CONFIG)] if remap else []),
             datalist=str(datalist_path),
             output_dir=str(work / "train"),
             ckpt_dir=str(work / "models"),
@@ -231,7 +232,7 @@ def main(
             epochs=epochs,
             epoch_length=max(1, iterations // epochs),
             val_interval=10**6,
-            contrast_remap_prob=contrast_remap_prob,
+            **remap,
             **common,
         )
         training = {

@@ -13,7 +13,7 @@ checkpoint, each scale of the loss reports (over the queries inside both views):
   synthetic negatives whose cosine with the query exceeds the positive's;
 * ``positive_cosine`` / ``hard_cosine`` / ``synthetic_cosine``: the mean cosines.
 
-    python -m scripts.hard_negatives --ckpt_path runs/hamedan_comparison/baseline_s0/models/model.pt \
+    python -m scripts.experiments.hard_negatives --ckpt_path runs/hamedan_comparison/baseline_s0/models/model.pt \
         --datalist runs/hamedan/protocol.json --batches 20 --output hard.json
 """
 

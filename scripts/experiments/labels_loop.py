@@ -2,7 +2,7 @@
 
 Run from the repository root (needs ``make monailabel``)::
 
-    python -m scripts.labels_loop --datalist runs/hamedan/protocol.json --out runs/labels_loop \\
+    python -m scripts.experiments.labels_loop --datalist runs/hamedan/protocol.json --out runs/labels_loop \\
         [--steps "[1,3,5,10]"] [--heldout 30] [--train "{}"] [--threads null] \\
         [--server_datalist D] [--unlabelled 30] [--detector false]
 
