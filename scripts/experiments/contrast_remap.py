@@ -9,7 +9,7 @@ against T1w -> T2w"). ``scripts/experiments/configs/contrast_remap.yaml``, merge
 Key (contrast_remap.yaml, default): ``contrast_remap_prob`` (0.0), the probability of a random intensity curve on
 each of the two views, drawn independently (:class:`RandContrastRemapd`: monotone, non-monotone or an inversion;
 on the crop after its brightness / contrast), so that a template and an image of different contrasts (T1w / T2w
-MRI) still match; ``python -m scripts.afids_check --contrast_remap_prob 0.5`` trains the AFID check with it.
+MRI) still match; ``python -m scripts.experiments.afids_check --contrast_remap_prob 0.5`` trains the AFID check with it.
 """
 
 from __future__ import annotations
