@@ -1,6 +1,7 @@
 """Ignite handlers of the configs: checkpoints and resuming, the evaluation report, the detector's confidence,
 the console's progress, TensorBoard, templates, the training's time budget."""
 
+from bundle import lazy_submodules
 from bundle.handlers.checkpoints import (
     AtomicCheckpointSaver,
     AtomicSaveHandler,
@@ -30,3 +31,5 @@ __all__ = [
     "TrainingTimeBudget",
     "resume_handlers",
 ]
+
+__getattr__ = lazy_submodules(__name__)

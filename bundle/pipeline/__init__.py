@@ -1,6 +1,7 @@
 """Which pipeline predicts (template matching or a heatmap detector) and the detector's data: its training items
 (pseudo-labelled or human-labelled), its record and its grid."""
 
+from bundle import lazy_submodules
 from bundle.pipeline.choice import (
     DEFAULT_DETECTORS,
     ENOUGH_LABELS,
@@ -54,3 +55,5 @@ __all__ = [
     "starting_detector",
     "write_detector_info",
 ]
+
+__getattr__ = lazy_submodules(__name__)

@@ -1,6 +1,7 @@
 """Templates of one-shot (k-shot) detection: their choice, pseudo-templates and pseudo-labels,
 and the template features of inference."""
 
+from bundle import lazy_submodules
 from bundle.templates.features import (
     compute_template,
     default_template_cache,
@@ -57,3 +58,5 @@ __all__ = [
     "with_templates",
     "without_test_images",
 ]
+
+__getattr__ = lazy_submodules(__name__)

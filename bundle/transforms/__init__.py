@@ -1,6 +1,7 @@
 """MONAI transforms of the paper's method: array transforms and their dictionary wrappers (the public names that
 docs/transforms.md documents)."""
 
+from bundle import lazy_submodules
 from bundle.transforms.entropy import EntropyMap, EntropyMapd, local_entropy
 from bundle.transforms.heatmaps import GaussianHeatmap, GaussianHeatmapd
 from bundle.transforms.intensity import InfoGuidedIntensity, InfoGuidedIntensityd, adjust_brightness_contrast
@@ -26,3 +27,5 @@ __all__ = [
     "local_entropy",
     "sampling_weights",
 ]
+
+__getattr__ = lazy_submodules(__name__)
