@@ -28,26 +28,9 @@ CONFIG_FILES: dict[str, tuple[str, ...]] = {
     "train_stage2": ("configs/train.yaml", "configs/train_stage2.yaml"),
     "finetune": ("configs/train.yaml", "configs/train_stage2.yaml", "configs/finetune.yaml"),
     "evaluate": ("configs/train.yaml", "configs/evaluate.yaml"),
-    "evaluate_detector": (
-        "configs/train.yaml",
-        "configs/train_stage2.yaml",
-        "configs/evaluate.yaml",
-        "configs/evaluate_detector.yaml",
-    ),
-    "evaluate_finetuned": (
-        "configs/train.yaml",
-        "configs/train_stage2.yaml",
-        "configs/finetune.yaml",
-        "configs/evaluate.yaml",
-        "configs/evaluate_detector.yaml",
-    ),
     "inference": ("configs/inference.yaml",),
 }
-THREE_D = {
-    "configs/train.yaml": "configs/train_3d.yaml",
-    "configs/evaluate.yaml": "configs/evaluate_3d.yaml",
-    "configs/inference.yaml": "configs/inference_3d.yaml",
-}
+THREE_D = {"configs/train.yaml": "configs/train_3d.yaml", "configs/inference.yaml": "configs/train_3d.yaml"}
 
 
 def config_files(name: str, spatial_dims: int = 2) -> list[str]:

@@ -14,16 +14,15 @@ from scripts.bundle_commands import read_outputs, run_command
 TINY = dict(epochs=2, epoch_length=2, batch_size=2, image_size=[64, 64], crop_size=[32, 32], num_queries=4)
 
 
-def test_3d_lists_merge_each_twin_after_its_2d_file():
+def test_3d_lists_merge_train_3d_after_the_2d_base():
     assert config_files("train", spatial_dims=3) == ["configs/train.yaml", "configs/train_3d.yaml"]
     assert config_files("evaluate", spatial_dims=3) == [
         "configs/train.yaml",
         "configs/train_3d.yaml",
         "configs/evaluate.yaml",
-        "configs/evaluate_3d.yaml",
     ]
     assert config_files("finetune", spatial_dims=3)[:2] == ["configs/train.yaml", "configs/train_3d.yaml"]
-    assert config_files("inference", spatial_dims=3) == ["configs/inference.yaml", "configs/inference_3d.yaml"]
+    assert config_files("inference", spatial_dims=3) == ["configs/inference.yaml", "configs/train_3d.yaml"]
     assert all(config_files(name) == list(files) for name, files in CONFIG_FILES.items())
     for name, dims in (("train", 4),):
         with pytest.raises(ValueError, match=f"{name}: no configuration for spatial_dims {dims}"):

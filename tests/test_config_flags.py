@@ -24,7 +24,6 @@ COMMANDS = {
     "fine-tuning": config_files("finetune"),
     "evaluation": config_files("evaluate"),
     "evaluation 3D": config_files("evaluate", spatial_dims=3),
-    "evaluation, detector": config_files("evaluate_detector"),
     "inference": config_files("inference"),
     "inference 3D": config_files("inference", spatial_dims=3),
 }

@@ -33,9 +33,8 @@ EVALUATIONS = {
     ("evaluate", 2): "models/model.pt",
     ("evaluate", 2, "configs/hamedan_ceph.yaml"): "models/model.pt",
     ("inference", 2): "models/model.pt",
-    ("evaluate_detector", 2): "models/stage2/model.pt",
     ("evaluate", 3): ("train", 3),
-    ("evaluate_finetuned", 2): ("finetune", 2),
+    ("inference", 3): ("train", 3),
 }
 
 

@@ -7,6 +7,7 @@ import csv
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -21,11 +22,13 @@ from bundle.networks.contrastive import ContrastiveLandmarkNet
 from bundle.networks.detector import HeatmapDetector, load_stage1_encoder
 from bundle.networks.matching import refine_peaks
 from bundle.networks.xfeat import available as xfeat_available
+from bundle.pipeline.choice import default_detectors
 from bundle.pipeline.detector_data import (
     detector_grid,
     detector_templates,
     finetune_grid,
     follow_grid,
+    load_detector,
     pseudo_label_templates,
     read_pseudo_labels,
     write_detector_info,
@@ -243,17 +246,13 @@ def test_random_init_as_the_command_line_gives_it(random_init, expected):
 def test_shipped_detector_loads_into_the_configured_network_and_names_its_templates():
     """models/stage2 (the one-label stage-2 detector of the model card) fits the default 2D configuration."""
     parser = ConfigParser()
-    parser.read_config(
-        [str(ROOT / f"configs/{c}.yaml") for c in ("train", "train_stage2", "evaluate", "evaluate_detector")]
-    )
+    parser.read_config([str(ROOT / f"configs/{c}.yaml") for c in ("train", "train_stage2")])
     parser.update({"bundle_root": str(ROOT), "network_def#n_landmarks": 19})  # the 19 cephalometric landmarks
-    ckpt = Path(parser.get_parsed_content("ckpt_path"))
-    assert ckpt == ROOT / "models" / "stage2" / "model.pt"
+    ckpt = ROOT / "models" / "stage2" / "model.pt"
+    assert str(ckpt) in default_detectors(ROOT)  # a candidate of pipeline auto
     detector = parser.get_parsed_content("network_def")
     load_weights(detector, ckpt)  # strict: every weight of the detector, nothing else
     assert detector.n_landmarks == 19
-    # the evaluation's network: the grid recorded beside it is the configuration's
-    assert parser.get_parsed_content("network").n_landmarks == 19
     assert [Path(t).name for t in detector_templates(ckpt)][:1] == ["046.png"]
 
 
@@ -294,7 +293,6 @@ XFEAT = xfeat_available()
 
 @pytest.mark.slow
 def test_tiny_stage2_training_and_evaluation_beat_chance(tmp_path):
-    from tests.test_bad_input import messages
     from tests.test_end_to_end import chance_mre_mm
 
     datalist_path = generate_synthetic_2d(tmp_path / "data", n_training=8, n_validation=1, n_test=2, seed=3)
@@ -366,9 +364,10 @@ def test_tiny_stage2_training_and_evaluation_beat_chance(tmp_path):
     out = tmp_path / "eval"
     run(  # no image_size given: the detector's own grid, read from detector_info.json
         "evaluating",
-        config_file=stage2 + [str(ROOT / f"configs/{c}.yaml") for c in ("evaluate", "evaluate_detector")],
+        config_file=[str(ROOT / f"configs/{c}.yaml") for c in ("train", "evaluate")],
         output_dir=str(out),
-        ckpt_path=str(tmp_path / "m2" / "model.pt"),
+        pipeline="detector",
+        detectors=str(tmp_path / "m2" / "model.pt"),
         **{k: v for k, v in common.items() if k != "image_size"},
     )
     metrics = json.loads((out / "metrics.json").read_text())
@@ -454,18 +453,9 @@ def test_tiny_stage2_training_and_evaluation_beat_chance(tmp_path):
             moved = [(r["x"], r["y"]) for r in csv.DictReader(f)]
         assert len(moved) == len(rows) and moved != [(r["x"], r["y"]) for r in rows]
 
-    # the training grid is recorded beside the checkpoint; evaluating on another grid is refused naming both
+    # the training grid is recorded beside the checkpoint; loading the detector on another grid is refused naming both
     info = tmp_path / "m2" / "detector_info.json"
     assert json.loads(info.read_text())["image_size"] == TINY["image_size"]
     other = [2 * v for v in TINY["image_size"]]
-    with pytest.raises(Exception) as refused:
-        run(
-            "evaluating",
-            config_file=stage2 + [str(ROOT / f"configs/{c}.yaml") for c in ("evaluate", "evaluate_detector")],
-            output_dir=str(tmp_path / "eval_other_grid"),
-            ckpt_path=str(tmp_path / "m2" / "model.pt"),
-            **dict(common, image_size=other),
-        )
-    expected = f"was trained on the grid {TINY['image_size']} ({info}) but image_size is {other}"
-    assert expected in messages(refused.value), messages(refused.value)
-    assert not (tmp_path / "eval_other_grid" / "metrics.json").exists()
+    with pytest.raises(ValueError, match=re.escape(f"was trained on the grid {TINY['image_size']} ({info})")):
+        load_detector(tmp_path / "m2" / "model.pt", "cpu", other, 2, 2, "light", 32, [16, 8, 4, 2])

@@ -24,7 +24,8 @@ WORKFLOWS = {
     "fine-tuning": ("train", config_files("finetune")),
     "evaluation (infer)": ("infer", config_files("evaluate")),
     "evaluation (eval)": ("eval", config_files("evaluate")),
-    "evaluation, detector": ("eval", config_files("evaluate_detector")),
+    "evaluation, detector": ("eval", config_files("evaluate")),
+    "evaluation 3D": ("eval", config_files("evaluate", spatial_dims=3)),
     "inference": ("inference", config_files("inference")),
     "inference 3D": ("inference", config_files("inference", spatial_dims=3)),
 }
@@ -54,15 +55,16 @@ def test_monai_finds_every_property(name, datalists, tmp_path):
     properties themselves: the objects the commands run."""
     workflow_type, files = WORKFLOWS[name]
     settings = {"bundle_root": str(ROOT), "output_dir": str(tmp_path / "out")}
-    volumes = "configs/train_3d.yaml" in files or "configs/inference_3d.yaml" in files
+    volumes = "configs/train_3d.yaml" in files
     if name != "inference":
         settings["datalist"] = str(datalists[3 if volumes else 2])
-    if name == "inference 3D":  # no 3D weights ship: an untrained network of the default 3D settings
+    if name in ("inference 3D", "evaluation 3D"):  # no 3D weights ship: an untrained network of the default 3D settings
         network = bundle_parser(config_files("train", spatial_dims=3)).get_parsed_content("network_def")
         torch.save(network.state_dict(), tmp_path / "untrained_3d.pt")
         settings["ckpt_path"] = str(tmp_path / "untrained_3d.pt")
-    if "configs/evaluate_detector.yaml" in files:  # a detector of the datalist's landmarks, with its record
-        settings["ckpt_path"] = str(_detector(tmp_path / "detector", load_datalist(datalists[2])))
+    if name == "evaluation, detector":  # a detector of the datalist's landmarks, with its record
+        settings["pipeline"] = "detector"
+        settings["detectors"] = str(_detector(tmp_path / "detector", load_datalist(datalists[2])))
     workflow = ConfigWorkflow(
         config_file=[str(ROOT / f) for f in files], workflow_type=workflow_type, logging_file=False, **settings
     )

@@ -134,8 +134,11 @@ def _check_item(item: Any, where: str, spatial_dims: int, n_landmarks: int, base
 def configuration_hint(found_dims: int, expected_dims: int) -> str:
     """What to run instead when data of ``found_dims`` spatial dimensions meet a configuration of ``expected_dims``."""
     return {
-        (3, 2): "; volumes need the 3D configuration (merge configs/train_3d.yaml, and configs/evaluate_3d.yaml to "
-        "evaluate; configs/inference_3d.yaml after configs/inference.yaml to infer)",
+        (
+            3,
+            2,
+        ): "; volumes need the 3D configuration (merge configs/train_3d.yaml after configs/train.yaml to train and "
+        "evaluate, after configs/inference.yaml to infer)",
         (2, 3): "; 2D images need the 2D configuration (configs/train.yaml without configs/train_3d.yaml)",
     }.get((found_dims, expected_dims), "")
 

@@ -7,12 +7,13 @@ import copy
 from typing import Any, Hashable, Sequence
 
 import torch
+from bundle.configs import check_image_size
 from monai.config import KeysCollection
 from monai.data import MetaTensor
 from monai.transforms import Compose, Resized
 from monai.utils import ensure_tuple
 
-__all__ = ["like_input", "on_grid", "output_keys_for", "single_channel_spatial"]
+__all__ = ["GridResized", "like_input", "on_grid", "output_keys_for", "single_channel_spatial"]
 
 
 def single_channel_spatial(image: Any, owner: str, key: Hashable | None = None) -> Any:
@@ -58,3 +59,24 @@ def on_grid(pipeline: Compose, grid: Sequence[int]) -> Compose:
     for transform in resizes:
         transform.resizer.spatial_size = tuple(int(v) for v in grid)
     return moved
+
+
+class GridResized(Resized):
+    """``Resized`` to the network grid ``image_size`` (checked against ``spatial_dims``: a multiple of the encoder's
+    coarsest stride, :func:`bundle.configs.check_image_size`): by area in 2D; trilinear with anti-aliasing in 3D, which
+    keeps positions exact where area mode would be nearest-like (a volume enlarged to the grid).
+
+    Args:
+        keys: the images (and maps on their grid) to resize.
+        image_size: the network grid, one size per spatial axis.
+        spatial_dims: 2 or 3.
+    """
+
+    def __init__(self, keys: KeysCollection, image_size: Sequence[int], spatial_dims: int) -> None:
+        volume = int(spatial_dims) == 3
+        super().__init__(
+            keys,
+            check_image_size(image_size, spatial_dims),
+            mode="trilinear" if volume else "area",
+            anti_aliasing=volume,
+        )
