@@ -88,7 +88,8 @@ from bundle.pipeline.detector_data import base_grid, base_setting, detector_info
 from monailabel.interfaces.datastore import Datastore
 from monailabel.interfaces.tasks.train import TrainTask
 
-from .common import BundleContext, device_expression, lower_priority
+from .background import lower_priority
+from .context import BundleContext, device_expression
 from .scoring import (
     SUCCESS_RADIUS_MM,
     SUCCESS_RADIUS_PIXELS,
