@@ -90,7 +90,7 @@ def import_bundle(bundle_root: Path) -> None:
 def training_defaults(conf: dict[str, str]) -> dict:
     """The train task's defaults from the conf keys ``epochs`` and ``max_minutes`` (``none``: no budget), checked as
     a train request's values are (ValueError naming a bad one)."""
-    from landmark_tasks.train import BUNDLE_OPTIONS
+    from landmark_tasks.train_options import BUNDLE_OPTIONS
 
     defaults = {}
     for key, default in (("epochs", 10), ("max_minutes", DEFAULT_MAX_MINUTES)):
@@ -166,7 +166,7 @@ class LandmarkApp(MONAILabelApp):
         """Before a train request is queued: its values, and enough saved labels for the detector
         (ValueError -> 422)."""
         from landmark_tasks.saved_labels import FINAL_TAG
-        from landmark_tasks.train import check_contrastive_labels, check_detector_labels, validate_options
+        from landmark_tasks.train_options import check_contrastive_labels, check_detector_labels, validate_options
 
         options = validate_options(params, spatial_dims=self.context.spatial_dims, strict=True)
         n_labelled = len(self.datastore().get_labeled_images(FINAL_TAG))
