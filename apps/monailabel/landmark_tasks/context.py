@@ -383,6 +383,7 @@ class BundleContext(SuggestionTemplates):
                 self._oneshot = self.parser.get_parsed_content("evaluate#matching_inferer", lazy=False)
             return self._oneshot
 
+    # ---- coordinate frames (landmark_tasks.frames) ------------------------------------------------------
     def frame(self, image: str | Path, data: dict | None = None) -> dict:
         """The frames of an image (:func:`landmark_tasks.frames.image_frame`), cached per file content; ``data``: the
         image already prepared by the evaluation pipeline."""
