@@ -28,7 +28,7 @@ write half, then raise ENOSPC). Prints each refusal (status, detail) and whether
 file are as they were, with no file left beside them.
 
 ``detector_publish WORK``: a served detector and its record (``detector.json``), then a publication whose copy of
-the weights fails half-way as on a full disk (``landmark_tasks.train.publish_detector``). Prints the error and
+the weights fails half-way as on a full disk (``landmark_tasks.publication.publish_detector``). Prints the error and
 whether the model folder is as it was.
 
 ``label_race WORK``: the app's local datastore on a studies folder of one unlabelled image ``a`` (picture A): a
@@ -293,7 +293,7 @@ def detector_publish(work: str) -> dict:
     from unittest import mock
 
     sys.path[:0] = [str(ROOT), str(ROOT / "apps" / "monailabel")]
-    from landmark_tasks import train
+    from landmark_tasks import publication
 
     model = Path(work) / "model"
     model.mkdir()
@@ -309,7 +309,7 @@ def detector_publish(work: str) -> dict:
 
     with mock.patch("shutil.copyfile", half_copy):
         try:
-            train.publish_detector(context, Path(work) / "candidate.pt", {"image_size": [128, 128]})
+            publication.publish_detector(context, Path(work) / "candidate.pt", {"image_size": [128, 128]})
             error = None
         except OSError as e:
             error = str(e)

@@ -1,4 +1,4 @@
-"""The 3D CT configuration (configs/train_3d.yaml, evaluate_3d.yaml): world-mm landmarks carried exactly through
+"""The 3D CT configuration (configs/train_3d.yaml): world-mm landmarks carried exactly through
 orientation, resampling, crop/pad and resize; the CT window; the configured 3D IIE map against skimage; a seeded
 tiny 3D training + one-shot evaluation that beats chance, with its Slicer markups."""
 

@@ -27,7 +27,7 @@ import torch
 from bundle.checkpoints import CheckpointError, load_weights, resume_path, save_atomically
 from bundle.configs import bundle_parser, check_command_line, check_device, check_image_size, config_files
 from bundle.data.datalist import DatalistError, load_datalist
-from bundle.data.images import image_items
+from bundle.data.image_items import image_items
 from bundle.data.synthetic import generate_synthetic_2d
 from bundle.handlers.checkpoints import LastCheckpointSaver, ResumeCheckpointLoader
 from bundle.networks.contrastive import ContrastiveLandmarkNet
@@ -443,7 +443,7 @@ def test_a_header_too_large_or_unreadable_is_refused_before_any_pixel_is_decoded
 def test_a_header_of_a_ct_or_radiograph_is_accepted(tmp_path, name, content):
     """The size caps leave real images room: an int16 CT of 512 x 512 x 600 (300 MiB), a float32 one of 2000 slices
     (just under 2 GiB), a 16-bit radiograph of 49 million pixels pass the header check."""
-    from bundle.data.images import check_file
+    from bundle.data.image_headers import check_file
 
     path = tmp_path / name
     path.write_bytes(content)
@@ -612,7 +612,8 @@ def test_real_world_picture_files_are_read_as_shown_or_refused_naming_them(data2
     it (it was read lying on its side, landmarks 500 px off); a multi-page TIFF is refused (its first page was read
     and the others dropped); macOS's hidden ``._*`` companions in an image folder are skipped (one stopped the run)."""
     from bundle.data.annotations import find_images
-    from bundle.data.images import ImageError, image_items, load_image
+    from bundle.data.image_items import image_items
+    from bundle.data.images import ImageError, load_image
 
     png = Path(data2d["datalist"].parent / data2d["content"]["test"][0]["image"])
     picture = Image.open(png).convert("L")

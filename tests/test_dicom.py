@@ -544,7 +544,7 @@ def test_dataset_dir_of_volumes_lists_dicom_series_folders(tmp_path):
     """`inferring --dataset_dir` on volumes listed files only: a folder of DICOM series gave nothing to run on, and a
     series' own folder gave one "volume" per slice. In 3D its series folders, and the folder itself when it holds
     slices, are items; in 2D a DICOM X-ray file stays one picture."""
-    from bundle.data.images import image_items, require_items
+    from bundle.data.image_items import image_items, require_items
 
     row, col, _, affine_lps = oblique_sagittal_geometry()
     studies = tmp_path / "studies"
@@ -565,7 +565,7 @@ def test_dataset_dir_of_volumes_lists_dicom_series_folders(tmp_path):
     assert image_items(None, xrays, spatial_dims=2) == [{"image": str(xrays / "001.dcm")}]
     assert image_items(None, studies, spatial_dims=2) == [{"image": str(studies / "c.nii.gz")}]
     (studies / "c.nii.gz").unlink()
-    with pytest.raises(FileNotFoundError, match=r"holds DICOM series folders .* merge configs/inference_3d\.yaml"):
+    with pytest.raises(FileNotFoundError, match=r"holds DICOM series folders .* merge configs/train_3d\.yaml"):
         require_items(image_items(None, studies, spatial_dims=2), studies, spatial_dims=2)
     require_items(image_items(None, studies, spatial_dims=3), studies, spatial_dims=3)
 

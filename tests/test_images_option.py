@@ -1,4 +1,4 @@
-"""``--images``: a file name, a glob pattern or a list of them (bundle.data.images.image_items)."""
+"""``--images``: a file name, a glob pattern or a list of them (bundle.data.image_items.image_items)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from bundle.configs import bundle_parser
-from bundle.data.images import image_items
+from bundle.data.image_items import image_items
 from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]

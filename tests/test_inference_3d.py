@@ -1,4 +1,4 @@
-"""`inferring` on volumes (configs/inference_3d.yaml): read as training and evaluating read them, so a volume's
+"""`inferring` on volumes (configs/train_3d.yaml after configs/inference.yaml): read as training and evaluating read them, so a volume's
 suggestions are evaluating's predictions, whatever the voxel order of its file; 3D data given to the 2D command are
 refused naming the 3D config."""
 
@@ -30,18 +30,23 @@ def _rows(path: Path) -> dict[tuple[str, str], np.ndarray]:
     return {(Path(r["image"]).name, r["landmark"]): np.array([float(r[a]) for a in "xyz"]) for r in rows}
 
 
-def test_volumes_are_loaded_as_training_loads_them():
-    """inference_3d.yaml's own copy of train_3d.yaml's load transforms and the settings they read (the inference
-    config stands alone)."""
-    inference, training = bundle_parser(INFER_3D), bundle_parser(config_files("train", 3))
-    assert inference["load_transforms"] == training["load_transforms"]
-    for key in ("target_spacing", "hu_limits", "image_size", "min_image_size", "spatial_dims"):
-        assert inference.get_parsed_content(key) == training.get_parsed_content(key), key
+def test_volumes_are_prepared_as_evaluating_prepares_them(tmp_path):
+    """Inferring's 3D preprocessing (configs/train_3d.yaml merged after inference.yaml) gives what evaluating's
+    gives (train_3d.yaml after train.yaml) on a volume: the same voxels, spacing and grid-to-physical map."""
+    datalist_path = generate_synthetic_3d(
+        tmp_path / "data", n_training=1, n_validation=1, n_test=1, shape=(32, 32, 32), spacing=(3.0, 3.0, 3.0), seed=4
+    )
+    item = {"image": load_datalist(datalist_path)["test"][0]["image"]}
+    inference = bundle_parser(INFER_3D, datalist=str(datalist_path)).get_parsed_content("preprocessing")(dict(item))
+    training = bundle_parser(config_files("train", 3), datalist=str(datalist_path))
+    evaluation = training.get_parsed_content("validate#preprocessing")(dict(item))
+    for key in ("image", "spacing", "grid_to_physical"):
+        np.testing.assert_array_equal(np.asarray(inference[key]), np.asarray(evaluation[key]), err_msg=key)
 
 
 def test_a_volume_s_suggestions_are_evaluating_s_predictions_whatever_its_voxel_order(tmp_path):
     """The same test volume through `inferring` (as it is, and saved with its x axis flipped and its x and y axes
-    swapped, the same world geometry) and through `evaluating`: the same world points. Before inference_3d.yaml the
+    swapped, the same world geometry) and through `evaluating`: the same world points. Before the 3D configuration the
     inference config read volumes as pictures (no reorientation, no resampling): 18-35 mm off for the reordered
     files."""
     datalist_path = generate_synthetic_3d(
@@ -114,10 +119,16 @@ def test_3d_data_given_to_the_2d_inferring_are_refused_naming_the_3d_config(tmp_
     with pytest.raises(RuntimeError) as raised:  # MONAI wraps the bundle's error
         bundle_parser("configs/inference.yaml", datalist=str(datalist_path)).get_parsed_content("landmark_names")
     assert isinstance(root_cause(raised.value), DatalistError)
-    assert "configs/inference_3d.yaml after configs/inference.yaml to infer" in str(root_cause(raised.value))
+    assert (
+        "configs/train_3d.yaml after configs/train.yaml to train and evaluate, after configs/inference.yaml to infer"
+        in str(root_cause(raised.value))
+    )
     parser = bundle_parser("configs/inference.yaml", spatial_dims=3, image_size=[32, 32, 32])
     preprocessing = parser.get_parsed_content("preprocessing")
     with pytest.raises(RuntimeError) as raised:  # MONAI's Compose wraps it
         preprocessing({"image": volume})
     assert isinstance(root_cause(raised.value), ImageError)
-    assert "configs/inference_3d.yaml after configs/inference.yaml to infer" in str(root_cause(raised.value))
+    assert (
+        "configs/train_3d.yaml after configs/train.yaml to train and evaluate, after configs/inference.yaml to infer"
+        in str(root_cause(raised.value))
+    )

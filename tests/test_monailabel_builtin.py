@@ -19,7 +19,7 @@ def context(tmp_path):
     tests load the app as MONAI Label does)."""
     sys.path.insert(0, str(ROOT / "apps" / "monailabel"))
     try:
-        from landmark_tasks.common import BundleContext
+        from landmark_tasks.context import BundleContext
     finally:
         sys.path.remove(str(ROOT / "apps" / "monailabel"))
     yield BundleContext(ROOT, None, None, tmp_path / "model", "cpu")

@@ -23,11 +23,11 @@ ROOT = Path(__file__).resolve().parents[1]
 def app_modules():
     sys.path.insert(0, str(ROOT / "apps" / "monailabel"))
     try:
-        import landmark_tasks.common as common
+        import landmark_tasks.background as background
         import landmark_tasks.scoring as scoring
     finally:
         sys.path.remove(str(ROOT / "apps" / "monailabel"))
-    yield common, scoring
+    yield background, scoring
     for name in [m for m in sys.modules if m == "landmark_tasks" or m.startswith("landmark_tasks.")]:
         del sys.modules[name]
 
@@ -177,7 +177,7 @@ def test_one_label_that_the_served_models_miss_grossly_is_matched_alone(rule, tm
 
 
 def test_the_background_value_is_the_newest_wish_and_a_failure_its_fallback(app_modules):
-    common, _ = app_modules
+    background, _ = app_modules
     gate, started = threading.Event(), []
 
     def compute(x):
@@ -187,7 +187,7 @@ def test_the_background_value_is_the_newest_wish_and_a_failure_its_fallback(app_
             raise RuntimeError("out of memory")
         return x * 2
 
-    value = common.BackgroundValue("test", compute, fallback="none")
+    value = background.BackgroundValue("test", compute, fallback="none")
     assert value.get("a", "a") is None and value.pending()
     deadline = time.monotonic() + 30
     while not started and time.monotonic() < deadline:
@@ -212,7 +212,7 @@ def test_a_process_ending_during_background_work_stops_it_and_exits_cleanly(tmp_
     script.write_text(
         "import sys, time, torch\n"
         f"sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'apps' / 'monailabel')!r}]\n"
-        "from landmark_tasks.common import BackgroundValue, check_stopping\n"
+        "from landmark_tasks.background import BackgroundValue, check_stopping\n"
         "def work():\n"
         "    x, started = torch.randn(1, 1, 600, 600), time.monotonic()\n"
         "    while time.monotonic() < started + 60:\n"

@@ -30,7 +30,8 @@ def app(tmp_path, monkeypatch):
     datalist = generate_synthetic_2d(tmp_path / "data", n_training=2, n_validation=0, n_test=1, seed=2)
     sys.path.insert(0, str(ROOT / "apps" / "monailabel"))
     try:
-        import landmark_tasks.common as common
+        import landmark_tasks.context as context_module
+        import landmark_tasks.suggestion_templates as suggestion_templates
     finally:
         sys.path.remove(str(ROOT / "apps" / "monailabel"))
     calls, gate = [], threading.Event()
@@ -44,8 +45,8 @@ def app(tmp_path, monkeypatch):
             raise RuntimeError("out of memory")
         return datalist["templates"] + [dict(it, landmarks=[], pseudo_label=True) for it in datalist["training"]]
 
-    monkeypatch.setattr(common, "resolve_templates", resolve_templates)
-    yield common.BundleContext(ROOT, str(datalist), None, tmp_path / "model", "cpu"), calls, gate
+    monkeypatch.setattr(suggestion_templates, "resolve_templates", resolve_templates)
+    yield context_module.BundleContext(ROOT, str(datalist), None, tmp_path / "model", "cpu"), calls, gate
     for name in [m for m in sys.modules if m == "landmark_tasks" or m.startswith("landmark_tasks.")]:
         del sys.modules[name]
 
@@ -121,8 +122,8 @@ def test_unreadable_candidates_are_skipped_and_waiting_raises(app, tmp_path, cap
 def test_the_app_stopping_stops_the_pseudo_templates_between_candidates(app, tmp_path, monkeypatch):
     """At exit the worker gives up at the next candidate the bundle prepares, not after all of them."""
     context, _, _ = app
-    common = sys.modules["landmark_tasks.common"]
-    monkeypatch.setattr(common, "STOPPING", threading.Event())  # this test's own stop, as stop_all sets it
+    background = sys.modules["landmark_tasks.background"]
+    monkeypatch.setattr(background, "STOPPING", threading.Event())  # this test's own stop, as stop_all sets it
     prepared, first, proceed = [], threading.Event(), threading.Event()
 
     def resolve_templates(datalist, network, preprocessing, device, **choice):
@@ -133,18 +134,18 @@ def test_the_app_stopping_stops_the_pseudo_templates_between_candidates(app, tmp
             proceed.wait(30)
         return datalist["templates"]
 
-    monkeypatch.setattr(common, "resolve_templates", resolve_templates)
+    monkeypatch.setattr(sys.modules["landmark_tasks.suggestion_templates"], "resolve_templates", resolve_templates)
     (a,) = ({**it, "landmarks": [[10.0, 20.0]] * len(context.names)} for it in _images(tmp_path, "a"))
     unlabelled = _images(tmp_path, *[f"u{i}" for i in range(5)])
     context.suggestion_templates([a], unlabelled, context.served_checkpoint())
     assert first.wait(60), "the pseudo-template worker did not start"
-    common.STOPPING.set()
+    background.STOPPING.set()
     proceed.set()
-    common.BackgroundValue.stop_all(60)
+    background.BackgroundValue.stop_all(60)
     assert not context.pseudo.pending()
     assert prepared == ["u0"]
     assert context.pseudo.get("another key") is None  # nothing computed for the stopped set
-    common.BackgroundValue.stop_all(60)  # the worker that get() started ends at once: the app is stopping
+    background.BackgroundValue.stop_all(60)  # the worker that get() started ends at once: the app is stopping
 
 
 def test_a_full_disk_skips_the_bundle_templates_cache_with_a_warning(tmp_path, small_disk, caplog):
@@ -155,17 +156,18 @@ def test_a_full_disk_skips_the_bundle_templates_cache_with_a_warning(tmp_path, s
     datalist = generate_synthetic_2d(tmp_path / "data", n_training=2, n_validation=0, n_test=1, seed=2)
     sys.path.insert(0, str(ROOT / "apps" / "monailabel"))
     try:
-        import landmark_tasks.common as common
+        import landmark_tasks.context as context_module
+        import landmark_tasks.suggestion_templates as suggestion_templates
     finally:
         sys.path.remove(str(ROOT / "apps" / "monailabel"))
     try:
-        context = common.BundleContext(ROOT, str(datalist), None, small_disk / "model", "cpu", 0)
+        context = context_module.BundleContext(ROOT, str(datalist), None, small_disk / "model", "cpu", 0)
         (small_disk / "model").mkdir()
         with open(small_disk / "filler", "wb", buffering=0) as filler:  # the disk filled up
             with pytest.raises(OSError, match="No space left"):
                 while True:
                     filler.write(b"\0" * 65536)
-        with caplog.at_level("WARNING", logger=common.__name__):
+        with caplog.at_level("WARNING", logger=suggestion_templates.__name__):
             templates = context.bundle_templates()
         assert [Path(t["image"]).name for t in templates] == ["template.png"]
         cache = small_disk / "model" / "bundle_templates.json"

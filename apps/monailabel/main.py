@@ -90,7 +90,7 @@ def import_bundle(bundle_root: Path) -> None:
 def training_defaults(conf: dict[str, str]) -> dict:
     """The train task's defaults from the conf keys ``epochs`` and ``max_minutes`` (``none``: no budget), checked as
     a train request's values are (ValueError naming a bad one)."""
-    from landmark_tasks.train import BUNDLE_OPTIONS
+    from landmark_tasks.train_options import BUNDLE_OPTIONS
 
     defaults = {}
     for key, default in (("epochs", 10), ("max_minutes", DEFAULT_MAX_MINUTES)):
@@ -118,7 +118,7 @@ class LandmarkApp(MONAILabelApp):
         import_bundle(self.bundle_root)
         from bundle import __version__ as bundle_version
         from bundle.configs import as_flag
-        from landmark_tasks.common import BundleContext
+        from landmark_tasks.context import BundleContext
 
         self.model_dir = Path(app_dir) / "model"
         self.context = BundleContext(
@@ -165,8 +165,8 @@ class LandmarkApp(MONAILabelApp):
     def _check_train_request(self, params: dict) -> None:
         """Before a train request is queued: its values, and enough saved labels for the detector
         (ValueError -> 422)."""
-        from landmark_tasks.common import FINAL_TAG
-        from landmark_tasks.train import check_contrastive_labels, check_detector_labels, validate_options
+        from landmark_tasks.saved_labels import FINAL_TAG
+        from landmark_tasks.train_options import check_contrastive_labels, check_detector_labels, validate_options
 
         options = validate_options(params, spatial_dims=self.context.spatial_dims, strict=True)
         n_labelled = len(self.datastore().get_labeled_images(FINAL_TAG))
@@ -176,9 +176,9 @@ class LandmarkApp(MONAILabelApp):
             check_contrastive_labels(n_labelled, self.context.datalist is None)
 
     def _check_uploaded_image(self, path: str, name: str) -> None:
-        """An image uploaded to the datastore: one file (:func:`landmark_tasks.common.check_upload`) that the bundle
+        """An image uploaded to the datastore: one file (:func:`landmark_tasks.uploads.check_upload`) that the bundle
         reads (ImageError naming ``name``)."""
-        from landmark_tasks.common import check_upload
+        from landmark_tasks.uploads import check_upload
 
         check_upload(path, name)
         self.context.prepare({"image": path}, name)
@@ -252,8 +252,8 @@ class LandmarkApp(MONAILabelApp):
         """``image``: an id of the (confined) datastore or an upload of this request; errors answered 4xx with their
         cause."""
         from fastapi import HTTPException
-        from landmark_tasks.common import ImageError, cause_of, check_upload
         from landmark_tasks.guards import upload_name
+        from landmark_tasks.uploads import ImageError, cause_of, check_upload
 
         request = dict(request)
         image = request.get("image")

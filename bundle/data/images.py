@@ -10,15 +10,12 @@ wrong dimensionality (a volume of several slices given to the 2D configuration, 
 one), one smaller than ``min_size`` along an axis and one holding NaN or infinite values; it warns, naming the
 file, about a constant image (nothing to match: its predictions are meaningless), a 2D image that its min and max
 leave almost flat and a volume that the CT window leaves nearly constant. Pictures are read as a viewer shows
-them (:func:`pil_as_displayed`); one of several pages is refused (:func:`check_picture`). Every file's header is
-checked before a pixel is decoded (:func:`check_file`): a header that its format's reader cannot read, or that
-declares more pixels or voxels than an X-ray or a CT has, is refused naming the file.
+them (:func:`pil_as_displayed`). Every file's header is checked before a pixel is decoded
+(:func:`bundle.data.image_headers.check_file`). The images a command runs on: :mod:`bundle.data.image_items`.
 """
 
 from __future__ import annotations
 
-import glob
-import math
 import os
 import warnings
 from pathlib import Path
@@ -27,23 +24,13 @@ from typing import Any, Hashable, Mapping, Sequence
 import monai.transforms
 import numpy as np
 import torch
-from bundle.data.annotations import visible_files
 from bundle.data.datalist import configuration_hint
-from bundle.data.dicom import (
-    XRayDicomd,
-    is_dicom_file,
-    plane_affine,
-    series_files,
-    series_folders,
-    several_series_message,
-)
-from bundle.data.nifti import nifti_header_problems
+from bundle.data.dicom import XRayDicomd, plane_affine
+from bundle.data.image_headers import ImageError, check_file
 from bundle.io_utils import error_summary
 from monai.config import KeysCollection
 from monai.data import MetaTensor, PILReader
 from monai.transforms import EnsureChannelFirst, LoadImage, MapTransform, ScaleIntensity
-from PIL import Image as PILImage
-from PIL import ImageMode as PILImageMode
 from PIL import ImageOps as PILImageOps
 
 # an image smaller than this along an axis is refused (2D: the coarsest output stride, 16; 3D: raw voxels before
@@ -53,10 +40,6 @@ MIN_IMAGE_SIZE = {2: 16, 3: 2}
 MIN_WINDOWED_SPREAD = 0.01
 # a 2D image whose 1st to 99th percentile spans less than this share of its min to max is warned about
 MIN_CONTRAST_SHARE = 0.1
-
-
-class ImageError(ValueError):
-    """An image that cannot be used; the message names the file and what is wrong with it."""
 
 
 def image_name(image: Any, default: str = "image") -> str:
@@ -116,212 +99,6 @@ def _runtime_reader(files: Any, reader: Any) -> Any:
     if reader is None and not isinstance(files, (list, tuple)) and DISPLAYED_PIL.verify_suffix(str(files)):
         return DISPLAYED_PIL
     return reader
-
-
-# a 2D picture (PNG, JPEG, BMP, TIFF) of more pixels than this is refused from its header, before it is decoded:
-# radiographs have at most some 20 million; a 12000 x 12000 blank PNG decodes to 0.6 GB of floats
-MAX_PICTURE_PIXELS = 50_000_000
-# ... and one whose pixels decode (as PIL stores them: its mode's bands and bytes) to more bytes than this: a 16-bit
-# picture at the pixel cap; an RGB or RGBA one at 2/3 or 1/2 of it, still over any radiograph's 20 million
-MAX_PICTURE_BYTES = 2 * MAX_PICTURE_PIXELS
-# a volume (MetaImage, NRRD, NIfTI, DICOM) of more values (voxels times components) than this is refused from its
-# header, before it is read: a CT is some 512 x 512 x 1000 (262 million voxels, 1 GB as float32); 512 x 512 x 2048
-# (the pipeline's float32 copy: 2 GiB) leaves a long thin-slice CT room, and the network only ever sees a volume
-# resampled to its grid
-MAX_VOLUME_VOXELS = 512 * 512 * 2048
-# ... and one whose data, as stored (values times the bytes of its type: a float64 volume at the voxel cap decodes to
-# 4 GiB before its float32 copy), holds more bytes than this: a 512 x 512 x 2000 int16 CT holds 1 GiB, a float32 one
-# just under 2 GiB
-MAX_VOLUME_BYTES = 2**31
-
-
-def check_file(path: Any) -> None:
-    """Refuse (:class:`ImageError`) what :func:`check_picture` refuses in a picture that PIL reads, else what
-    :func:`check_volume` refuses: every file's header is checked before a pixel of it is decoded."""
-    if not check_picture(path):
-        check_volume(path)
-
-
-def check_picture(path: Any, max_pixels: int = MAX_PICTURE_PIXELS) -> bool:
-    """Refuse (:class:`ImageError`) a picture file whose header PIL refuses or cannot read (more than 179 million
-    pixels: PIL's ``DecompressionBombError``), gives more than ``max_pixels`` pixels or :data:`MAX_PICTURE_BYTES`
-    bytes (:func:`check_size`), or several pages (a multi-page TIFF, an animation: a reader would take the first and
-    drop the others without a word; a camera's MPO JPEG, a picture with its previews, is read as its main picture).
-    Returns whether PIL reads ``path`` as a picture; other files (DICOM, NIfTI, MetaImage) are left to
-    :func:`check_volume`."""
-    if not isinstance(path, (str, os.PathLike)) or not Path(path).is_file():
-        return False
-    try:
-        with PILImage.open(path) as picture:
-            width, height = picture.size
-            mode = PILImageMode.getmode(picture.mode)
-            pages = getattr(picture, "n_frames", 1) if picture.format != "MPO" else 1
-    except PILImage.UnidentifiedImageError:
-        return False
-    except PILImage.DecompressionBombError as e:
-        raise ImageError(
-            f"{path}: more than the {max_pixels:,} pixels an X-ray picture may have, refused before decoding it "
-            f"(PIL: {e})"
-        ) from None  # the message holds the cause: callers that report a chain's root (the MONAI Label app) show it
-    except Exception as e:
-        raise ImageError(
-            f"{path}: picture header unreadable (refused before decoding it): {error_summary(e)}"
-        ) from None
-    if pages > 1:
-        raise ImageError(
-            f"{path}: a picture of {pages} pages (a multi-page TIFF or an animation): only one image per file can be "
-            "read; save the page to use as a file of its own"
-        )
-    check_size(path, (width, height), len(mode.bands), np.dtype(mode.typestr), max_pixels)
-    return True
-
-
-def check_size(
-    path: Any, shape: Sequence[int], components: int, dtype: np.dtype, max_pixels: int = MAX_PICTURE_PIXELS
-) -> None:
-    """Refuse (:class:`ImageError`) an image whose header gives the spatial ``shape`` and ``components`` per voxel
-    of ``dtype`` (as stored): a picture (one slice) of more than ``max_pixels`` pixels or
-    :data:`MAX_PICTURE_BYTES` bytes, a volume of more than :data:`MAX_VOLUME_VOXELS` values or
-    :data:`MAX_VOLUME_BYTES` bytes."""
-    count = math.prod(shape)
-    values = count * components
-    stored = values * dtype.itemsize
-    kind = f"{components} {dtype} components" if components > 1 else dtype
-    if math.prod(shape[2:]) == 1:
-        pixels = " x ".join(map(str, shape[:2]))
-        if count > max_pixels:
-            raise ImageError(
-                f"{path}: {pixels} pixels, more than the {max_pixels:,} an X-ray picture may have (refused before "
-                "decoding it)"
-            )
-        if stored > MAX_PICTURE_BYTES:
-            raise ImageError(
-                f"{path}: {pixels} pixels of {kind} ({stored:,} bytes), more than the {MAX_PICTURE_BYTES:,} bytes an "
-                "X-ray picture may hold (refused before decoding it)"
-            )
-        return
-    dims = " x ".join(map(str, shape))
-    if values > MAX_VOLUME_VOXELS:
-        per_voxel = f" of {components} components" if components > 1 else ""
-        raise ImageError(
-            f"{path}: {dims} voxels{per_voxel} ({values:,}), more than the {MAX_VOLUME_VOXELS:,} a volume may have (a "
-            "CT has some 512 x 512 x 1000; refused before reading it)"
-        )
-    if stored > MAX_VOLUME_BYTES:
-        raise ImageError(
-            f"{path}: {dims} voxels of {kind} ({stored:,} bytes), more than the {MAX_VOLUME_BYTES:,} bytes a volume "
-            "may hold (a 512 x 512 x 2000 int16 CT holds 1 GiB; refused before reading it)"
-        )
-
-
-def header_layout(path: Path, series: Sequence[Sequence[str]] = ()) -> tuple[tuple[int, ...], int, np.dtype] | None:
-    """The spatial shape, components per voxel and their type as stored that the header of ``path`` gives, no pixel
-    read, as the readers after PIL's in :class:`LoadImaged` read it: nibabel for NIfTI (its shape and data type), else
-    ITK (MetaImage, NRRD, DICOM, pictures PIL does not read; a folder: its one DICOM ``series``, the first file's
-    header times the files). None for a file no ITK reader takes; a header that these readers take but cannot read
-    raises :class:`ImageError` naming the file."""
-    import nibabel as nib
-    import SimpleITK as sitk  # noqa: N813
-
-    if path.is_dir():
-        if len(series) != 1:
-            return None
-        first = header_layout(Path(series[0][0]))
-        if first is None:
-            return None
-        shape, components, dtype = first
-        return (*shape[:2], math.prod(shape[2:]) * len(series[0])), components, dtype
-    if path.name.lower().endswith((".nii", ".nii.gz")):
-        try:
-            header = nib.load(str(path)).header
-            return tuple(int(n) for n in header.get_data_shape()), 1, header.get_data_dtype()
-        except Exception:
-            pass  # MONAI's readers go on to ITK's
-    reader = sitk.ImageFileReader()
-    image_io = reader.GetImageIOFromFileName(str(path))
-    if not image_io:
-        return None
-    reader.SetFileName(str(path))
-    try:
-        reader.ReadImageInformation()
-    except RuntimeError as e:  # ITK's message: where it was thrown, then what it says
-        itk_message = " ".join(line.strip() for line in str(e).strip().splitlines()[1:])
-        raise ImageError(
-            f"cannot read image {path}: unreadable header ({image_io}), refused before reading it: {itk_message}"
-        ) from None
-    components = reader.GetNumberOfComponents()
-    # the component type: that of a one-voxel image of the header's pixel type, as SimpleITK gives it to numpy
-    dtype = sitk.GetArrayViewFromImage(sitk.Image([1, 1], reader.GetPixelID(), components)).dtype
-    return tuple(int(n) for n in reader.GetSize()), components, dtype
-
-
-# the header keys naming a MetaImage's / an NRRD's pixel data when it is kept in a file of its own
-_DATA_FILE_KEYS = {(".mha", ".mhd"): ("elementdatafile", "="), (".nrrd", ".nhdr"): ("data file", "datafile", ":")}
-
-
-def detached_data_file(path: Path) -> str | None:
-    """The pixel data file that the header of a MetaImage (``ElementDataFile``) or NRRD (``data file``) file names,
-    None for data kept in the file itself (``LOCAL``, or no such key) and for other files."""
-    found = [spec for suffixes, spec in _DATA_FILE_KEYS.items() if path.name.lower().endswith(suffixes)]
-    if not found:
-        return None
-    *keys, separator = found[0]
-    with path.open("rb") as f:
-        head = f.read(65536).decode("latin-1")
-    for line in head.splitlines():
-        if separator == ":" and not line.strip():
-            return None  # an NRRD header ends at its first blank line
-        key, found, value = line.partition(separator)
-        if found and key.strip().lower() in keys:
-            value = value.strip()
-            return None if value.upper() == "LOCAL" else value
-    return None
-
-
-def check_data_file(path: Path) -> None:
-    """Refuse (:class:`ImageError`) a MetaImage or NRRD header whose pixel data file (:func:`detached_data_file`)
-    is not one file beside it: an absolute path, a folder up, a link or a list of files would have another folder's
-    file (any file the process can read, a device) read as the image's pixels."""
-    name = detached_data_file(path)
-    if name is None:
-        return
-    beside = path.parent / name
-    if len(name.split()) > 1 or Path(name).name != name or name in (".", "..") or beside.is_symlink():
-        raise ImageError(
-            f"{path}: its header reads the pixel data from {name!r}, not one file beside it (refused before reading "
-            "it): keep the data in the file (ElementDataFile = LOCAL, or a .nrrd / .mha of one file)"
-        )
-
-
-def check_volume(path: Any) -> None:
-    """Refuse (:class:`ImageError`) or warn about a volume that MONAI's readers would read otherwise than 3D Slicer
-    and ITK show it, or that its header makes too large (:func:`header_layout`, :func:`check_size`), before reading
-    it: a folder of several DICOM series (:func:`bundle.data.dicom.several_series_message`: the reader would read
-    one, or a part of a split series), and what :func:`bundle.data.nifti.nifti_header_problems` finds in a NIfTI
-    file. Files no reader's header takes are left to the readers."""
-    if not isinstance(path, (str, os.PathLike)):
-        return
-    path = Path(path)
-    if path.is_dir():
-        series = series_files(path)
-        message = several_series_message(path, series)
-        if message:
-            raise ImageError(message)
-        layout = header_layout(path, series)
-        if layout is not None:
-            check_size(path, *layout)
-        return
-    if not path.is_file():
-        return
-    check_data_file(path)
-    layout = header_layout(path)
-    if layout is not None:
-        check_size(path, *layout)
-    refusal, warning = nifti_header_problems(path)
-    if refusal:
-        raise ImageError(refusal)
-    if warning:
-        warnings.warn(warning, stacklevel=2)
 
 
 class LoadImaged(monai.transforms.LoadImaged):
@@ -560,67 +337,3 @@ def check_image_file(
         img = XRayDicomd(keys="image")({"image": img})["image"]
     img = check_image(EnsureChannelFirst()(img), spatial_dims, min_size, name=str(path), warn_constant=warn_constant)
     return tuple(int(n) for n in img.shape[1:])
-
-
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".dcm", ".nii", ".nii.gz", ".mha", ".mhd", ".nrrd")
-
-
-def _is_pattern(path: Path) -> bool:
-    """Whether ``path`` is a glob pattern (``*``, ``?`` or ``[``) rather than a file or folder of that name."""
-    return glob.has_magic(str(path)) and not path.exists()
-
-
-def image_items(
-    images: str | Sequence[str] | None, dataset_dir: str | os.PathLike, spatial_dims: int = 2
-) -> list[dict]:
-    """Datalist-style items ``{"image": path}`` of ``images`` (a path, a glob pattern such as ``scans/*.png``, or a
-    list of them: files, or DICOM series folders; a pattern's matches sorted), or, when None or empty, of what
-    ``dataset_dir`` holds (sorted; none when it does not exist, so that the config builds without data:
-    :func:`require_items` then fails at run time): in 2D every image file directly in it; in 3D ``dataset_dir``
-    itself when it holds DICOM files (the slices of one series, not volumes of their own), then every sub-folder
-    holding DICOM files (a series each), then every volume file directly in it."""
-    if isinstance(images, (str, os.PathLike)):
-        text = str(images).strip()
-        if text.startswith("[") and text.endswith("]") and not Path(text).is_file():
-            raise FileNotFoundError(
-                f"images: {text!r} is neither a file nor a list the command line could read: quote each name inside "
-                """the list, --images "['a.png','b.png']" (a name holding ' inside \\": --images "[\\"it's.png\\"]")"""
-            )
-        images = [images]
-    if images:
-        paths = [Path(os.path.expanduser(str(p))) for p in images]
-        unmatched = [str(p) for p in paths if _is_pattern(p) and not glob.glob(str(p))]
-        if unmatched:
-            raise FileNotFoundError(f"images: no file matches {unmatched}")
-        paths = [m for p in paths for m in (sorted(map(Path, glob.glob(str(p)))) if _is_pattern(p) else [p])]
-        missing = [str(p) for p in paths if not (p.is_file() or p.is_dir())]
-        if missing:
-            raise FileNotFoundError(f"images not found: {missing}")
-        return [{"image": str(p)} for p in paths]
-    folder = Path(dataset_dir)
-    if not folder.is_dir():
-        return []
-    if spatial_dims == 2:
-        return [{"image": str(p)} for p in visible_files(folder) if p.name.lower().endswith(IMAGE_SUFFIXES)]
-    listed = visible_files(folder)
-    slices = {p for p in listed if is_dicom_file(p)}  # each file's preamble read once
-    volumes = [p for p in listed if p.name.lower().endswith(IMAGE_SUFFIXES) and p not in slices]
-    return [{"image": str(p)} for p in ([folder] if slices else []) + series_folders(folder) + volumes]
-
-
-def require_items(items: Sequence[Any], dataset_dir: str | os.PathLike, spatial_dims: int = 2) -> None:
-    """Raise FileNotFoundError (naming ``dataset_dir``) when there is no image to run on; in 2D, one that names
-    configs/inference_3d.yaml when ``dataset_dir`` holds DICOM series folders."""
-    if len(items) > 0:
-        return
-    folder = Path(dataset_dir)
-    if spatial_dims == 2 and folder.is_dir() and series_folders(folder):
-        raise FileNotFoundError(
-            f"nothing to run on: dataset_dir {dataset_dir} holds DICOM series folders (volumes), which the 2D command "
-            "does not read: merge configs/inference_3d.yaml after configs/inference.yaml"
-        )
-    raise FileNotFoundError(
-        f"nothing to run on: no --images given and dataset_dir {dataset_dir} holds no image file "
-        f"({', '.join(IMAGE_SUFFIXES)}) and, for volumes, no DICOM series folder; pass --images \"['a.png', ...]\" "
-        "or --dataset_dir FOLDER"
-    )

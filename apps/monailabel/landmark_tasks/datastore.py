@@ -39,9 +39,24 @@ from fastapi import HTTPException
 from filelock import FileLock
 from monailabel.datastore.local import DataModel, ImageLabelModel, LocalDatastore
 
-from .common import IMAGE_EXTENSIONS, LABEL_EXTENSIONS, ImageError, LabelError
+from .uploads import ImageError, LabelError
 
 logger = logging.getLogger(__name__)
+IMAGE_EXTENSIONS = (
+    "*.png",
+    "*.jpg",
+    "*.jpeg",
+    "*.bmp",
+    "*.tif",
+    "*.tiff",
+    "*.dcm",
+    "*.nii.gz",
+    "*.nii",
+    "*.nrrd",
+    "*.mha",
+)
+# ".json" first: the datastore keeps the LAST matching extension, so "a.mrk.json" gets ".mrk.json"
+LABEL_EXTENSIONS = ("*.json", "*.mrk.json", "*.fcsv")
 # the longest id, tag or file name taken (UTF-8 bytes): with a suffix and a temporary name's affixes it stays within
 # the 255 bytes a file name may have on common file systems (a longer one failed with ENAMETOOLONG: 500)
 MAX_NAME_BYTES = 200

@@ -59,9 +59,12 @@ from bundle.handlers.confidence import low_confidence_messages
 from bundle.io_utils import write_json_atomic
 from monailabel.interfaces.tasks.infer_v2 import InferTask, InferType
 
-from .common import ITEM_KEYS, PREDICTORS, BackgroundValue, BundleContext, file_key, labels_key
+from .background import BackgroundValue
+from .cache_keys import file_key, labels_key
+from .context import PREDICTORS, BundleContext
 from .scoring import choose_predictor, served_before_choice
 from .slicer import result_markups
+from .suggestion_templates import ITEM_KEYS
 
 logger = logging.getLogger(__name__)
 

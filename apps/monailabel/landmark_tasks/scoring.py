@@ -24,7 +24,8 @@ import numpy as np
 import torch
 from bundle.geometry import apply_homogeneous
 
-from .common import AppStopping, BundleContext, check_stopping
+from .background import AppStopping, check_stopping
+from .context import BundleContext
 
 logger = logging.getLogger(__name__)
 # the newest saved labels that auto's choice is scored on (a detector pass and two matchings each)

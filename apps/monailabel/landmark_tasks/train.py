@@ -46,8 +46,9 @@ Detector (the bundle's fine-tuning on human labels, ``configs/train.yaml`` + ``t
 
 Request values are checked before the task is queued (422 naming the key and the value): numbers must be finite
 JSON numbers of their kind (no booleans, strings, NaN or infinities), ``min_improvement`` non-negative (a negative
-margin would publish a worse model), and the stage-1 crops as the bundle takes them (``check_training_crop``: the
-request's ``crop_size``, ``image_size``, ``batch_size``, else the train config's). ``publish``: ``if_better``
+margin would publish a worse model), and the stage-1 crops as the bundle takes them
+(:func:`landmark_tasks.train_options.check_training_crop`: the request's ``crop_size``, ``image_size``,
+``batch_size``, else the train config's). ``publish``: ``if_better``
 (default, the rule above) or ``always`` (the candidate replaces the served weights whatever it scores; the decision
 says so). Whatever replaces a served file (``model.pt``, ``detector.pt`` with ``detector.json``) first keeps it
 beside itself as ``<name>.<YYYYmmdd-HHMMSS>.<ext>`` (``kept_previous`` in the stats): copying it back restores it.
@@ -71,215 +72,33 @@ import datetime
 import hashlib
 import json
 import logging
-import math
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from bundle.checkpoints import read_checkpoint
-from bundle.configs import check_crop_size, check_image_size, config_files
-from bundle.data.datalist import is_finite_number
 from bundle.io_utils import atomic_path, write_json_atomic
-from bundle.pipeline.detector_data import base_grid, base_setting, detector_info
+from bundle.pipeline.detector_data import base_grid, detector_info
 from monailabel.interfaces.datastore import Datastore
 from monailabel.interfaces.tasks.train import TrainTask
 
-from .common import BundleContext, device_expression, lower_priority
-from .scoring import (
-    SUCCESS_RADIUS_MM,
-    SUCCESS_RADIUS_PIXELS,
-    Score,
-    leave_one_out,
-    score_checkpoint,
-    score_detector,
-    scoring_cases,
-    served_before_choice,
+from .background import lower_priority
+from .context import BundleContext, device_expression
+from .publication import keep_previous, publication, publish_detector, score_stats
+from .scoring import leave_one_out, score_checkpoint, score_detector, scoring_cases, served_before_choice
+from .train_options import (
+    DETECTOR_HOLDOUT,
+    DETECTOR_MIN_HELD_OUT,
+    check_contrastive_labels,
+    check_detector_labels,
+    validate_options,
 )
 
 logger = logging.getLogger(__name__)
-
-
-def _number(value: Any, kind: str, integer: bool = False, low: float = -math.inf, low_open: bool = False) -> float:
-    """``value`` when it is a finite JSON number (an integer when ``integer``) at least ``low`` (above it when
-    ``low_open``), else ValueError saying it must be ``kind``: booleans, strings, NaN and infinities are refused."""
-    if not is_finite_number(value):
-        raise ValueError(kind)
-    if (integer and value != int(value)) or value < low or (low_open and value == low):
-        raise ValueError(kind)
-    return value
-
-
-def _positive_int(value: Any) -> int:
-    return int(_number(value, "a positive integer", integer=True, low=1))
-
-
-def _seed(value: Any) -> int:
-    seed = int(_number(value, "an integer from 0 to 2**32 - 1", integer=True, low=0))
-    if seed >= 2**32:
-        raise ValueError("an integer from 0 to 2**32 - 1")
-    return seed
-
-
-def _positive_float(value: Any) -> float:
-    return float(_number(value, "a positive number", low=0, low_open=True))
-
-
-def _margin(value: Any) -> float:
-    return float(_number(value, "a non-negative number of mm (how much better the new model must score)", low=0))
-
-
-def _size(value: Any) -> list[int]:
-    if not isinstance(value, (list, tuple)) or not value:
-        raise ValueError("a list of positive integers, one per spatial axis")
-    try:
-        return [_positive_int(v) for v in value]
-    except ValueError:
-        raise ValueError("a list of positive integers, one per spatial axis") from None
-
-
-NETWORKS = ("contrastive", "detector")
-PUBLISH = ("if_better", "always")
-DETECTOR_HOLDOUT = 0.25  # default fraction of the labelled images held out of the detector's training, to score on
-# default number of held-out images below which a new detector is not published: the 5-label step of the annotation
-# loop published a detector that won on its one held-out image and lost on 30 others (docs/results.md)
-DETECTOR_MIN_HELD_OUT = 3
-MIN_DETECTOR_LABELS = 2
-
-
-def _choice(choices: tuple[str, ...], meaning: str) -> Callable[[Any], str]:
-    def parse(value: Any) -> str:
-        if not isinstance(value, str) or value not in choices:
-            raise ValueError(f"{' or '.join(repr(c) for c in choices)} ({meaning})")
-        return value
-
-    return parse
-
-
-def _fraction(value: Any) -> float:
-    fraction = float(_number(value, "a fraction between 0 and 1 (exclusive)", low=0, low_open=True))
-    if fraction >= 1:
-        raise ValueError("a fraction between 0 and 1 (exclusive)")
-    return fraction
-
-
-# request key -> parser; the bundle keys go to `monai.bundle run training` as --key value
-BUNDLE_OPTIONS = {
-    "epochs": _positive_int,
-    "epoch_length": _positive_int,
-    "batch_size": _positive_int,
-    "learning_rate": _positive_float,
-    "max_minutes": _positive_float,
-    "image_size": _size,
-    "crop_size": _size,
-    "num_queries": _positive_int,
-    "seed": _seed,
-}
-APP_OPTIONS = {
-    "min_improvement": _margin,
-    "network": _choice(NETWORKS, "the stage-1 network or the stage-2 heatmap detector"),
-    "holdout": _fraction,
-    "min_held_out": _positive_int,
-    "publish": _choice(PUBLISH, "publish when better, or whatever its score"),
-}
-
-
-# MONAI Label's own trainers' names for two of the options
-ALIASES = {"max_epochs": "epochs", "train_batch_size": "batch_size"}
-# request keys that MONAI Label itself adds or that its clients send for every app; not options of this task
-SERVER_KEYS = frozenset({"model", "client_id", "gpus", "multi_gpu", "local_rank"})
-
-
-def validate_options(
-    request: dict, defaults: dict | None = None, spatial_dims: int = 2, strict: bool = False
-) -> dict[str, Any]:
-    """The training options of ``request`` (over ``defaults``), each checked; a bad one raises ValueError naming it.
-
-    MONAI Label's names ``max_epochs`` and ``train_batch_size`` stand for ``epochs`` and ``batch_size``.
-    ``strict`` (a client's request, checked before it is queued): a key that is neither an option nor one of
-    MONAI Label's own (``SERVER_KEYS``) is refused instead of being ignored; in the training process the
-    request also carries what the server adds, so other keys are ignored there.
-    """
-    request = dict(request)
-    for alias, key in ALIASES.items():
-        if request.get(alias) is None:
-            continue
-        if request.get(key) is not None and request[key] != request[alias]:
-            raise ValueError(
-                f"train request: {alias!r} ({request[alias]!r:.20}) and {key!r} ({request[key]!r:.20}) "
-                f"disagree; {alias!r} is MONAI Label's name for {key!r}, give one of them"
-            )
-        request[key] = request.pop(alias)
-    options_known = {**BUNDLE_OPTIONS, **APP_OPTIONS}
-    if strict:
-        unknown = sorted(k for k in request if k not in options_known and k not in SERVER_KEYS)
-        if unknown:
-            raise ValueError(
-                f"train request: unknown option {unknown[0]!r}; the options are {sorted([*options_known, *ALIASES])}"
-            )
-    options = dict(defaults or {})
-    for key, parse in options_known.items():
-        if key not in request or request[key] is None:
-            continue
-        try:
-            options[key] = parse(request[key])
-        except ValueError as e:
-            raise ValueError(f"train request: {key!r} must be {e}, got {request[key]!r:.60}") from None
-        if key in ("image_size", "crop_size"):
-            try:  # the bundle's check of a grid: one value per axis, each divisible by the encoder's stride
-                check_image_size(options[key], spatial_dims, key=repr(key))
-            except ValueError as e:
-                raise ValueError(f"train request: {e}") from None
-    if options.get("network", "contrastive") == "contrastive":
-        check_training_crop(options, spatial_dims)
-    return options
-
-
-def check_training_crop(options: dict, spatial_dims: int) -> None:
-    """The stage-1 training's crops as the bundle takes them (``check_crop_size``: within ``image_size``, large
-    enough for the batch's BatchNorm), from the request's ``crop_size``, ``image_size`` and ``batch_size``, else
-    the bundle's train config's; ValueError naming the values and which are the config's."""
-    keys = ("crop_size", "image_size", "batch_size")
-    defaulted = [k for k in keys if options.get(k) is None]
-    values = {k: base_setting(k, spatial_dims, "train") if k in defaulted else options[k] for k in keys}
-    try:
-        check_crop_size(values["crop_size"], values["image_size"], spatial_dims, values["batch_size"])
-    except ValueError as e:
-        config = config_files("train", spatial_dims)[-1]
-        given = f" ({', '.join(f'{k} {values[k]}' for k in defaulted)}: {config}'s)" if defaulted else ""
-        raise ValueError(f"train request: 'crop_size' refused: {e}{given}") from None
-
-
-def check_labelled(n_labelled: int, needed: int, what: str, why: str) -> None:
-    """Refuse a training (``what``) with fewer than ``needed`` labelled images (ValueError naming the count and
-    ``why`` they are needed)."""
-    if n_labelled < needed:
-        raise ValueError(
-            f"train request: {what} needs at least {needed} labelled images ({why}); the datastore has {n_labelled} "
-            f"labelled image{'' if n_labelled == 1 else 's'} (save labels with tag 'final')"
-        )
-
-
-def check_detector_labels(n_labelled: int) -> None:
-    """The detector trains on labelled images and is scored on others held out."""
-    check_labelled(n_labelled, MIN_DETECTOR_LABELS, "the detector", "one to train on, one held out to score on")
-
-
-def check_contrastive_labels(n_labelled: int, builtin_templates: bool) -> None:
-    """With the built-in templates, the stage-1 network is fine-tuned only with 2 labelled images or more: the
-    built-in features belong to the shipped weights, so new weights can only be scored, and served, from the
-    datastore's labelled images (each predicted from the others)."""
-    if builtin_templates:
-        check_labelled(
-            n_labelled,
-            2,
-            "with the built-in templates, fine-tuning",
-            "new weights are scored on them, each from the others; the built-in template features belong to the "
-            "shipped weights",
-        )
 
 
 def _hash(image_id: str) -> str:
@@ -327,69 +146,6 @@ def training_datalist(
         "test": [{k: v for k, v in it.items() if k in ("image", "landmarks")} for it in test or []],
         "templates": [{k: v for k, v in t.items() if k in ("image", "landmarks", "spacing")} for t in templates],
     }
-
-
-def publication(
-    new: float | None, old: float | None, kept: str, min_improvement: float, publish: str
-) -> tuple[bool, str]:
-    """``(published, decision)`` of the publication rule on the scores of the new and the served predictor
-    (None: nothing to score on); ``kept`` names the served one."""
-    if publish == "always":
-        scores = "not scored" if new is None else f"MRE {new:.3f}, the served model's {old:.3f}"
-        return True, f"published (publish 'always'): {scores}"
-    if new is None:
-        return False, f"kept {kept}: no labelled image to compare the new weights on"
-    margin = f" - {min_improvement:g}" if min_improvement else ""
-    if new < old - min_improvement:
-        return True, f"published: MRE {new:.3f} < {old:.3f} of the served model{margin}"
-    return False, f"kept {kept}: the new one's MRE {new:.3f} is not below {old:.3f}{margin}"
-
-
-def score_stats(new: Score | None, old: Score | None, published: bool) -> dict[str, Any]:
-    """The stats' scores of a training (None: nothing scored): ``best_metric``, the share of landmarks that the
-    predictor served after it finds within the success radius (0 to 1, higher is better: what 3D Slicer's
-    MONAILabel module shows as its accuracy bar; left out when nothing was scored, which the module reads as 0), its
-    ``mre`` beside it, and ``eval`` with both predictors' scores."""
-    best = new if published else old
-    metrics = {"mre_served": None, "mre_trained": None, "success_served": None, "success_trained": None}
-    for which, score in (("served", old), ("trained", new)):
-        if score is not None:
-            metrics.update({f"mre_{which}": score.mre, f"success_{which}": score.success})
-    evaluation = {
-        "metrics": metrics,
-        "key_metric_name": "success",
-        "best_metric": None if best is None else best.success,
-        "success_radius": f"{SUCCESS_RADIUS_MM:g} mm ({SUCCESS_RADIUS_PIXELS:g} pixels on an image without spacing)",
-    }
-    scores = {} if best is None else {"best_metric": best.success, "mre": best.mre}
-    return {**scores, "eval": evaluation}
-
-
-def keep_previous(*paths: Path) -> dict[str, str]:
-    """Before ``paths`` are replaced: a copy of each existing one beside it, ``<stem>.<YYYYmmdd-HHMMSS><suffix>``
-    (one time stamp for all, made unique), so that a published model stays restorable. {file name: copy's name}."""
-    existing = [p for p in paths if p.is_file()]
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    n = 0
-
-    def copy_of(p: Path) -> Path:
-        return p.with_name(f"{p.stem}.{stamp}{f'-{n}' if n else ''}{p.suffix}")
-
-    while any(copy_of(p).exists() for p in existing):
-        n += 1
-    for p in existing:
-        with atomic_path(copy_of(p)) as tmp:
-            shutil.copyfile(p, tmp)
-    return {p.name: copy_of(p).name for p in existing}
-
-
-def publish_detector(context: BundleContext, candidate: Path, info: dict[str, Any]) -> None:
-    """``candidate`` as the served detector and ``info`` as its record (``detector.json``), both written beside
-    their names before either is renamed: a failed write (a full disk) leaves the served pair as it was (the record
-    written first stood beside the old weights, its grid and split not theirs)."""
-    with atomic_path(context.detector_path) as weights, atomic_path(context.detector_info_path) as record:
-        shutil.copyfile(candidate, weights)
-        record.write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
 
 
 def detector_training_grid(options: dict, spatial_dims: int, served_grid: list[int] | None = None) -> list[int]:

@@ -1,0 +1,1 @@
+"""The sections of ``python -m scripts.benchmark``, one module per measurement."""
