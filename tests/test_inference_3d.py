@@ -1,6 +1,6 @@
-"""`inferring` on volumes (configs/train_3d.yaml after configs/inference.yaml): read as training and evaluating read them, so a volume's
-suggestions are evaluating's predictions, whatever the voxel order of its file; 3D data given to the 2D command are
-refused naming the 3D config."""
+"""`inferring` on volumes (configs/train_3d.yaml after configs/inference.yaml): read as training and evaluating
+read them, so a volume's suggestions are evaluating's predictions, whatever the voxel order of its file; 3D data
+given to the 2D command are refused naming the 3D config."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from tests.test_3d_pipeline import TINY_3D, _evaluate, _untrained_checkpoint
 from tests.test_dicom import write_ct_series
 
 ROOT = Path(__file__).resolve().parents[1]
+HINT = "configs/train_3d.yaml after configs/train.yaml to train and evaluate, after configs/inference.yaml to infer"
 INFER_3D = [str(ROOT / f) for f in config_files("inference", spatial_dims=3)]
 
 
