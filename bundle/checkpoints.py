@@ -101,6 +101,12 @@ def load_weights(network: torch.nn.Module, path: str | Path, device: torch.devic
     return network.to(device)
 
 
+def initial_weights(network: torch.nn.Module, path: str | Path | None, device: torch.device | str) -> torch.nn.Module:
+    """``network`` on ``device``, with the weights of ``path`` when given (``init_weights``: a fine-tuning's start),
+    else as initialised."""
+    return load_weights(network, path, device) if path else network.to(device)
+
+
 def to_cpu(obj: Any) -> Any:
     """``obj`` with every tensor inside its dicts, lists and tuples moved to the CPU (other values kept)."""
     if isinstance(obj, torch.Tensor):

@@ -146,6 +146,17 @@ def check_cpu_threads(cpu_threads: int | str | None) -> int | str | None:
     return cpu_threads
 
 
+def default_device() -> torch.device:
+    """The ``device`` key's default: the GPU when there is one, else the CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_workers() -> int:
+    """The ``num_workers`` key's default: with a GPU, 4 data-loading processes (at most the CPUs), so that the view
+    pairs' sampling does not stall it; on a CPU the main thread (0)."""
+    return min(4, os.cpu_count() or 1) if torch.cuda.is_available() else 0
+
+
 def check_device(device: torch.device | str) -> torch.device:
     """``device`` as a ``torch.device``, refused (ValueError naming the key) before any work when this machine cannot
     run on it: not a device name, a CUDA device without a CUDA GPU (or beyond the GPUs there are), MPS without it.

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from bundle.configs import as_flag
+from ignite.handlers import ProgressBar
 from tqdm import tqdm
 
 _SHOWN = [False]
@@ -33,3 +34,9 @@ def progress(iterable: Iterable, description: str, total: int | None = None) -> 
     return tqdm(
         iterable, desc=description, total=total, disable=not _SHOWN[0], leave=False, dynamic_ncols=True, mininterval=0
     )
+
+
+def progress_handlers(flag: Any) -> list:
+    """The training's console progress bar (Ignite's ``ProgressBar``, cleared when an epoch ends) when ``flag``
+    (``progress_bar``, a yes/no value) is on, else none."""
+    return [ProgressBar(persist=False)] if as_flag(flag, "progress_bar") else []

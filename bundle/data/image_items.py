@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
+from bundle.configs import is_unset
 from bundle.data.annotations import visible_files
 from bundle.data.dicom import is_dicom_file, series_folders
 
@@ -27,7 +28,10 @@ def image_items(
     ``dataset_dir`` holds (sorted; none when it does not exist, so that the config builds without data:
     :func:`require_items` then fails at run time): in 2D every image file directly in it; in 3D ``dataset_dir``
     itself when it holds DICOM files (the slices of one series, not volumes of their own), then every sub-folder
-    holding DICOM files (a series each), then every volume file directly in it."""
+    holding DICOM files (a series each), then every volume file directly in it. ``null`` / ``none`` are unset
+    (:func:`bundle.configs.is_unset`)."""
+    if is_unset(images):
+        images = None
     if isinstance(images, (str, os.PathLike)):
         text = str(images).strip()
         if text.startswith("[") and text.endswith("]") and not Path(text).is_file():

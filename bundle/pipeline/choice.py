@@ -220,7 +220,12 @@ def choose_detector(
 
 
 def starting_detector(
-    detectors: Sequence[str], items: Sequence[dict], landmark_names: Sequence[str], network: dict, datalist: dict
+    detectors: Sequence[str],
+    items: Sequence[dict],
+    landmark_names: Sequence[str],
+    network: dict,
+    datalist: dict,
+    random_init: bool | str = False,
 ) -> str | None:
     """The detector a fine-tuning on the human-labelled training ``items`` of ``datalist`` continues
     (configs/finetune.yaml ``init_weights``), or None: it starts from the stage-1 encoder.
@@ -231,7 +236,10 @@ def starting_detector(
     datalist's validation and test images (:func:`assess_detector`), on any grid (the network is convolutional and
     the fine-tuning's grid keeps the landmarks' scale in mm). At 5 labels that is the one-label stage-2 detector made
     from one of them, at 10 the 5-label detector on the coarser grid. Chosen on the validation images over two seeds:
-    docs/results.md, "Fine-tuning continues the stage-2 detector"."""
+    docs/results.md, "Fine-tuning continues the stage-2 detector". A random start (``random_init`` on) continues
+    none."""
+    if as_flag(random_init, "random_init"):
+        return None
     labelled = [_real(it["image"]) for it in items]
     held_out = sorted(held_out_images(datalist))
     usable = []

@@ -24,14 +24,14 @@ from typing import Sequence
 import numpy as np
 import torch
 from bundle.checkpoints import RECORD_KEY, UndescribedCheckpointError, describes, load_weights, read_record
-from bundle.configs import bundle_parser, check_image_size, config_files
+from bundle.configs import as_flag, bundle_parser, check_image_size, config_files, is_unset
 from bundle.data.datalist import read_json
 from bundle.inferers.oneshot import OneShotInferer
 from bundle.inferers.refinement import DescriptorRefinement
 from bundle.io_utils import write_json_atomic
-from bundle.networks.detector import HeatmapDetector
+from bundle.networks.detector import HeatmapDetector, load_stage1_encoder
 from bundle.templates.pseudo_labels import pseudo_label, reliable_landmarks
-from bundle.templates.resolution import held_out_images, labelled_training_items, with_templates
+from bundle.templates.resolution import held_out_images, labelled_training_items, resolve_templates, with_templates
 
 logger = logging.getLogger(__name__)
 
@@ -333,3 +333,74 @@ def _read_pseudo_label_file(path: str | Path) -> dict:
     ):
         raise ValueError(f"{path} is not a pseudo-label datalist (written by stage 2 as output_dir/pseudo_labels.json)")
     return data
+
+
+def stage2_templates(
+    pseudo_labels: str | Path | None,
+    datalist: dict,
+    network: torch.nn.Module,
+    preprocessing,
+    device: torch.device | str,
+    **choice,
+) -> list[dict]:
+    """Stage 2's templates (configs/train_stage2.yaml): those recorded in an earlier run's ``pseudo_labels`` file,
+    else the evaluation's choice on ``datalist`` with the stage-1 ``network``
+    (:func:`bundle.templates.resolution.resolve_templates` with the keyword arguments ``choice``)."""
+    if not is_unset(pseudo_labels):
+        return pseudo_label_templates(pseudo_labels)
+    return resolve_templates(datalist, network, preprocessing, device, **choice)
+
+
+def stage2_items(
+    pseudo_labels: str | Path | None,
+    cycle_tolerance: float | None,
+    datalist: dict,
+    network: torch.nn.Module,
+    templates: Sequence[dict],
+    preprocessing,
+    device: torch.device | str,
+    combine: str,
+    output_path: str | Path,
+    refinement: DescriptorRefinement | None = None,
+) -> list[dict]:
+    """Stage 2's training items with their (pseudo-)labels: an earlier run's ``pseudo_labels`` file read again
+    (:func:`read_pseudo_labels`), else every training item of ``datalist`` labelled by matching from ``templates``
+    (:func:`pseudo_labelled_items`, written to ``output_path``); validation and test images are never among them."""
+    if not is_unset(pseudo_labels):
+        return read_pseudo_labels(pseudo_labels, cycle_tolerance)
+    return pseudo_labelled_items(
+        datalist,
+        network,
+        templates,
+        preprocessing,
+        device,
+        combine=combine,
+        cycle_tolerance=cycle_tolerance,
+        output_path=output_path,
+        refinement=refinement,
+    )
+
+
+def encoder_checkpoint(init_checkpoint: str | Path | None, random_init: bool | str) -> str | Path | None:
+    """The stage-1 checkpoint whose image encoder starts the detector: ``init_checkpoint``, None (random weights)
+    with ``random_init`` on."""
+    return None if as_flag(random_init, "random_init") else init_checkpoint
+
+
+def initial_detector(
+    network: HeatmapDetector,
+    init_weights: str | Path | None,
+    encoder_checkpoint: str | Path | None,
+    device: torch.device | str,
+) -> HeatmapDetector:
+    """The detector before training, on ``device``: the whole detector of ``init_weights`` (a fine-tuning continuing
+    a detector), else its encoder from the stage-1 ``encoder_checkpoint`` (None: random weights)."""
+    if init_weights:
+        return load_weights(network, init_weights, device)
+    return load_stage1_encoder(network, encoder_checkpoint).to(device)
+
+
+def rotation_range(degrees: float, spatial_dims: int) -> list[float]:
+    """``RandAffined``'s rotation range (radians) for ``degrees``: about the one axis of a 2D image, the three of a
+    volume."""
+    return [float(np.deg2rad(degrees))] * (1 if int(spatial_dims) == 2 else 3)

@@ -13,6 +13,7 @@ from typing import Hashable, Mapping, Sequence
 
 import numpy as np
 import torch
+from bundle.configs import as_flag
 from bundle.information_groups import GROUP_NAMES, check_thresholds, group_memberships, information_groups
 from monai.config import KeysCollection
 from monai.data.meta_obj import get_track_meta
@@ -312,3 +313,38 @@ class InfoGuidedIntensityd(Randomizable, MapTransform):
             _image_in_unit_range(d[key], entropy, owner, repr(key), repr(self.entropy_key))  # errors name the key
             d[key] = self.intensity(d[key], entropy, query, randomize=False)
         return d
+
+
+def crop_augmentation(
+    keys: KeysCollection,
+    entropy_key: str,
+    augmentation: Mapping,
+    adaptive_augmentation: bool | str,
+    baseline_brightness: float,
+    baseline_contrast: float,
+) -> InfoGuidedIntensityd:
+    """The crops' brightness / contrast augmentation of training (Sec. 3 steps 2-3): the per-group intensities of
+    ``augmentation`` (``thresholds``, ``brightness``, ``contrast``, optional ``brightness_ranges`` /
+    ``contrast_ranges`` and ``group_mode``) with the paper's adaptive augmentation (``adaptive_augmentation`` on),
+    else the baseline's uniform ``baseline_brightness`` / ``baseline_contrast`` in every group.
+
+    Args:
+        keys: the image keys; ``entropy_key``: their IIE maps.
+        augmentation: the configs' ``augmentation`` (scripts/estimate_augmentation.py writes one).
+        adaptive_augmentation: the ablation switch (a yes/no value).
+        baseline_brightness, baseline_contrast: the baseline's intensities.
+    """
+    if as_flag(adaptive_augmentation, "adaptive_augmentation"):
+        chosen = dict(augmentation)
+    else:
+        chosen = {"brightness": [baseline_brightness] * 3, "contrast": [baseline_contrast] * 3}
+    return InfoGuidedIntensityd(
+        keys,
+        entropy_key=entropy_key,
+        thresholds=augmentation["thresholds"],
+        brightness=chosen.get("brightness"),
+        contrast=chosen.get("contrast"),
+        brightness_ranges=chosen.get("brightness_ranges"),
+        contrast_ranges=chosen.get("contrast_ranges"),
+        group_mode=chosen.get("group_mode", "pixel"),
+    )

@@ -12,6 +12,7 @@ from typing import Any, Hashable, Mapping
 
 import numpy as np
 import torch
+from bundle.configs import as_flag, as_number
 from bundle.transforms.utils import like_input, output_keys_for, single_channel_spatial
 from monai.config import KeysCollection
 from monai.transforms import MapTransform, Transform
@@ -129,3 +130,15 @@ class SamplingWeightd(MapTransform):
             single_channel_spatial(d[key], type(self).__name__, key)
             d[output_key] = self.weighting(d[key])
         return d
+
+
+def query_gamma(entropy_sampling: bool | str, sampling_gamma: float) -> float:
+    """The exponent of the query sampling weights ``H ** gamma`` (Sec. 3 step 1): ``sampling_gamma`` (>= 0) with the
+    paper's entropy-based sampling (``entropy_sampling`` on), 0 (uniform sampling, the baseline) without it.
+
+    Args:
+        entropy_sampling: the ablation switch (a yes/no value).
+        sampling_gamma: gamma of ``rho = H ** gamma``.
+    """
+    gamma = as_number(sampling_gamma, "sampling_gamma", minimum=0)
+    return gamma if as_flag(entropy_sampling, "entropy_sampling") else 0.0

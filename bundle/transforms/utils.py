@@ -13,7 +13,12 @@ from monai.data import MetaTensor
 from monai.transforms import Compose, Resized
 from monai.utils import ensure_tuple
 
-__all__ = ["GridResized", "like_input", "on_grid", "output_keys_for", "single_channel_spatial"]
+__all__ = ["GridResized", "channel_mean", "like_input", "on_grid", "output_keys_for", "single_channel_spatial"]
+
+
+def channel_mean(image: torch.Tensor) -> torch.Tensor:
+    """A channel-first image made grey: the mean over its channels when it has several (RGB), else itself."""
+    return image.mean(0, keepdim=True) if image.shape[0] > 1 else image
 
 
 def single_channel_spatial(image: Any, owner: str, key: Hashable | None = None) -> Any:
