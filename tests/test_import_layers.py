@@ -24,6 +24,7 @@ LAYERS = [
         "bundle.configs",
         "bundle.distributed",
         "bundle.progress",
+        "bundle.commands",
         "bundle.networks.features",
         "bundle.networks.matching",
         "bundle.kshot",

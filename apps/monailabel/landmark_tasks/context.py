@@ -16,6 +16,7 @@ from bundle.command_errors import root_cause
 from bundle.configs import as_number, bundle_parser, config_files
 from bundle.data.datalist import DatalistError, read_json
 from bundle.data.markups import ControlPoint, check_label_names
+from bundle.handlers.confidence import MATCH_MIN_RATIO, MIN_PEAK
 from bundle.inferers.oneshot import OneShotInferer, TemplateFeatureInferer
 from bundle.inferers.refinement import RADIUS_MM, DescriptorRefinement
 from bundle.pipeline.choice import (
@@ -149,8 +150,7 @@ class BundleContext(SuggestionTemplates):
         self.saved_labels = SavedLabels(self.names, self.spatial_dims, self.frame)
         self.shipped_detector = self._shipped_detector()
         self.template_combine = str(self.parser.get_parsed_content("template_combine"))
-        self.min_peak = float(self.parser.get_parsed_content("detector_min_peak"))
-        self.min_match_ratio = float(self.parser.get_parsed_content("match_min_ratio"))
+        self.min_peak, self.min_match_ratio = MIN_PEAK, MATCH_MIN_RATIO  # the commands' confidence warnings
         # the template choice of the evaluating command (the keyword arguments of its evaluate#choose_templates call of
         # bundle.templates.resolution.resolve_templates, but the data, network and device), for the pseudo-templates
         call = "evaluate#choose_templates"
@@ -190,7 +190,6 @@ class BundleContext(SuggestionTemplates):
             self.spatial_dims,
             None,
             self.parser.get_parsed_content("max_templates"),
-            enough_labels=self.parser.get_parsed_content("detector_enough_labels"),
             builtin=builtin_templates(self.builtin_template_path, self.shipped_ckpt, self.bundle_root),
         )
         return None if chosen is None else Path(chosen)

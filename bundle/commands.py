@@ -1,0 +1,42 @@
+"""The first step of every command (configs/*.yaml ``training``, ``evaluating``, ``inferring``): what is checked and
+set before any work."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from bundle.configs import apply_cpu_threads, check_command_line, check_device, seed_everything
+from bundle.progress import show_progress
+
+
+def start_command(
+    device: torch.device | str,
+    progress_bar: Any = True,
+    seed: int | None = None,
+    cudnn_benchmark: Any = False,
+    cpu_threads: int | str | None = None,
+) -> torch.device:
+    """Refuse a misread command line (:func:`bundle.configs.check_command_line`) and a device this machine lacks
+    (:func:`bundle.configs.check_device`), show progress bars or not (``progress_bar``), then, when given, seed
+    everything (``seed``, with ``cudnn_benchmark``: :func:`bundle.configs.seed_everything`) and set the command's CPU
+    threads (``cpu_threads``: :func:`bundle.configs.apply_cpu_threads`; the stage-1 training sets its own).
+
+    Args:
+        device: the command's ``device``.
+        progress_bar: a yes/no value.
+        seed: the seed (a process's own under torchrun), None: not seeded here.
+        cudnn_benchmark: a yes/no value, cuDNN's autotuner after the seeding.
+        cpu_threads: an int, ``auto`` or None (torch's setting kept).
+
+    Returns:
+        the checked device.
+    """
+    check_command_line()
+    show_progress(progress_bar)
+    checked = check_device(device)
+    if seed is not None:
+        seed_everything(seed, cudnn_benchmark)
+    if cpu_threads is not None:
+        apply_cpu_threads(cpu_threads)
+    return checked
