@@ -28,7 +28,6 @@ NOT_YET = (
     "bundle.templates",
     "bundle.transforms.utils",
     "bundle.handlers",
-    "bundle.inferers",
 )
 # modules with docstring examples
 EXAMPLES = ("bundle.losses.heatmap", "bundle.metrics", "bundle.transforms.entropy", "bundle.transforms.sampling")
