@@ -27,7 +27,6 @@ NOT_YET = (
     "bundle.pipeline",
     "bundle.templates",
     "bundle.transforms.utils",
-    "bundle.handlers",
 )
 # modules with docstring examples
 EXAMPLES = ("bundle.losses.heatmap", "bundle.metrics", "bundle.transforms.entropy", "bundle.transforms.sampling")
