@@ -84,6 +84,13 @@ class RadialErrorMetric(CumulativeIterationMetric):
     ``y_pred`` and ``y`` are ``(B, L, D)`` landmarks in physical mm (or lists of ``(L, D)``, as from
     decollated engine outputs); NaN marks a missing landmark. The buffer holds ``(N, L)`` errors (NaN
     for missing), which ``IgniteMetricHandler(save_details=True)`` stores as the per-image details.
+
+    Example:
+        >>> import torch
+        >>> metric = RadialErrorMetric()
+        >>> errors = metric(torch.tensor([[[0.0, 0.0], [3.0, 4.0]]]), torch.zeros(1, 2, 2))  # one image, 2 landmarks
+        >>> float(metric.aggregate())  # the mean of 0 and 5 mm
+        2.5
     """
 
     def _compute_tensor(self, y_pred: torch.Tensor, y: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:

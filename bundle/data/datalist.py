@@ -146,7 +146,10 @@ def configuration_hint(found_dims: int, expected_dims: int) -> str:
 def load_datalist(path: str | os.PathLike, check_files: bool = True, spatial_dims: int | None = None) -> dict:
     """Read and validate a datalist; return it with absolute image paths.
 
-    ``spatial_dims``: the configuration's, which the datalist's own must equal (None: either).
+    Args:
+        path: the datalist JSON file (a leading ``~`` is expanded); relative image paths are taken from its folder.
+        check_files: also refuse an item whose image file does not exist.
+        spatial_dims: the configuration's, which the datalist's own must equal (None: either).
 
     Raises:
         DatalistError: naming the file and the key at fault (missing file, wrong landmark count, ...).
@@ -205,6 +208,13 @@ def section_items(
 
     What a command runs on (``training`` for training, ``test`` for evaluation): without it the command
     would finish without a result and without an error.
+
+    Args:
+        datalist: a datalist as :func:`load_datalist` returns it.
+        section: ``training``, ``validation`` or ``test``.
+        path: the datalist's file, for the messages.
+        labelled: what an evaluation scores: also refuse a section in which no item carries a landmark or one that
+            lists an image twice, and warn naming the items without a landmark.
     """
     if section not in SECTIONS:
         raise ValueError(f"section must be one of {SECTIONS}, got {section!r}")

@@ -17,7 +17,11 @@ EMBEDDED_DATASETS = {"synthetic_2d": 2, "synthetic_3d": 3}
 
 def ensure_embedded_dataset(path: str | os.PathLike) -> Path:
     """Return ``path``; when it is a missing embedded synthetic default (``.../synthetic_2d|3d/datalist.json``),
-    first generate that set (the configs' ``initialize`` step). Any other path is left as it is."""
+    first generate that set (the configs' ``initialize`` step). Any other path is left as it is.
+
+    Args:
+        path: the configuration's ``datalist``.
+    """
     path = Path(path)
     if not path.exists() and path.parent.name in EMBEDDED_DATASETS:
         ensure_synthetic_dataset(path, spatial_dims=EMBEDDED_DATASETS[path.parent.name])

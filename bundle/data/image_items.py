@@ -23,13 +23,23 @@ def _is_pattern(path: Path) -> bool:
 def image_items(
     images: str | Sequence[str] | None, dataset_dir: str | os.PathLike, spatial_dims: int = 2
 ) -> list[dict]:
-    """Datalist-style items ``{"image": path}`` of ``images`` (a path, a glob pattern such as ``scans/*.png``, or a
-    list of them: files, or DICOM series folders; a pattern's matches sorted), or, when None or empty, of what
-    ``dataset_dir`` holds (sorted; none when it does not exist, so that the config builds without data:
-    :func:`require_items` then fails at run time): in 2D every image file directly in it; in 3D ``dataset_dir``
-    itself when it holds DICOM files (the slices of one series, not volumes of their own), then every sub-folder
-    holding DICOM files (a series each), then every volume file directly in it. ``null`` / ``none`` are unset
-    (:func:`bundle.configs.is_unset`)."""
+    """Datalist-style items ``{"image": path}`` of the images a command runs on.
+
+    Args:
+        images: a path, a glob pattern such as ``scans/*.png``, or a list of them: files, or DICOM series folders
+            (a pattern's matches sorted; a leading ``~`` expanded). None, empty or unset (``null`` / ``none``:
+            :func:`bundle.configs.is_unset`): what ``dataset_dir`` holds.
+        dataset_dir: the folder read without ``images`` (sorted; none when it does not exist, so that the config
+            builds without data: :func:`require_items` then fails at run time): in 2D every image file directly in
+            it; in 3D ``dataset_dir`` itself when it holds DICOM files (the slices of one series, not volumes of
+            their own), then every sub-folder holding DICOM files (a series each), then every volume file directly
+            in it.
+        spatial_dims: 2 or 3, the configuration's.
+
+    Raises:
+        FileNotFoundError: naming an image that does not exist, a pattern that matches nothing, or a list the
+            command line could not read.
+    """
     if is_unset(images):
         images = None
     if isinstance(images, (str, os.PathLike)):
@@ -63,7 +73,13 @@ def image_items(
 
 def require_items(items: Sequence[Any], dataset_dir: str | os.PathLike, spatial_dims: int = 2) -> None:
     """Raise FileNotFoundError (naming ``dataset_dir``) when there is no image to run on; in 2D, one that names
-    configs/train_3d.yaml (after configs/inference.yaml) when ``dataset_dir`` holds DICOM series folders."""
+    configs/train_3d.yaml (after configs/inference.yaml) when ``dataset_dir`` holds DICOM series folders.
+
+    Args:
+        items: what :func:`image_items` returned.
+        dataset_dir: the folder it read.
+        spatial_dims: 2 or 3, the configuration's.
+    """
     if len(items) > 0:
         return
     folder = Path(dataset_dir)

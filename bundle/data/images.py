@@ -103,7 +103,14 @@ def _runtime_reader(files: Any, reader: Any) -> Any:
 
 class LoadImaged(monai.transforms.LoadImaged):
     """MONAI's ``LoadImaged``; a file it cannot read raises :class:`ImageError` naming the file. PNG, JPEG and BMP
-    files are read as a viewer shows them (:func:`pil_as_displayed`)."""
+    files are read as a viewer shows them (:func:`pil_as_displayed`).
+
+    Args:
+        keys: the image key(s), each an image path (its header checked first, :func:`check_file`).
+        reader: MONAI's ``reader``; None: for one key, PIL as displayed for PNG, JPEG and BMP, else MONAI's choice by
+            the file's suffix.
+        *args, **kwargs: the other arguments of MONAI's ``LoadImaged`` (e.g. ``image_only``).
+    """
 
     def __init__(self, keys: KeysCollection, reader=None, *args: Any, **kwargs: Any) -> None:
         super().__init__(keys, reader, *args, **kwargs)
@@ -287,6 +294,7 @@ class CheckImaged(MapTransform):
         min_size: the smallest size accepted along each spatial axis (default :data:`MIN_IMAGE_SIZE`).
         intensity_window: the CT window ``[low, high]`` that follows (``hu_window``): an image it leaves nearly
             constant is warned about.
+        allow_missing_keys: MONAI's flag.
     """
 
     def __init__(

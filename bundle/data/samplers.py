@@ -16,6 +16,10 @@ class ReshufflingDistributedSampler(DistributedSampler):
     loader and Ignite reads it again within the epoch, every pass repeats the first. Here pass ``n`` (counted
     over the sampler's life, the same count on every rank) adds ``n * 2**20`` to the seed: every pass has its
     own order, and the ranks still split each pass into disjoint shares.
+
+    Args:
+        *args, **kwargs: those of MONAI's ``DistributedSampler`` (``dataset``, ``even_divisible``, ``shuffle``,
+            ``seed``, ...); ``seed`` is the first pass's.
     """
 
     def __init__(self, *args, **kwargs) -> None:

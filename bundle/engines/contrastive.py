@@ -20,7 +20,8 @@ TRAIN_KEYS = ("image", "crop", "query", "crop_query")
 
 
 class ContrastiveIterationUpdate:
-    """One optimisation step on a batch of view pairs (keys ``image``, ``crop``, ``query``, ``crop_query``).
+    """One optimisation step on a batch of view pairs (keys ``image``, ``crop``, ``query``, ``crop_query``), paper
+    Sec. 3.1.
 
     Uses the trainer's network (``forward`` = image encoder, ``encode_crops`` = crop encoder), each run through
     the trainer's ``inferer`` (the config's ``train#inferer``), loss function, optimizer, ``amp`` flag and grad

@@ -8,7 +8,13 @@ import torch
 
 
 class HeatmapPrepareBatch:
-    """``prepare_batch`` of the detector's ``SupervisedTrainer``: ``(image, (heatmap, mask))`` on the device."""
+    """``prepare_batch`` of the detector's ``SupervisedTrainer``: ``(image, (heatmap, mask))`` on the device.
+
+    Args:
+        image_key: the batch's images ``(B, C, *S)``.
+        heatmap_key: their target heatmaps ``(B, L, *S)`` (:class:`bundle.transforms.heatmaps.GaussianHeatmapd`).
+        mask_key: the landmarks' validity ``(B, L)``, 1 = labelled.
+    """
 
     def __init__(self, image_key: str = "image", heatmap_key: str = "heatmap", mask_key: str = "landmark_mask") -> None:
         self.keys = (image_key, heatmap_key, mask_key)

@@ -51,15 +51,23 @@ class AtomicSaveHandler(BaseSaveHandler):
 class AtomicCheckpointSaver:
     """The configs' model saver (in place of MONAI's ``CheckpointSaver``, whose writes are not atomic).
 
-    ``save_final``: the state of ``save_dict`` when the engine completes or fails, to ``final_filename``.
-    ``save_key_metric``: after each evaluation whose key metric (``engine.state.key_metric_name``) is the best
-    so far, to ``key_metric_filename``; the lowest is best with ``key_metric_negative_sign``. Both are Ignite
-    ``Checkpoint`` objects (a single object is saved as its own ``state_dict``) writing through
-    :class:`AtomicSaveHandler`, with the training's ``record`` beside each file when one is given.
-    ``state_dict``/``load_state_dict`` carry the key-metric ranking, so that a resumed run keeps the best file of the
-    run before it. ``best_saver``: the key-metric saver of the same run; when it has saved nothing by the time the
-    engine completes (no validation ran: nothing to choose by), the final state is written under its file name too,
-    with a log line saying so.
+    Both savings are Ignite ``Checkpoint`` objects (a single object is saved as its own ``state_dict``) writing
+    through :class:`AtomicSaveHandler`. ``state_dict``/``load_state_dict`` carry the key-metric ranking, so that a
+    resumed run keeps the best file of the run before it.
+
+    Args:
+        save_dir: the folder of the files.
+        save_dict: the objects to save, by name (e.g. ``{"model": network}``).
+        save_final: save the state of ``save_dict`` when the engine completes or fails, to ``final_filename``.
+        final_filename: the file name of the final state.
+        save_key_metric: save after each evaluation whose key metric (``engine.state.key_metric_name``) is the best
+            so far, to ``key_metric_filename``.
+        key_metric_filename: the file name of the best state.
+        key_metric_negative_sign: the lowest key metric is best (an error such as the MRE).
+        record: the training's record (``{"file": name, "content": JSON object}``), written beside each file.
+        best_saver: the key-metric saver of the same run; when it has saved nothing by the time the engine completes
+            (no validation ran: nothing to choose by), the final state is written under its file name too, with a
+            log line saying so.
     """
 
     def __init__(
@@ -146,10 +154,15 @@ class AtomicCheckpointSaver:
 class LastCheckpointSaver:
     """Every ``interval`` epochs, the state of every object of ``save_dict`` in one file, written atomically.
 
-    ``save_dict`` maps names to objects with ``state_dict()`` (network, optimizer, LR scheduler, savers);
-    the engine it is attached to is added under ``engine_key`` (the config cannot name the trainer in a
-    handler of that trainer); a wrapped (DDP) network is saved unwrapped. Only rank 0 writes. The file
-    loads with ``torch.load(weights_only=True)`` and resumes training through MONAI's ``CheckpointLoader``.
+    A wrapped (DDP) network is saved unwrapped. Only rank 0 writes. The file loads with
+    ``torch.load(weights_only=True)`` and resumes training through MONAI's ``CheckpointLoader``.
+
+    Args:
+        path: the file (``last.pt``).
+        save_dict: names to objects with ``state_dict()`` (network, optimizer, LR scheduler, savers).
+        interval: epochs between savings.
+        engine_key: the name under which the engine it is attached to is added (the config cannot name the trainer
+            in a handler of that trainer); None: not saved.
     """
 
     def __init__(
@@ -184,7 +197,11 @@ class LastCheckpointSaver:
 
 class CheckpointDirReport:
     """Prints where the training writes its checkpoints when it starts, and the files there when it completes
-    (attached last, after the savers; rank 0, whose handlers save)."""
+    (attached last, after the savers; rank 0, whose handlers save).
+
+    Args:
+        ckpt_dir: the checkpoints' folder.
+    """
 
     def __init__(self, ckpt_dir: str | Path) -> None:
         self.ckpt_dir = Path(ckpt_dir).expanduser().resolve()
@@ -265,8 +282,13 @@ def _changed_settings(checkpoint: Mapping, load_dict: Mapping[str, Any], engine:
 
 
 def resume_handlers(resume: str | None, load_dict: dict[str, Any], device: torch.device | str = "cpu") -> list:
-    """``[ResumeCheckpointLoader]`` for the checkpoint ``resume`` (see :func:`bundle.checkpoints.resume_path`),
-    or ``[]`` when None."""
+    """``[ResumeCheckpointLoader]`` for the checkpoint ``resume``, or ``[]`` when None.
+
+    Args:
+        resume: the checkpoint to resume from (:func:`bundle.checkpoints.resume_path`), or None.
+        load_dict: the objects it restores, by name (what :class:`LastCheckpointSaver` saved).
+        device: where its tensors are read to.
+    """
     if resume is None:
         return []
     return [ResumeCheckpointLoader(load_path=resume, load_dict=load_dict, map_location=device)]

@@ -80,7 +80,15 @@ def low_confidence_messages(
 
 class ConfidenceHandler:
     """Ignite handler: after each iteration, warn naming each image on which ``inferer`` recognises no landmark
-    (:func:`low_confidence_messages`); at the end, log how many there were."""
+    (:func:`low_confidence_messages`); at the end, log how many there were.
+
+    Args:
+        inferer: the run's inferer (its last call's ``peak_values`` or ``match_scores`` are read).
+        min_peak: a detector's mean heatmap peak below which an image is warned about.
+        min_match_ratio: template matching's mean match score, as a share of the templates' agreement
+            (``reference_score``), below which an image is warned about.
+        image_key: the batch's images, whose file names the warnings give.
+    """
 
     def __init__(
         self, inferer, min_peak: float = MIN_PEAK, min_match_ratio: float = MATCH_MIN_RATIO, image_key: str = "image"

@@ -19,7 +19,11 @@ def _not_a_fresh_start(record: logging.LogRecord) -> bool:
 
 
 class EngineProgress:
-    """An engine's progress bar (``description``, e.g. "images"), and no "resuming from iteration 0" line."""
+    """An engine's progress bar, and no "resuming from iteration 0" line.
+
+    Args:
+        description: what the bar counts (e.g. "images").
+    """
 
     def __init__(self, description: str = "images") -> None:
         self.description = description

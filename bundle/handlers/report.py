@@ -72,6 +72,16 @@ class LandmarkReportHandler:
     labelled image, an overlay or markup file with its image), so that a user's file in the way is refused before
     the work; provenance.json as the epoch starts when ``unlabelled`` (inferring's images, which carry no landmarks),
     else when the report is written (only then is it known that no image had a reference landmark).
+
+    Args:
+        output_dir: the report's folder.
+        landmark_names: the datalist's, in its order.
+        predictor: what made the predictions (its ``provenance()``); None: template matching from unnamed templates.
+        thresholds: the SDR's radii in mm.
+        overlays: write the 2D overlays and overview.html.
+        unlabelled: the images carry no landmarks (inferring): provenance.json is checked as the epoch starts.
+        pred_key, label_key, spacing_key, path_key, image_key: the items' keys of the contract above.
+        logger_name: the logger of the MRE and SDR lines.
     """
 
     def __init__(

@@ -8,7 +8,11 @@ from typing import Any
 
 class DeferredSummaryWriter:
     """A TensorBoard ``SummaryWriter`` of ``log_dir`` opened at its first use (the first value logged), for the
-    ``summary_writer`` of MONAI's TensorBoard handlers: building the handler writes nothing."""
+    ``summary_writer`` of MONAI's TensorBoard handlers: building the handler writes nothing.
+
+    Args:
+        log_dir: the event files' folder.
+    """
 
     def __init__(self, log_dir: str | os.PathLike) -> None:
         self.log_dir = str(log_dir)

@@ -25,6 +25,10 @@ class TrainingTimeBudget:
     attaches nothing. What is done before the engine starts (reading and caching the data) is not counted; the
     epochs run are in ``engine.state.max_epochs``, and in ``last.pt``. A cut run is reproducible only where its
     epochs take the same time: set ``epochs`` instead for that; it resumes with ``epochs`` set to its cut length.
+
+    Args:
+        max_minutes: the budget in minutes (> 0); None: no budget.
+        lr_scheduler: the training's LR scheduler; a ``CosineAnnealingLR`` gets the cut length as its ``T_max``.
     """
 
     def __init__(self, max_minutes: float | None, lr_scheduler: LRScheduler | None = None) -> None:

@@ -14,9 +14,20 @@ class MaskedHeatmapLoss(_Loss):
 
     ``forward(pred, target)``: ``pred`` ``(B, L, *S)`` logits; ``target`` either ``(heatmap, mask)``
     (``(B, L, *S)`` Gaussians in [0, 1] and ``(B, L)`` 1 = valid) or a heatmap alone (all valid).
-    ``kind="bce"``: binary cross-entropy with logits against the Gaussians, the positive term weighted by
-    ``pos_weight`` (heatmaps are mostly background); ``"mse"``: mean squared error between
-    ``sigmoid(pred)`` and the Gaussians. Averaged over the valid channels' pixels; 0 when none is valid.
+    Averaged over the valid channels' pixels; 0 when none is valid.
+
+    Args:
+        kind: ``"bce"``: binary cross-entropy with logits against the Gaussians; ``"mse"``: mean squared error
+            between ``sigmoid(pred)`` and the Gaussians.
+        pos_weight: ``"bce"``'s weight of a pixel at a Gaussian's peak (1 in the background, in between along the
+            Gaussian; heatmaps are mostly background).
+
+    Example:
+        >>> import torch
+        >>> loss = MaskedHeatmapLoss()
+        >>> pred, heatmap = torch.zeros(1, 2, 8, 8), torch.zeros(1, 2, 8, 8)
+        >>> round(loss(pred, (heatmap, torch.tensor([[1.0, 0.0]]))).item(), 4)  # log 2, the second landmark left out
+        0.6931
     """
 
     KINDS = ("bce", "mse")

@@ -24,7 +24,7 @@ from torch.nn.modules.loss import _Loss
 
 
 class MultiScaleInfoNCELoss(_Loss):
-    """Pixel-wise InfoNCE between crop-encoder queries and whole-image-encoder keys, summed over scales.
+    """Pixel-wise InfoNCE between crop-encoder queries and whole-image-encoder keys, summed over scales (paper Sec. 3).
 
     Args:
         temperature: T in the softmax ``exp(cos / T)``.

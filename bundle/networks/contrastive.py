@@ -30,12 +30,7 @@ def build_encoder(
     channels: Sequence[int] = (16, 32, 64, 128, 128),
     pretrained_path: str | os.PathLike | None = None,
 ) -> nn.Module:
-    """Build one dense encoder.
-
-    ``channels`` are the level widths at strides 1, 2, 4, 8, 16 (...) of the light U-Net; for "vgg19" the
-    encoder widths are VGG19's and ``channels[:4]`` are the decoder widths at strides 1, 2, 4, 8.
-    ``pretrained_path`` (a torchvision VGG19 state dict) is only meaningful for "vgg19".
-    """
+    """Build one dense encoder; arguments as for :class:`ContrastiveLandmarkNet`."""
     if backbone == "light":
         if pretrained_path is not None:
             raise ValueError(
@@ -48,11 +43,23 @@ def build_encoder(
 
 
 class ContrastiveLandmarkNet(nn.Module):
-    """Whole-image encoder + crop encoder with identical architecture and separate weights.
+    """Whole-image encoder + crop encoder with identical architecture and separate weights (paper Sec. 3).
 
     ``forward(x)`` returns the whole-image encoder's features (the inference path), ``encode_crops(x)``
     the crop encoder's; both are lists of ``(B, embed_dim, *spatial / stride)`` unit-norm maps, coarse
-    to fine, one per stride in ``self.strides``. Arguments as for :func:`build_encoder`.
+    to fine, one per stride in ``self.strides``.
+
+    Args:
+        spatial_dims: 2 or 3 ("vgg19": 2).
+        backbone: one of :data:`BACKBONES`: "light" (the light U-Net,
+            :class:`bundle.networks.encoders.DenseUNetEncoder`) or "vgg19"
+            (:class:`bundle.networks.vgg.VGG19DenseEncoder`).
+        in_channels: the input's channels.
+        embed_dim: the width of every output map.
+        strides: the output maps' strides, coarse to fine (powers of two, 16 at most by default).
+        channels: the light U-Net's level widths at strides 1, 2, 4, 8, 16 (...); for "vgg19" the encoder widths
+            are VGG19's and ``channels[:4]`` are the decoder widths at strides 1, 2, 4, 8.
+        pretrained_path: a torchvision VGG19 state dict, only for "vgg19"; None: random weights.
     """
 
     def __init__(
@@ -96,6 +103,10 @@ class ContrastiveDDP(torch.nn.parallel.DistributedDataParallel):
 
     Both encoders take part in every loss, so every parameter gets its gradient in each backward pass
     and DDP averages them across processes as usual.
+
+    Args:
+        module, device_ids, ...: those of torch's ``DistributedDataParallel``; ``module`` a
+            :class:`ContrastiveLandmarkNet`.
     """
 
     def encode_crops(self, x: torch.Tensor) -> list[torch.Tensor]:

@@ -35,9 +35,15 @@ STAGE1_PREFIX = "image_encoder."
 def load_stage1_encoder(
     detector: HeatmapDetector, path: str | os.PathLike | None, device: torch.device | str = "cpu"
 ) -> HeatmapDetector:
-    """``detector`` with its ``image_encoder`` loaded from the ``image_encoder.*`` weights of a stage-1 checkpoint
-    (a ``ContrastiveLandmarkNet`` state dict, or a dict holding one under ``model``), strictly; other entries (the
-    crop encoder) are ignored. ``path`` None: ``detector`` unchanged (random initialisation)."""
+    """``detector`` with its ``image_encoder`` loaded from the ``image_encoder.*`` weights of a stage-1 checkpoint,
+    strictly; other entries (the crop encoder) are ignored.
+
+    Args:
+        detector: the stage-2 network.
+        path: the stage-1 checkpoint (a ``ContrastiveLandmarkNet`` state dict, or a dict holding one under
+            ``model``); None: ``detector`` unchanged (random initialisation).
+        device: where the checkpoint's tensors are read to.
+    """
     if path is None:
         return detector
     path = Path(path)
@@ -60,13 +66,14 @@ def load_stage1_encoder(
 
 
 class HeatmapDetector(nn.Module):
-    """One heatmap (logit map) per landmark on the input grid, from the stage-1 dense encoder.
+    """One heatmap (logit map) per landmark on the input grid, from the stage-1 dense encoder (CC2D's stage 2,
+    paper Sec. 4).
 
     Args:
         spatial_dims: 2 or 3.
         n_landmarks: number of output channels (landmarks).
         backbone, in_channels, embed_dim, strides, channels, pretrained_path: as for
-            :func:`bundle.networks.contrastive.build_encoder` (must match the stage-1 network to load it).
+            :class:`bundle.networks.contrastive.ContrastiveLandmarkNet` (must match the stage-1 network to load it).
         head_channels: width of the head's hidden convolutions.
 
     The encoder starts random; :func:`load_stage1_encoder` gives it a stage-1 checkpoint's weights.

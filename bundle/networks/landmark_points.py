@@ -35,6 +35,12 @@ class LandmarkPointsNet(torch.nn.Module):
     (``torch.jit.script``). Its state dict is the wrapped network's, so the bundle's ``model.pt`` loads into it
     unchanged (strict); the template features are non-persistent buffers (they travel inside a TorchScript export).
     An image on another grid than the template features' is refused.
+
+    Args:
+        network: the contrastive network (:class:`bundle.networks.contrastive.ContrastiveLandmarkNet`), of the
+            template features' strides.
+        template: a template feature dict, or the path of its file (:mod:`bundle.template_file`; a relative path
+            missing from the working directory is taken in the bundle's folder).
     """
 
     grid_size: List[int]

@@ -75,6 +75,13 @@ class GaussianHeatmapd(MapTransform):
     The landmarks' grid positions come from the item's ``label`` and ``grid_to_physical``
     (:func:`bundle.geometry.grid_landmarks`), the grid from the image ``keys`` (one key); the heatmap is a
     MetaTensor with the image's metadata (affine), ready for a joint spatial augmentation.
+
+    Args:
+        keys: the image key (one key).
+        sigma: the Gaussians' standard deviation in grid pixels.
+        heatmap_key: where to write the heatmaps ``(L, *S)``, peak 1 at a landmark on a pixel centre.
+        mask_key: where to write the mask ``(L,)``: 1 = labelled, 0 = missing (an all-zero channel).
+        allow_missing_keys: MONAI's flag.
     """
 
     backend = GaussianHeatmap.backend

@@ -379,7 +379,13 @@ class LandmarkTargetsd(MapTransform):
 
 class LandmarkPointsd(MapTransform):
     """Post-processing: ``points`` = the predictions ``pred`` (physical mm) in the datalist convention
-    (2D: original-image pixels ``[x, y]``; 3D: world mm), from the item's ``spacing``."""
+    (2D: original-image pixels ``[x, y]``; 3D: world mm), from the item's ``spacing``.
+
+    Args:
+        keys: the predictions' key (the first present one is read), ``(L, D)`` in physical mm.
+        spacing_key: the item's spacing (mm per pixel of the original image).
+        output_key: where to write the points ``(L, D)``, float64.
+    """
 
     def __init__(self, keys: KeysCollection = "pred", spacing_key: str = "spacing", output_key: str = "points") -> None:
         super().__init__(keys)

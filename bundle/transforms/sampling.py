@@ -104,6 +104,14 @@ class SamplingWeightd(MapTransform):
         ValueError: a map with more than one channel or other than 2 or 3 spatial dims, NaN or negative
             entropy, an unknown mode, or the threshold mode without a threshold.
         KeyError: a missing key when ``allow_missing_keys`` is False.
+
+    Example:
+        >>> import torch
+        >>> entropy = torch.zeros(1, 4, 4)
+        >>> entropy[:, :, 2] = 1.0  # 1 bit in one column
+        >>> weights = SamplingWeightd("image_entropy")({"image_entropy": entropy})["image_entropy_weight"]
+        >>> weights[0, 0]  # the flat rest is never drawn
+        tensor([0.0000, 0.0000, 0.2500, 0.0000])
     """
 
     backend = SamplingWeight.backend

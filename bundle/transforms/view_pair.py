@@ -200,7 +200,7 @@ class RandAffineCrop(RandomizableTransform):
 class RandViewPaird(Randomizable, MapTransform):
     """Cut a randomly rotated/scaled crop from a whole image and place query pixels drawn ∝ rho in both views.
 
-    Sampling (paper step 1): the first query (the anchor) is drawn from the whole image with probability
+    Sampling (paper step 1, Sec. 3.2): the first query (the anchor) is drawn from the whole image with probability
     proportional to the weight map (:class:`QuerySampler`). The crop box is then placed around it, rotated
     and zoomed (:class:`RandAffineCrop`). The other ``num_queries - 1`` queries are drawn ∝ weight among the
     image pixels that land at least ``margin`` pixels inside the transformed crop (a region that holds the
