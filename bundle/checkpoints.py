@@ -91,6 +91,14 @@ def load_weights(network: torch.nn.Module, path: str | Path, device: torch.devic
 
     Checkpoints load with ``torch.load(weights_only=True)`` (:func:`read_state_dict`); a missing, empty,
     truncated or foreign file, a file that is no state dict, and mismatched keys raise errors that name the file.
+
+    Args:
+        network: the network the weights are for.
+        path: the checkpoint file.
+        device: where the weights are read to and the network is moved.
+
+    Returns:
+        ``network``, loaded, on ``device``.
     """
     path = Path(path)
     state = read_state_dict(path, device)
@@ -103,7 +111,13 @@ def load_weights(network: torch.nn.Module, path: str | Path, device: torch.devic
 
 def initial_weights(network: torch.nn.Module, path: str | Path | None, device: torch.device | str) -> torch.nn.Module:
     """``network`` on ``device``, with the weights of ``path`` when given (``init_weights``: a fine-tuning's start),
-    else as initialised."""
+    else as initialised.
+
+    Args:
+        network: the network.
+        path: a checkpoint (:func:`load_weights`), None or empty: none.
+        device: where the network goes.
+    """
     return load_weights(network, path, device) if path else network.to(device)
 
 
@@ -181,6 +195,17 @@ def resume_path(ckpt_dir: str | Path, resume: bool | str, filename: str = "last.
 
     ``resume: true`` with no such file starts afresh (nothing to resume, e.g. the first run); a path that
     does not exist is an error.
+
+    Args:
+        ckpt_dir: the training's checkpoint folder.
+        resume: a checkpoint path, or a yes/no value (``true``: ``ckpt_dir/filename``).
+        filename: the last checkpoint's file name.
+
+    Returns:
+        the checkpoint path, None: start afresh.
+
+    Raises:
+        FileNotFoundError: ``resume`` is a path that does not exist.
     """
     if isinstance(resume, str) and resume.lower() not in ("true", "false", ""):
         if not Path(resume).is_file():
@@ -197,6 +222,10 @@ def check_training_outputs(output_dir: str | os.PathLike, folders: list[str | os
     folder) or replace: a folder below ``output_dir`` (itself not: the user's choice) on the way to one of ``folders``
     (the checkpoint folder first, then the others it writes to), or a checkpoint (``*.pt``) or record (``*.json``) in
     the first.
+
+    Args:
+        output_dir: the training's output folder.
+        folders: the folders it writes to, its checkpoint folder first.
 
     Raises:
         FileExistsError: naming the link.

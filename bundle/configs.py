@@ -61,7 +61,21 @@ def bundle_parser(
 def check_crop_size(crop_size: Any, image_size: Any, spatial_dims: int, batch_size: int, stride: int = 16) -> list[int]:
     """``crop_size`` checked as :func:`check_image_size` does (naming ``crop_size``), no larger than ``image_size``,
     and large enough that a batch's coarsest crop features hold more than one value per channel (BatchNorm of
-    the light encoder fails on one: ``crop_size`` 16 with ``batch_size`` 1, say)."""
+    the light encoder fails on one: ``crop_size`` 16 with ``batch_size`` 1, say).
+
+    Args:
+        crop_size: the training crops' size, one int per axis.
+        image_size: the network grid (:func:`check_image_size`).
+        spatial_dims: 2 or 3.
+        batch_size: the training batch size.
+        stride: the encoders' deepest stride, what each size must be divisible by.
+
+    Returns:
+        ``crop_size`` as a list of ints.
+
+    Raises:
+        ValueError: naming the key and the value.
+    """
     batch_size = as_number(batch_size, "batch_size", minimum=1, integer=True)
     crop = check_image_size(crop_size, spatial_dims, stride, key="crop_size")
     image = check_image_size(image_size, spatial_dims, stride)
@@ -110,7 +124,13 @@ def as_flag(value: Any, key: str, path: bool = False) -> bool | str:
 
     Every config reads its yes/no keys through this (``$bundle.configs.as_flag(@key, 'key')``). Anything else
     raises ``ValueError`` naming ``key`` and the value; with ``path`` (``resume``: yes/no or a checkpoint) any
-    other string is returned as given."""
+    other string is returned as given.
+
+    Args:
+        value: the config value.
+        key: its key, for the error.
+        path: any other non-empty string is a path, returned as given.
+    """
     if isinstance(value, bool):
         return value
     if isinstance(value, int) and value in (0, 1):
@@ -132,7 +152,11 @@ def available_cpus() -> int:
 def check_cpu_threads(cpu_threads: int | str | None) -> int | str | None:
     """``cpu_threads`` as given (null, ``auto`` or a positive integer), an integer above :func:`available_cpus`
     lowered to it with a warning naming the key (more threads than CPUs only slow torch down, and 100000 crashed
-    it); another value raises ValueError naming the key."""
+    it); another value raises ValueError naming the key.
+
+    Args:
+        cpu_threads: the config's ``cpu_threads``.
+    """
     if cpu_threads is None or cpu_threads == "auto":
         return cpu_threads
     if isinstance(cpu_threads, bool) or not isinstance(cpu_threads, int) or cpu_threads < 1:
@@ -353,7 +377,13 @@ def _config_ids(config: Any, prefix: str = "") -> set[str]:
 
 def positive_numbers(value: Any, key: str, count: int) -> list[float]:
     """``count`` positive finite numbers (a per-axis spacing in mm, say), refused naming ``key`` otherwise (MONAI's
-    ``Spacingd`` pads a short list and ignores extra or zero entries)."""
+    ``Spacingd`` pads a short list and ignores extra or zero entries).
+
+    Args:
+        value: the config value.
+        key: its key, for the error.
+        count: how many numbers (one per axis).
+    """
     if (
         not isinstance(value, (list, tuple))
         or len(value) != count
@@ -365,7 +395,12 @@ def positive_numbers(value: Any, key: str, count: int) -> list[float]:
 
 def intensity_window(value: Any, key: str) -> tuple[float, float]:
     """``[low, high]`` with low < high (a CT window in HU), refused naming ``key`` otherwise (reversed, it inverts
-    the contrast; equal, it divides by zero)."""
+    the contrast; equal, it divides by zero).
+
+    Args:
+        value: the config value.
+        key: its key, for the error.
+    """
     if not isinstance(value, (list, tuple)) or len(value) != 2 or not all(is_finite_number(v) for v in value):
         raise ValueError(f"{key}: expected [low, high], two numbers, got {value!r}")
     if not value[0] < value[1]:
@@ -375,7 +410,15 @@ def intensity_window(value: Any, key: str) -> tuple[float, float]:
 
 def as_number(value: Any, key: str, minimum: float | None = None, integer: bool = False, maximum: float | None = None):
     """A numeric config value (an int when ``integer``), refused (``ValueError`` naming ``key`` and the value) when
-    it is not a finite number (a bool, NaN, text), below ``minimum`` or above ``maximum``."""
+    it is not a finite number (a bool, NaN, text), below ``minimum`` or above ``maximum``.
+
+    Args:
+        value: the config value.
+        key: its key, for the error.
+        minimum: the lowest value allowed, None: no bound.
+        integer: the value must be an integer, returned as an int.
+        maximum: the highest value allowed, None: no bound.
+    """
     ok = is_finite_number(value) and (not integer or float(value).is_integer())
     if not ok or (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
         kind = "an integer" if integer else "a finite number"

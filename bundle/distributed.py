@@ -18,7 +18,11 @@ def rank_device() -> torch.device:
 
 
 def init_process_group(device: torch.device) -> None:
-    """Join the process group (NCCL on GPUs, gloo on CPUs) unless joined, and make ``device`` the current GPU."""
+    """Join the process group (NCCL on GPUs, gloo on CPUs) unless joined, and make ``device`` the current GPU.
+
+    Args:
+        device: this process's device (:func:`rank_device`).
+    """
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
     if torch.cuda.is_available():
@@ -26,7 +30,11 @@ def init_process_group(device: torch.device) -> None:
 
 
 def device_ids(device: torch.device) -> list[torch.device] | None:
-    """``DistributedDataParallel``'s ``device_ids``: the process's GPU, none on a CPU."""
+    """``DistributedDataParallel``'s ``device_ids``: the process's GPU, none on a CPU.
+
+    Args:
+        device: this process's device (:func:`rank_device`).
+    """
     return [device] if device.type == "cuda" else None
 
 
@@ -36,7 +44,12 @@ def rank() -> int:
 
 
 def on_rank_0(rank_0: Any, others: Any) -> Any:
-    """``rank_0`` in the process of rank 0 (console, TensorBoard, checkpoints), ``others`` in the others."""
+    """``rank_0`` in the process of rank 0 (console, TensorBoard, checkpoints), ``others`` in the others.
+
+    Args:
+        rank_0: what rank 0 gets (its handlers, say).
+        others: what the other ranks get.
+    """
     return rank_0 if rank() == 0 else others
 
 

@@ -38,5 +38,9 @@ def progress(iterable: Iterable, description: str, total: int | None = None) -> 
 
 def progress_handlers(flag: Any) -> list:
     """The training's console progress bar (Ignite's ``ProgressBar``, cleared when an epoch ends) when ``flag``
-    (``progress_bar``, a yes/no value) is on, else none."""
+    is on, else none.
+
+    Args:
+        flag: ``progress_bar``, a yes/no value.
+    """
     return [ProgressBar(persist=False)] if as_flag(flag, "progress_bar") else []

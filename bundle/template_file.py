@@ -93,7 +93,11 @@ def _plain(value: Any) -> Any:
 def bundle_path(path: str | os.PathLike) -> Path:
     """``path``; a relative path missing from the working directory is taken in the bundle's own folder (the
     configs' ``bundle_root: .`` then also works for tools that build the network from elsewhere, e.g.
-    ``monai.bundle.load``)."""
+    ``monai.bundle.load``).
+
+    Args:
+        path: a file or folder path.
+    """
     path = Path(path)
     if not path.exists() and not path.is_absolute() and (BUNDLE_DIR / path).exists():
         return BUNDLE_DIR / path

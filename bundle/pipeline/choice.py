@@ -56,7 +56,12 @@ SHIPPED_WEIGHTS = "models/model.pt"
 def default_detectors(bundle_root: str | os.PathLike, candidates: Sequence[str] = DEFAULT_DETECTORS) -> list[str]:
     """The candidates of ``pipeline: auto`` under ``bundle_root`` (:data:`DEFAULT_DETECTORS`; a fine-tuning's:
     :data:`STARTING_DETECTORS`), in that order; a relative one missing from the working directory is taken in the
-    bundle's own folder, as the configs' files are (:func:`bundle.template_file.bundle_path`)."""
+    bundle's own folder, as the configs' files are (:func:`bundle.template_file.bundle_path`).
+
+    Args:
+        bundle_root: the configs' ``bundle_root``.
+        candidates: the detector checkpoints, relative to ``bundle_root``.
+    """
     return [str(bundle_path(Path(bundle_root) / p)) for p in candidates]
 
 
@@ -65,7 +70,13 @@ def builtin_templates(
 ) -> Path | None:
     """The built-in template file (:data:`SHIPPED_TEMPLATE`, absolute) when the run matches as the shipped model does:
     from that file with the shipped weights (:data:`SHIPPED_WEIGHTS`); else None (a template file or weights of the
-    user's). Paths are found as the configs find them (:func:`bundle.template_file.bundle_path`)."""
+    user's). Paths are found as the configs find them (:func:`bundle.template_file.bundle_path`).
+
+    Args:
+        template_path: the run's template feature file.
+        ckpt_path: the run's weights.
+        bundle_root: the configs' ``bundle_root``.
+    """
     root = Path(bundle_root)
     shipped = [(template_path, root / SHIPPED_TEMPLATE), (ckpt_path, root / SHIPPED_WEIGHTS)]
     found = [(bundle_path(given), bundle_path(own)) for given, own in shipped]
@@ -237,7 +248,16 @@ def starting_detector(
     the fine-tuning's grid keeps the landmarks' scale in mm). At 5 labels that is the one-label stage-2 detector made
     from one of them, at 10 the 5-label detector on the coarser grid. Chosen on the validation images over two seeds:
     docs/results.md, "Fine-tuning continues the stage-2 detector". A random start (``random_init`` on) continues
-    none."""
+    none.
+
+    Args:
+        detectors: the candidate checkpoints (:func:`default_detectors` of :data:`STARTING_DETECTORS`).
+        items: the fine-tuning's human-labelled training items.
+        landmark_names: the run's landmarks.
+        network: the detector's network settings (``spatial_dims`` among them).
+        datalist: the run's datalist, for its validation and test images.
+        random_init: a yes/no value.
+    """
     if as_flag(random_init, "random_init"):
         return None
     labelled = [_real(it["image"]) for it in items]
@@ -337,6 +357,15 @@ def pseudo_label_refinement(
 ) -> DescriptorRefinement | None:
     """The XFeat refinement of stage 2's pseudo-labels (configs/train_stage2.yaml), or None, from the human-labelled
     ones of its ``templates``, within :data:`~bundle.inferers.refinement.PSEUDO_LABEL_RADIUS_MM`; ``auto`` refines
-    them (validation: docs/results.md, "A pretrained fine step")."""
+    them (validation: docs/results.md, "A pretrained fine step").
+
+    Args:
+        setting: ``xfeat_refinement``: ``auto`` or a yes/no value (:func:`refinement_setting`).
+        templates: stage 2's templates (pseudo-templates among them are left out).
+        spatial_dims: 2 or 3 (the refinement is 2D only).
+        combine: ``template_combine``, how the templates' votes combine (:data:`bundle.kshot.COMBINE_RULES`).
+        load_transforms: how the pipeline reads an image file
+            (:class:`bundle.inferers.refinement.DescriptorRefinement`).
+    """
     human = [t for t in templates if not t.get("pseudo_label")]
     return choose_refinement(setting, human, spatial_dims, combine, True, PSEUDO_LABEL_RADIUS_MM, load_transforms)

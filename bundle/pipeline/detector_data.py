@@ -126,7 +126,17 @@ def detector_record(
     that are not pseudo-templates for pseudo-labels) and their number ``n_labelled``, its ``training_images`` (real
     paths), the grid ``image_size``, its ``landmark_names``, the ``network`` settings of
     :class:`bundle.networks.detector.HeatmapDetector` (:func:`recorded_detector`) and ``init_weights``, the detector
-    it continued (real path; null: it started from a stage-1 encoder or at random)."""
+    it continued (real path; null: it started from a stage-1 encoder or at random).
+
+    Args:
+        templates: the templates that made the pseudo-labels (None or empty: human labels).
+        labels: ``detector_labels``: ``pseudo`` or ``human``.
+        items: the detector's training items.
+        image_size: the grid it is trained on.
+        landmark_names: its landmarks.
+        network: its :class:`bundle.networks.detector.HeatmapDetector` settings (``detector_network``).
+        init_weights: the detector it continues, None: none.
+    """
     templates = list(templates or [])
     labelled = items if labels == "human" else [t for t in templates if not t.get("pseudo_label")]
     content = {
@@ -223,7 +233,14 @@ def finetune_grid(n_labelled: int, spatial_dims: int, fine_from: int, scale: flo
     """The grid of a detector fine-tuned on ``n_labelled`` human labels: :func:`base_grid`, or in 2D from
     ``fine_from`` labels on, ``scale`` times it (rounded to the encoder's stride 16). A finer grid places the peaks
     more finely but confuses similar structures more often with few labels (docs/results.md, "The grid grows with
-    the labels": chosen on validation images at 5 and 10 labels over two seeds)."""
+    the labels": chosen on validation images at 5 and 10 labels over two seeds).
+
+    Args:
+        n_labelled: the fine-tuning's number of human-labelled images.
+        spatial_dims: 2 or 3.
+        fine_from: ``fine_grid_labels``, the number of labels from which the grid is finer.
+        scale: ``fine_grid_scale``, how much finer.
+    """
     base = base_grid(spatial_dims)
     if spatial_dims != 2 or n_labelled < int(fine_from):
         return base
@@ -233,7 +250,13 @@ def finetune_grid(n_labelled: int, spatial_dims: int, fine_from: int, scale: flo
 def follow_grid(key: str, image_size: Sequence[int], spatial_dims: int) -> float:
     """train_stage2.yaml's ``key`` (a length in grid pixels: the heatmap's sigma, the translation range) scaled
     from :func:`base_grid` to ``image_size`` so that it stays the same in mm (by the first axis: a length in grid
-    pixels is one number for every axis)."""
+    pixels is one number for every axis).
+
+    Args:
+        key: the key of train_stage2.yaml (``heatmap_sigma``, ``affine_translate``).
+        image_size: the detector's grid.
+        spatial_dims: 2 or 3.
+    """
     return float(base_setting(key, spatial_dims)) * float(image_size[0]) / float(base_grid(spatial_dims)[0])
 
 
@@ -264,7 +287,15 @@ def load_detector(
 
 def labelled_items(datalist: dict, n_labelled: int | None = None) -> list[dict]:
     """The first ``n_labelled`` (None = all) labelled training items outside the validation and test splits
-    (the human labels of fine-tuning)."""
+    (the human labels of fine-tuning).
+
+    Args:
+        datalist: the run's datalist.
+        n_labelled: how many items, None: all.
+
+    Raises:
+        ValueError: ``n_labelled`` below 1 or above the number of labelled training items.
+    """
 
     held_out = held_out_images(datalist)
     items = [dict(it) for it in labelled_training_items(datalist) if it["image"] not in held_out]
@@ -345,7 +376,17 @@ def stage2_templates(
 ) -> list[dict]:
     """Stage 2's templates (configs/train_stage2.yaml): those recorded in an earlier run's ``pseudo_labels`` file,
     else the evaluation's choice on ``datalist`` with the stage-1 ``network``
-    (:func:`bundle.templates.resolution.resolve_templates` with the keyword arguments ``choice``)."""
+    (:func:`bundle.templates.resolution.resolve_templates` with the keyword arguments ``choice``).
+
+    Args:
+        pseudo_labels: an earlier run's pseudo-label datalist (``output_dir/pseudo_labels.json``), None: match.
+        datalist: the run's datalist.
+        network: the stage-1 network.
+        preprocessing: the evaluation's preprocessing of an item.
+        device: where the matching runs.
+        **choice: the template choice of :func:`bundle.templates.resolution.resolve_templates` (``rule``,
+            ``max_templates``, the pseudo-templates' settings, ...).
+    """
     if not is_unset(pseudo_labels):
         return pseudo_label_templates(pseudo_labels)
     return resolve_templates(datalist, network, preprocessing, device, **choice)
@@ -365,7 +406,22 @@ def stage2_items(
 ) -> list[dict]:
     """Stage 2's training items with their (pseudo-)labels: an earlier run's ``pseudo_labels`` file read again
     (:func:`read_pseudo_labels`), else every training item of ``datalist`` labelled by matching from ``templates``
-    (:func:`pseudo_labelled_items`, written to ``output_path``); validation and test images are never among them."""
+    (:func:`pseudo_labelled_items`, written to ``output_path``); validation and test images are never among them.
+
+    Args:
+        pseudo_labels: an earlier run's pseudo-label datalist, None: match.
+        cycle_tolerance: ``pseudo_label_tolerance``, the largest forward-backward cycle error (grid pixels) of a
+            pseudo-labelled landmark kept, None: every one.
+        datalist: the run's datalist.
+        network: the stage-1 network.
+        templates: stage 2's templates (:func:`stage2_templates`).
+        preprocessing: the evaluation's preprocessing of an item.
+        device: where the matching runs.
+        combine: how the templates' predictions combine per landmark (:data:`bundle.kshot.COMBINE_RULES`).
+        output_path: where the pseudo-label datalist is written.
+        refinement: the pseudo-labels' XFeat refinement
+            (:func:`bundle.pipeline.choice.pseudo_label_refinement`), None: none.
+    """
     if not is_unset(pseudo_labels):
         return read_pseudo_labels(pseudo_labels, cycle_tolerance)
     return pseudo_labelled_items(
@@ -383,7 +439,12 @@ def stage2_items(
 
 def encoder_checkpoint(init_checkpoint: str | Path | None, random_init: bool | str) -> str | Path | None:
     """The stage-1 checkpoint whose image encoder starts the detector: ``init_checkpoint``, None (random weights)
-    with ``random_init`` on."""
+    with ``random_init`` on.
+
+    Args:
+        init_checkpoint: the stage-1 checkpoint.
+        random_init: a yes/no value.
+    """
     return None if as_flag(random_init, "random_init") else init_checkpoint
 
 
@@ -394,7 +455,14 @@ def initial_detector(
     device: torch.device | str,
 ) -> HeatmapDetector:
     """The detector before training, on ``device``: the whole detector of ``init_weights`` (a fine-tuning continuing
-    a detector), else its encoder from the stage-1 ``encoder_checkpoint`` (None: random weights)."""
+    a detector), else its encoder from the stage-1 ``encoder_checkpoint`` (None: random weights).
+
+    Args:
+        network: the detector as built.
+        init_weights: a detector checkpoint, None or empty: none.
+        encoder_checkpoint: the stage-1 checkpoint (:func:`encoder_checkpoint`).
+        device: where the detector goes.
+    """
     if init_weights:
         return load_weights(network, init_weights, device)
     return load_stage1_encoder(network, encoder_checkpoint).to(device)
@@ -402,5 +470,10 @@ def initial_detector(
 
 def rotation_range(degrees: float, spatial_dims: int) -> list[float]:
     """``RandAffined``'s rotation range (radians) for ``degrees``: about the one axis of a 2D image, the three of a
-    volume."""
+    volume.
+
+    Args:
+        degrees: ``affine_rotate``, the largest rotation.
+        spatial_dims: 2 or 3.
+    """
     return [float(np.deg2rad(degrees))] * (1 if int(spatial_dims) == 2 else 3)

@@ -82,24 +82,44 @@ def build_predictor(
     """The :class:`Predictor` of a run (configs/evaluate.yaml, configs/inference.yaml).
 
     Args:
-        pipeline: ``auto``, ``detector`` or ``templates``: the choice among ``detectors`` (checkpoints) by
-            :func:`bundle.pipeline.choice.choose_detector`, with ``landmark_names``, ``spatial_dims``, the run's
-            ``datalist`` (its labels at hand; None: inferring from a template file, ``builtin`` the shipped one),
-            ``max_templates``, ``test_images`` and ``enough_labels``.
+        pipeline: ``auto``, ``detector`` or ``templates``: the choice among ``detectors`` by
+            :func:`bundle.pipeline.choice.choose_detector`.
+        detectors: the candidate detector checkpoints.
+        landmark_names: the run's landmarks (a detector must have been trained for them).
+        spatial_dims: 2 or 3.
+        datalist: the run's datalist (its labels at hand); None: inferring from a template file.
         encoder: the contrastive network with the weights of ``ckpt_path``, which matching uses.
+        ckpt_path: the contrastive network's weights, named in the report when matching predicts.
         preprocessing: the matching network's (load, grey, [0, 1], its grid); a detector's is moved to the grid
-            recorded beside it. ``device``: where the networks run.
+            recorded beside it.
+        device: where the networks run.
         backbone, embed_dim, strides: a detector's network settings where its record lacks them.
+        max_templates: the most templates taken from the datalist's labelled training items: what ``auto`` weighs
+            a detector's labels against, the refinement's templates.
         template_combine: how several templates' votes combine (matching and the refinement).
         shift_tta: a detector's test-time shifts (:class:`bundle.inferers.heatmap.HeatmapInferer`).
-        xfeat_refinement: ``auto``, true or false (:func:`bundle.pipeline.choice.prediction_refinement`), reading
-            images as ``load_transforms`` do.
+        xfeat_refinement: ``auto``, true or false (:func:`bundle.pipeline.choice.prediction_refinement`).
+        load_transforms: how the refinement reads an image file.
         choose_templates: evaluating: the template items matched from, chosen as the evaluation starts (a
             :class:`bundle.handlers.templates.TemplateHandler`), matched by a
-            :class:`bundle.inferers.oneshot.OneShotInferer` with ``contrast_adaptation`` and
-            ``registration_tolerance``.
+            :class:`bundle.inferers.oneshot.OneShotInferer`.
         template_features: inferring: the template features matched from (called only when matching), by a
             :class:`bundle.inferers.oneshot.TemplateFeatureInferer`.
+        contrast_adaptation: evaluating's matching also from the inputs mapped to a template's contrast (a yes/no
+            value, :func:`matching_inferer`).
+        registration_tolerance: evaluating's matching falls back to the registered template's landmarks beyond this
+            many grid pixels (None: no registration, :func:`matching_inferer`).
+        test_images: the images predicted; ``auto`` takes no detector trained on one of them (``detector`` warns).
+        builtin: the shipped template file when inferring from it (:func:`bundle.pipeline.choice.builtin_templates`),
+            whose shipped detectors ``auto`` weighs without a datalist.
+        enough_labels: ``auto`` takes a detector that learnt from this many labelled images whatever the number of
+            templates.
+
+    Returns:
+        the run's :class:`Predictor`.
+
+    Raises:
+        ValueError: neither or both of ``choose_templates`` and ``template_features`` given.
     """
     if (choose_templates is None) == (template_features is None):
         raise ValueError("build_predictor: give either choose_templates (evaluating) or template_features (inferring)")

@@ -80,7 +80,13 @@ def template_source_names(
     spatial_dims: int | None = None,
 ) -> list[str]:
     """The landmark names of the template source: ``template_datalist`` when given (refused when its spatial
-    dimensions are not ``spatial_dims``), else the feature file."""
+    dimensions are not ``spatial_dims``), else the feature file.
+
+    Args:
+        template_path: the template feature file.
+        template_datalist: a datalist the templates come from, None: the feature file's.
+        spatial_dims: 2 or 3, the datalist's checked (None: not checked).
+    """
     if template_datalist:
         return list(open_datalist(template_datalist, spatial_dims)["landmark_names"])
     return load_template(template_path)["landmark_names"]
@@ -177,6 +183,21 @@ def resolve_template_features(
     by :func:`template_cache_key` (``image_size``: the network grid) and read back by later calls with the same
     datalist, images, weights, template choice, grid, network strides and bundle version instead of choosing and
     computing the templates again.
+
+    Args:
+        template_path: the template feature file (:mod:`bundle.template_file`).
+        template_datalist: a datalist to choose the templates from, None: the feature file.
+        network: the contrastive network that computes the features.
+        preprocessing: the matching's preprocessing of an item.
+        device: where the features are computed.
+        checkpoint: the weights of ``network``; a feature file computed with others is refused.
+        cache_dir: ``template_cache``: a folder, or a yes/no value (:func:`template_cache_dir`).
+        image_size: the network grid, part of the cache key.
+        **choice: the template choice of :func:`bundle.templates.resolution.resolve_templates` (``rule``,
+            ``max_templates``, the pseudo-templates' settings, ...).
+
+    Returns:
+        the template features (:mod:`bundle.template_file`).
     """
     check_rule(choice.setdefault("rule", "landmarks"))
     if not template_datalist:

@@ -69,12 +69,23 @@ def default_template(datalist: dict) -> dict:
 
 
 def default_templates(datalist: dict) -> list[dict]:
-    """The datalist's templates (:func:`template_items`), else its first labelled training item (validation)."""
+    """The datalist's templates (:func:`template_items`), else its first labelled training item (validation).
+
+    Args:
+        datalist: the run's datalist.
+    """
     return template_items(datalist) or [default_template(datalist)]
 
 
 def with_templates(inferer, items: list[dict], preprocessing, device: torch.device | str):
-    """Give ``inferer`` (a ``bundle.inferers.oneshot.OneShotInferer``) the template ``items`` and return it."""
+    """Give ``inferer`` (a ``bundle.inferers.oneshot.OneShotInferer``) the template ``items`` and return it.
+
+    Args:
+        inferer: the matching inferer.
+        items: the template items (image and landmarks).
+        preprocessing: the matching's preprocessing of an item.
+        device: where the templates' images and landmarks go.
+    """
     prepared = [prepare_template(item, preprocessing) for item in progress(items, "templates")]
     inferer.set_templates([image.to(device) for image, _ in prepared], [points.to(device) for _, points in prepared])
     return inferer
@@ -206,6 +217,27 @@ def resolve_templates(
     matching from the templates (combined by ``combine``) and the ``pseudo_templates`` most reliable ones are
     added by forward-backward cycle error, each without its landmarks whose cycle error exceeds
     ``cycle_tolerance`` grid pixels (:func:`bundle.templates.pseudo_labels.select_pseudo_templates`).
+
+    Args:
+        datalist: the run's datalist.
+        network: the contrastive network that matches.
+        preprocessing: the matching's preprocessing of an item.
+        device: where the matching runs.
+        rule: ``landmarks`` or ``features`` (:func:`ranked_templates`).
+        max_images: the most training images ranked.
+        max_templates: the most labelled templates chosen (>= 1).
+        pseudo_candidates: the images labelled by matching to draw pseudo-templates from (>= 0).
+        pseudo_templates: the pseudo-templates added (>= 0).
+        cycle_tolerance: the largest forward-backward cycle error (grid pixels) of a pseudo-template's landmark
+            kept.
+        combine: how the templates' predictions combine per landmark (:data:`bundle.kshot.COMBINE_RULES`).
+        pseudo_max_labelled: the most labelled templates with which pseudo-templates are added, None: any number.
+
+    Returns:
+        the template items, test images left out.
+
+    Raises:
+        ValueError: a count out of range, or an unknown ``rule``.
     """
     if pseudo_templates < 0 or pseudo_candidates < 0:
         raise ValueError(

@@ -329,7 +329,8 @@ def crop_augmentation(
     else the baseline's uniform ``baseline_brightness`` / ``baseline_contrast`` in every group.
 
     Args:
-        keys: the image keys; ``entropy_key``: their IIE maps.
+        keys: the image keys.
+        entropy_key: the key of their IIE maps.
         augmentation: the configs' ``augmentation`` (scripts/estimate_augmentation.py writes one).
         adaptive_augmentation: the ablation switch (a yes/no value).
         baseline_brightness, baseline_contrast: the baseline's intensities.
