@@ -8,7 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 from bundle.configs import as_flag, bundle_parser, config_files
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,16 +48,35 @@ def _strings(value, prefix=""):
 
 def _flags_and_readers(files):
     """The yes/no keys of the merged ``files`` (top-level keys whose value is true or false) and, for each,
-    the ids of the config strings that refer to it."""
+    the ids of the config strings (or components) that read it."""
     config = bundle_parser(files).get()
     flags = sorted(k for k, v in config.items() if isinstance(v, bool))
-    return {f: [i for i, text in _strings(config) if re.search(rf"@{f}(?![\w#])", text)] for f in flags}
+    return {
+        f: [_reader(config, i, text, f) for i, text in _strings(config) if re.search(rf"@{f}(?![\w#])", text)]
+        for f in flags
+    }
+
+
+def _reader(config, ident, text, flag):
+    """The id that reads ``flag``: ``ident``, or the component it is an argument of when it passes the key as it is
+    (``arg: '@flag'``: the component checks it, bundle.configs.as_flag in Python)."""
+    parent = ident.rpartition("#")[0]
+    node = config
+    for part in parent.split("#") if parent else []:
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    if text == f"@{flag}" and isinstance(node, dict) and "_target_" in node:
+        return parent
+    return ident
 
 
 def _comparable(value):
     """Parsed values compared by content (fresh objects of equal settings compare equal)."""
+    if isinstance(value, (np.ndarray, torch.Tensor)):
+        return value.tolist()
     if isinstance(value, (list, tuple)):
         return [_comparable(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _comparable(v) for k, v in value.items()}
     if hasattr(value, "__dict__") and not isinstance(value, type):
         return (type(value), {k: _comparable(v) for k, v in vars(value).items() if not k.startswith("_")})
     return value
