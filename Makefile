@@ -66,7 +66,7 @@ demo-3d: install
 	$(PY) -m monai.bundle run training --config_file "['configs/train.yaml','configs/train_3d.yaml']" \
 		--output_dir $(DEMO_DIR)_3d --epoch_length 15
 	$(PY) -m monai.bundle run evaluating \
-		--config_file "['configs/train.yaml','configs/train_3d.yaml','configs/evaluate.yaml','configs/evaluate_3d.yaml']" \
+		--config_file "['configs/train.yaml','configs/train_3d.yaml','configs/evaluate.yaml']" \
 		--output_dir $(DEMO_DIR)_3d/eval --ckpt_path $(DEMO_DIR)_3d/models/ct3d/model.pt --pipeline templates
 
 # the lint gate: ruff's checks and formatting (pyproject.toml [tool.ruff]); `ruff format .` fixes the latter
