@@ -561,8 +561,12 @@ def test_archive_holds_the_product_not_the_experiments_nor_the_result_records(zi
     names = {n.split("/", 1)[1] for n in zipfile.ZipFile(zipped).namelist()}
     assert "scripts/package.py" in names and "scripts/prepare_data.py" in names
     assert not any(n.startswith("scripts/experiments/") for n in names)
-    # the model card, the guides it links (and theirs), its own figure, the data's terms; no result record
-    assert {"docs/README.md", "docs/results.md", "docs/configuration.md", "docs/results_labels_loop.png"} <= names
+    # the model card, the guides it links (and theirs), the figures the card itself links, the data's terms; no result
+    # record, no other figure
+    card = packaging.linked_docs(ROOT, ROOT / "docs" / "README.md")
+    figures = {p.relative_to(ROOT).as_posix() for p in card if p.suffix == ".png"}
+    assert {"docs/README.md", "docs/results.md", "docs/configuration.md"} | figures <= names
+    assert {n for n in names if n.startswith("docs/") and n.endswith(".png")} == figures
     assert "docs/data_license.txt" in names and not any(n.startswith("docs/") and n.endswith(".json") for n in names)
     assert "docs/results_mre.png" not in names
 
