@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,7 +17,6 @@ from bundle.data.synthetic import generate_synthetic_2d
 from bundle.engines.contrastive import ContrastiveIterationUpdate
 from bundle.losses.infonce import MultiScaleInfoNCELoss
 from bundle.networks.contrastive import ContrastiveLandmarkNet
-from monai.inferers import SimpleInferer
 from scripts.experiments.hard_negatives import cell_distances, hard_negative_statistics, scale_statistics
 from scripts.experiments.mixing import (
     FeatureTransformation,
@@ -30,6 +28,8 @@ from scripts.experiments.mixing import (
     unmix_draw,
     unmix_loss,
 )
+
+from tests.test_training_step import _engine
 
 COMPARISON = ["configs/train.yaml", "scripts/experiments/configs/comparison.yaml"]
 
@@ -220,33 +220,27 @@ def test_unmix_cutmix_pastes_a_box_of_the_partner_and_lam_is_the_own_share(dims)
     assert 0.4 < global_share < 0.6
 
 
-@pytest.mark.parametrize("global_prob", [1.0, 0.0])
-def test_training_step_unmix_feeds_the_mixed_crop_and_is_reproducible(global_prob):
+def _view_pair_batch() -> dict:
+    """A fixed batch of two view pairs (32x32 images, 16x16 crops, 4 queries)."""
     g = torch.Generator().manual_seed(0)
-    batch = {
+    return {
         "image": torch.rand(2, 1, 32, 32, generator=g),
         "crop": torch.rand(2, 1, 16, 16, generator=g),
         "query": 4 + 24 * torch.rand(2, 4, 2, generator=g),
         "crop_query": 4 + 8 * torch.rand(2, 4, 2, generator=g),
     }
+
+
+@pytest.mark.parametrize("global_prob", [1.0, 0.0])
+def test_training_step_unmix_feeds_the_mixed_crop_and_is_reproducible(global_prob):
+    batch = _view_pair_batch()
     losses, seen = [], []
     for _ in range(2):
         torch.manual_seed(0)
         net = ContrastiveLandmarkNet(channels=(4, 8, 8), strides=(4, 2), embed_dim=8)
         encode = net.encode_crops
         net.encode_crops = lambda x, encode=encode: seen.append(x.clone()) or encode(x)
-        engine = SimpleNamespace(
-            state=SimpleNamespace(device=torch.device("cpu"), output=None),
-            non_blocking=False,
-            network=net,
-            optimizer=torch.optim.Adam(net.parameters(), lr=1e-3),
-            loss_function=MultiScaleInfoNCELoss(0.1, 3),
-            optim_set_to_none=True,
-            inferer=SimpleInferer(),
-            amp=False,
-            scaler=None,
-            fire_event=lambda event: None,
-        )
+        engine = _engine(net, MultiScaleInfoNCELoss(0.1, 3))
         torch.manual_seed(7)
         draw = unmix_draw((16, 16), 1.0, global_prob)
         lam = draw.lam
@@ -319,29 +313,12 @@ def test_mixing_none_through_the_experiment_config_is_the_products_training_bit_
     losses = [p.get_parsed_content("loss") for p in (product, experiment)]
     assert losses[1].feature_mixing is None and steps[1].extra_loss is None
     assert vars(losses[0]) == vars(losses[1])
-    g = torch.Generator().manual_seed(0)
-    batch = {
-        "image": torch.rand(2, 1, 32, 32, generator=g),
-        "crop": torch.rand(2, 1, 16, 16, generator=g),
-        "query": 4 + 24 * torch.rand(2, 4, 2, generator=g),
-        "crop_query": 4 + 8 * torch.rand(2, 4, 2, generator=g),
-    }
+    batch = _view_pair_batch()
     results = []
     for step, loss_function in zip(steps, losses):
         torch.manual_seed(0)
         net = ContrastiveLandmarkNet(channels=(4, 8, 8), strides=(4, 2), embed_dim=8)
-        engine = SimpleNamespace(
-            state=SimpleNamespace(device=torch.device("cpu"), output=None),
-            non_blocking=False,
-            network=net,
-            optimizer=torch.optim.Adam(net.parameters(), lr=1e-3),
-            loss_function=loss_function,
-            optim_set_to_none=True,
-            inferer=SimpleInferer(),
-            amp=False,
-            scaler=None,
-            fire_event=lambda event: None,
-        )
+        engine = _engine(net, loss_function)
         loss = step(engine, dict(batch))["loss"]
         results.append((loss, [p.detach().clone() for p in net.parameters()]))
     assert torch.equal(results[0][0], results[1][0])
