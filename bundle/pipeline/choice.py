@@ -236,7 +236,7 @@ def starting_detector(
     landmark_names: Sequence[str],
     network: dict,
     datalist: dict,
-    random_init: bool | str = False,
+    random_start: bool = False,
 ) -> str | None:
     """The detector a fine-tuning on the human-labelled training ``items`` of ``datalist`` continues
     (configs/finetune.yaml ``init_weights``), or None: it starts from the stage-1 encoder.
@@ -247,7 +247,7 @@ def starting_detector(
     datalist's validation and test images (:func:`assess_detector`), on any grid (the network is convolutional and
     the fine-tuning's grid keeps the landmarks' scale in mm). At 5 labels that is the one-label stage-2 detector made
     from one of them, at 10 the 5-label detector on the coarser grid. Chosen on the validation images over two seeds:
-    docs/results.md, "Fine-tuning continues the stage-2 detector". A random start (``random_init`` on) continues
+    docs/results.md, "Fine-tuning continues the stage-2 detector". A random start (``random_start``) continues
     none.
 
     Args:
@@ -256,9 +256,10 @@ def starting_detector(
         landmark_names: the run's landmarks.
         network: the detector's network settings (``spatial_dims`` among them).
         datalist: the run's datalist, for its validation and test images.
-        random_init: a yes/no value.
+        random_start: whether the fine-tuning starts from random weights (no ``encoder_checkpoint``: ``--random_init
+            true``).
     """
-    if as_flag(random_init, "random_init"):
+    if random_start:
         return None
     labelled = [_real(it["image"]) for it in items]
     held_out = sorted(held_out_images(datalist))
