@@ -193,6 +193,7 @@ def test_fine_tuning_continues_the_detector_of_fewer_of_its_labels(tmp_path):
     three = _detector(tmp_path / "three", items=_labelled(3))
     args = (NAMES, NETWORK, datalist)
     assert starting_detector([str(stage2)], items, *args) == str(stage2)
+    assert starting_detector([str(stage2)], items, *args, random_start=True) is None  # --random_init true
     assert starting_detector([str(stage2), str(three)], items, *args) == str(three)  # the most labels
     coarse = _detector(tmp_path / "coarse", items=_labelled(4), image_size=[32, 32])
     assert starting_detector([str(coarse), str(three)], items, *args) == str(coarse)  # another grid: continued
