@@ -1,7 +1,8 @@
-"""What predicts a run's landmarks, built in one place (:func:`build_predictor`) for evaluating, inferring and the
-MONAI Label app: the pipeline that :func:`bundle.pipeline.choice.choose_detector` takes (a heatmap detector or
-template matching), its network with its weights, the preprocessing on that network's grid, its inferer, XFeat's
-fine step after it (:func:`bundle.pipeline.choice.prediction_refinement`) and what the reports say ran."""
+"""What predicts a run's landmarks, built in one place (:func:`build_predictor`) for evaluating and inferring (the
+MONAI Label app takes its matching inferer, :func:`matching_inferer`): the pipeline that
+:func:`bundle.pipeline.choice.choose_detector` takes (a heatmap detector or template matching), its network with its
+weights, the preprocessing on that network's grid, its inferer, XFeat's fine step after it
+(:func:`bundle.pipeline.choice.prediction_refinement`) and what the reports say ran."""
 
 from __future__ import annotations
 
@@ -39,13 +40,10 @@ class Predictor:
     templates: list[str]
     pseudo_templates: list[str]
     handlers: list
-
-    @property
-    def refining_inferer(self) -> RefiningInferer:
-        return self._refining_inferer
+    refining_inferer: RefiningInferer = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
-        self._refining_inferer = RefiningInferer(self.inferer, self.refinement)
+        self.refining_inferer = RefiningInferer(self.inferer, self.refinement)
 
     def provenance(self) -> dict[str, Any]:
         """What made the predictions, for metrics.json and provenance.json (:func:`bundle.reporting.run_provenance`)."""
