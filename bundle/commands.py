@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from bundle.configs import apply_cpu_threads, check_command_line, check_device, seed_everything
+from bundle.distributed import join_launched
 from bundle.progress import show_progress
 
 
@@ -18,7 +19,8 @@ def start_command(
     cpu_threads: int | str | None = None,
 ) -> torch.device:
     """Refuse a misread command line (:func:`bundle.configs.check_command_line`) and a device this machine lacks
-    (:func:`bundle.configs.check_device`), show progress bars or not (``progress_bar``), then, when given, seed
+    (:func:`bundle.configs.check_device`), join the process group when torchrun launched several processes
+    (:func:`bundle.distributed.join_launched`), show progress bars or not (``progress_bar``), then, when given, seed
     everything (``seed``, with ``cudnn_benchmark``: :func:`bundle.configs.seed_everything`) and set the command's CPU
     threads (``cpu_threads``: :func:`bundle.configs.apply_cpu_threads`; the stage-1 training sets its own).
 
@@ -35,6 +37,7 @@ def start_command(
     check_command_line()
     show_progress(progress_bar)
     checked = check_device(device)
+    join_launched(checked)
     if seed is not None:
         seed_everything(seed, cudnn_benchmark)
     if cpu_threads is not None:

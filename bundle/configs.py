@@ -15,6 +15,7 @@ import fire.parser
 import numpy as np
 import torch
 from bundle.data.datalist import is_finite_number
+from bundle.distributed import launched, rank_device
 from monai.bundle import ConfigParser
 from monai.utils import set_determinism
 
@@ -171,7 +172,10 @@ def check_cpu_threads(cpu_threads: int | str | None) -> int | str | None:
 
 
 def default_device() -> torch.device:
-    """The ``device`` key's default: the GPU when there is one, else the CPU."""
+    """The ``device`` key's default: the GPU when there is one (under torchrun, that of the process's ``LOCAL_RANK``),
+    else the CPU."""
+    if launched():
+        return rank_device()
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 

@@ -1,13 +1,21 @@
-"""One training in several processes (torchrun; configs/multi_gpu_train.yaml): the process group, each process's
-device and rank, and what rank 0 alone does."""
+"""Several processes (torchrun): the process group, each process's device and rank, what rank 0 alone does, and
+each process's share of a command's images merged back in their order.
+
+A training joins by configs/multi_gpu_train.yaml; evaluating, inferring, pseudo-labelling and template features join
+when torchrun launched them (:func:`launched`), each process taking every ``world_size``-th image from its rank
+(:func:`shard`, :func:`evaluation_sampler`) and the shares merged back in the images' order (:func:`gather_shards`).
+"""
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
+from monai.data import DistributedSampler
+
+T = TypeVar("T")
 
 
 def rank_device() -> torch.device:
@@ -41,6 +49,65 @@ def device_ids(device: torch.device) -> list[torch.device] | None:
 def rank() -> int:
     """This process's rank: the process group's, else torchrun's ``RANK`` (0 without torchrun)."""
     return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def world_size() -> int:
+    """The number of processes: the process group's, else torchrun's ``WORLD_SIZE`` (1 without torchrun)."""
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def launched() -> bool:
+    """Whether torchrun launched this process as one of several (``WORLD_SIZE`` above 1)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def join_launched(device: torch.device) -> None:
+    """Join the process group when torchrun launched several processes (:func:`launched`); nothing otherwise.
+
+    Args:
+        device: this process's device (:func:`rank_device`).
+    """
+    if launched():
+        init_process_group(device)
+
+
+def shard(items: Sequence[T]) -> list[T]:
+    """This process's share of ``items``: every :func:`world_size`-th from its :func:`rank` (each item in one share,
+    none left out; all of them in one process).
+
+    Args:
+        items: the same sequence in every process.
+    """
+    return list(items[rank() :: world_size()])
+
+
+def evaluation_sampler(dataset: Sequence) -> DistributedSampler | None:
+    """The data loader's sampler of an evaluation: this process's :func:`shard` of ``dataset`` in order (MONAI's
+    ``DistributedSampler``, no item repeated to even the shares) under a process group, else None (every item).
+
+    Args:
+        dataset: the evaluation's dataset.
+    """
+    if world_size() == 1:
+        return None
+    return DistributedSampler(dataset, even_divisible=False, shuffle=False, num_replicas=world_size(), rank=rank())
+
+
+def gather_shards(share: Sequence[T]) -> list[T]:
+    """Every process's :func:`shard` results merged back in the order of the items they came from (the item ``k`` of
+    the whole is the ``k // n``-th of process ``k % n``'s share), in every process; ``share`` alone in one process.
+
+    Args:
+        share: the results of this process's items, in their order.
+    """
+    if world_size() == 1:
+        return list(share)
+    shares: list = [None] * world_size()
+    dist.all_gather_object(shares, list(share))
+    merged = []
+    for k in range(sum(len(s) for s in shares)):
+        merged.append(shares[k % len(shares)][k // len(shares)])
+    return merged
 
 
 def on_rank_0(rank_0: Any, others: Any) -> Any:
