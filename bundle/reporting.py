@@ -81,28 +81,32 @@ def _number(value) -> str:
 
 
 def write_predictions_csv(path: str | os.PathLike, rows: Iterable[Mapping[str, Any]]) -> Path:
-    """Write predictions.csv with header ``image,landmark,x,y[,z],error_mm``.
+    """Write predictions.csv with header ``image,landmark,x,y[,z],error_mm``, row by row (``rows`` may be a
+    generator: the file's text is not held in memory).
 
     Each row is a mapping with ``image``, ``landmark``, ``point`` (D coordinates in the datalist
     convention: 2D original pixels, 3D world mm) and ``error_mm``; missing values become empty cells.
     """
-    rows = list(rows)
-    if not rows:
-        raise ValueError(f"no prediction rows to write to {path}")
-    dims = len(rows[0]["point"])
-    if dims not in (2, 3):
-        raise ValueError(f"{path}: points must have 2 or 3 coordinates, got {dims}")
-    buffer = io.StringIO()
-    writer = csv.writer(buffer, lineterminator="\n")
-    writer.writerow(["image", "landmark", *AXES[:dims], "error_mm"])
-    for i, row in enumerate(rows):
-        if len(row["point"]) != dims:
-            raise ValueError(
-                f"{path}: row {i} ({row['image']}, {row['landmark']}) "
-                f"has {len(row['point'])} coordinates, expected {dims}"
+    with atomic_path(path) as tmp, open(tmp, "w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f, lineterminator="\n")
+        dims = None
+        for i, row in enumerate(rows):
+            if dims is None:
+                dims = len(row["point"])
+                if dims not in (2, 3):
+                    raise ValueError(f"{path}: points must have 2 or 3 coordinates, got {dims}")
+                writer.writerow(["image", "landmark", *AXES[:dims], "error_mm"])
+            if len(row["point"]) != dims:
+                raise ValueError(
+                    f"{path}: row {i} ({row['image']}, {row['landmark']}) "
+                    f"has {len(row['point'])} coordinates, expected {dims}"
+                )
+            writer.writerow(
+                [row["image"], row["landmark"], *(_number(v) for v in row["point"]), _number(row["error_mm"])]
             )
-        writer.writerow([row["image"], row["landmark"], *(_number(v) for v in row["point"]), _number(row["error_mm"])])
-    return write_text_atomic(path, buffer.getvalue())
+        if dims is None:
+            raise ValueError(f"no prediction rows to write to {path}")
+    return Path(path)
 
 
 def read_predictions_csv(path: str | os.PathLike) -> list[dict[str, Any]]:

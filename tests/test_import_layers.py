@@ -41,7 +41,7 @@ LAYERS = [
         "bundle.templates.selection",
         "bundle.templates.pseudo_labels",
     ],
-    ["bundle.templates", "bundle.reporting"],
+    ["bundle.templates", "bundle.reporting", "bundle.journal"],
     ["bundle.pipeline"],  # which pipeline predicts, the detector's data
     ["bundle.handlers"],  # engines' glue, read by the configs
     ["bundle.pipeline.predictor"],  # what predicts, built from all of the above

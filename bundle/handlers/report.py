@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+import torch.distributed as dist
 from bundle.data.annotations import image_stem
 from bundle.data.images import load_grey
+from bundle.distributed import leave_together, rank, world_size
 from bundle.geometry import physical_to_datalist
 from bundle.io_utils import StagedOutputs, write_json_atomic
+from bundle.journal import PredictionJournal, link_or_copy
 from bundle.metrics import DEFAULT_THRESHOLDS, radial_errors, summarize_errors
 from bundle.reporting import (
     overlay_png,
@@ -55,23 +59,26 @@ class LandmarkReportHandler:
       - ``path_key`` ("image_path"): the image's path for the CSV, else the ``filename_or_obj`` of
         the ``image_key`` MetaTensor;
       - 2D overlays: drawn from the image's file (``path_key`` / ``filename_or_obj``) at its own resolution.
-    At ``EPOCH_STARTED`` the collection is reset; at ``COMPLETED`` it writes ``output_dir``/metrics.json,
-    predictions.csv, sdr_curve.png and overlays/<image stem>.png with overview.html, a page showing them all (2D),
-    or <image stem>.mrk.json (3D, the predictions as a 3D Slicer point list in RAS), and logs MRE and SDR. When no
-    image has a reference landmark (inference on new images), predictions.csv, the overlays (markups) and
-    provenance.json are written.
+    Each image's predictions go into the run's :class:`bundle.journal.PredictionJournal` (``output_dir/.journal``)
+    as it finishes, with its 2D overlay (drawn from the image's file at its own resolution); nothing of an image is
+    kept in memory. At ``COMPLETED`` the report is written from the journal, in the order of the run's images
+    (under torchrun by the process of rank 0, once every process is done: each predicted its share):
+    ``output_dir``/metrics.json, predictions.csv, sdr_curve.png and overlays/<image stem>.png with overview.html, a
+    page showing them all (2D), or <image stem>.mrk.json (3D, the predictions as a 3D Slicer point list in RAS), and
+    MRE and SDR are logged. When no image has a reference landmark (inference on new images), predictions.csv, the
+    overlays (markups) and provenance.json are written.
     metrics.json and provenance.json say what made the predictions: ``predictor.provenance()`` as the report is
     written (:class:`bundle.pipeline.predictor.Predictor`: its template images are set by
     :class:`bundle.handlers.templates.TemplateHandler` when the templates are chosen as the run starts); without a
     ``predictor``, template matching from unnamed templates (:func:`bundle.reporting.run_provenance`).
-    Everything is written at ``COMPLETED`` (the overlays as their images come, none kept in memory) into a
-    staging folder beside ``output_dir``, which replaces the previous run's report files only when complete
-    (:class:`bundle.io_utils.StagedOutputs`): after a failure ``output_dir`` is as it was, and files that no
-    run wrote are never touched. Each report file is checked (:meth:`bundle.io_utils.StagedOutputs.check`) as
-    soon as its name is known (predictions.csv as the epoch starts, metrics.json and sdr_curve.png with the first
-    labelled image, an overlay or markup file with its image), so that a user's file in the way is refused before
-    the work; provenance.json as the epoch starts when ``unlabelled`` (inferring's images, which carry no landmarks),
-    else when the report is written (only then is it known that no image had a reference landmark).
+    The report files are written into a staging folder beside ``output_dir``, which replaces the previous run's
+    report files only when complete (:class:`bundle.io_utils.StagedOutputs`): after a failure the report files of
+    ``output_dir`` are as they were (the journal holds what was predicted), and files that no run wrote are never
+    touched. Each report file is checked (:meth:`bundle.io_utils.StagedOutputs.check`) as soon as its name is known
+    (predictions.csv as the epoch starts, metrics.json and sdr_curve.png with the first labelled image, an overlay
+    or markup file with its image), so that a user's file in the way is refused before the work; provenance.json
+    as the epoch starts when ``unlabelled`` (inferring's images, which carry no landmarks), else when the report is
+    written (only then is it known that no image had a reference landmark).
 
     Args:
         output_dir: the report's folder.
@@ -79,7 +86,10 @@ class LandmarkReportHandler:
         predictor: what made the predictions (its ``provenance()``); None: template matching from unnamed templates.
         thresholds: the SDR's radii in mm.
         overlays: write the 2D overlays and overview.html.
-        unlabelled: the images carry no landmarks (inferring): provenance.json is checked as the epoch starts.
+        unlabelled: the images carry no landmarks (inferring): provenance.json is checked as the epoch starts, and
+            the report keeps no image's landmarks in memory (no metrics).
+        journal: where the predictions go as they come (inferring: one that a later run may reuse); None: a new one
+            in ``output_dir``, not reused.
         pred_key, label_key, spacing_key, path_key, image_key: the items' keys of the contract above.
         logger_name: the logger of the MRE and SDR lines.
     """
@@ -92,6 +102,7 @@ class LandmarkReportHandler:
         thresholds: Sequence[float] = DEFAULT_THRESHOLDS,
         overlays: bool = True,
         unlabelled: bool = False,
+        journal: PredictionJournal | None = None,
         pred_key: str = "pred",
         label_key: str = "label",
         spacing_key: str = "spacing",
@@ -108,11 +119,10 @@ class LandmarkReportHandler:
         self.pred_key, self.label_key, self.spacing_key = pred_key, label_key, spacing_key
         self.path_key, self.image_key = path_key, image_key
         self.logger = logging.getLogger(logger_name)
-        self.records: list[dict] = []
-        self._stems: set[str] = set()
+        self.journal = journal if journal is not None else PredictionJournal(self.output_dir)
+        self.collected = 0  # the images this process predicted in this run
         self._markups: set[str] = set()  # the 3D markup files' stems (as write_markups_per_image names them)
         self._labelled = False  # whether an image with reference landmarks came
-        self._overlays: dict[str, int] = {}  # overlay file name (written in the staging folder) -> its record
         self._staging = StagedOutputs(self.output_dir)
 
     def attach(self, engine: Engine) -> None:
@@ -128,13 +138,12 @@ class LandmarkReportHandler:
         raise error
 
     def reset(self, engine: Engine | None = None) -> None:
-        self.records = []
-        self._stems = set()
+        self.collected = 0
         self._markups = set()
         self._labelled = False
-        self._overlays = {}
         self._staging.discard()
         self._staging.check(["predictions.csv", "provenance.json"] if self.unlabelled else ["predictions.csv"])
+        self.journal.start()
 
     def _array(self, item: Mapping, key: str, shape_hint: str) -> np.ndarray:
         if key not in item:
@@ -178,50 +187,53 @@ class LandmarkReportHandler:
                     f"LandmarkReportHandler: pred {pred.shape}, label {ref.shape} and spacing {spacing.shape} do not "
                     f"fit {len(self.landmark_names)} landmarks"
                 )
-            record = {"image": self._image_name(item), "pred": pred, "ref": ref, "spacing": spacing}
+            image = self._image_name(item)
             if not self._labelled and np.isfinite(ref).any():  # the first labelled image: a scored run
                 self._staging.check(["metrics.json", "sdr_curve.png"])
                 self._labelled = True
             if spacing.size == 3:
-                self._staging.check([f"{unique_name(image_stem(record['image']), self._markups)}.mrk.json"])
-            self.records.append(record)
+                self._staging.check([f"{unique_name(image_stem(image), self._markups)}.mrk.json"])
             if self.overlays and spacing.size == 2:
-                self._overlay(record)
+                self._overlay(image, pred, ref, spacing)
+            self.journal.append(image, pred, ref, spacing)
+            self.collected += 1
 
-    def _overlay(self, record: dict) -> None:
-        """Draw the image's overlay from its file, at its own resolution, into the staging folder."""
-        name = unique_name(Path(record["image"]).stem, self._stems)
-        self._staging.check([f"overlays/{name}.png"] + ([] if self._overlays else ["overview.html"]))
-        image, _ = load_grey(record["image"], 2)
-        spacing = record["spacing"]
+    def _overlay(self, image: str, pred: np.ndarray, ref: np.ndarray, spacing: np.ndarray) -> None:
+        """Draw the image's overlay from its file, at its own resolution, into the journal."""
+        path = self.journal.overlay_path(image)
+        self._staging.check([f"overlays/{path.name}", "overview.html"])
+        pixels, _ = load_grey(image, 2)
         png = overlay_png(
-            image,
-            physical_to_datalist(record["ref"], spacing),
-            physical_to_datalist(record["pred"], spacing),
+            pixels,
+            physical_to_datalist(ref, spacing),
+            physical_to_datalist(pred, spacing),
             self.landmark_names,
             float(spacing[1] / spacing[0]),
-            where=f"overlay {name}.png",
+            where=f"overlay {path.name}",
         )
-        write_png(self._staging.folder / "overlays" / f"{name}.png", png)
-        self._overlays[f"{name}.png"] = len(self.records) - 1
+        write_png(path, png)
 
     def write(self, engine: Engine | None = None) -> dict[str, Any]:
-        """Write metrics.json, predictions.csv and sdr_curve.png, then move the report into ``output_dir``;
-        return the summary."""
-        if not self.records:
-            self._staging.discard()
-            raise ValueError(f"LandmarkReportHandler: no predictions were collected for {self.output_dir}")
+        """Write metrics.json, predictions.csv and sdr_curve.png from the journal, then move the report into
+        ``output_dir``; return the summary (under torchrun: rank 0's; the others return an empty one)."""
+        self.journal.close()
+        if world_size() > 1:
+            dist.barrier()  # every process's predictions are in the journal
+            if rank() != 0:
+                self._staging.discard()
+                return {}
         try:
             summary = self._write(self._staging.folder)
             self._staging.commit()
         except BaseException:
             self._staging.discard()
             raise
+        self.journal.discard()
         if "mre_mm" not in summary:  # inference on unlabelled images: predictions only
             self.logger.info(
                 "landmarks (%s) on %d images without reference landmarks: predictions in %s",
                 self.provenance()["pipeline"],
-                len(self.records),
+                summary["n_images"],
                 self.output_dir,
             )
             return summary
@@ -245,38 +257,66 @@ class LandmarkReportHandler:
         return self.predictor.provenance()
 
     def _write(self, folder: Path) -> dict[str, Any]:
+        """The report files from the journal's records, one image at a time: the predictions' rows streamed, the
+        overlays linked in; the landmarks kept for the metrics unless ``unlabelled``."""
         provenance = self.provenance()
-        preds = np.stack([r["pred"] for r in self.records])
-        refs = np.stack([r["ref"] for r in self.records])
-        spacings = np.stack([r["spacing"] for r in self.records])[:, None, :]
+        kept: list[dict] = []  # the records the metrics and the 3D markups need
+        captions: dict[str, tuple[str, float | None]] = {}
+        labelled = False
+        n_images = 0
+
+        records = self.journal.records()
+        first = next(records, None)
+        if first is None:
+            raise ValueError(f"LandmarkReportHandler: no predictions were collected for {self.output_dir}")
+
+        def rows():
+            nonlocal labelled, n_images
+            for record in itertools.chain([first], records):
+                n_images += 1
+                errors = radial_errors(record["pred"], record["ref"])
+                labelled = labelled or bool(np.isfinite(record["ref"]).any())
+                if record["overlay"] is not None:
+                    link_or_copy(record["overlay"], folder / "overlays" / record["overlay"].name)
+                    mre = float(np.nanmean(errors)) if np.isfinite(errors).any() else None
+                    captions[record["overlay"].name] = (record["image"], mre)
+                if not self.unlabelled or record["spacing"].size == 3:
+                    kept.append({k: record[k] for k in ("image", "pred", "ref", "spacing")})
+                for j, name in enumerate(self.landmark_names):
+                    point = physical_to_datalist(record["pred"][j], record["spacing"])
+                    yield {"image": record["image"], "landmark": name, "point": point, "error_mm": errors[j]}
+
+        write_predictions_csv(folder / "predictions.csv", rows())
+        if captions:
+            write_overview_html(folder / "overview.html", captions, self.landmark_names, provenance["pipeline"])
+        if kept and kept[0]["spacing"].size == 3:
+            write_markups_per_image(folder, kept, self.landmark_names)
+        if not labelled:  # inference on unlabelled images: predictions only
+            write_json_atomic(folder / "provenance.json", {**provenance, "n_images": n_images})
+            return {"n_images": n_images}
+        preds = np.stack([r["pred"] for r in kept])
+        refs = np.stack([r["ref"] for r in kept])
+        spacings = np.stack([r["spacing"] for r in kept])[:, None, :]
         errors_mm = radial_errors(preds, refs)
         errors_px = radial_errors(preds / spacings, refs / spacings)
-        rows = [
-            {
-                "image": r["image"],
-                "landmark": name,
-                "point": physical_to_datalist(r["pred"][j], r["spacing"]),
-                "error_mm": errors_mm[i, j],
-            }
-            for i, r in enumerate(self.records)
-            for j, name in enumerate(self.landmark_names)
-        ]
-        write_predictions_csv(folder / "predictions.csv", rows)
-        if self._overlays:
-            captions = {
-                name: (
-                    self.records[i]["image"],
-                    float(np.nanmean(errors_mm[i])) if np.isfinite(errors_mm[i]).any() else None,
-                )
-                for name, i in self._overlays.items()
-            }
-            write_overview_html(folder / "overview.html", captions, self.landmark_names, provenance["pipeline"])
-        if preds.shape[-1] == 3:
-            write_markups_per_image(folder, self.records, self.landmark_names)
-        if np.isnan(refs).all():  # inference on unlabelled images: predictions only
-            write_json_atomic(folder / "provenance.json", {**provenance, "n_images": len(self.records)})
-            return {"n_images": len(self.records)}
         summary = summarize_errors(errors_mm, errors_px, self.thresholds, self.landmark_names)
         write_metrics_json(folder / "metrics.json", summary, provenance)
         save_sdr_curve(folder / "sdr_curve.png", errors_mm, marks=self.thresholds)
         return summary
+
+
+def run_reported(evaluator: Engine, report: LandmarkReportHandler) -> None:
+    """Run ``evaluator`` over its images, or, when this process has none (an earlier run into the same output folder
+    predicted them all, or torchrun started more processes than there are images left), write ``report`` from its
+    journal as the run would; then the processes leave together (:func:`bundle.distributed.leave_together`).
+
+    Args:
+        evaluator: the command's evaluator (MONAI's ``SupervisedEvaluator``), ``report`` among its handlers.
+        report: its report handler.
+    """
+    if len(evaluator.data_loader) > 0:
+        evaluator.run()
+    else:
+        report.reset()
+        report.write()
+    leave_together()

@@ -16,6 +16,7 @@ from bundle.handlers.templates import TemplateHandler
 from bundle.inferers.heatmap import HeatmapInferer
 from bundle.inferers.oneshot import OneShotInferer, TemplateFeatureInferer
 from bundle.inferers.refinement import DescriptorRefinement, RefiningInferer
+from bundle.journal import fingerprint
 from bundle.pipeline.choice import ENOUGH_LABELS, choose_detector, prediction_refinement
 from bundle.pipeline.detector_data import detector_grid, detector_templates, load_detector
 from bundle.reporting import run_provenance
@@ -49,6 +50,14 @@ class Predictor:
         """What made the predictions, for metrics.json and provenance.json (:func:`bundle.reporting.run_provenance`)."""
         settings = self.refinement.settings() if self.refinement is not None else None
         return run_provenance(self.pipeline, self.templates, self.checkpoint, self.pseudo_templates, settings)
+
+    def fingerprint(self) -> str:
+        """A hash of what predicts (:func:`bundle.journal.fingerprint`): the provenance, the network's weights, the
+        preprocessing's and the inferer's settings (the template features matched from); equal for two runs that
+        predict alike, so that inferring reuses the predictions of an earlier run into its output folder."""
+        return fingerprint(
+            provenance=self.provenance(), network=self.network, preprocessing=self.preprocessing, inferer=self.inferer
+        )
 
 
 def build_predictor(
