@@ -273,7 +273,7 @@ class PredictionJournal:
                 f.close()
 
     def discard(self) -> None:
-        """Remove the journal (a run whose journal is not reused, once its report is written)."""
+        """Remove the journal when no later run reuses it (no fingerprint): its report written, or the run failed."""
         self.close()
         if self.fingerprint is None:
             self._clear()
