@@ -1,6 +1,7 @@
 """The passes over images of tests/test_distributed_passes.py, run by one process or by each process torchrun launched:
 ``python tests/distributed_passes_worker.py DATALIST WEIGHTS OUT`` writes ``OUT/rank<r>.pt`` (what the passes gave this
-process) and ``OUT/calls_rank<r>.json`` (which items this process computed, which files it read and wrote)."""
+process) and ``OUT/calls_rank<r>.json`` (the items it prepared or refined, the files it read and wrote). The
+pseudo-labels are refined by XFeat where its wheel is installed."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import sys
 from pathlib import Path
 
 import torch
-from bundle import distributed
+from bundle import distributed, passes
 from bundle.configs import bundle_parser
-from bundle import passes
+from bundle.inferers.refinement import PSEUDO_LABEL_RADIUS_MM, DescriptorRefinement
+from bundle.networks.xfeat import available as xfeat_available
 from bundle.passes import map_shards
 from bundle.pipeline import detector_data
 from bundle.templates import features
@@ -26,7 +28,7 @@ def main(datalist_path: str, weights: str, out: str) -> None:
     out_dir = Path(out)
     distributed.join_launched(torch.device("cpu"))
     rank = distributed.rank()
-    calls: dict[str, list] = {"mapped": [], "preprocessed": [], "written": [], "cache_read": []}
+    calls: dict[str, list] = {"mapped": [], "computed": [], "written": [], "cache_read": []}
     parser = bundle_parser(
         ["configs/train.yaml", "configs/evaluate.yaml"],
         datalist=datalist_path,
@@ -48,7 +50,7 @@ def main(datalist_path: str, weights: str, out: str) -> None:
 
     def preprocessing(item: dict) -> dict:  # every image a pass prepares, templates given to an inferer apart
         if not item.get(TEMPLATE_KEY):
-            calls["preprocessed"].append([*current_pass, Path(item["image"]).name])
+            calls["computed"].append([*current_pass, Path(item["image"]).name])
         return pipeline(item)
 
     def recorded(name, fn):
@@ -90,8 +92,18 @@ def main(datalist_path: str, weights: str, out: str) -> None:
     ]
     current_pass[:] = ["stage 2", "none"]
     templates = [it for it in datalist["training"] if it.get("landmarks")][:1]
+    refinement = DescriptorRefinement(templates, radius_mm=PSEUDO_LABEL_RADIUS_MM) if xfeat_available() else None
+    if refinement is not None:
+        refine_item = refinement.refine_item
+
+        def refined(item: dict, spacing) -> dict:
+            calls["computed"].append([*current_pass, Path(item["image"]).name])
+            return refine_item(item, spacing)
+
+        refinement.refine_item = refined
+    output_path = out_dir / "pseudo_labels.json"
     result["pseudo_labels"] = detector_data.pseudo_labelled_items(
-        datalist, network, templates, preprocessing, "cpu", output_path=out_dir / "pseudo_labels.json"
+        datalist, network, templates, preprocessing, "cpu", output_path=output_path, refinement=refinement
     )
     torch.save(result, out_dir / f"rank{rank}.pt")
     (out_dir / f"calls_rank{rank}.json").write_text(json.dumps(calls))

@@ -13,6 +13,7 @@ import pytest
 import torch
 from bundle.configs import bundle_parser
 from bundle.data.synthetic import generate_synthetic_2d
+from bundle.networks.xfeat import available as xfeat_available
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "distributed_passes_worker.py"
@@ -62,16 +63,17 @@ def test_two_gloo_processes_share_the_images_and_hold_one_process_results(tmp_pa
         assert [it["image"] for it in r["pseudo_labels"]] == [it["image"] for it in alone["pseudo_labels"]]
         assert [it["landmarks"] for it in r["pseudo_labels"]] == [it["landmarks"] for it in alone["pseudo_labels"]]
 
-    # each image a pass prepares (each pass named by its progress bar), prepared by one rank alone; the same as one
-    # process prepares; the second call of the features reads rank 0's cache and computes nothing
-    prepared = [[tuple(c) for c in rank_calls["preprocessed"]] for rank_calls in calls]
-    alone_prepared = [tuple(c) for c in json.loads((one / "calls_rank0.json").read_text())["preprocessed"]]
+    # each image a pass prepares or refines (each pass named by its progress bar), by one rank alone; the same as one
+    # process does; the second call of the features reads rank 0's cache and computes nothing
+    prepared = [[tuple(c) for c in rank_calls["computed"]] for rank_calls in calls]
+    alone_prepared = [tuple(c) for c in json.loads((one / "calls_rank0.json").read_text())["computed"]]
     assert sorted(prepared[0] + prepared[1]) == sorted(alone_prepared) == sorted(set(alone_prepared))
     assert {(call, p) for call, p, _ in alone_prepared} == {
         ("template features", "template candidates"),
         ("template features", "pseudo-labels"),
         ("features rule", "template candidates"),
         ("stage 2", "pseudo-labels"),
+        *[("stage 2", "XFeat refinement")] * xfeat_available(),
     }
     assert prepared[0] and prepared[1]
     # the files: the template cache and pseudo_labels.json written, and the cache read, by rank 0 alone
