@@ -9,7 +9,8 @@ when torchrun launched them (:func:`launched`), each process taking every ``worl
 from __future__ import annotations
 
 import os
-from typing import Any, Sequence, TypeVar
+import pickle
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -126,3 +127,42 @@ def leave_together() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def portable_error(error: Exception) -> Exception:
+    """``error`` when it can travel pickled to the other processes, else a RuntimeError carrying its type and message.
+
+    Args:
+        error: an error raised in this process.
+    """
+    try:
+        pickle.loads(pickle.dumps(error))
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
+    return error
+
+
+def from_rank_0(fn: Callable[[], T]) -> T:
+    """``fn()`` called by rank 0 alone and its value sent to every process (``broadcast_object_list``): what one process
+    decides and the others follow (a cache read where rank 0 alone writes); ``fn()`` in one process. An error of
+    ``fn`` is raised in every process.
+
+    Args:
+        fn: the work, without arguments; its value travels pickled (keep it on the CPU).
+    """
+    if world_size() == 1:
+        return fn()
+    value, failure = None, None
+    if rank() == 0:
+        try:
+            value = fn()
+        except Exception as e:  # raised below in every process, rank 0's own with its traceback
+            failure = e
+    box = [(value, None if failure is None else portable_error(failure))]
+    dist.broadcast_object_list(box, src=0)
+    if failure is not None:
+        raise failure
+    value, sent = box[0]
+    if sent is not None:
+        raise sent
+    return value

@@ -24,6 +24,7 @@ LAYERS = [
         "bundle.configs",
         "bundle.distributed",
         "bundle.progress",
+        "bundle.passes",
         "bundle.commands",
         "bundle.networks.features",
         "bundle.networks.matching",

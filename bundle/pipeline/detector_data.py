@@ -26,10 +26,12 @@ import torch
 from bundle.checkpoints import RECORD_KEY, UndescribedCheckpointError, describes, load_weights, read_record
 from bundle.configs import as_flag, bundle_parser, check_image_size, config_files, is_unset
 from bundle.data.datalist import read_json
+from bundle.distributed import rank
 from bundle.inferers.oneshot import OneShotInferer
 from bundle.inferers.refinement import DescriptorRefinement
 from bundle.io_utils import write_json_atomic
 from bundle.networks.detector import HeatmapDetector, load_stage1_encoder
+from bundle.passes import map_shards
 from bundle.templates.pseudo_labels import pseudo_label, reliable_landmarks
 from bundle.templates.resolution import held_out_images, labelled_training_items, resolve_templates, with_templates
 
@@ -65,8 +67,9 @@ def pseudo_labelled_items(
     validation and test splits are left out (``exclude_held_out``), so that the detector never trains on
     the images it is measured on. ``refinement`` (2D; not in the paper): each pseudo-labelled image's landmarks
     moved by the XFeat fine step from the human-labelled templates (validation: docs/results.md, "A pretrained fine
-    step"). ``output_path``: the pseudo-labelled datalist is written there (atomic), with the per-landmark cycle
-    errors and the refinement's settings under ``pseudo_labels``.
+    step"). ``output_path``: the pseudo-labelled datalist is written there (atomic; by rank 0 alone under torchrun,
+    where each process labels and refines its share of the images and every one returns all the items), with the
+    per-landmark cycle errors and the refinement's settings under ``pseudo_labels``.
     """
 
     template_images = {t["image"] for t in templates}
@@ -79,8 +82,12 @@ def pseudo_labelled_items(
     inferer = with_templates(OneShotInferer(template_combine=combine), list(templates), preprocessing, device)
     labelled = pseudo_label(network, inferer, pool, preprocessing, device)
     if refinement is not None:
-        for entry in labelled:  # the spacing the pipeline read (a DICOM header's when the datalist gives none)
-            entry["item"] = refinement.refine_item(entry["item"], entry["spacing"])
+        # the spacing the pipeline read (a DICOM header's when the datalist gives none); each process its share
+        labelled = map_shards(
+            lambda entry: {**entry, "item": refinement.refine_item(entry["item"], entry["spacing"])},
+            labelled,
+            "XFeat refinement",
+        )
         logger.info("stage 2: %d pseudo-labelled images refined by XFeat", len(labelled))
     items = [dict(t) for t in templates]
     cycle = {}
@@ -95,7 +102,7 @@ def pseudo_labelled_items(
         len(labelled),
         *_kept_landmarks(items),
     )
-    if output_path is not None:
+    if output_path is not None and rank() == 0:  # under torchrun, every process holds the same items
         out = {k: v for k, v in datalist.items() if k not in ("training",)}
         out["training"] = items
         out["pseudo_labels"] = {

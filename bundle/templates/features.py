@@ -16,10 +16,11 @@ from bundle import __version__
 from bundle.checkpoints import load_weights
 from bundle.configs import as_flag, is_unset
 from bundle.data.embedded import open_datalist
+from bundle.distributed import from_rank_0, rank
 from bundle.geometry import plain_tensor
 from bundle.io_utils import cache_root, not_private, private_folder
 from bundle.networks.matching import feature_vectors
-from bundle.progress import progress
+from bundle.passes import map_shards
 from bundle.template_file import TEMPLATE_FORMAT, bundle_path, check_template, file_sha256, load_template, save_template
 from bundle.templates.resolution import check_rule, prepare_template, resolve_templates
 
@@ -45,8 +46,9 @@ def compute_template(
     if not items:
         raise ValueError("compute_template needs at least one annotated item")
     network.eval()
-    per_template, grid_size = [], None
-    for item in progress(items, "template features"):
+
+    def template_queries(item: Mapping[str, Any]) -> tuple[torch.Tensor, tuple[int, ...], list[int]]:
+        """The item's queries ``(L, scales, C)``, its grid and the strides of its feature maps."""
         image, points = prepare_template(dict(item), preprocessing)
         if points.shape[0] != len(landmark_names):
             raise ValueError(f"template {item['image']}: {points.shape[0]} landmarks for {len(landmark_names)} names")
@@ -57,8 +59,12 @@ def compute_template(
         if bool(valid.any()):
             vectors = feature_vectors(features, points[valid].to(device)[None], list(grid_size))
             queries[valid] = torch.stack([v[0].float().cpu() for v in vectors], dim=1)
-        per_template.append(queries)
-    strides = [int(s) for s in getattr(network, "strides", [])] or [grid_size[0] // f.shape[2] for f in features]
+        return queries, grid_size, [grid_size[0] // f.shape[2] for f in features]
+
+    # each process its share of the templates under torchrun (bundle.passes.map_shards)
+    per_template, grids, feature_strides = zip(*map_shards(template_queries, items, "template features"))
+    grid_size = grids[-1]
+    strides = [int(s) for s in getattr(network, "strides", [])] or feature_strides[-1]
     return check_template(
         {
             "format": TEMPLATE_FORMAT,
@@ -161,6 +167,37 @@ def template_cache_key(
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
 
 
+def _cache_lookup(
+    cache_dir: Path | None,
+    template_datalist: str | os.PathLike,
+    datalist: dict,
+    checkpoint: Path | None,
+    image_size,
+    network: torch.nn.Module,
+    choice: Mapping[str, Any],
+) -> tuple[Path | None, dict | None]:
+    """``(the cache file of these templates, its features)`` for :func:`resolve_template_features`: the file None
+    without a usable cache (no folder, no checkpoint, or untrusted), the features None when the file is missing or
+    unreadable (computed again and written there)."""
+    if not cache_dir or checkpoint is None or not (cache_dir := _trusted_cache(cache_dir)):
+        return None, None
+    strides = getattr(network, "strides", None)
+    key = template_cache_key(template_datalist, datalist, checkpoint, image_size, strides, choice)
+    cached = cache_dir / f"{key}.pt"
+    if reason := not_private(cached):
+        logger.warning("template cache %s not used: %s", cache_dir, reason)
+        return None, None
+    if cached.is_file():
+        try:
+            template = load_template(cached, checkpoint)
+        except Exception as e:  # a damaged or foreign cache file is computed again (torch.load raises many kinds)
+            logger.warning("template cache %s unreadable (%s): computing the templates", cached, e)
+        else:
+            logger.info("template(s) of %s from the cache %s: %s", template_datalist, cached, template["sources"])
+            return cached, template
+    return cached, None
+
+
 def resolve_template_features(
     template_path: str | os.PathLike,
     template_datalist: str | os.PathLike | None,
@@ -206,22 +243,13 @@ def resolve_template_features(
     cache_dir = template_cache_dir(cache_dir)
     if checkpoint is not None:
         checkpoint = bundle_path(checkpoint)
-    cached = None
-    if cache_dir and checkpoint is not None and (cache_dir := _trusted_cache(cache_dir)):
-        strides = getattr(network, "strides", None)
-        key = template_cache_key(template_datalist, datalist, checkpoint, image_size, strides, choice)
-        cached = cache_dir / f"{key}.pt"
-        if reason := not_private(cached):
-            logger.warning("template cache %s not used: %s", cache_dir, reason)
-            cached = None
-        elif cached.is_file():
-            try:
-                template = load_template(cached, checkpoint)
-            except Exception as e:  # a damaged or foreign cache file is computed again (torch.load raises many kinds)
-                logger.warning("template cache %s unreadable (%s): computing the templates", cached, e)
-            else:
-                logger.info("template(s) of %s from the cache %s: %s", template_datalist, cached, template["sources"])
-                return template
+    # under torchrun rank 0 alone looks in (and makes) the cache, and writes it below; every process follows what it
+    # found: one finding the file when another did not would wait forever for the other in the passes over the images
+    cached, template = from_rank_0(
+        lambda: _cache_lookup(cache_dir, template_datalist, datalist, checkpoint, image_size, network, choice)
+    )
+    if template is not None:
+        return template
     if checkpoint is not None:
         network = load_weights(network, checkpoint, device)
     network.eval()
@@ -231,7 +259,7 @@ def resolve_template_features(
         "template(s) from %s: %s (pseudo-templates: %s)", template_datalist, [it["image"] for it in items], pseudo
     )
     template = compute_template(network, items, preprocessing, datalist["landmark_names"], device, checkpoint)
-    if cached is not None:
+    if cached is not None and rank() == 0:
         try:
             save_template(cached, template)
         # a read-only or full cache does not stop inference; torch.save reports a failed write (a full disk) as

@@ -22,7 +22,7 @@ from bundle.data.datalist import datalist_landmarks
 from bundle.geometry import physical_to_datalist
 from bundle.inferers.oneshot import OneShotInferer
 from bundle.kshot import combine_templates
-from bundle.progress import progress
+from bundle.passes import map_shards
 
 logger = logging.getLogger(__name__)
 
@@ -37,11 +37,12 @@ def pseudo_label(
     predictions in the datalist convention), ``cycle_error`` (``(L,)`` grid pixels, median over the
     templates; NaN where no template gives the landmark) and ``spacing`` (mm per pixel, the datalist's or the
     header's, as the pipeline read it). ``preprocessing`` is the evaluation pipeline
-    (ending with ``LandmarkTargetsd``); the caller's network is put in eval mode.
+    (ending with ``LandmarkTargetsd``); the caller's network is put in eval mode. Under torchrun each process labels
+    its share of ``items`` and every one returns all of them (:func:`bundle.passes.map_shards`).
     """
     network.eval()
-    labelled = []
-    for item in progress(items, "pseudo-labels"):
+
+    def label(item: dict) -> dict:
         data = preprocessing({k: v for k, v in item.items() if k != "landmarks"})
         image = torch.as_tensor(data["image"])[None].float().to(device)
         matches = inferer.match_templates(image, network, cycle=True)
@@ -54,8 +55,10 @@ def pseudo_label(
         errors = matches.cycle_errors[:, 0].cpu()
         median = torch.where(torch.isnan(errors).all(0), float("nan"), errors.nanmedian(dim=0).values)
         spacing = [float(v) for v in torch.as_tensor(data["spacing"]).reshape(-1)]
-        labelled.append({"item": {**item, "landmarks": landmarks}, "cycle_error": median.numpy(), "spacing": spacing})
-    return labelled
+        return {"item": {**item, "landmarks": landmarks}, "cycle_error": median.numpy(), "spacing": spacing}
+
+    # each process its share of the images under torchrun (bundle.passes.map_shards)
+    return map_shards(label, items, "pseudo-labels")
 
 
 def reliable_landmarks(labelled: dict, cycle_tolerance: float) -> dict:

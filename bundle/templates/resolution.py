@@ -15,6 +15,7 @@ import torch
 from bundle.configs import as_number
 from bundle.geometry import grid_landmarks
 from bundle.inferers.oneshot import OneShotInferer
+from bundle.passes import map_shards
 from bundle.progress import progress
 from bundle.templates.pseudo_labels import pseudo_label, select_pseudo_templates
 from bundle.templates.selection import select_template, select_template_by_landmarks
@@ -123,7 +124,8 @@ def ranked_templates(
     unlabelled = [it for it in datalist["training"] if it not in labelled]
     pool = (labelled if rule == "landmarks" else labelled + unlabelled)[: max(max_images, 2)]
     candidates = [i for i, it in enumerate(pool) if it in labelled]
-    prepared = [preprocessing(dict(it)) for it in progress(pool, "template candidates")]
+    # each process its share of the candidates under torchrun (bundle.passes.map_shards)
+    prepared = map_shards(lambda it: preprocessing(dict(it)), pool, "template candidates")
     images = [torch.as_tensor(d["image"]).to(device) for d in prepared]
     network.eval()
     with torch.no_grad():

@@ -22,7 +22,7 @@ import torch
 from bundle.geometry import apply_homogeneous, plain_tensor
 from bundle.inferers.oneshot import OneShotInferer
 from bundle.networks.matching import feature_vectors
-from bundle.progress import progress
+from bundle.passes import map_shards
 
 
 def grid_points(grid_size: Sequence[int], n_points: int, margin: float = 0.1) -> torch.Tensor:
@@ -95,30 +95,52 @@ def select_template(
     def encode(index: int) -> list[torch.Tensor]:
         return _encode(network, images[index], index, grid_size, device)
 
-    cached = {c: encode(c) for c in candidates}
-    queries = {c: feature_vectors(cached[c], points, grid_size) for c in candidates}
+    # under torchrun each process encodes its share of the candidates, matches into its share of the images and back
+    # into its candidates (bundle.passes.map_shards); the queries and matches travel on the CPU
+    cached: dict[int, list[torch.Tensor]] = {}  # this process's candidates' features
+
+    def candidate_queries(c: int) -> list[torch.Tensor]:
+        cached[c] = encode(c)
+        return [q.cpu() for q in feature_vectors(cached[c], points, grid_size)]
+
+    queries = {
+        c: [q.to(device) for q in found] for c, found in zip(candidates, map_shards(candidate_queries, candidates))
+    }
+
     # forward: every candidate's points found in image j in one matcher call; the features there are the queries
     # of the backward match into the candidate, every image's in one call per candidate
-    similarities: dict[int, dict[int, torch.Tensor]] = {c: {} for c in candidates}
-    back_queries: dict[int, dict[int, list[torch.Tensor]]] = {c: {} for c in candidates}
-    for j in progress(range(n_images), "template ranking"):
+    def forward_matches(j: int) -> dict[int, tuple[torch.Tensor, list[torch.Tensor]]]:
         others = [c for c in candidates if c != j]
         if not others:
-            continue
+            return {}
         features_j = cached[j] if j in cached else encode(j)
         stacked = [torch.cat([queries[c][s] for c in others], dim=1) for s in range(len(features_j))]
         forward, similarity = inferer.matcher(stacked, features_j, grid_size)
-        for c, found, score in zip(others, forward.split(points.shape[1], dim=1), similarity.split(points.shape[1], 1)):
-            similarities[c][j] = score
-            back_queries[c][j] = feature_vectors(features_j, found.float(), grid_size)
-    totals = dict.fromkeys(candidates, 0.0)
-    for c in candidates:
+        return {
+            c: (score.cpu(), [q.cpu() for q in feature_vectors(features_j, found.float(), grid_size)])
+            for c, found, score in zip(
+                others, forward.split(points.shape[1], dim=1), similarity.split(points.shape[1], 1)
+            )
+        }
+
+    similarities: dict[int, dict[int, torch.Tensor]] = {c: {} for c in candidates}
+    back_queries: dict[int, dict[int, list[torch.Tensor]]] = {c: {} for c in candidates}
+    for j, matches in enumerate(map_shards(forward_matches, range(n_images), "template ranking")):
+        for c, (score, found) in matches.items():
+            similarities[c][j] = score.to(device)
+            back_queries[c][j] = [q.to(device) for q in found]
+
+    def cycle_total(c: int) -> float:
         sources = list(back_queries[c])
         stacked = [torch.cat([back_queries[c][j][s] for j in sources], dim=1) for s in range(len(cached[c]))]
         backward, _ = inferer.matcher(stacked, cached[c], grid_size)
+        total = 0.0
         for j, back in zip(sources, backward.split(points.shape[1], dim=1)):
             closes = (back - points.double()).norm(dim=-1) <= cycle_tolerance
-            totals[c] += float((similarities[c][j].double() * closes).mean())
+            total += float((similarities[c][j].double() * closes).mean())
+        return total
+
+    totals = dict(zip(candidates, map_shards(cycle_total, candidates)))
     scores = [totals[c] / (n_images - 1) for c in candidates]
     best = candidates[max(range(len(candidates)), key=scores.__getitem__)]
     return best, scores
@@ -152,28 +174,40 @@ def landmark_transfer_errors(
     inferer = OneShotInferer() if inferer is None else inferer
     grid_size = tuple(torch.as_tensor(images[0]).shape[1:])
     device = _device(network, torch.as_tensor(images[0]).device)
-    features = [
-        _encode(network, image, i, grid_size, device)
-        for i, image in progress(enumerate(images), "template ranking", n_images)
-    ]
     pts = [torch.as_tensor(p, dtype=torch.float32, device=device) for p in points]
     physical = [apply_homogeneous(m, p) for m, p in zip(grid_to_physical, pts)]
-    errors = torch.full((n_images, n_images), float("nan"), dtype=torch.float64)
     rows = range(n_images) if templates is None else [int(t) for t in templates]
     known = {c: ~torch.isnan(pts[c]).any(dim=1) for c in rows}
-    queries = {c: feature_vectors(features[c], pts[c][known[c]][None], grid_size) for c in rows if known[c].any()}
-    for j in progress(range(n_images), "template ranking"):
+    # under torchrun each process encodes its share of the images and finds every template's landmarks in them
+    # (bundle.passes.map_shards); the queries travel on the CPU
+    features: dict[int, list[torch.Tensor]] = {}  # this process's images' features
+
+    def encoded_queries(i: int) -> list[torch.Tensor] | None:
+        features[i] = _encode(network, images[i], i, grid_size, device)
+        if i not in known or not known[i].any():
+            return None
+        return [q.cpu() for q in feature_vectors(features[i], pts[i][known[i]][None], grid_size)]
+
+    found_queries = map_shards(encoded_queries, range(n_images), "template ranking")
+    queries = {c: [q.to(device) for q in found_queries[c]] for c in rows if found_queries[c] is not None}
+
+    def transfer_errors(j: int) -> torch.Tensor:
+        """Column ``j``: every template's mean error in image ``j``."""
+        column = torch.full((n_images,), float("nan"), dtype=torch.float64)
+        features_j = features.pop(j)
         # every template's landmarks found in image j in one matcher call (each query's match is its own)
         sources = [c for c in queries if c != j]
         if not sources:
-            continue
-        stacked = [torch.cat([queries[c][s] for c in sources], dim=1) for s in range(len(features[j]))]
-        found, _ = inferer.matcher(stacked, features[j], grid_size)
+            return column
+        stacked = [torch.cat([queries[c][s] for c in sources], dim=1) for s in range(len(features_j))]
+        found, _ = inferer.matcher(stacked, features_j, grid_size)
         for c, part in zip(sources, found[0].split([int(known[c].sum()) for c in sources])):
             distance = (apply_homogeneous(grid_to_physical[j], part) - physical[j][known[c]].to(part)).norm(dim=-1)
             if bool(torch.isfinite(distance).any()):
-                errors[c, j] = distance.nanmean().cpu()
-    return errors
+                column[c] = distance.nanmean().cpu()
+        return column
+
+    return torch.stack(map_shards(transfer_errors, range(n_images), "template ranking"), dim=1)
 
 
 def select_template_by_landmarks(
