@@ -310,7 +310,8 @@ class LandmarkReportHandler:
 def run_reported(evaluator: Engine, report: LandmarkReportHandler) -> None:
     """Run ``evaluator`` over its images, or, when this process has none (an earlier run into the same output folder
     predicted them all, or torchrun started more processes than there are images left), write ``report`` from its
-    journal as the run would; then the processes leave together (:func:`bundle.distributed.leave_together`).
+    journal as the run would (ValueError when the journal is not reused: evaluating's processes each need an
+    image); then the processes leave together (:func:`bundle.distributed.leave_together`).
 
     Args:
         evaluator: the command's evaluator (MONAI's ``SupervisedEvaluator``), ``report`` among its handlers.
@@ -318,6 +319,11 @@ def run_reported(evaluator: Engine, report: LandmarkReportHandler) -> None:
     """
     if len(evaluator.data_loader) > 0:
         evaluator.run()
+    elif report.journal.fingerprint is None:  # evaluating: every process takes part in choosing the templates
+        raise ValueError(
+            f"{world_size()} processes for {len(report.journal.items)} images: torchrun's --nproc_per_node may be at "
+            "most the number of images"
+        )
     else:
         report.reset()
         report.write()
