@@ -130,16 +130,16 @@ class PredictionJournal:
         for image in self.images:
             self._name(image)
         self._part = None
+        self._made_output_dir = False  # whether this run made output_dir (for the journal)
 
     def _check_folder(self) -> bool:
         """Whether the journal folder holds a journal of this bundle (False: there is none); FileExistsError naming
         it when it is a link, a file, or a folder this bundle did not write."""
-        for path in (self.output_dir, self.folder):
-            if path.is_symlink():
-                raise FileExistsError(
-                    f"{path}: a symbolic link; the run's journal is never written through a link: remove it or choose "
-                    "another output_dir"
-                )
+        if self.folder.is_symlink():
+            raise FileExistsError(
+                f"{self.folder}: a symbolic link; the run's journal is never written through a link: remove it or "
+                "choose another output_dir"
+            )
         if not os.path.lexists(self.folder):
             return False
         if not self.folder.is_dir() or not (self.folder / self.MARKER).is_file():
@@ -194,6 +194,7 @@ class PredictionJournal:
         if rank() == 0:
             if not self._reusable():
                 self._clear()
+            self._made_output_dir = self._made_output_dir or not self.output_dir.exists()
             self.folder.mkdir(parents=True, exist_ok=True)
             write_json_atomic(
                 self.folder / self.MARKER, {"fingerprint": self.fingerprint, "bundle_version": __version__}
@@ -273,10 +274,20 @@ class PredictionJournal:
                 f.close()
 
     def discard(self) -> None:
-        """Remove the journal when no later run reuses it (no fingerprint): its report written, or the run failed."""
+        """Remove the journal when no later run reuses it (no fingerprint), its report written."""
         self.close()
         if self.fingerprint is None:
             self._clear()
+
+    def abandon(self) -> None:
+        """After a failed run: keep the predictions that a later run reuses; else remove the journal, and
+        ``output_dir`` when the journal made it and it is left empty."""
+        self.close()
+        if rank() != 0 or (self.fingerprint is not None and os.path.lexists(self.folder) and self._index()):
+            return
+        self._clear()
+        if self._made_output_dir and self.output_dir.is_dir() and not any(self.output_dir.iterdir()):
+            self.output_dir.rmdir()
 
 
 def link_or_copy(source: Path, target: Path) -> None:

@@ -134,9 +134,9 @@ class LandmarkReportHandler:
     def failed(self, engine: Engine, error: BaseException) -> None:
         """A failed run: the staging folder goes and the error is raised again. Ignite calls only the first
         ``EXCEPTION_RAISED`` handler that raises, so the configs attach this handler before MONAI's StatsHandler.
-        A journal that no later run reuses (evaluating's) goes too; inferring's keeps what was predicted."""
+        The journal keeps what a later run reuses (:meth:`bundle.journal.PredictionJournal.abandon`)."""
         self._staging.discard()
-        self.journal.discard()
+        self.journal.abandon()
         raise error
 
     def reset(self, engine: Engine | None = None) -> None:
