@@ -10,6 +10,7 @@ from scripts.benchmarks.entropy import entropy
 from scripts.benchmarks.inference import inference, inference_3d, template_cache
 from scripts.benchmarks.inferring import inferring
 from scripts.benchmarks.refinement import refinement
+from scripts.benchmarks.scale_training import training_scale
 from scripts.benchmarks.suggestion import suggestion
 from scripts.benchmarks.training import training, training_3d
 from scripts.cli import run_fire
@@ -33,6 +34,7 @@ COMMANDS = {
     "inferring": inferring,
     "suggestion": suggestion,
     "refinement": refinement,
+    "training_scale": training_scale,
 }
 
 if __name__ == "__main__":
