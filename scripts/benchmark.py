@@ -11,6 +11,7 @@ from scripts.benchmarks.inference import inference, inference_3d, template_cache
 from scripts.benchmarks.inferring import inferring
 from scripts.benchmarks.refinement import refinement
 from scripts.benchmarks.scale import inferring_scale, templates_scale
+from scripts.benchmarks.scale_training import training_scale
 from scripts.benchmarks.suggestion import suggestion
 from scripts.benchmarks.training import training, training_3d
 from scripts.cli import run_fire
@@ -36,6 +37,7 @@ COMMANDS = {
     "refinement": refinement,
     "inferring_scale": inferring_scale,
     "templates_scale": templates_scale,
+    "training_scale": training_scale,
 }
 
 if __name__ == "__main__":
