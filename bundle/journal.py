@@ -98,13 +98,15 @@ def _entry(line: bytes) -> dict | None:
 
 class PredictionJournal:
     """Each image's predictions as it finishes, in ``output_dir/.journal``: a line per image (its landmarks,
-    reference landmarks and spacing) in a file of its own per process and run, and its 2D overlay.
+    reference landmarks and spacing) in a file of its own per process and run, and its 2D overlay (under a name of
+    its image's path, so that no other image of a later run draws over it).
 
     The report (:class:`bundle.handlers.report.LandmarkReportHandler`) appends to it as the images come and writes
     the run's files from it at the end, in the order of the run's images (:meth:`pending`), whichever process
     predicted them. With a ``fingerprint`` (inferring: that of what predicts, :func:`fingerprint`) a later run with
-    the same fingerprint into the same ``output_dir`` predicts only the images the journal lacks; a run with another
-    fingerprint, or none (evaluating), starts a new journal. The folder is this bundle's own (its ``journal.json``
+    the same fingerprint into the same ``output_dir`` predicts only the images the journal lacks (with ``overlays``,
+    a 2D image predicted without its overlay counts as lacking); a run with another fingerprint, or none
+    (evaluating), starts a new journal. The folder is this bundle's own (its ``journal.json``
     says so): a folder of that name without it, or a link, is refused, naming it.
 
     Args:
@@ -112,20 +114,26 @@ class PredictionJournal:
         items: the run's images (datalist items: their ``image``), in the order of its reports; none: the images in
             the order they come.
         fingerprint: what predicts (:func:`fingerprint`); None: the journal is not reused by a later run.
+        overlays: whether the run draws the 2D images' overlays (and its report links them in).
     """
 
     FOLDER = ".journal"
     MARKER = "journal.json"
 
     def __init__(
-        self, output_dir: str | os.PathLike, items: Sequence[Mapping] = (), fingerprint: str | None = None
+        self,
+        output_dir: str | os.PathLike,
+        items: Sequence[Mapping] = (),
+        fingerprint: str | None = None,
+        overlays: bool = True,
     ) -> None:
         self.output_dir = Path(output_dir)
         self.folder = self.output_dir / self.FOLDER
         self.items = list(items)
         self.images = [str(it["image"]) for it in self.items]
         self.fingerprint = fingerprint
-        self._names: dict[str, str] = {}  # image -> its overlay's file stem, in the run's order
+        self.overlays = overlays
+        self._names: dict[str, str] = {}  # image -> its overlay's file stem in the report, in the run's order
         self._taken: set[str] = set()
         for image in self.images:
             self._name(image)
@@ -174,18 +182,25 @@ class PredictionJournal:
             )
         return todo
 
-    @staticmethod
-    def _done(index: dict[str, tuple[Path, int, Any]], image: str) -> bool:
-        return image in index and index[image][2] == _file_state(image)
+    def _done(self, index: dict[str, tuple[Path, int, Any, bool]], image: str) -> bool:
+        if image not in index:
+            return False
+        _, _, state, drawn = index[image]
+        return state == _file_state(image) and (drawn or not self.overlays)
 
     def _name(self, image: str) -> str:
         if image not in self._names:
             self._names[image] = unique_name(Path(image).stem, self._taken)
         return self._names[image]
 
+    def overlay_name(self, image: str) -> str:
+        """The image's overlay's file name in the report's ``overlays/`` (its stem, made unique among the run's
+        images in their order)."""
+        return f"{self._name(image)}.png"
+
     def overlay_path(self, image: str) -> Path:
-        """Where the image's overlay is drawn: ``overlays/<its name>.png`` in the journal."""
-        return self.folder / "overlays" / f"{self._name(image)}.png"
+        """Where the image's overlay is drawn in the journal: ``overlays/<a hash of its path>.png``."""
+        return self.folder / "overlays" / f"{hashlib.sha256(image.encode('utf-8')).hexdigest()[:24]}.png"
 
     def start(self) -> None:
         """Open this process's part of the journal (every process, as the run starts): process 0 first starts a new
@@ -209,8 +224,11 @@ class PredictionJournal:
         if self._check_folder():
             shutil.rmtree(self.folder)
 
-    def append(self, image: str, pred: np.ndarray, ref: np.ndarray, spacing: np.ndarray) -> None:
-        """Record one image's predictions (``pred``, ``ref``: (L, D) mm; ``spacing``: (D,)), flushed at once."""
+    def append(
+        self, image: str, pred: np.ndarray, ref: np.ndarray, spacing: np.ndarray, overlay: Path | None = None
+    ) -> None:
+        """Record one image's predictions (``pred``, ``ref``: (L, D) mm; ``spacing``: (D,)) and its ``overlay`` drawn
+        (:meth:`overlay_path`; None: not drawn), flushed at once."""
         if self._part is None:
             raise RuntimeError(f"journal {self.folder}: append before start")
         line = {
@@ -219,6 +237,7 @@ class PredictionJournal:
             "pred": _floats(pred),
             "ref": _floats(ref),
             "spacing": _floats(spacing),
+            "overlay": None if overlay is None else overlay.name,
         }
         self._part.write(json.dumps(line) + "\n")
         self._part.flush()
@@ -229,25 +248,27 @@ class PredictionJournal:
             self._part.close()
             self._part = None
 
-    def _index(self) -> dict[str, tuple[Path, int, Any]]:
-        """Where each image's latest line is in the journal's parts (file, offset) and its file's state then (a line
-        cut short by a kill left out: its image predicted again). Lines are read back one at a time
+    def _index(self) -> dict[str, tuple[Path, int, Any, bool]]:
+        """Where each image's latest line is in the journal's parts (file, offset), its file's state then and whether
+        the line has all it may need (the overlay of a 2D image); a line cut short by a kill left out (its image
+        predicted again). Lines are read back one at a time
         (:meth:`records`), so that the memory does not grow with the images' predictions."""
-        index: dict[str, tuple[Path, int, Any]] = {}
+        index: dict[str, tuple[Path, int, Any, bool]] = {}
         for part in sorted(self.folder.glob("part-*.jsonl")):
             with open(part, "rb") as f:
                 offset = 0
                 for line in f:
                     entry = _entry(line)
                     if entry is not None:
-                        index[entry["image"]] = (part, offset, entry.get("file"))
+                        drawn = entry.get("overlay") is not None or len(entry.get("spacing") or ()) != 2
+                        index[entry["image"]] = (part, offset, entry.get("file"), drawn)
                     offset += len(line)
         return index
 
     def records(self) -> Iterator[dict]:
         """The run's images' predictions, in the order of its items (else as they came): ``image``, ``pred``,
-        ``ref``, ``spacing`` (arrays) and ``overlay`` (its journal file, None when not drawn); RuntimeError naming an
-        image without predictions."""
+        ``ref``, ``spacing`` (arrays) and ``overlay`` (its journal file; None when not drawn or the run draws no
+        overlays); RuntimeError naming an image without predictions."""
         index = self._index()
         images = self.images or list(index)
         missing = [image for image in images if image not in index]
@@ -256,18 +277,19 @@ class PredictionJournal:
         files: dict[Path, Any] = {}
         try:
             for image in images:
-                part, offset, _ = index[image]
+                part, offset, _, _ = index[image]
                 if part not in files:
                     files[part] = open(part, "rb")
                 files[part].seek(offset)
                 entry = _entry(files[part].readline())
-                overlay = self.overlay_path(image)
+                drawn = self.overlays and entry.get("overlay")
+                overlay = self.folder / "overlays" / entry["overlay"] if drawn else None
                 yield {
                     "image": image,
                     "pred": np.asarray(entry["pred"], dtype=np.float64),
                     "ref": np.asarray(entry["ref"], dtype=np.float64),
                     "spacing": np.asarray(entry["spacing"], dtype=np.float64),
-                    "overlay": overlay if overlay.is_file() else None,
+                    "overlay": overlay if overlay is not None and overlay.is_file() else None,
                 }
         finally:
             for f in files.values():

@@ -8,7 +8,6 @@ import csv
 import json
 import os
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+from bundle_runs import bundle_command
 from scripts.monailabel_server import MONAILABEL_PYTHON, serving
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,25 +84,9 @@ def cli_predictions(
     matching (``--pipeline templates``) from the templates of ``datalist`` (None: the built-in ones), as the app does
     until a detector is served; another ``pipeline`` (``auto``: what ``inferring`` takes), and the further
     command-line ``args``."""
-    command = [
-        sys.executable,
-        "-m",
-        "monai.bundle",
-        "run",
-        "inferring",
-        "--config_file",
-        "configs/inference.yaml",
-        *(["--datalist", str(datalist)] if datalist else []),  # the server's template
-        "--images",
-        f"['{image}']",
-        "--output_dir",
-        str(out),
-        "--overlays",
-        "False",
-        "--pipeline",
-        pipeline,
-        *args,
-    ]
+    template = ["--datalist", datalist] if datalist else []  # the server's template
+    options = ["--images", f"['{image}']", "--output_dir", out, "--overlays", "False", "--pipeline", pipeline]
+    command = bundle_command("inferring", "configs/inference.yaml", *template, *options, *args)
     run_checked(command, ROOT, timeout=180)
     with open(out / "predictions.csv") as f:
         return {r["landmark"]: (float(r["x"]), float(r["y"])) for r in csv.DictReader(f)}

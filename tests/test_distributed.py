@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from bundle.data.synthetic import generate_synthetic_2d
 from bundle.networks.contrastive import ContrastiveLandmarkNet
+from bundle_runs import run_bundle
 
 from training_args import tiny_training_args
 
@@ -26,41 +24,10 @@ def test_two_gloo_processes_train_and_rank0_writes_one_checkpoint(tmp_path):
     torch.manual_seed(123)
     initial = ContrastiveLandmarkNet().state_dict()
     torch.save(initial, tmp_path / "init.pt")
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nnodes",
-        "1",
-        "--nproc_per_node",
-        "2",
-        "--log-dir",
-        str(logs),
-        "--redirects",
-        "3",
-        "-m",
-        "monai.bundle",
-        "run",
-        "training",
-        "--config_file",
-        "['configs/train.yaml','configs/multi_gpu_train.yaml']",
-        "--datalist",
-        str(datalist),
-        "--ckpt_dir",
-        str(models),
-        "--output_dir",
-        str(tmp_path / "out"),
-        *tiny_training_args(2),
-        "--init_weights",
-        str(tmp_path / "init.pt"),
-        "--learning_rate",
-        "0",
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    rank_output = "".join(f"\n--- {p}:\n{p.read_text()[-3000:]}" for p in sorted(logs.rglob("*.log")))
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:] + rank_output
+    configs = ["configs/train.yaml", "configs/multi_gpu_train.yaml"]
+    args = ["--datalist", datalist, "--ckpt_dir", models, "--output_dir", tmp_path / "out", *tiny_training_args(2)]
+    args += ["--init_weights", tmp_path / "init.pt", "--learning_rate", "0"]
+    run_bundle("training", configs, *args, processes=2, logs=logs, timeout=240, check=True)
 
     # both ranks trained both epochs (torchrun keeps one log folder per rank)
     rank_logs = {p.parent.name: p.read_text() + (p.parent / "stdout.log").read_text() for p in logs.rglob("stderr.log")}

@@ -5,40 +5,18 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import torch
 from bundle.data.synthetic import generate_synthetic_2d
 from bundle.journal import PredictionJournal
-from bundle.networks.contrastive import ContrastiveLandmarkNet
-
-ROOT = Path(__file__).resolve().parents[1]
-SMALL = ["--image_size", "[64,64]", "--pseudo_templates", "0", "--progress_bar", "false"]
+from bundle_runs import SMALL_MATCHING, run_bundle, small_synthetic_set
 
 
 @pytest.fixture(scope="module")
 def small_set(tmp_path_factory):
     """Small synthetic images (7 test images: the shares are uneven) and random weights for a 64 x 64 grid."""
-    root = tmp_path_factory.mktemp("distributed")
-    datalist = generate_synthetic_2d(root / "data", n_training=2, n_validation=1, n_test=7, size=(64, 72), seed=5)
-    torch.manual_seed(0)
-    torch.save(ContrastiveLandmarkNet().state_dict(), root / "weights.pt")
-    return datalist, root / "weights.pt"
-
-
-def bundle_command(processes: int, command: str, configs: list[str], logs: Path, *args: str) -> None:
-    """``monai.bundle run command`` in one process, or under torchrun in ``processes``; fails showing the logs."""
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc_per_node", str(processes)]
-    launcher += ["--log-dir", str(logs), "--redirects", "3"]
-    run = [sys.executable, *(launcher if processes > 1 else []), "-m", "monai.bundle", "run", command]
-    run += ["--config_file", repr(configs), *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    done = subprocess.run(run, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    rank_logs = "".join(f"\n--- {p}:\n{p.read_text()[-3000:]}" for p in sorted(logs.rglob("*.log")))
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:] + rank_logs
+    return small_synthetic_set(tmp_path_factory.mktemp("distributed"), n_test=7, seed=5)
 
 
 def journal_parts(output_dir: Path) -> dict[str, list[str]]:
@@ -52,13 +30,30 @@ def journal_parts(output_dir: Path) -> dict[str, list[str]]:
 
 @pytest.mark.slow
 def test_two_processes_infer_what_one_infers_each_image_once(small_set, tmp_path):
-    datalist, weights = small_set
-    images = [str(Path(datalist).parent / it["image"]) for it in json.loads(Path(datalist).read_text())["test"]]
-    args = ["--images", repr(images), "--datalist", str(datalist), "--ckpt_path", str(weights), *SMALL]
+    datalist, weights, images = small_set
+    args = ["--images", repr(images), "--datalist", str(datalist), "--ckpt_path", str(weights), *SMALL_MATCHING]
     args += ["--template_cache", "null"]
     one, two = tmp_path / "one", tmp_path / "two"
-    bundle_command(1, "inferring", ["configs/inference.yaml"], tmp_path / "logs1", *args, "--output_dir", str(one))
-    bundle_command(2, "inferring", ["configs/inference.yaml"], tmp_path / "logs2", *args, "--output_dir", str(two))
+    run_bundle(
+        "inferring",
+        ["configs/inference.yaml"],
+        *args,
+        "--output_dir",
+        str(one),
+        processes=1,
+        logs=tmp_path / "logs1",
+        check=True,
+    )
+    run_bundle(
+        "inferring",
+        ["configs/inference.yaml"],
+        *args,
+        "--output_dir",
+        str(two),
+        processes=2,
+        logs=tmp_path / "logs2",
+        check=True,
+    )
     assert (two / "predictions.csv").read_bytes() == (one / "predictions.csv").read_bytes()
     assert json.loads((two / "provenance.json").read_text()) == json.loads((one / "provenance.json").read_text())
     assert sorted(os.listdir(two / "overlays")) == sorted(os.listdir(one / "overlays"))
@@ -68,14 +63,28 @@ def test_two_processes_infer_what_one_infers_each_image_once(small_set, tmp_path
 
 @pytest.mark.slow
 def test_two_processes_evaluate_what_one_evaluates(small_set, tmp_path):
-    datalist, weights = small_set
+    datalist, weights, _ = small_set
     configs = ["configs/train.yaml", "configs/evaluate.yaml"]
-    args = ["--datalist", str(datalist), "--ckpt_path", str(weights), "--pipeline", "templates", *SMALL]
+    args = ["--datalist", str(datalist), "--ckpt_path", str(weights), "--pipeline", "templates", *SMALL_MATCHING]
     one, two = tmp_path / "one", tmp_path / "two"
-    bundle_command(1, "evaluating", configs, tmp_path / "logs1", *args, "--output_dir", str(one))
-    bundle_command(2, "evaluating", configs, tmp_path / "logs2", *args, "--output_dir", str(two))
+    run_bundle("evaluating", configs, *args, "--output_dir", str(one), processes=1, logs=tmp_path / "logs1", check=True)
+    run_bundle("evaluating", configs, *args, "--output_dir", str(two), processes=2, logs=tmp_path / "logs2", check=True)
     assert (two / "predictions.csv").read_bytes() == (one / "predictions.csv").read_bytes()
     assert json.loads((two / "metrics.json").read_text()) == json.loads((one / "metrics.json").read_text())
     assert json.loads((one / "metrics.json").read_text())["n_images"] == 7
     assert sorted(os.listdir(two)) == sorted(os.listdir(one))  # the journal goes once the report is written
     assert not (two / PredictionJournal.FOLDER).exists()
+
+
+@pytest.mark.slow
+def test_a_process_without_a_test_image_takes_part_and_the_report_is_one_process_s(small_set, tmp_path):
+    """Two processes for one test image: the second predicts nothing but shares the choice of the templates."""
+    _, weights, _ = small_set
+    datalist = generate_synthetic_2d(tmp_path / "data", n_training=2, n_validation=1, n_test=1, size=(64, 72), seed=6)
+    configs = ["configs/train.yaml", "configs/evaluate.yaml"]
+    args = ["--datalist", str(datalist), "--ckpt_path", str(weights), "--pipeline", "templates", *SMALL_MATCHING]
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_bundle("evaluating", configs, *args, "--output_dir", str(one), processes=1, logs=tmp_path / "logs1", check=True)
+    run_bundle("evaluating", configs, *args, "--output_dir", str(two), processes=2, logs=tmp_path / "logs2", check=True)
+    assert (two / "predictions.csv").read_bytes() == (one / "predictions.csv").read_bytes()
+    assert json.loads((two / "metrics.json").read_text()) == json.loads((one / "metrics.json").read_text())

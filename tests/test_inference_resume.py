@@ -5,65 +5,28 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from bundle.data.synthetic import generate_synthetic_2d
 from bundle.journal import PredictionJournal, fingerprint
-from bundle.networks.contrastive import ContrastiveLandmarkNet
-
-ROOT = Path(__file__).resolve().parents[1]
+from bundle_runs import SMALL_MATCHING, run_bundle, small_synthetic_set
 
 
 @pytest.fixture(scope="module")
 def small_run(tmp_path_factory):
-    """A datalist of small synthetic images (its templates) and random weights for a 64 x 64 grid."""
-    root = tmp_path_factory.mktemp("resume")
-    datalist = generate_synthetic_2d(root / "data", n_training=2, n_validation=1, n_test=8, size=(64, 72), seed=3)
-    torch.manual_seed(0)
-    torch.save(ContrastiveLandmarkNet().state_dict(), root / "weights.pt")
-    images = [it["image"] for it in json.loads(Path(datalist).read_text())["test"]]
-    images = [str(Path(datalist).parent / i) for i in images]
-    return root, datalist, root / "weights.pt", images
+    """A datalist of small synthetic images (its templates), random weights for a 64 x 64 grid, the test images."""
+    return small_synthetic_set(tmp_path_factory.mktemp("resume"), n_test=8, seed=3)
 
 
 def infer(run, output_dir, *extra, images=None, wait=True):
     """``inferring`` on the run's test images (or ``images``) into ``output_dir``; returns the finished process (else
     the running one)."""
-    root, datalist, weights, test_images = run
-    command = [
-        sys.executable,
-        "-m",
-        "monai.bundle",
-        "run",
-        "inferring",
-        "--config_file",
-        "configs/inference.yaml",
-        "--images",
-        repr([str(i) for i in images or test_images]),
-        "--datalist",
-        str(datalist),
-        "--ckpt_path",
-        str(weights),
-        "--image_size",
-        "[64,64]",
-        "--pseudo_templates",
-        "0",
-        "--template_cache",
-        "null",
-        "--progress_bar",
-        "false",
-        "--output_dir",
-        str(output_dir),
-        *extra,
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    streams = dict(cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    return subprocess.run(command, timeout=300, **streams) if wait else subprocess.Popen(command, **streams)
+    datalist, weights, test_images = run
+    args = ["--images", repr([str(i) for i in images or test_images]), "--datalist", datalist, "--ckpt_path", weights]
+    args += [*SMALL_MATCHING, "--template_cache", "null", "--output_dir", output_dir, *extra]
+    return run_bundle("inferring", "configs/inference.yaml", *args, wait=wait)
 
 
 def journal_lines(output_dir: Path) -> list[list[str]]:
@@ -85,7 +48,7 @@ def test_a_rerun_predicts_nothing_again_and_writes_the_same_report(small_run, tm
     assert "8 of 8 images already predicted by the same weights and settings" in again.stdout
     assert [len(p) for p in journal_lines(out)] == [8, 0]  # the rerun opened its part and predicted nothing
     assert (out / "predictions.csv").read_bytes() == report
-    assert sorted(p.name for p in (out / "overlays").iterdir()) == sorted(Path(i).stem + ".png" for i in small_run[3])
+    assert sorted(p.name for p in (out / "overlays").iterdir()) == sorted(Path(i).stem + ".png" for i in small_run[2])
     # other settings predict again: the journal's fingerprint differs
     other = infer(small_run, out, "--template_combine", "mean")
     assert other.returncode == 0, other.stdout[-3000:]
@@ -96,7 +59,7 @@ def test_a_rerun_predicts_nothing_again_and_writes_the_same_report(small_run, tm
 def test_a_killed_run_is_finished_by_the_rerun(small_run, tmp_path):
     """The run is killed (SIGKILL) once it has predicted two images; the rerun predicts those it had not finished,
     and its report equals that of a run that was not killed."""
-    images = small_run[3]
+    images = small_run[2]
     whole = tmp_path / "whole"
     assert infer(small_run, whole).returncode == 0
     out = tmp_path / "out"
@@ -118,7 +81,7 @@ def test_a_killed_run_is_finished_by_the_rerun(small_run, tmp_path):
 
 
 def test_an_image_changed_since_is_predicted_again(small_run, tmp_path):
-    images = small_run[3]
+    images = small_run[2]
     folder = tmp_path / "images"
     folder.mkdir()
     copies = [folder / Path(i).name for i in images[:2]]
@@ -131,6 +94,33 @@ def test_an_image_changed_since_is_predicted_again(small_run, tmp_path):
     assert rerun.returncode == 0, rerun.stdout[-3000:]
     assert "1 of 2 images already predicted" in rerun.stdout
     assert journal_lines(out)[1] == [str(copies[1])]
+
+
+def test_overlays_follow_the_run_and_their_image(small_run, tmp_path):
+    """A run with overlays after one without predicts the images again to draw them; a later run whose new image has
+    the stem of an image predicted before draws its overlay beside, not over, that image's."""
+    images = small_run[2][:2]
+    out = tmp_path / "out"
+    assert infer(small_run, out, "--overlays", "false", images=images).returncode == 0
+    assert not (out / "overlays").exists()
+    drawn = infer(small_run, out, images=images)
+    assert drawn.returncode == 0, drawn.stdout[-3000:]
+    assert "already predicted" not in drawn.stdout
+    first = {name: (out / "overlays" / name).read_bytes() for name in os.listdir(out / "overlays")}
+    assert sorted(first) == sorted(Path(i).stem + ".png" for i in images)
+    namesake = tmp_path / "other" / Path(images[0]).name  # another image under the first one's name
+    namesake.parent.mkdir()
+    namesake.write_bytes(Path(small_run[2][2]).read_bytes())
+    later = infer(small_run, out, images=[str(namesake), *images])
+    assert later.returncode == 0, later.stdout[-3000:]
+    assert "2 of 3 images already predicted" in later.stdout
+    stem = Path(images[0]).stem
+    assert sorted(os.listdir(out / "overlays")) == sorted([f"{stem}.png", f"{stem}_2.png", Path(images[1]).name])
+    assert (out / "overlays" / f"{stem}_2.png").read_bytes() == first[f"{stem}.png"]  # the first image's, unchanged
+    assert (out / "overlays" / f"{stem}.png").read_bytes() != first[f"{stem}.png"]
+    without = infer(small_run, out, "--overlays", "false", images=images)
+    assert "2 of 2 images already predicted" in without.stdout
+    assert not (out / "overlays").exists() and not (out / "overview.html").exists()
 
 
 def test_a_journal_folder_that_the_bundle_did_not_write_is_refused(tmp_path):

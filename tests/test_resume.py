@@ -6,7 +6,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import pytest
 import torch
 from bundle.checkpoints import resume_path
 from bundle.data.synthetic import generate_synthetic_2d
+from bundle_runs import bundle_command
 
 from training_args import tiny_training_args
 
@@ -22,23 +22,8 @@ EPOCHS = 6
 
 
 def _command(datalist: Path, models: Path, out: Path, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "monai.bundle",
-        "run",
-        "training",
-        "--config_file",
-        "configs/train.yaml",
-        "--datalist",
-        str(datalist),
-        "--ckpt_dir",
-        str(models),
-        "--output_dir",
-        str(out),
-        *tiny_training_args(EPOCHS),
-        *extra,
-    ]
+    args = ["--datalist", datalist, "--ckpt_dir", models, "--output_dir", out, *tiny_training_args(EPOCHS), *extra]
+    return bundle_command("training", "configs/train.yaml", *args)
 
 
 @pytest.mark.slow

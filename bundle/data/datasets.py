@@ -6,7 +6,7 @@ runs the whole transform each time it is drawn (a 1935 x 2400 cephalogram: about
 for the random part of a cached one). Every item of the network grid has the same size, so the first one measured
 tells how many fit. glibc keeps the heap pages an item's full-resolution temporaries used once a small cached result
 lies among them (16 MB of resident memory for each 0.42 MB item of a cephalogram): the cache gives them back after each
-item (:func:`release_free_memory`).
+item, and after each item beyond the cache (:func:`release_free_memory`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
-from bundle.configs import as_number
+from bundle.settings import as_number
 from monai.data import CacheDataset
 
 __all__ = ["TrimmedCacheDataset", "cached_dataset", "item_bytes", "release_free_memory"]
@@ -36,8 +36,9 @@ def release_free_memory() -> None:
 
 
 class TrimmedCacheDataset(CacheDataset):
-    """MONAI's ``CacheDataset`` giving the heap's free pages back after computing each cached item
-    (:func:`release_free_memory`), so that its resident memory is that of the items it holds.
+    """MONAI's ``CacheDataset`` giving the heap's free pages back after computing each cached item and after each
+    item beyond the cache transformed whole (:func:`release_free_memory`), so that its resident memory is that of the
+    items it holds, however many of the others are drawn.
 
     Args:
         *args, **kwargs: those of MONAI's ``CacheDataset``.
@@ -46,6 +47,12 @@ class TrimmedCacheDataset(CacheDataset):
     def _load_cache_item(self, idx: int):
         item = super()._load_cache_item(idx)
         release_free_memory()
+        return item
+
+    def _transform(self, index: int):
+        item = super()._transform(index)
+        if index % len(self) >= self.cache_num:  # transformed whole, its full-resolution temporaries freed
+            release_free_memory()
         return item
 
 

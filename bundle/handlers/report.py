@@ -85,11 +85,11 @@ class LandmarkReportHandler:
         landmark_names: the datalist's, in its order.
         predictor: what made the predictions (its ``provenance()``); None: template matching from unnamed templates.
         thresholds: the SDR's radii in mm.
-        overlays: write the 2D overlays and overview.html.
         unlabelled: the images carry no landmarks (inferring): provenance.json is checked as the epoch starts, and
             the report keeps no image's landmarks in memory (no metrics).
-        journal: where the predictions go as they come (inferring: one that a later run may reuse); None: a new one
-            in ``output_dir``, not reused.
+        journal: where the predictions go as they come (inferring: one that a later run may reuse), which says
+            whether the 2D overlays and overview.html are written (its ``overlays``); None: a new one in
+            ``output_dir``, not reused, with overlays.
         pred_key, label_key, spacing_key, path_key, image_key: the items' keys of the contract above.
         logger_name: the logger of the MRE and SDR lines.
     """
@@ -100,7 +100,6 @@ class LandmarkReportHandler:
         landmark_names: Sequence[str],
         predictor: Any = None,
         thresholds: Sequence[float] = DEFAULT_THRESHOLDS,
-        overlays: bool = True,
         unlabelled: bool = False,
         journal: PredictionJournal | None = None,
         pred_key: str = "pred",
@@ -114,7 +113,6 @@ class LandmarkReportHandler:
         self.landmark_names = [str(n) for n in landmark_names]
         self.predictor = predictor
         self.thresholds = tuple(float(t) for t in thresholds)
-        self.overlays = overlays
         self.unlabelled = unlabelled
         self.pred_key, self.label_key, self.spacing_key = pred_key, label_key, spacing_key
         self.path_key, self.image_key = path_key, image_key
@@ -195,15 +193,14 @@ class LandmarkReportHandler:
                 self._labelled = True
             if spacing.size == 3:
                 self._staging.check([f"{unique_name(image_stem(image), self._markups)}.mrk.json"])
-            if self.overlays and spacing.size == 2:
-                self._overlay(image, pred, ref, spacing)
-            self.journal.append(image, pred, ref, spacing)
+            overlay = self._overlay(image, pred, ref, spacing) if self.journal.overlays and spacing.size == 2 else None
+            self.journal.append(image, pred, ref, spacing, overlay)
             self.collected += 1
 
-    def _overlay(self, image: str, pred: np.ndarray, ref: np.ndarray, spacing: np.ndarray) -> None:
-        """Draw the image's overlay from its file, at its own resolution, into the journal."""
-        path = self.journal.overlay_path(image)
-        self._staging.check([f"overlays/{path.name}", "overview.html"])
+    def _overlay(self, image: str, pred: np.ndarray, ref: np.ndarray, spacing: np.ndarray) -> Path:
+        """Draw the image's overlay from its file, at its own resolution, into the journal; its path there."""
+        path, name = self.journal.overlay_path(image), self.journal.overlay_name(image)
+        self._staging.check([f"overlays/{name}", "overview.html"])
         pixels, _ = load_grey(image, 2)
         png = overlay_png(
             pixels,
@@ -211,9 +208,10 @@ class LandmarkReportHandler:
             physical_to_datalist(pred, spacing),
             self.landmark_names,
             float(spacing[1] / spacing[0]),
-            where=f"overlay {path.name}",
+            where=f"overlay {name}",
         )
         write_png(path, png)
+        return path
 
     def write(self, engine: Engine | None = None) -> dict[str, Any]:
         """Write metrics.json, predictions.csv and sdr_curve.png from the journal, then move the report into
@@ -279,9 +277,10 @@ class LandmarkReportHandler:
                 errors = radial_errors(record["pred"], record["ref"])
                 labelled = labelled or bool(np.isfinite(record["ref"]).any())
                 if record["overlay"] is not None:
-                    link_or_copy(record["overlay"], folder / "overlays" / record["overlay"].name)
+                    name = self.journal.overlay_name(record["image"])
+                    link_or_copy(record["overlay"], folder / "overlays" / name)
                     mre = float(np.nanmean(errors)) if np.isfinite(errors).any() else None
-                    captions[record["overlay"].name] = (record["image"], mre)
+                    captions[name] = (record["image"], mre)
                 if not self.unlabelled or record["spacing"].size == 3:
                     kept.append({k: record[k] for k in ("image", "pred", "ref", "spacing")})
                 for j, name in enumerate(self.landmark_names):
@@ -309,9 +308,10 @@ class LandmarkReportHandler:
 
 def run_reported(evaluator: Engine, report: LandmarkReportHandler) -> None:
     """Run ``evaluator`` over its images, or, when this process has none (an earlier run into the same output folder
-    predicted them all, or torchrun started more processes than there are images left), write ``report`` from its
-    journal as the run would (ValueError when the journal is not reused: evaluating's processes each need an
-    image); then the processes leave together (:func:`bundle.distributed.leave_together`).
+    predicted them all, or torchrun started more processes than there are images left), take part in what its
+    predictor does as a run starts (evaluating's choice of the templates, which every process shares) and write
+    ``report`` from its journal as the run would; then the processes leave together
+    (:func:`bundle.distributed.leave_together`).
 
     Args:
         evaluator: the command's evaluator (MONAI's ``SupervisedEvaluator``), ``report`` among its handlers.
@@ -319,12 +319,9 @@ def run_reported(evaluator: Engine, report: LandmarkReportHandler) -> None:
     """
     if len(evaluator.data_loader) > 0:
         evaluator.run()
-    elif report.journal.fingerprint is None:  # evaluating: every process takes part in choosing the templates
-        raise ValueError(
-            f"{world_size()} processes for {len(report.journal.items)} images: torchrun's --nproc_per_node may be at "
-            "most the number of images"
-        )
     else:
+        for handler in report.predictor.handlers if report.predictor is not None else ():
+            handler(evaluator)
         report.reset()
         report.write()
     leave_together()
