@@ -78,6 +78,16 @@ def summarize_errors(
     }
 
 
+def lower_error_is_better(current: float, best: float) -> bool:
+    """The evaluators' ``metric_cmp_fn``: a validation MRE is the best so far when it is lower than the best.
+
+    Args:
+        current: this validation's MRE.
+        best: the best so far; below 0: none yet (Ignite's start).
+    """
+    return best < 0 or current < best
+
+
 class RadialErrorMetric(CumulativeIterationMetric):
     """Cumulative radial error; ``aggregate()`` gives the MRE in mm (lower is better).
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from bundle.configs import as_flag
+from bundle.settings import as_flag
 from ignite.handlers import ProgressBar
 from tqdm import tqdm
 

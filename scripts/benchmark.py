@@ -11,6 +11,7 @@ from scripts.benchmarks.inference import inference, inference_3d, template_cache
 from scripts.benchmarks.inferring import inferring
 from scripts.benchmarks.refinement import refinement
 from scripts.benchmarks.scale import inferring_scale, templates_scale
+from scripts.benchmarks.scale_plot import scale_plot
 from scripts.benchmarks.scale_training import training_scale
 from scripts.benchmarks.suggestion import suggestion
 from scripts.benchmarks.training import training, training_3d
@@ -38,6 +39,7 @@ COMMANDS = {
     "inferring_scale": inferring_scale,
     "templates_scale": templates_scale,
     "training_scale": training_scale,
+    "scale_plot": scale_plot,
 }
 
 if __name__ == "__main__":

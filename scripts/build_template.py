@@ -27,10 +27,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from bundle.configs import as_number, bundle_parser
+from bundle.configs import bundle_parser
 from bundle.data.annotations import image_stem
 from bundle.data.embedded import open_datalist
 from bundle.io_utils import check_output_file
+from bundle.settings import as_number
 from bundle.template_file import save_template
 from bundle.templates.features import compute_template
 from bundle.templates.resolution import labelled_training_items

@@ -17,7 +17,8 @@ import sys
 from typing import Any, Callable, Sequence
 
 import fire
-from bundle.configs import FLAG_WORDS, command_line_options
+from bundle.configs import command_line_options
+from bundle.settings import FLAG_WORDS
 
 # what the scripts raise for bad input (a DatalistError or ImageError is a ValueError), reported as a usage error
 BAD_INPUT = (ValueError, KeyError, FileNotFoundError, IsADirectoryError, NotADirectoryError)

@@ -42,12 +42,12 @@ from pathlib import Path
 import numpy as np
 import torch
 import yaml
-from bundle.configs import as_number
 from bundle.data.datalist import landmarks_array, load_datalist
 from bundle.data.images import load_grey
 from bundle.information import estimate_group_intensities, estimate_group_ranges, offset_correspondences
 from bundle.information_groups import GROUP_NAMES, check_thresholds
 from bundle.io_utils import check_output_file, write_text_atomic
+from bundle.settings import as_number
 from bundle.transforms.entropy import local_entropy
 from monai.transforms import Resize
 from scripts.cli import run_fire
@@ -142,8 +142,9 @@ def encoder_correspondences(
     points map with the pixel-centre convention both ways. NaN template points stay NaN.
     """
     from bundle.checkpoints import load_weights
-    from bundle.configs import bundle_parser, check_image_size
+    from bundle.configs import bundle_parser
     from bundle.inferers.oneshot import OneShotInferer
+    from bundle.settings import check_image_size
 
     parser = bundle_parser(config_file, device=f"$torch.device('{device}')")
     dims = template.ndim

@@ -25,8 +25,8 @@ import zipfile
 from pathlib import Path
 
 import yaml
-from bundle.configs import as_number
 from bundle.io_utils import atomic_path
+from bundle.settings import as_number
 from monai.bundle import BundleWorkflow
 from scripts.cli import run_fire
 

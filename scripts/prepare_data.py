@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
-from bundle.configs import as_number
 from bundle.data.annotations import MultiAnnotatorSet, image_stem, natural_key
 from bundle.data.datalist import SECTIONS, load_datalist, save_datalist
 from bundle.data.dicom import dicom_series_datalist, dicom_xray_datalist, find_dicom_files
@@ -38,6 +37,7 @@ from bundle.data.isbi2015 import ISBI_2015_LANDMARK_NAMES, ISBI_2015_SPACING_MM,
 from bundle.data.labelme import read_labelme_set
 from bundle.data.nifti import nifti_datalist
 from bundle.io_utils import atomic_path, check_output_file
+from bundle.settings import as_number
 from bundle.transforms.landmarks import outside_excess
 from scripts.cli import run_fire
 

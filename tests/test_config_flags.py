@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from bundle.configs import as_flag, bundle_parser, config_files
+from bundle.configs import bundle_parser, config_files
+from bundle.settings import SETTINGS, as_flag
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,25 +49,10 @@ def _strings(value, prefix=""):
 
 def _flags_and_readers(files):
     """The yes/no keys of the merged ``files`` (top-level keys whose value is true or false) and, for each,
-    the ids of the config strings (or components) that read it."""
+    the ids of the config strings that read it."""
     config = bundle_parser(files).get()
     flags = sorted(k for k, v in config.items() if isinstance(v, bool))
-    return {
-        f: [_reader(config, i, text, f) for i, text in _strings(config) if re.search(rf"@{f}(?![\w#])", text)]
-        for f in flags
-    }
-
-
-def _reader(config, ident, text, flag):
-    """The id that reads ``flag``: ``ident``, or the component it is an argument of when it passes the key as it is
-    (``arg: '@flag'``: the component checks it, bundle.configs.as_flag in Python)."""
-    parent = ident.rpartition("#")[0]
-    node = config
-    for part in parent.split("#") if parent else []:
-        node = node[int(part)] if isinstance(node, list) else node[part]
-    if text == f"@{flag}" and isinstance(node, dict) and "_target_" in node:
-        return parent
-    return ident
+    return {f: [i for i, text in _strings(config) if re.search(rf"@{f}(?![\w#])", text)] for f in flags}
 
 
 def _comparable(value):
@@ -92,7 +78,9 @@ def test_every_config_file_is_in_a_command_and_every_yes_no_key_is_read():
             readers.setdefault(flag, []).extend(ids)
     assert {"entropy_sampling", "adaptive_augmentation", "progress_bar", "amp", "overlays"} <= set(readers)
     unread = sorted(f for f, ids in readers.items() if not ids)
-    assert not unread, f"{unread}: read by no config string (read in Python? read it with bundle.configs.as_flag)"
+    assert not unread, f"{unread}: read by no config string"
+    unruled = sorted(set(readers) - set(SETTINGS))
+    assert not unruled, f"{unruled}: yes/no keys without a rule in bundle.settings.SETTINGS (read as they are given)"
 
 
 @pytest.mark.parametrize("command", COMMANDS)
@@ -111,7 +99,11 @@ def test_every_yes_no_key_reads_any_spelling_and_refuses_others(command, tmp_pat
                 for i in ids:
                     got, want = parser.get_parsed_content(i), expected.get_parsed_content(i)
                     assert _comparable(got) == _comparable(want), f"{command}: {i} with {flag}={spelling!r}"
-        parser = bundle_parser(files, **settings, **{flag: "flase"})
+        try:
+            parser = bundle_parser(files, **settings, **{flag: "flase"})
+        except ValueError as refused:  # as the command starts (bundle.settings.SETTINGS)
+            assert re.search(rf"\b{flag}\b.*\bflase\b", str(refused)), f"{command}: {refused}"
+            continue
         for i in ids:
             with pytest.raises(RuntimeError) as failure:  # MONAI wraps the error of a config expression
                 parser.get_parsed_content(i)
@@ -169,8 +161,8 @@ def test_command_line_switches_off_in_lowercase(tmp_path):
 )
 def test_a_command_line_null_is_unset_for_every_nullable_key(value, unset):
     """``--key null`` reaches the config as a string: the template cache and the registration tolerance read it
-    through the one rule, ``bundle.configs.is_unset``."""
-    from bundle.configs import is_unset
+    through the one rule, ``bundle.settings.is_unset``."""
+    from bundle.settings import is_unset
     from bundle.templates.features import template_cache_dir
 
     assert is_unset(value) is unset

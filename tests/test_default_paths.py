@@ -3,14 +3,15 @@
 
 from __future__ import annotations
 
-import ast
 import hashlib
 import shlex
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import fire.parser
 import pytest
 import torch
 from bundle.configs import bundle_parser, config_files
@@ -75,12 +76,13 @@ def test_evaluation_and_inference_find_the_shipped_weights_from_another_folder(f
     assert not (tmp_path / "models").exists()
 
 
-def _options(command: list[str]) -> dict[str, str]:
-    """``--key value`` pairs after ``monai.bundle run <id>``; ``config_file`` as a list."""
+def _options(command: list[str]) -> dict[str, Any]:
+    """``--key value`` pairs after ``monai.bundle run <id>``, each value read as ``monai.bundle run`` reads it (Fire);
+    ``config_file`` as a list."""
     start = command.index("run") + 2
-    options = {command[i][2:]: command[i + 1] for i in range(start, len(command), 2)}
+    options = {command[i][2:]: fire.parser.DefaultParseValue(command[i + 1]) for i in range(start, len(command), 2)}
     files = options["config_file"]
-    options["config_file"] = ast.literal_eval(files) if files.startswith("[") else [files]
+    options["config_file"] = [files] if isinstance(files, str) else list(files)
     return options
 
 

@@ -22,6 +22,7 @@ LAYERS = [
     [  # data, config values, the matching core and the template file format: torch, MONAI and the layer below only
         "bundle.data",
         "bundle.configs",
+        "bundle.settings",
         "bundle.distributed",
         "bundle.progress",
         "bundle.passes",

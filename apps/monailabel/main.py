@@ -117,7 +117,7 @@ class LandmarkApp(MONAILabelApp):
             )
         import_bundle(self.bundle_root)
         from bundle import __version__ as bundle_version
-        from bundle.configs import as_flag
+        from bundle.settings import as_flag
         from landmark_tasks.context import BundleContext
 
         self.model_dir = Path(app_dir) / "model"

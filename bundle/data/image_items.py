@@ -8,9 +8,9 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
-from bundle.configs import is_unset
 from bundle.data.annotations import visible_files
 from bundle.data.dicom import is_dicom_file, series_folders
+from bundle.settings import is_unset
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".tif", ".tiff", ".dcm", ".nii", ".nii.gz", ".mha", ".mhd", ".nrrd")
 
@@ -28,7 +28,7 @@ def image_items(
     Args:
         images: a path, a glob pattern such as ``scans/*.png``, or a list of them: files, or DICOM series folders
             (a pattern's matches sorted; a leading ``~`` expanded). None, empty or unset (``null`` / ``none``:
-            :func:`bundle.configs.is_unset`): what ``dataset_dir`` holds.
+            :func:`bundle.settings.is_unset`): what ``dataset_dir`` holds.
         dataset_dir: the folder read without ``images`` (sorted; none when it does not exist, so that the config
             builds without data: :func:`require_items` then fails at run time): in 2D every image file directly in
             it; in 3D ``dataset_dir`` itself when it holds DICOM files (the slices of one series, not volumes of

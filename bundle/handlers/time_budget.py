@@ -7,7 +7,7 @@ import math
 import time
 
 import ignite.distributed as idist
-from bundle.configs import as_number
+from bundle.settings import as_number
 from ignite.engine import Engine, Events
 from torch.optim.lr_scheduler import CosineAnnealingLR, LRScheduler
 

@@ -21,12 +21,12 @@ from pathlib import Path
 from typing import Sequence
 
 from bundle.checkpoints import UndescribedCheckpointError
-from bundle.configs import as_flag
 from bundle.data.embedded import open_datalist
 from bundle.inferers.refinement import PSEUDO_LABEL_RADIUS_MM, RADIUS_MM, DescriptorRefinement
 from bundle.networks.xfeat import INSTALL_HINT, available
 from bundle.pipeline.detector_data import INFO_FILE, detector_info
 from bundle.reporting import PIPELINES
+from bundle.settings import as_flag
 from bundle.template_file import bundle_path, load_template
 from bundle.templates.resolution import RANKED_POOL, held_out_images, labelled_training_items, template_items
 

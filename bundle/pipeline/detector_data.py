@@ -24,7 +24,7 @@ from typing import Sequence
 import numpy as np
 import torch
 from bundle.checkpoints import RECORD_KEY, UndescribedCheckpointError, describes, load_weights, read_record
-from bundle.configs import as_flag, bundle_parser, check_image_size, config_files, is_unset
+from bundle.configs import bundle_parser, config_files
 from bundle.data.datalist import read_json
 from bundle.distributed import rank
 from bundle.inferers.oneshot import OneShotInferer
@@ -32,6 +32,7 @@ from bundle.inferers.refinement import DescriptorRefinement
 from bundle.io_utils import write_json_atomic
 from bundle.networks.detector import HeatmapDetector, load_stage1_encoder
 from bundle.passes import map_shards
+from bundle.settings import as_flag, check_image_size, is_unset
 from bundle.templates.pseudo_labels import pseudo_label, reliable_landmarks
 from bundle.templates.resolution import held_out_images, labelled_training_items, resolve_templates, with_templates
 

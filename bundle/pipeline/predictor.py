@@ -11,7 +11,6 @@ import os
 from typing import Any, Callable, Sequence
 
 import torch
-from bundle.configs import as_flag, as_number, is_unset
 from bundle.handlers.templates import TemplateHandler
 from bundle.inferers.heatmap import HeatmapInferer
 from bundle.inferers.oneshot import OneShotInferer, TemplateFeatureInferer
@@ -20,6 +19,7 @@ from bundle.journal import fingerprint
 from bundle.pipeline.choice import ENOUGH_LABELS, choose_detector, prediction_refinement
 from bundle.pipeline.detector_data import detector_grid, detector_templates, load_detector
 from bundle.reporting import run_provenance
+from bundle.settings import as_flag, as_number, is_unset
 from bundle.transforms.utils import on_grid
 from monai.transforms import Compose
 

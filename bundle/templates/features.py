@@ -14,13 +14,13 @@ from typing import Any, Mapping, Sequence
 import torch
 from bundle import __version__
 from bundle.checkpoints import load_weights
-from bundle.configs import as_flag, is_unset
 from bundle.data.embedded import open_datalist
 from bundle.distributed import from_rank_0, rank
 from bundle.geometry import plain_tensor
 from bundle.io_utils import cache_root, not_private, private_folder
 from bundle.networks.matching import feature_vectors
 from bundle.passes import map_shards
+from bundle.settings import as_flag, is_unset
 from bundle.template_file import TEMPLATE_FORMAT, bundle_path, check_template, file_sha256, load_template, save_template
 from bundle.templates.resolution import check_rule, prepare_template, resolve_templates
 
@@ -105,8 +105,8 @@ def default_template_cache() -> Path:
 
 
 def template_cache_dir(value: str | os.PathLike | bool | None) -> Path | None:
-    """The ``template_cache`` folder: a path, or a yes/no word of :func:`bundle.configs.as_flag` (yes: the default
-    folder, no: no cache); None too, and what a command line gives for it (:func:`bundle.configs.is_unset`)."""
+    """The ``template_cache`` folder: a path, or a yes/no word of :func:`bundle.settings.as_flag` (yes: the default
+    folder, no: no cache); None too, and what a command line gives for it (:func:`bundle.settings.is_unset`)."""
     if is_unset(value):
         return None
     flag = as_flag(value, "template_cache", path=True)

@@ -12,11 +12,11 @@ import logging
 import os
 
 import torch
-from bundle.configs import as_number
 from bundle.geometry import grid_landmarks
 from bundle.inferers.oneshot import OneShotInferer
 from bundle.passes import map_shards
 from bundle.progress import progress
+from bundle.settings import as_number
 from bundle.templates.pseudo_labels import pseudo_label, select_pseudo_templates
 from bundle.templates.selection import select_template, select_template_by_landmarks
 from bundle.transforms.landmarks import TEMPLATE_KEY

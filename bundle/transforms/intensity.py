@@ -13,8 +13,8 @@ from typing import Hashable, Mapping, Sequence
 
 import numpy as np
 import torch
-from bundle.configs import as_flag
 from bundle.information_groups import GROUP_NAMES, check_thresholds, group_memberships, information_groups
+from bundle.settings import as_flag
 from monai.config import KeysCollection
 from monai.data.meta_obj import get_track_meta
 from monai.transforms import MapTransform, Randomizable, RandomizableTransform

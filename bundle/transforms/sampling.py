@@ -12,7 +12,7 @@ from typing import Any, Hashable, Mapping
 
 import numpy as np
 import torch
-from bundle.configs import as_flag, as_number
+from bundle.settings import as_flag, as_number
 from bundle.transforms.utils import like_input, output_keys_for, single_channel_spatial
 from monai.config import KeysCollection
 from monai.transforms import MapTransform, Transform

@@ -7,7 +7,7 @@ import copy
 from typing import Any, Hashable, Sequence
 
 import torch
-from bundle.configs import check_image_size
+from bundle.settings import check_image_size
 from monai.config import KeysCollection
 from monai.data import MetaTensor
 from monai.transforms import Compose, Resized
@@ -17,7 +17,11 @@ __all__ = ["GridResized", "channel_mean", "like_input", "on_grid", "output_keys_
 
 
 def channel_mean(image: torch.Tensor) -> torch.Tensor:
-    """A channel-first image made grey: the mean over its channels when it has several (RGB), else itself."""
+    """A channel-first image made grey: the mean over its channels when it has several (RGB), else itself.
+
+    Args:
+        image: a channel-first image (C, *spatial).
+    """
     return image.mean(0, keepdim=True) if image.shape[0] > 1 else image
 
 
@@ -68,7 +72,7 @@ def on_grid(pipeline: Compose, grid: Sequence[int]) -> Compose:
 
 class GridResized(Resized):
     """``Resized`` to the network grid ``image_size`` (checked against ``spatial_dims``: a multiple of the encoder's
-    coarsest stride, :func:`bundle.configs.check_image_size`): by area in 2D; trilinear with anti-aliasing in 3D, which
+    coarsest stride, :func:`bundle.settings.check_image_size`): by area in 2D; trilinear with anti-aliasing in 3D, which
     keeps positions exact where area mode would be nearest-like (a volume enlarged to the grid).
 
     Args:

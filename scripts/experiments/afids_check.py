@@ -173,9 +173,10 @@ def main(
     cannot undo; ``registration_tolerance``: matches further than this (network-grid voxels) from the registered
     template's landmarks fall back to them (``configs/evaluate.yaml``).
     """
-    from bundle.configs import as_flag, config_files
+    from bundle.configs import config_files
     from bundle.data.datalist import load_datalist
     from bundle.io_utils import write_json_atomic
+    from bundle.settings import as_flag
     from monai.bundle import run
     from scripts.experiments.afids import MRI_LOAD_TRANSFORMS, prepare_afids_datalist
 

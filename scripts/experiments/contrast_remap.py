@@ -18,7 +18,7 @@ from typing import Hashable, Mapping, Sequence
 
 import numpy as np
 import torch
-from bundle.configs import as_number
+from bundle.settings import as_number
 from monai.config import KeysCollection
 from monai.data.meta_obj import get_track_meta
 from monai.transforms import Compose, MapTransform, Randomizable, RandomizableTransform

@@ -33,11 +33,11 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
-from bundle.configs import as_flag
 from bundle.data.datalist import load_datalist
 from bundle.data.markups import ControlPoint, write_mrk_json
 from bundle.io_utils import atomic_path, write_json_atomic
 from bundle.metrics import GROSS_ERROR_MM
+from bundle.settings import as_flag
 from bundle.template_file import load_template
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure

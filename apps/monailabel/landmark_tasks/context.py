@@ -13,7 +13,7 @@ from typing import Any, Iterator, Sequence
 import torch
 from bundle.checkpoints import load_weights
 from bundle.command_errors import root_cause
-from bundle.configs import as_number, bundle_parser, config_files
+from bundle.configs import bundle_parser, config_files
 from bundle.data.datalist import DatalistError, read_json
 from bundle.data.markups import ControlPoint, check_label_names
 from bundle.handlers.confidence import MATCH_MIN_RATIO, MIN_PEAK
@@ -29,6 +29,7 @@ from bundle.pipeline.choice import (
 from bundle.pipeline.detector_data import base_grid
 from bundle.pipeline.detector_data import detector_info as recorded_detector_info
 from bundle.pipeline.predictor import matching_inferer
+from bundle.settings import as_number
 from bundle.template_file import join_templates
 from bundle.templates.features import compute_template
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
-from bundle.configs import check_crop_size, check_image_size, config_files
+from bundle.configs import config_files
 from bundle.data.datalist import is_finite_number
 from bundle.pipeline.detector_data import base_setting
+from bundle.settings import check_crop_size, check_image_size
 
 
 def _number(value: Any, kind: str, integer: bool = False, low: float = -math.inf, low_open: bool = False) -> float:
