@@ -59,7 +59,8 @@ def test_every_rule_is_of_a_documented_key_of_the_configs():
     defined = set()
     for path in (ROOT / "configs").glob("*.yaml"):
         defined |= set(yaml.safe_load(path.read_text(encoding="utf-8")))
-    documented = set(re.findall(r"^\| `([a-z_0-9]+)`", (ROOT / "docs" / "configuration.md").read_text(), re.M))
-    documented |= set(re.findall(r"^\| `[a-z_0-9]+`, `([a-z_0-9]+)`", (ROOT / "docs" / "configuration.md").read_text(), re.M))
+    reference = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8")
+    documented = set(re.findall(r"^\| `([a-z_0-9]+)`", reference, re.M))
+    documented |= set(re.findall(r"^\| `[a-z_0-9]+`, `([a-z_0-9]+)`", reference, re.M))
     assert set(SETTINGS) <= defined, set(SETTINGS) - defined
     assert set(SETTINGS) <= documented, set(SETTINGS) - documented
