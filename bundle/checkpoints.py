@@ -17,6 +17,7 @@ from typing import Any, Mapping
 import torch
 from bundle.data.datalist import read_json
 from bundle.io_utils import atomic_path, write_json_atomic
+from bundle.settings import as_flag
 
 # the key of a checkpoint record (:func:`save_with_record`) that names the checkpoint files it describes
 RECORD_KEY = "checkpoints"
@@ -207,11 +208,12 @@ def resume_path(ckpt_dir: str | Path, resume: bool | str, filename: str = "last.
     Raises:
         FileNotFoundError: ``resume`` is a path that does not exist.
     """
-    if isinstance(resume, str) and resume.lower() not in ("true", "false", ""):
+    resume = as_flag(resume, "resume", path=True)
+    if isinstance(resume, str):
         if not Path(resume).is_file():
             raise FileNotFoundError(f"resume checkpoint not found: {resume}")
         return resume
-    if resume is True or (isinstance(resume, str) and resume.lower() == "true"):
+    if resume:
         path = Path(ckpt_dir) / filename
         return str(path) if path.is_file() else None
     return None

@@ -1,14 +1,33 @@
-"""The first step of every command (configs/*.yaml ``training``, ``evaluating``, ``inferring``): what is checked and
-set before any work."""
+"""What every command checks and sets before any work: its command line and config values as the workflow starts
+(:func:`check_workflow`, the configs' ``initialize``), then its device, process group, progress bars, seed and
+threads (:func:`start_command`, the first step of ``training``, ``evaluating``, ``inferring``)."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
 from bundle.configs import apply_cpu_threads, check_command_line, check_device, seed_everything
 from bundle.distributed import join_launched
 from bundle.progress import show_progress
+from bundle.settings import check_settings
+from monai.bundle import ConfigWorkflow
+
+
+def check_workflow() -> None:
+    """Refuse a misread command line (:func:`bundle.configs.check_command_line`), then check the config of the
+    ``ConfigWorkflow`` that runs this (``monai.bundle run``, ``monai.bundle.load``, a ``ConfigWorkflow``) against
+    :data:`bundle.settings.SETTINGS` (:func:`bundle.settings.check_settings`): the configs' ``initialize`` step,
+    before anything is built. A config parsed by :func:`bundle.configs.bundle_parser` is checked there instead."""
+    check_command_line()
+    frame = inspect.currentframe()
+    while frame is not None:
+        workflow = frame.f_locals.get("self")
+        if isinstance(workflow, ConfigWorkflow):
+            check_settings(workflow.parser)
+            return
+        frame = frame.f_back
 
 
 def start_command(
@@ -18,11 +37,11 @@ def start_command(
     cudnn_benchmark: Any = False,
     cpu_threads: int | str | None = None,
 ) -> torch.device:
-    """Refuse a misread command line (:func:`bundle.configs.check_command_line`) and a device this machine lacks
-    (:func:`bundle.configs.check_device`), join the process group when torchrun launched several processes
-    (:func:`bundle.distributed.join_launched`), show progress bars or not (``progress_bar``), then, when given, seed
-    everything (``seed``, with ``cudnn_benchmark``: :func:`bundle.configs.seed_everything`) and set the command's CPU
-    threads (``cpu_threads``: :func:`bundle.configs.apply_cpu_threads`; the stage-1 training sets its own).
+    """Refuse a device this machine lacks (:func:`bundle.configs.check_device`), join the process group when
+    torchrun launched several processes (:func:`bundle.distributed.join_launched`), show progress bars or not
+    (``progress_bar``), then, when given, seed everything (``seed``, with ``cudnn_benchmark``:
+    :func:`bundle.configs.seed_everything`) and set the command's CPU threads (``cpu_threads``:
+    :func:`bundle.configs.apply_cpu_threads`; the stage-1 training sets its own).
 
     Args:
         device: the command's ``device``.
@@ -34,7 +53,6 @@ def start_command(
     Returns:
         the checked device.
     """
-    check_command_line()
     show_progress(progress_bar)
     checked = check_device(device)
     join_launched(checked)

@@ -187,7 +187,7 @@ def check_command_line(argv: Sequence[str] | None = None) -> None:
     - a key given without a value (``--epochs`` alone: MONAI's command line makes it ``True``, which counts as 1)
       unless the config's value is a yes/no;
     - a value that is not a number where the config's value is one (``--max_templates two``), or not an integer
-      where it is an integer (``2.7``); ``null`` / ``none`` pass (:func:`is_unset`), ranges are the configs' checks;
+      where it is an integer (``2.7``); ``null`` / ``none`` pass (:func:`is_unset`), ranges are bundle.settings' checks;
     - a word that is no option's value (:func:`stray_words`) nor a config item (``init_id``, ``final_id``): a shell
       wildcard or an unquoted space split a value.
 

@@ -22,6 +22,7 @@ from bundle import __version__
 from bundle.distributed import rank, world_size
 from bundle.io_utils import write_json_atomic
 from bundle.reporting import unique_name
+from bundle.settings import as_flag
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +133,7 @@ class PredictionJournal:
         self.items = list(items)
         self.images = [str(it["image"]) for it in self.items]
         self.fingerprint = fingerprint
-        self.overlays = overlays
+        self.overlays = as_flag(overlays, "overlays")
         self._names: dict[str, str] = {}  # image -> its overlay's file stem in the report, in the run's order
         self._taken: set[str] = set()
         for image in self.images:
@@ -260,10 +261,14 @@ class PredictionJournal:
                 for line in f:
                     entry = _entry(line)
                     if entry is not None:
-                        drawn = entry.get("overlay") is not None or len(entry.get("spacing") or ()) != 2
+                        drawn = len(entry.get("spacing") or ()) != 2 or self._drawn(entry.get("overlay"))
                         index[entry["image"]] = (part, offset, entry.get("file"), drawn)
                     offset += len(line)
         return index
+
+    def _drawn(self, overlay: Any) -> bool:
+        """Whether a line's overlay (its file name in the journal) is there."""
+        return isinstance(overlay, str) and (self.folder / "overlays" / overlay).is_file()
 
     def records(self) -> Iterator[dict]:
         """The run's images' predictions, in the order of its items (else as they came): ``image``, ``pred``,

@@ -1,9 +1,10 @@
 """What the configs' values may be: the rules that read and check a value, naming its key (:func:`as_flag`,
 :func:`as_number`, ...), and the settable keys' rules declared once (:data:`SETTINGS`), checked once: every command
-checks its config against them before anything is built (:func:`check_settings`: the configs' ``initialize`` step,
-and :func:`bundle.configs.bundle_parser` for Python callers). A value that a rule refuses stops the command naming
-the key and the value; the value the rule gives (a yes/no word read as a bool, a whole number as an int) replaces
-the one given, so that the configs pass the keys on as they are (``'@epochs'``).
+checks its config against them before anything is built (:func:`check_settings`, called by the configs'
+``initialize`` step, :func:`bundle.commands.check_workflow`, and by :func:`bundle.configs.bundle_parser` for Python
+callers). A value that a rule refuses stops the command naming the key and the value; the value the rule gives (a
+yes/no word read as a bool, a whole number as an int) replaces the one given, so that the configs pass the keys on
+as they are (``'@epochs'``).
 
 A key whose value is an expression or a reference (``$...``, ``@...``) is the config's own derivation and is not
 checked here; the checks that need several keys or derived values (``crop_size`` against ``image_size``,
@@ -12,14 +13,13 @@ checked here; the checks that need several keys or derived values (``crop_size``
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 from typing import Any, Callable
 
 import numpy as np
 from bundle.data.datalist import is_finite_number
-from monai.bundle import ConfigParser, ConfigWorkflow
+from monai.bundle import ConfigParser
 
 
 def is_unset(value: Any) -> bool:
@@ -212,7 +212,7 @@ def _number(minimum: float | None = None, integer: bool = False, optional: bool 
 
 
 def _cpu_threads(value: Any, key: str) -> Any:
-    return check_cpu_threads(value)
+    return None if is_unset(value) else check_cpu_threads(value)
 
 
 def _window(value: Any, key: str) -> list[float]:
@@ -266,19 +266,4 @@ def check_settings(parser: ConfigParser) -> None:
     for key, rule in SETTINGS.items():
         if key not in config or _is_expression(config[key]):
             continue
-        value = rule(config[key], key)
-        if type(value) is not type(config[key]) or value != config[key]:
-            parser[key] = value
-
-
-def check_workflow_settings() -> None:
-    """:func:`check_settings` on the config of the ``ConfigWorkflow`` that runs this (``monai.bundle run``,
-    ``monai.bundle.load``, a ``ConfigWorkflow``): the configs' ``initialize`` step, before anything is built.
-    Nothing when no workflow runs it (a config parsed by :func:`bundle.configs.bundle_parser` is checked there)."""
-    frame = inspect.currentframe()
-    while frame is not None:
-        workflow = frame.f_locals.get("self")
-        if isinstance(workflow, ConfigWorkflow):
-            check_settings(workflow.parser)
-            return
-        frame = frame.f_back
+        parser[key] = rule(config[key], key)

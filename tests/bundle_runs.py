@@ -26,6 +26,7 @@ def bundle_command(
     logs in ``logs``, one folder per rank) when ``processes`` > 1."""
     launcher = []
     if processes > 1:
+        assert logs is not None, "torchrun needs a folder for the ranks' logs"
         launcher = ["-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc_per_node", str(processes)]
         launcher += ["--log-dir", str(logs), "--redirects", "3"]
     files = configs if isinstance(configs, str) else repr(list(configs))

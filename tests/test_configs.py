@@ -65,19 +65,19 @@ def test_evaluation_picks_a_labelled_training_template_by_either_rule(tiny_datal
         parser = bundle_parser(
             config_files("evaluate"), datalist=str(no_template), output_dir=str(tmp_path / "out"), template_rule=rule
         )
-        assert Path(parser.get_parsed_content("evaluate#template")["image"]).name in labelled
+        assert Path(parser.get_parsed_content("evaluate#templates")[0]["image"]).name in labelled
     parser = bundle_parser(
         config_files("evaluate"), datalist=str(no_template), output_dir=str(tmp_path / "out"), template_rule="nearest"
     )
     with pytest.raises(RuntimeError) as failure:  # MONAI wraps the error of a config expression
-        parser.get_parsed_content("evaluate#template")
+        parser.get_parsed_content("evaluate#templates")
     assert "template rule must be one of ('landmarks', 'features'), got 'nearest'" in str(failure.value.__cause__)
     # refused also where the datalist names its template and the rule would go unused
     parser = bundle_parser(
         config_files("evaluate"), datalist=str(tiny_datalist), output_dir=str(tmp_path / "out"), template_rule="nearest"
     )
     with pytest.raises(RuntimeError) as failure:
-        parser.get_parsed_content("evaluate#template")
+        parser.get_parsed_content("evaluate#templates")
     assert "template rule must be one of ('landmarks', 'features'), got 'nearest'" in str(failure.value.__cause__)
 
 

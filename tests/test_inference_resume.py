@@ -8,6 +8,7 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from bundle.journal import PredictionJournal, fingerprint
@@ -121,6 +122,24 @@ def test_overlays_follow_the_run_and_their_image(small_run, tmp_path):
     without = infer(small_run, out, "--overlays", "false", images=images)
     assert "2 of 2 images already predicted" in without.stdout
     assert not (out / "overlays").exists() and not (out / "overview.html").exists()
+
+
+def test_an_image_whose_overlay_is_gone_is_predicted_again(tmp_path):
+    image = tmp_path / "a.png"
+    image.write_bytes(b"an image")
+    journal = PredictionJournal(tmp_path / "out", [{"image": str(image)}], fingerprint="f", overlays="yes")
+    assert journal.overlays is True
+    journal.start()
+    overlay = journal.overlay_path(str(image))
+    overlay.parent.mkdir(parents=True, exist_ok=True)
+    overlay.write_bytes(b"a drawing")
+    journal.append(str(image), np.zeros((1, 2)), np.zeros((1, 2)), np.ones(2), overlay)
+    journal.close()
+    assert journal.pending() == []
+    assert PredictionJournal(tmp_path / "out", journal.items, "f", overlays=False).pending() == []
+    overlay.unlink()
+    assert journal.pending() == journal.items  # its overlay is gone: drawn again
+    assert PredictionJournal(tmp_path / "out", journal.items, "f", overlays=False).pending() == []
 
 
 def test_a_journal_folder_that_the_bundle_did_not_write_is_refused(tmp_path):

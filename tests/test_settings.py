@@ -37,6 +37,10 @@ def test_a_refused_value_names_its_key(key, value, message):
         bundle_parser("configs/train.yaml", **{key: value})
 
 
+def test_a_null_cpu_threads_keeps_torch_s_setting():
+    assert bundle_parser("configs/train.yaml", cpu_threads="null")["cpu_threads"] is None
+
+
 def test_an_expression_is_the_configs_own_and_is_left_as_it_is():
     parser = bundle_parser("configs/train.yaml", epochs="$1 + 2")
     assert parser["epochs"] == "$1 + 2"

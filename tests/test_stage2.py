@@ -179,7 +179,7 @@ def test_shift_tta_moves_the_input_and_brings_each_run_back():
 
 
 def test_finetune_config_uses_the_first_labelled_training_items(tmp_path):
-    datalist_path = generate_synthetic_2d(tmp_path / "data", n_training=8, n_validation=1, n_test=1, seed=5)
+    datalist_path = generate_synthetic_2d(tmp_path / "data", n_training=10, n_validation=1, n_test=1, seed=5)
     parser = ConfigParser()
     parser.read_config([str(ROOT / f"configs/{c}.yaml") for c in ("train", "train_stage2", "finetune")])
     parser.update({"bundle_root": str(ROOT), "datalist": str(datalist_path), "n_labelled": 2})
@@ -194,15 +194,15 @@ def test_finetune_config_uses_the_first_labelled_training_items(tmp_path):
 @pytest.mark.parametrize(
     "overrides, grid, sigma, translate",
     [
-        ({"n_labelled": 2}, [192, 192], 2.0, 8.0),  # below fine_grid_labels: train.yaml's grid
-        ({"n_labelled": 2, "fine_grid_labels": 2}, [288, 288], 3.0, 12.0),  # from there on 1.5 times finer
+        ({"n_labelled": 9}, [192, 192], 2.0, 8.0),  # below FINE_GRID_LABELS (10): train.yaml's grid
+        ({"n_labelled": 10}, [288, 288], 3.0, 12.0),  # from there on 1.5 times finer
         ({"n_labelled": 2, "image_size": [384, 384]}, [384, 384], 4.0, 16.0),  # a given grid: the lengths follow it
     ],
 )
 def test_finetune_grid_grows_with_the_labels_and_the_lengths_in_grid_pixels_follow(
     tmp_path, overrides, grid, sigma, translate
 ):
-    datalist_path = generate_synthetic_2d(tmp_path / "data", n_training=8, n_validation=1, n_test=1, seed=5)
+    datalist_path = generate_synthetic_2d(tmp_path / "data", n_training=10, n_validation=1, n_test=1, seed=5)
     parser = ConfigParser()
     parser.read_config([str(ROOT / f"configs/{c}.yaml") for c in ("train", "train_stage2", "finetune")])
     parser.update({"bundle_root": str(ROOT), "datalist": str(datalist_path), **overrides})
@@ -213,7 +213,7 @@ def test_finetune_grid_grows_with_the_labels_and_the_lengths_in_grid_pixels_foll
 
 
 def test_finetune_grid_in_3d_stays_train_3d_s_whatever_the_labels():
-    assert finetune_grid(1000, 3, 10, 1.5) == [64, 64, 64]
+    assert finetune_grid(1000, 3) == [64, 64, 64]
     assert follow_grid("heatmap_sigma", [64, 64, 64], 3) == 2.0
     assert follow_grid("affine_translate", [128, 128, 128], 3) == 16.0  # a given grid: the lengths follow it
 
@@ -240,7 +240,7 @@ def test_random_init_as_the_command_line_gives_it(random_init, expected):
         assert "random_init: expected true or false (yes/no, 1/0, any case), got 'maybe'" in str(info.value.__cause__)
         return
     init = parser.get_parsed_content("encoder_checkpoint")
-    assert init == (None if expected is None else parser.get_parsed_content("stage1_ckpt"))
+    assert init == (None if expected is None else parser.get_parsed_content("ckpt_path"))
 
 
 def test_shipped_detector_loads_into_the_configured_network_and_names_its_templates():
@@ -314,7 +314,7 @@ def test_tiny_stage2_training_and_evaluation_beat_chance(tmp_path):
         config_file=stage2,
         output_dir=str(tmp_path / "t2"),
         ckpt_dir=str(tmp_path / "m2"),
-        stage1_ckpt=str(tmp_path / "m1" / "model.pt"),
+        ckpt_path=str(tmp_path / "m1" / "model.pt"),
         epochs=4,
         epoch_length=15,
         val_interval=4,

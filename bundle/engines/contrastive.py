@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 from bundle.engines.cpu_threads import CPUThreadTuner
+from bundle.settings import as_flag, check_cpu_threads
 from monai.engines import SupervisedTrainer
 from monai.engines.utils import IterationEvents
 from monai.utils.enums import CommonKeys as Keys
@@ -52,8 +53,8 @@ class ContrastiveIterationUpdate:
         retune_every: int = 200,
         extra_loss: Callable[..., torch.Tensor] | None = None,
     ) -> None:
-        self.channels_last = bool(channels_last)
-        self.threads = CPUThreadTuner(num_threads, torch.get_num_threads(), trials, retune_every)
+        self.channels_last = as_flag(channels_last, "cpu_channels_last")
+        self.threads = CPUThreadTuner(check_cpu_threads(num_threads), torch.get_num_threads(), trials, retune_every)
         self.extra_loss = extra_loss
 
     def __call__(self, engine: SupervisedTrainer, batchdata: dict[str, Any]) -> dict:

@@ -60,11 +60,12 @@ class LandmarkReportHandler:
         the ``image_key`` MetaTensor;
       - 2D overlays: drawn from the image's file (``path_key`` / ``filename_or_obj``) at its own resolution.
     Each image's predictions go into the run's :class:`bundle.journal.PredictionJournal` (``output_dir/.journal``)
-    as it finishes, with its 2D overlay (drawn from the image's file at its own resolution); nothing of an image is
-    kept in memory. At ``COMPLETED`` the report is written from the journal, in the order of the run's images
-    (under torchrun by the process of rank 0, once every process is done: each predicted its share):
-    ``output_dir``/metrics.json, predictions.csv, sdr_curve.png and overlays/<image stem>.png with overview.html, a
-    page showing them all (2D), or <image stem>.mrk.json (3D, the predictions as a 3D Slicer point list in RAS), and
+    as it finishes, with its 2D overlay when the journal's ``overlays`` asks for one (drawn from the image's file at
+    its own resolution); nothing of an image is kept in memory. At ``COMPLETED`` the report is written from the
+    journal, in the order of the run's images (under torchrun by the process of rank 0, once every process is done:
+    each predicted its share): ``output_dir``/metrics.json, predictions.csv, sdr_curve.png and overlays/<image
+    stem>.png with overview.html, a page showing them all (2D), or <image stem>.mrk.json (3D, the predictions as a 3D
+    Slicer point list in RAS), and
     MRE and SDR are logged. When no image has a reference landmark (inference on new images), predictions.csv, the
     overlays (markups) and provenance.json are written.
     metrics.json and provenance.json say what made the predictions: ``predictor.provenance()`` as the report is
@@ -276,11 +277,11 @@ class LandmarkReportHandler:
                 n_images += 1
                 errors = radial_errors(record["pred"], record["ref"])
                 labelled = labelled or bool(np.isfinite(record["ref"]).any())
-                if record["overlay"] is not None:
-                    name = self.journal.overlay_name(record["image"])
-                    link_or_copy(record["overlay"], folder / "overlays" / name)
+                overlay = self.journal.overlay_name(record["image"])
+                if record["overlay"] is not None and overlay not in captions:  # an image listed twice: once
+                    link_or_copy(record["overlay"], folder / "overlays" / overlay)
                     mre = float(np.nanmean(errors)) if np.isfinite(errors).any() else None
-                    captions[name] = (record["image"], mre)
+                    captions[overlay] = (record["image"], mre)
                 if not self.unlabelled or record["spacing"].size == 3:
                     kept.append({k: record[k] for k in ("image", "pred", "ref", "spacing")})
                 for j, name in enumerate(self.landmark_names):

@@ -237,22 +237,26 @@ def recorded_detector(
     return HeatmapDetector(**settings)
 
 
-def finetune_grid(n_labelled: int, spatial_dims: int, fine_from: int, scale: float) -> list[int]:
+# the fine-tuned detector's grid is FINE_GRID_SCALE times finer from FINE_GRID_LABELS human labels on (2D)
+FINE_GRID_LABELS = 10
+FINE_GRID_SCALE = 1.5
+
+
+def finetune_grid(n_labelled: int, spatial_dims: int) -> list[int]:
     """The grid of a detector fine-tuned on ``n_labelled`` human labels: :func:`base_grid`, or in 2D from
-    ``fine_from`` labels on, ``scale`` times it (rounded to the encoder's stride 16). A finer grid places the peaks
-    more finely but confuses similar structures more often with few labels (docs/results.md, "The grid grows with
-    the labels": chosen on validation images at 5 and 10 labels over two seeds).
+    :data:`FINE_GRID_LABELS` labels on, :data:`FINE_GRID_SCALE` times it (rounded to the encoder's stride 16). A
+    finer grid places the peaks more finely but confuses similar structures more often with few labels
+    (docs/results.md, "The grid grows with the labels": chosen on validation images at 5 and 10 labels over two
+    seeds).
 
     Args:
         n_labelled: the fine-tuning's number of human-labelled images.
         spatial_dims: 2 or 3.
-        fine_from: ``fine_grid_labels``, the number of labels from which the grid is finer.
-        scale: ``fine_grid_scale``, how much finer.
     """
     base = base_grid(spatial_dims)
-    if spatial_dims != 2 or n_labelled < int(fine_from):
+    if spatial_dims != 2 or n_labelled < FINE_GRID_LABELS:
         return base
-    return check_image_size([int(round(v * float(scale) / 16)) * 16 for v in base], spatial_dims)
+    return check_image_size([int(round(v * FINE_GRID_SCALE / 16)) * 16 for v in base], spatial_dims)
 
 
 def follow_grid(key: str, image_size: Sequence[int], spatial_dims: int) -> float:

@@ -315,30 +315,29 @@ class InfoGuidedIntensityd(Randomizable, MapTransform):
         return d
 
 
+# the baseline's uniform brightness / contrast jitter (the augmentation without the paper's steps 2-3)
+BASELINE_BRIGHTNESS = 0.15
+BASELINE_CONTRAST = 0.25
+
+
 def crop_augmentation(
-    keys: KeysCollection,
-    entropy_key: str,
-    augmentation: Mapping,
-    adaptive_augmentation: bool | str,
-    baseline_brightness: float,
-    baseline_contrast: float,
+    keys: KeysCollection, entropy_key: str, augmentation: Mapping, adaptive_augmentation: bool | str
 ) -> InfoGuidedIntensityd:
     """The crops' brightness / contrast augmentation of training (Sec. 3 steps 2-3): the per-group intensities of
     ``augmentation`` (``thresholds``, ``brightness``, ``contrast``, optional ``brightness_ranges`` /
     ``contrast_ranges`` and ``group_mode``) with the paper's adaptive augmentation (``adaptive_augmentation`` on),
-    else the baseline's uniform ``baseline_brightness`` / ``baseline_contrast`` in every group.
+    else the baseline's uniform :data:`BASELINE_BRIGHTNESS` / :data:`BASELINE_CONTRAST` in every group.
 
     Args:
         keys: the image keys.
         entropy_key: the key of their IIE maps.
         augmentation: the configs' ``augmentation`` (scripts/estimate_augmentation.py writes one).
         adaptive_augmentation: the ablation switch (a yes/no value).
-        baseline_brightness, baseline_contrast: the baseline's intensities.
     """
     if as_flag(adaptive_augmentation, "adaptive_augmentation"):
         chosen = dict(augmentation)
     else:
-        chosen = {"brightness": [baseline_brightness] * 3, "contrast": [baseline_contrast] * 3}
+        chosen = {"brightness": [BASELINE_BRIGHTNESS] * 3, "contrast": [BASELINE_CONTRAST] * 3}
     return InfoGuidedIntensityd(
         keys,
         entropy_key=entropy_key,

@@ -250,9 +250,14 @@ class LandmarkTargets(Transform):
     backend = [TransformBackends.TORCH, TransformBackends.NUMPY]
 
     def __init__(
-        self, n_landmarks: int, landmark_names: Sequence[str] | None = None, outside_tolerance: float = 0.05
+        self,
+        n_landmarks: int | None = None,
+        landmark_names: Sequence[str] | None = None,
+        outside_tolerance: float = 0.05,
     ) -> None:
-        self.n_landmarks = int(n_landmarks)
+        if n_landmarks is None and landmark_names is None:
+            raise ValueError("LandmarkTargets: give n_landmarks or landmark_names")
+        self.n_landmarks = len(landmark_names) if n_landmarks is None else int(n_landmarks)
         if landmark_names is not None and len(landmark_names) != self.n_landmarks:
             raise ValueError(f"{len(landmark_names)} landmark_names for {self.n_landmarks} landmarks")
         self.landmark_names = None if landmark_names is None else [str(n) for n in landmark_names]
@@ -329,7 +334,7 @@ class LandmarkTargetsd(MapTransform):
 
     Args:
         keys: the image key (one key).
-        n_landmarks: number of landmarks in the datalist (``len(landmark_names)``).
+        n_landmarks: number of landmarks in the datalist; None: ``len(landmark_names)``.
         landmarks_key: the item's landmark list (absent or ``None``: all NaN, e.g. unlabelled images).
         spacing_key: the item's spacing override (mm per pixel, x, y[, z]).
         label_key: where to write the landmarks in physical mm.
@@ -349,7 +354,7 @@ class LandmarkTargetsd(MapTransform):
     def __init__(
         self,
         keys: KeysCollection,
-        n_landmarks: int,
+        n_landmarks: int | None = None,
         landmarks_key: str = "landmarks",
         spacing_key: str = "spacing",
         label_key: str = "label",
