@@ -30,7 +30,8 @@ def _axes_pair(ax, x, left, right, left_label: str, right_label: str, log_x: boo
 def scale_plot(training: str, inferring: str, templates: str, output: str = "docs/results_scale.png") -> Path:
     """Draw the three benchmarks side by side into ``output`` (PNG): the training's peak memory and seconds per
     iteration under its ``cache_gb`` against N (the all-cached reference as a dotted line), inferring's seconds per
-    image and peak memory against N, and matching's seconds per image and template features' seconds against k.
+    image and peak memory against N, and matching's seconds per image and the config's build (its template features
+    computed in it) against k.
 
     Args:
         training: the JSON of ``python -m scripts.benchmark training_scale --output F``.
@@ -76,7 +77,7 @@ def scale_plot(training: str, inferring: str, templates: str, output: str = "doc
         [r["s_per_image"] for r in ks],
         [r["build_s"] for r in ks],
         "s / image",
-        "template features (s)",
+        "config built, features included (s)",
         log_x=False,
     )
     axes[2].set_title("matching from k templates")
