@@ -14,7 +14,6 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
-from monai.data import DistributedSampler
 
 T = TypeVar("T")
 
@@ -82,16 +81,17 @@ def shard(items: Sequence[T]) -> list[T]:
     return list(items[rank() :: world_size()])
 
 
-def evaluation_sampler(dataset: Sequence) -> DistributedSampler | None:
-    """The data loader's sampler of an evaluation: this process's :func:`shard` of ``dataset`` in order (MONAI's
-    ``DistributedSampler``, no item repeated to even the shares) under a process group, else None (every item).
+def evaluation_sampler(dataset: Sequence) -> list[int] | None:
+    """The data loader's sampler of an evaluation: the indices of this process's :func:`shard` of ``dataset``, in
+    order (no item repeated to even the shares, none for a process beyond the items: MONAI's ``DistributedSampler``
+    refuses fewer items than processes) under a process group, else None (every item).
 
     Args:
         dataset: the evaluation's dataset.
     """
     if world_size() == 1:
         return None
-    return DistributedSampler(dataset, even_divisible=False, shuffle=False, num_replicas=world_size(), rank=rank())
+    return shard(range(len(dataset)))
 
 
 def gather_shards(share: Sequence[T]) -> list[T]:

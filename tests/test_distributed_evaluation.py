@@ -77,14 +77,14 @@ def test_two_processes_evaluate_what_one_evaluates(small_set, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_process_without_a_test_image_takes_part_and_the_report_is_one_process_s(small_set, tmp_path):
-    """Two processes for one test image: the second predicts nothing but shares the choice of the templates."""
+def test_more_processes_than_test_images_are_refused_naming_the_count(small_set, tmp_path):
+    """Each process of an evaluation computes its share of the metric with the others: one needs an image."""
     _, weights, _ = small_set
     datalist = generate_synthetic_2d(tmp_path / "data", n_training=2, n_validation=1, n_test=1, size=(64, 72), seed=6)
     configs = ["configs/train.yaml", "configs/evaluate.yaml"]
     args = ["--datalist", str(datalist), "--ckpt_path", str(weights), "--pipeline", "templates", *SMALL_MATCHING]
-    one, two = tmp_path / "one", tmp_path / "two"
-    run_bundle("evaluating", configs, *args, "--output_dir", str(one), processes=1, logs=tmp_path / "logs1", check=True)
-    run_bundle("evaluating", configs, *args, "--output_dir", str(two), processes=2, logs=tmp_path / "logs2", check=True)
-    assert (two / "predictions.csv").read_bytes() == (one / "predictions.csv").read_bytes()
-    assert json.loads((two / "metrics.json").read_text()) == json.loads((one / "metrics.json").read_text())
+    done = run_bundle("evaluating", configs, *args, "--output_dir", str(tmp_path / "two"), processes=2, logs=tmp_path)
+    assert done.returncode != 0
+    logs = "".join(p.read_text() for p in tmp_path.rglob("*.log"))
+    assert "2 processes for 1 test images: every process of an evaluation needs one" in logs
+    assert not (tmp_path / "two").exists()

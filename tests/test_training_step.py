@@ -109,7 +109,7 @@ def test_fixed_threads_and_bad_settings():
     finally:
         torch.set_num_threads(threads_before)
     for bad in ("many", 0, 1.5):
-        with pytest.raises(ValueError, match="num_threads"):
+        with pytest.raises(ValueError, match="cpu_threads must be null, 'auto' or a positive integer"):
             ContrastiveIterationUpdate(num_threads=bad)
 
 

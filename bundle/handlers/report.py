@@ -309,10 +309,10 @@ class LandmarkReportHandler:
 
 def run_reported(evaluator: Engine, report: LandmarkReportHandler) -> None:
     """Run ``evaluator`` over its images, or, when this process has none (an earlier run into the same output folder
-    predicted them all, or torchrun started more processes than there are images left), take part in what its
-    predictor does as a run starts (evaluating's choice of the templates, which every process shares) and write
-    ``report`` from its journal as the run would; then the processes leave together
-    (:func:`bundle.distributed.leave_together`).
+    predicted them all, or torchrun started more processes than there are images left), write ``report`` from its
+    journal as the run would; then the processes leave together (:func:`bundle.distributed.leave_together`). An
+    evaluator with a key metric (evaluating) needs an image in every process, the processes computing the metric
+    together: ValueError.
 
     Args:
         evaluator: the command's evaluator (MONAI's ``SupervisedEvaluator``), ``report`` among its handlers.
@@ -320,9 +320,12 @@ def run_reported(evaluator: Engine, report: LandmarkReportHandler) -> None:
     """
     if len(evaluator.data_loader) > 0:
         evaluator.run()
+    elif evaluator.state.key_metric_name is not None:
+        raise ValueError(
+            f"{world_size()} processes for {len(report.journal.items)} test images: every process of an evaluation "
+            "needs one, torchrun's --nproc_per_node may be at most the number of test images"
+        )
     else:
-        for handler in report.predictor.handlers if report.predictor is not None else ():
-            handler(evaluator)
         report.reset()
         report.write()
     leave_together()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from bundle.handlers.templates import TemplateHandler
@@ -21,6 +21,7 @@ from bundle.pipeline.detector_data import detector_grid, detector_templates, loa
 from bundle.reporting import run_provenance
 from bundle.settings import as_flag, as_number, is_unset
 from bundle.transforms.utils import on_grid
+from monai.data import Dataset
 from monai.transforms import Compose
 
 
@@ -50,6 +51,10 @@ class Predictor:
         """What made the predictions, for metrics.json and provenance.json (:func:`bundle.reporting.run_provenance`)."""
         settings = self.refinement.settings() if self.refinement is not None else None
         return run_provenance(self.pipeline, self.templates, self.checkpoint, self.pseudo_templates, settings)
+
+    def dataset(self, items: Sequence[Mapping]) -> Dataset:
+        """MONAI's ``Dataset`` of ``items`` (datalist items) prepared by :attr:`preprocessing`."""
+        return Dataset(list(items), transform=self.preprocessing)
 
     def fingerprint(self) -> str:
         """A hash of what predicts (:func:`bundle.journal.fingerprint`): the provenance, the network's weights, the
@@ -82,7 +87,7 @@ def build_predictor(
     template_features: Callable[[], dict] | None = None,
     contrast_adaptation: bool = False,
     registration_tolerance: float | None = None,
-    test_images: Sequence[str] = (),
+    test_items: Sequence[Mapping] = (),
     builtin: str | os.PathLike | None = None,
     enough_labels: int = ENOUGH_LABELS,
 ) -> Predictor:
@@ -116,7 +121,8 @@ def build_predictor(
             value, :func:`matching_inferer`).
         registration_tolerance: evaluating's matching falls back to the registered template's landmarks beyond this
             many grid pixels (None: no registration, :func:`matching_inferer`).
-        test_images: the images predicted; ``auto`` takes no detector trained on one of them (``detector`` warns).
+        test_items: the items predicted (datalist items); ``auto`` takes no detector trained on one of their images
+            (``detector`` warns).
         builtin: the shipped template file when inferring from it (:func:`bundle.pipeline.choice.builtin_templates`),
             whose shipped detectors ``auto`` weighs without a datalist.
         enough_labels: ``auto`` takes a detector that learnt from this many labelled images whatever the number of
@@ -130,6 +136,7 @@ def build_predictor(
     """
     if (choose_templates is None) == (template_features is None):
         raise ValueError("build_predictor: give either choose_templates (evaluating) or template_features (inferring)")
+    test_images = [str(it["image"]) for it in test_items]
     detector = choose_detector(
         pipeline, detectors, landmark_names, spatial_dims, datalist, max_templates, test_images, enough_labels, builtin
     )
