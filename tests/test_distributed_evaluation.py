@@ -34,26 +34,10 @@ def test_two_processes_infer_what_one_infers_each_image_once(small_set, tmp_path
     args = ["--images", repr(images), "--datalist", str(datalist), "--ckpt_path", str(weights), *SMALL_MATCHING]
     args += ["--template_cache", "null"]
     one, two = tmp_path / "one", tmp_path / "two"
-    run_bundle(
-        "inferring",
-        ["configs/inference.yaml"],
-        *args,
-        "--output_dir",
-        str(one),
-        processes=1,
-        logs=tmp_path / "logs1",
-        check=True,
-    )
-    run_bundle(
-        "inferring",
-        ["configs/inference.yaml"],
-        *args,
-        "--output_dir",
-        str(two),
-        processes=2,
-        logs=tmp_path / "logs2",
-        check=True,
-    )
+    for processes, out in ((1, one), (2, two)):
+        logs = tmp_path / f"logs{processes}"
+        command = ("inferring", "configs/inference.yaml", *args, "--output_dir", out)
+        run_bundle(*command, processes=processes, logs=logs, check=True)
     assert (two / "predictions.csv").read_bytes() == (one / "predictions.csv").read_bytes()
     assert json.loads((two / "provenance.json").read_text()) == json.loads((one / "provenance.json").read_text())
     assert sorted(os.listdir(two / "overlays")) == sorted(os.listdir(one / "overlays"))
@@ -67,8 +51,9 @@ def test_two_processes_evaluate_what_one_evaluates(small_set, tmp_path):
     configs = ["configs/train.yaml", "configs/evaluate.yaml"]
     args = ["--datalist", str(datalist), "--ckpt_path", str(weights), "--pipeline", "templates", *SMALL_MATCHING]
     one, two = tmp_path / "one", tmp_path / "two"
-    run_bundle("evaluating", configs, *args, "--output_dir", str(one), processes=1, logs=tmp_path / "logs1", check=True)
-    run_bundle("evaluating", configs, *args, "--output_dir", str(two), processes=2, logs=tmp_path / "logs2", check=True)
+    for processes, out in ((1, one), (2, two)):
+        logs = tmp_path / f"logs{processes}"
+        run_bundle("evaluating", configs, *args, "--output_dir", out, processes=processes, logs=logs, check=True)
     assert (two / "predictions.csv").read_bytes() == (one / "predictions.csv").read_bytes()
     assert json.loads((two / "metrics.json").read_text()) == json.loads((one / "metrics.json").read_text())
     assert json.loads((one / "metrics.json").read_text())["n_images"] == 7
