@@ -43,6 +43,11 @@ def test_two_processes_infer_what_one_infers_each_image_once(small_set, tmp_path
     assert sorted(os.listdir(two / "overlays")) == sorted(os.listdir(one / "overlays"))
     shares = journal_parts(two)
     assert shares == {"0": images[0::2], "1": images[1::2]}  # each image in one share, none left out
+    # a rerun of two processes into the same folder: nothing left to predict, in either, and the same report
+    report = (two / "predictions.csv").read_bytes()
+    again = ("inferring", "configs/inference.yaml", *args, "--output_dir", two)
+    run_bundle(*again, processes=2, logs=tmp_path / "logs_again", check=True)
+    assert journal_parts(two) == shares and (two / "predictions.csv").read_bytes() == report
 
 
 @pytest.mark.slow
