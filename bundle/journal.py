@@ -287,14 +287,14 @@ class PredictionJournal:
                     files[part] = open(part, "rb")
                 files[part].seek(offset)
                 entry = _entry(files[part].readline())
-                drawn = self.overlays and entry.get("overlay")
+                drawn = self.overlays and self._drawn(entry.get("overlay"))
                 overlay = self.folder / "overlays" / entry["overlay"] if drawn else None
                 yield {
                     "image": image,
                     "pred": np.asarray(entry["pred"], dtype=np.float64),
                     "ref": np.asarray(entry["ref"], dtype=np.float64),
                     "spacing": np.asarray(entry["spacing"], dtype=np.float64),
-                    "overlay": overlay if overlay is not None and overlay.is_file() else None,
+                    "overlay": overlay,
                 }
         finally:
             for f in files.values():

@@ -192,10 +192,6 @@ def check_cpu_threads(cpu_threads: int | str | None) -> int | str | None:
 Rule = Callable[[Any, str], Any]
 
 
-def _flag(value: Any, key: str) -> bool:
-    return as_flag(value, key)
-
-
 def _flag_or_path(value: Any, key: str) -> bool | str:
     return as_flag(value, key, path=True)
 
@@ -225,16 +221,16 @@ def _spacing_3d(value: Any, key: str) -> list[float]:
 
 SETTINGS: dict[str, Rule] = {
     # yes/no keys: true/false, yes/no, 1/0 in any case (the command line gives them as words)
-    "amp": _flag,
-    "adaptive_augmentation": _flag,
-    "contrast_adaptation": _flag,
-    "cpu_channels_last": _flag,
-    "cudnn_benchmark": _flag,
-    "entropy_sampling": _flag,
-    "overlays": _flag,
-    "pin_memory": _flag,
-    "progress_bar": _flag,
-    "random_init": _flag,
+    "amp": as_flag,
+    "adaptive_augmentation": as_flag,
+    "contrast_adaptation": as_flag,
+    "cpu_channels_last": as_flag,
+    "cudnn_benchmark": as_flag,
+    "entropy_sampling": as_flag,
+    "overlays": as_flag,
+    "pin_memory": as_flag,
+    "progress_bar": as_flag,
+    "random_init": as_flag,
     "resume": _flag_or_path,  # or the checkpoint to resume from
     # counts and sizes of the training
     "batch_size": _number(1, integer=True),
