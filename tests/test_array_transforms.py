@@ -25,7 +25,10 @@ from bundle.transforms import (
     SamplingWeight,
     SamplingWeightd,
 )
+from bundle.transforms.heatmaps import RandIsotropicAffined
+from bundle.transforms.utils import WindowIntensityd
 from monai.data import MetaTensor
+from monai.transforms import RandAffined
 
 
 def _image(seed: int = 0, spatial=(24, 20)) -> MetaTensor:
@@ -165,6 +168,34 @@ def test_gaussian_heatmap_equals_the_dictionary_transform_and_names_the_value_or
         GaussianHeatmap()(image, torch.zeros(2, 3))
     with pytest.raises(KeyError, match="'label' and 'grid_to_physical'"):
         GaussianHeatmapd("image")({"image": image})
+
+
+@pytest.mark.parametrize("spatial", [(16, 12), (8, 10, 6)])
+def test_isotropic_affine_draws_what_monai_rand_affine_draws_with_per_axis_ranges(spatial):
+    dims = len(spatial)
+    item = {"image": _image(1, spatial), "heatmap": _image(2, spatial)}
+    keys = ["image", "heatmap"]
+    ours = RandIsotropicAffined(keys, spatial_dims=dims, rotate=10.0, scale=0.1, translate=3.0, prob=1.0)
+    reference = RandAffined(
+        ["image", "heatmap"],
+        prob=1.0,
+        rotate_range=[np.pi / 18] * (1 if dims == 2 else 3),
+        scale_range=[0.1] * dims,
+        translate_range=[3.0] * dims,
+    )
+    ours.set_random_state(7)
+    reference.set_random_state(7)
+    a, b = ours(dict(item)), reference(dict(item))
+    for key in item:
+        _same(a[key], b[key])
+        assert not torch.equal(torch.as_tensor(a[key]), torch.as_tensor(item[key]))  # it moved
+
+
+def test_window_intensity_clips_to_the_window_and_scales_it_to_the_unit_range():
+    volume = torch.tensor([[[-1000.0, -200.0], [100.0, 400.0], [1500.0, 0.0]]])
+    out = WindowIntensityd("image", window=[-200, 400])({"image": volume})["image"]
+    expected = np.clip((volume.numpy() + 200.0) / 600.0, 0.0, 1.0)
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=0, atol=1e-7)
 
 
 # ------------------------------------------------------------------------------ the view-pair parts

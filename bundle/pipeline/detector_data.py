@@ -478,14 +478,3 @@ def initial_detector(
     if init_weights:
         return load_weights(network, init_weights, device)
     return load_stage1_encoder(network, encoder_checkpoint).to(device)
-
-
-def rotation_range(degrees: float, spatial_dims: int) -> list[float]:
-    """``RandAffined``'s rotation range (radians) for ``degrees``: about the one axis of a 2D image, the three of a
-    volume.
-
-    Args:
-        degrees: ``affine_rotate``, the largest rotation.
-        spatial_dims: 2 or 3.
-    """
-    return [float(np.deg2rad(degrees))] * (1 if int(spatial_dims) == 2 else 3)

@@ -5,7 +5,8 @@ grid (sigma in grid pixels) as a multi-channel ``heatmap`` with the image's meta
 ``landmark_mask`` (0 where the landmark is missing, ``null`` in the datalist: that channel is left out of
 the loss). Being a MetaTensor on the same grid as the image, the heatmap goes through MONAI's
 ``RandAffined`` together with the image (same random rotation, scale and translation), so the target
-follows the augmented image exactly.
+follows the augmented image exactly; :class:`RandIsotropicAffined` is that ``RandAffined`` with one range for every
+axis.
 
 Not MONAI's ``GenerateHeatmapd`` (1.6): it draws another target. With ``normalize=True`` every channel is scaled to
 peak 1, so a landmark between pixel centres gets a raised, flattened peak (up to 0.27 away from the Gaussian here,
@@ -17,14 +18,15 @@ from __future__ import annotations
 
 from typing import Any, Hashable, Mapping, Sequence
 
+import numpy as np
 import torch
 from bundle.geometry import grid_landmarks
 from bundle.transforms.utils import like_input
 from monai.config import KeysCollection
-from monai.transforms import MapTransform, Transform
+from monai.transforms import MapTransform, RandAffined, Transform
 from monai.utils import TransformBackends
 
-__all__ = ["GaussianHeatmap", "GaussianHeatmapd", "render_gaussian_heatmaps"]
+__all__ = ["GaussianHeatmap", "GaussianHeatmapd", "RandIsotropicAffined", "render_gaussian_heatmaps"]
 
 
 def render_gaussian_heatmaps(
@@ -110,3 +112,34 @@ class GaussianHeatmapd(MapTransform):
         points, _ = grid_landmarks(d)
         d[self.heatmap_key], d[self.mask_key] = self.heatmap(image, points)
         return d
+
+
+class RandIsotropicAffined(RandAffined):
+    """MONAI's ``RandAffined`` with one range for every spatial axis: a rotation of up to ``rotate`` degrees (about
+    the one axis of a 2D image, each of the three of a volume), a scale of up to ``1 +- scale`` and a translation of
+    up to ``translate`` grid pixels along each axis; the detector's augmentation of the image and its heatmap together.
+
+    Args:
+        keys: the keys to transform together (image and heatmap).
+        spatial_dims: 2 or 3.
+        rotate: ``affine_rotate``, the largest rotation in degrees.
+        scale: ``affine_scale``, the largest relative scale change.
+        translate: ``affine_translate``, the largest translation in grid pixels.
+        **kwargs: the other arguments of ``RandAffined`` (``prob``, ``mode``, ``padding_mode``...).
+
+    Example::
+
+        RandIsotropicAffined(["image", "heatmap"], spatial_dims=2, rotate=10.0, scale=0.1, translate=8.0, prob=0.8)
+    """
+
+    def __init__(
+        self, keys: KeysCollection, spatial_dims: int, rotate: float, scale: float, translate: float, **kwargs: Any
+    ) -> None:
+        dims = int(spatial_dims)
+        super().__init__(
+            keys,
+            rotate_range=[float(np.deg2rad(rotate))] * (1 if dims == 2 else 3),
+            scale_range=[scale] * dims,
+            translate_range=[translate] * dims,
+            **kwargs,
+        )

@@ -1,5 +1,5 @@
 """Helpers shared by the transforms: input checks, output keys, outputs on the input's grid, a pipeline moved to
-another network grid."""
+another network grid; the preprocessing to the network grid and the CT intensity window."""
 
 from __future__ import annotations
 
@@ -10,10 +10,18 @@ import torch
 from bundle.settings import check_image_size
 from monai.config import KeysCollection
 from monai.data import MetaTensor
-from monai.transforms import Compose, Resized
+from monai.transforms import Compose, Resized, ScaleIntensityRanged
 from monai.utils import ensure_tuple
 
-__all__ = ["GridResized", "channel_mean", "like_input", "on_grid", "output_keys_for", "single_channel_spatial"]
+__all__ = [
+    "GridResized",
+    "WindowIntensityd",
+    "channel_mean",
+    "like_input",
+    "on_grid",
+    "output_keys_for",
+    "single_channel_spatial",
+]
 
 
 def channel_mean(image: torch.Tensor) -> torch.Tensor:
@@ -89,3 +97,21 @@ class GridResized(Resized):
             mode="trilinear" if volume else "area",
             anti_aliasing=volume,
         )
+
+
+class WindowIntensityd(ScaleIntensityRanged):
+    """An intensity window ``[low, high]`` (a CT window in HU, ``hu_window``) mapped to [0, 1], values outside it
+    clipped: MONAI's ``ScaleIntensityRanged`` from the window itself.
+
+    Args:
+        keys: the images to window.
+        window: ``[low, high]``, low < high (checked as the command starts, :func:`bundle.settings.intensity_window`).
+
+    Example::
+
+        WindowIntensityd("image", window=[-200, 400])  # soft tissue and bone
+    """
+
+    def __init__(self, keys: KeysCollection, window: Sequence[float]) -> None:
+        low, high = window
+        super().__init__(keys, a_min=low, a_max=high, b_min=0.0, b_max=1.0, clip=True)
