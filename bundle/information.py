@@ -4,10 +4,12 @@
 * The augmentation model shared by the estimator and :class:`bundle.transforms.intensity.InfoGuidedIntensityd`
   is ColorJitter-style brightness then contrast on images in [0, 1]
   (:func:`bundle.transforms.intensity.adjust_brightness_contrast`).
-* :func:`estimate_group_intensities` implements the paper's intensity estimate ("Eq. estimate1"): per
-  group, the target is ``alpha_hat`` times the mean mutual information (MI) of corresponding patches of
-  different images; the intensity grows in steps until the MI between a patch and its augmented copy
-  falls below that target.
+* :func:`estimate_group_ranges` implements the paper's intensity estimate ("Eq. estimate1", "Approximating minimal
+  necessary MI"): per group, the target is ``alpha_hat`` times the mean mutual information (MI) of the grey-value
+  distributions of corresponding patches of different images; darker and brighter factors grow in steps until the
+  MI between a patch and its augmented copy falls below that target. :func:`group_keypoints` and
+  :func:`keypoint_entry` are the key-point selection an estimator shares (the bundle's earlier estimator, now
+  ``scripts.experiments.joint_mi``, uses them too).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from bundle.information_groups import GROUP_NAMES, check_thresholds, information
 from bundle.transforms.intensity import adjust_brightness_contrast
 
 
-def _as_float_array(x, name: str) -> np.ndarray:
+def as_float_array(x, name: str) -> np.ndarray:
+    """``x`` (numpy array or torch tensor) as float64, refused naming ``name`` when empty or not finite."""
     arr = x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
     arr = arr.astype(np.float64, copy=False)
     if arr.size == 0:
@@ -29,52 +32,6 @@ def _as_float_array(x, name: str) -> np.ndarray:
     if not np.isfinite(arr).all():
         raise ValueError(f"{name} contains NaN or infinite values")
     return arr
-
-
-def _paired_mutual_information(
-    a: np.ndarray, b: np.ndarray, bins: int, value_range: Sequence[float] | None
-) -> np.ndarray:
-    """MI (bits) of each row pair ``a[i], b[i]`` of two ``(N, M)`` arrays; see :func:`mutual_information`."""
-    n = a.shape[0]
-    if value_range is None:
-        lo = np.minimum(a.min(axis=1), b.min(axis=1))
-        hi = np.maximum(a.max(axis=1), b.max(axis=1))
-    else:
-        lo, hi = (np.full(n, float(v)) for v in value_range)
-    width = hi - lo
-    scale = np.where(width > 0, bins / np.where(width > 0, width, 1.0), 0.0)[:, None]
-    ia = np.clip(np.floor((a - lo[:, None]) * scale), 0, bins - 1).astype(np.int64)
-    ib = np.clip(np.floor((b - lo[:, None]) * scale), 0, bins - 1).astype(np.int64)
-    flat = (np.arange(n)[:, None] * bins + ia) * bins + ib
-    joint = np.bincount(flat.ravel(), minlength=n * bins * bins).reshape(n, bins, bins) / a.shape[1]
-
-    def entropy(p: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
-        return -np.sum(np.where(p > 0, p * np.log2(np.where(p > 0, p, 1.0)), 0.0), axis=axes)
-
-    mi = entropy(joint.sum(axis=2), (1,)) + entropy(joint.sum(axis=1), (1,)) - entropy(joint, (1, 2))
-    return np.maximum(mi, 0.0)
-
-
-def mutual_information(a, b, bins: int = 32, value_range: Sequence[float] | None = None) -> float:
-    """Mutual information (bits) of two same-shape patches from their joint ``bins x bins`` grey-value histogram.
-
-    MI = H(A) + H(B) - H(A, B) (Sec. 3, step 2). Both patches are binned on ONE common range: by default
-    the union ``min..max`` of the two, or the fixed ``value_range = (lo, hi)`` (values outside are put in
-    the end bins). A common range, rather than each patch's own min..max, is what lets an augmentation
-    that compresses or saturates grey values lower the MI: with per-patch ranges a pure brightness scaling
-    would leave the histogram, and so the MI, unchanged. A zero-width range gives 0.
-    ``a`` and ``b`` are numpy arrays or torch tensors, 2D or 3D (any shape, compared element-wise).
-    """
-    if not isinstance(bins, int) or bins < 2:
-        raise ValueError(f"bins must be an integer >= 2, got {bins!r}")
-    if value_range is not None:
-        lo, hi = (float(v) for v in value_range)
-        if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
-            raise ValueError(f"value_range must be two finite numbers lo < hi, got {value_range!r}")
-    xa, xb = _as_float_array(a, "patch a"), _as_float_array(b, "patch b")
-    if xa.shape != xb.shape:
-        raise ValueError(f"mutual_information needs two patches of the same shape, got {xa.shape} and {xb.shape}")
-    return float(_paired_mutual_information(xa.reshape(1, -1), xb.reshape(1, -1), bins, value_range)[0])
 
 
 def extract_patches(image: np.ndarray, points: np.ndarray, patch_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -123,17 +80,7 @@ def offset_correspondences(
     return template_points, correspondences, landmark_index
 
 
-def _augmented_mi(patches: torch.Tensor, brightness: float, contrast: float, bins: int, value_range) -> float:
-    """Mean MI between each patch (one per channel of ``patches``) and its augmented copy."""
-
-    augmented = adjust_brightness_contrast(patches, brightness, contrast)
-    flat = patches.reshape(len(patches), -1).numpy()
-    return float(
-        _paired_mutual_information(flat, augmented.reshape(len(patches), -1).numpy(), bins, value_range).mean()
-    )
-
-
-def _group_keypoints(
+def group_keypoints(
     template,
     others,
     template_points,
@@ -146,7 +93,7 @@ def _group_keypoints(
     alpha_hat,
     seed,
 ) -> tuple[np.ndarray, list, list]:
-    """The key-point selection both estimators share: the arguments checked, the template's patches and the
+    """The key-point selection an estimator shares: the arguments checked, the template's patches and the
     corresponding patches of every other image (:func:`extract_patches`, with their validity), and per IIE
     group ``(name, candidates, chosen)``: the usable candidates and at most ``n_keypoints`` of them drawn
     without replacement (``seed``), in the order of ``GROUP_NAMES``."""
@@ -158,7 +105,7 @@ def _group_keypoints(
             f"need patch_size >= 2, n_keypoints >= 1, min_keypoints >= 1; "
             f"got {patch_size}, {n_keypoints}, {min_keypoints}"
         )
-    template = _as_float_array(template, "template image")
+    template = as_float_array(template, "template image")
     points = np.asarray(template_points, dtype=np.float64).reshape(-1, template.ndim)
     corr = np.asarray(correspondences, dtype=np.float64).reshape(len(others), len(points), template.ndim)
     entropy = np.asarray(point_entropy, dtype=np.float64).reshape(-1)
@@ -167,7 +114,7 @@ def _group_keypoints(
     template_patches, ok = extract_patches(template, points, patch_size)
     ok &= np.isfinite(entropy)
     other_patches = [
-        extract_patches(_as_float_array(img, f"image {i}"), corr[i], patch_size) for i, img in enumerate(others)
+        extract_patches(as_float_array(img, f"image {i}"), corr[i], patch_size) for i, img in enumerate(others)
     ]
     groups = information_groups(np.where(np.isfinite(entropy), entropy, 0.0), thresholds)
     rng = np.random.default_rng(seed)
@@ -180,7 +127,7 @@ def _group_keypoints(
     return template_patches, other_patches, keypoints
 
 
-def _keypoint_entry(candidates: np.ndarray, chosen: np.ndarray, n_pairs: int, min_keypoints: int) -> dict:
+def keypoint_entry(candidates: np.ndarray, chosen: np.ndarray, n_pairs: int, min_keypoints: int) -> dict:
     """A group's result entry with its counts; with too few key points or no pair, the ``note`` that says so
     (brightness and contrast None)."""
     entry: dict = {"n_candidates": int(len(candidates)), "n_keypoints": int(len(chosen)), "n_pairs": int(n_pairs)}
@@ -194,102 +141,6 @@ def _keypoint_entry(candidates: np.ndarray, chosen: np.ndarray, n_pairs: int, mi
     return entry
 
 
-def estimate_group_intensities(
-    template: np.ndarray,
-    others: Sequence[np.ndarray],
-    template_points: np.ndarray,
-    correspondences: np.ndarray,
-    point_entropy: np.ndarray,
-    thresholds: Sequence[float] = (2.0, 4.0),
-    n_keypoints: int = 20,
-    min_keypoints: int = 3,
-    patch_size: int = 32,
-    alpha_hat: float = 0.8,
-    step: float = 0.02,
-    max_intensity: float = 1.0,
-    bins: int = 32,
-    value_range: Sequence[float] | None = None,
-    seed: int = 0,
-) -> dict:
-    """Per-group brightness and contrast intensities A_l, A_m, A_h ("Eq. estimate1", Sec. 3 step 2).
-
-    Args:
-        template: the template's spatial array in [0, 1] (no channel axis).
-        others: the other images' spatial arrays in [0, 1] (shapes may differ from the template).
-        template_points: candidate key points ``(K, D)`` in the template, array axis order.
-        correspondences: ``(len(others), K, D)`` the same anatomical points in the other images (NaN: unknown).
-        point_entropy: ``(K,)`` the template's IIE (bits) at each candidate; it sets the candidate's group.
-        n_keypoints: at most this many key points drawn (without replacement, ``seed``) per group.
-        min_keypoints: a group with fewer usable key points gets no estimate (``None`` and a ``note``).
-
-    For each group: ``correspondence_mi`` = mean MI(template patch, corresponding patch) over key points
-    and images; ``target_mi = alpha_hat * correspondence_mi``. The intensity ``t`` grows by ``step``; the
-    augmentation's MI is the mean over the key points' template patches of MI(patch, augmented patch),
-    each patch augmented on its own (its own mean for contrast) at the information-reducing extremes:
-    brightness factor ``1 - t``; contrast factors ``1 - t`` and ``1 + t``, of which the LOWER mean MI
-    counts (the range ``[1 - A, 1 + A]`` must respect the target at both ends). A is the first ``t``
-    whose MI is below the target; if none up to ``max_intensity`` is, A = ``max_intensity`` and
-    ``*_at_max`` is True (A is then only a lower bound).
-    """
-    if not (0 < step <= max_intensity <= 1):
-        raise ValueError(f"need 0 < step <= max_intensity <= 1, got step={step!r}, max_intensity={max_intensity!r}")
-    template_patches, other_patches, keypoints = _group_keypoints(
-        template,
-        others,
-        template_points,
-        correspondences,
-        point_entropy,
-        thresholds,
-        n_keypoints,
-        min_keypoints,
-        patch_size,
-        alpha_hat,
-        seed,
-    )
-    n_steps = int(math.floor(max_intensity / step + 1e-9))
-    ts = [round((k + 1) * step, 10) for k in range(n_steps)]
-    result: dict = {}
-    for name, candidates, chosen in keypoints:
-        pair_mi = []
-        for patches, valid in other_patches:
-            use = chosen[valid[chosen]]
-            if len(use):
-                flat = (template_patches[use].reshape(len(use), -1), patches[use].reshape(len(use), -1))
-                pair_mi.append(_paired_mutual_information(*flat, bins, value_range))
-        pair_mi = np.concatenate(pair_mi) if pair_mi else np.zeros(0)
-        entry = _keypoint_entry(candidates, chosen, len(pair_mi), min_keypoints)
-        if "note" in entry:
-            result[name] = entry
-            continue
-        correspondence_mi = float(pair_mi.mean())
-        target = alpha_hat * correspondence_mi
-        patches_t = torch.from_numpy(template_patches[chosen])
-        entry.update(
-            correspondence_mi=correspondence_mi,
-            target_mi=target,
-            self_mi=_augmented_mi(patches_t, 1.0, 1.0, bins, value_range),
-        )
-        curves = {
-            "brightness": lambda t: _augmented_mi(patches_t, 1.0 - t, 1.0, bins, value_range),
-            "contrast": lambda t: min(
-                _augmented_mi(patches_t, 1.0, 1.0 - t, bins, value_range),
-                _augmented_mi(patches_t, 1.0, 1.0 + t, bins, value_range),
-            ),
-        }
-        for kind, curve in curves.items():
-            reached, mi = ts[-1], float("nan")
-            for t in ts:
-                mi = curve(t)
-                if mi < target:
-                    reached = t
-                    break
-            entry[kind] = reached
-            entry[f"{kind}_mi"] = mi
-            entry[f"{kind}_at_max"] = bool(mi >= target)
-        result[name] = entry
-    return result
-
-
 # ------------------------------------------------------------------------------------------------------------
 # The paper's estimator: MI between the grey-value DISTRIBUTIONS of two patches ("Approximating minimal
 # necessary MI"). A patch's feature G(v) is its grey-level histogram (``bins`` levels, 256 for 8-bit images);
@@ -301,7 +152,7 @@ def grey_level_histogram(patch, bins: int = 256) -> np.ndarray:
     (``level = round(x * (bins - 1))``, values outside [0, 1] put in the end levels)."""
     if not isinstance(bins, int) or bins < 2:
         raise ValueError(f"bins must be an integer >= 2, got {bins!r}")
-    x = _as_float_array(patch, "patch").reshape(-1)
+    x = as_float_array(patch, "patch").reshape(-1)
     levels = np.clip(np.rint(x * (bins - 1)), 0, bins - 1).astype(np.int64)
     return np.bincount(levels, minlength=bins)
 
@@ -378,7 +229,7 @@ def search_factor_range(
         raise ValueError(
             f"need 0 < step < 1 and 0 <= min_factor < 1 < max_factor, got {step!r}, {min_factor!r}, {max_factor!r}"
         )
-    patches_t = torch.as_tensor(_as_float_array(patches, "patches"))
+    patches_t = torch.as_tensor(as_float_array(patches, "patches"))
     histograms = [grey_level_histogram(p, bins) for p in patches_t.numpy()]
     result: dict = {}
     for side, sign, limit in (("lo", -1.0, min_factor), ("hi", 1.0, max_factor)):
@@ -415,14 +266,30 @@ def estimate_group_ranges(
     """Per-group asymmetric brightness and contrast factor ranges, the paper's estimator ("Approximating
     minimal necessary MI").
 
-    Arguments as for :func:`estimate_group_intensities` (same key-point selection per group). For each
-    group: ``correspondence_mi`` = mean over key points and images of the distribution MI
-    (:func:`distribution_mutual_information`) between the template's patch and the corresponding patch;
-    ``target_mi = alpha_hat * correspondence_mi``; ``self_mi`` = the mean distribution MI of a patch with
-    itself (no augmentation); then :func:`search_factor_range` per kind on the key points' template
+    For each group (the key points of :func:`group_keypoints`): ``correspondence_mi`` = mean over key points and
+    images of the distribution MI (:func:`distribution_mutual_information`) between the template's patch and the
+    corresponding patch; ``target_mi = alpha_hat * correspondence_mi``; ``self_mi`` = the mean distribution MI of a
+    patch with itself (no augmentation); then :func:`search_factor_range` per kind on the key points' template
     patches gives ``brightness = [lo, hi]`` and ``contrast = [lo, hi]`` (ColorJitter factors).
+
+    Args:
+        template: the template's spatial array in [0, 1] (no channel axis).
+        others: the other images' spatial arrays in [0, 1] (shapes may differ from the template).
+        template_points: candidate key points ``(K, D)`` in the template, array axis order.
+        correspondences: ``(len(others), K, D)`` the same anatomical points in the other images (NaN: unknown).
+        point_entropy: ``(K,)`` the template's IIE (bits) at each candidate; it sets the candidate's group.
+        thresholds: the IIE group thresholds.
+        n_keypoints: at most this many key points drawn (without replacement, ``seed``) per group.
+        min_keypoints: a group with fewer usable key points gets no estimate (``None`` and a ``note``).
+        patch_size: the patches' side.
+        alpha_hat: the target's share of the MI of corresponding patches.
+        step: the factors' search step.
+        min_factor: the lowest factor searched.
+        max_factor: the highest factor searched.
+        bins: the grey levels of a patch's histogram.
+        seed: the key points' draw.
     """
-    template_patches, other_patches, keypoints = _group_keypoints(
+    template_patches, other_patches, keypoints = group_keypoints(
         template,
         others,
         template_points,
@@ -443,7 +310,7 @@ def estimate_group_ranges(
             for i in chosen
             if valid[i]
         ]
-        entry = _keypoint_entry(candidates, chosen, len(pair_mi), min_keypoints)
+        entry = keypoint_entry(candidates, chosen, len(pair_mi), min_keypoints)
         if "note" in entry:
             result[name] = entry
             continue

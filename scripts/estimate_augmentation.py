@@ -2,10 +2,10 @@
 from a datalist.
 
     python -m scripts.estimate_augmentation --datalist D --output augmentation.yaml \
-        [--mi distribution|joint --alpha_hat 0.8 --window 10 --thresholds "[2,4]" --n_images 10 --patch_size 64 \
+        [--alpha_hat 0.8 --window 10 --thresholds "[2,4]" --n_images 10 --patch_size 64 \
          --image_size 384 --correspondences landmarks|encoder --ckpt_path models/model.pt --seed 0]
 
-``--mi distribution`` (the default, the paper's estimator): a patch's feature is its 256-level grey-value
+The paper's estimator: a patch's feature is its 256-level grey-value
 histogram G(v) (64x64 patches on images resized to 384x384 by default); the mutual information (MI, nats)
 is that of the two 256-long count vectors taken as paired discrete samples
 (:func:`bundle.information.distribution_mutual_information`). Per information group the target is
@@ -14,9 +14,8 @@ ColorJitter factors are searched separately: the output holds asymmetric ranges
 ``brightness_ranges`` / ``contrast_ranges`` ``[[lo, hi]] * 3`` (low, medium, high IIE)
 (:func:`bundle.information.estimate_group_ranges`).
 
-``--mi joint`` (the bundle's earlier estimator): MI (bits) of the 32-bin joint histogram of aligned pixels
-(32x32 patches at the original resolution by default) and symmetric intensities ``brightness`` /
-``contrast`` ``[A_l, A_m, A_h]`` (:func:`bundle.information.estimate_group_intensities`).
+The bundle's earlier estimator (the MI of aligned pixels, symmetric intensities) is an experiment now:
+``scripts.experiments.joint_mi``.
 
 The template (the datalist's ``template``, else the first training item with landmarks) and ``n_images``
 other training/validation items (drawn with ``seed``) are loaded with MONAI ``LoadImage`` as grey images
@@ -44,7 +43,7 @@ import torch
 import yaml
 from bundle.data.datalist import landmarks_array, load_datalist
 from bundle.data.images import load_grey
-from bundle.information import estimate_group_intensities, estimate_group_ranges, offset_correspondences
+from bundle.information import estimate_group_ranges, offset_correspondences
 from bundle.information_groups import GROUP_NAMES, check_thresholds
 from bundle.io_utils import check_output_file, write_text_atomic
 from bundle.settings import as_number
@@ -53,9 +52,6 @@ from monai.transforms import Resize
 from scripts.cli import run_fire
 
 CORRESPONDENCE_SOURCES = ("landmarks", "encoder")
-MI_KINDS = ("distribution", "joint")
-# per estimator: patch_size, image_size (None = original), bins, step
-MI_DEFAULTS = {"distribution": (64, 384, 256, 0.01), "joint": (32, None, 32, 0.02)}
 
 
 def landmarks_to_array_axes(landmarks: np.ndarray, affine: np.ndarray, spatial_dims: int) -> np.ndarray:
@@ -171,41 +167,54 @@ def encoder_correspondences(
     return np.stack(out)
 
 
-def estimate(
+def estimation_inputs(
     datalist: str,
-    output: str = "augmentation.yaml",
-    mi: str = "distribution",
-    alpha_hat: float = 0.8,
+    output: str,
+    alpha_hat: float,
+    patch_size: int,
+    bins: int,
+    step: float,
     window: int = 10,
     thresholds=(2.0, 4.0),
     n_images: int = 10,
-    patch_size: int | None = None,
-    image_size="auto",
+    image_size=None,
     n_keypoints: int = 20,
     min_keypoints: int = 3,
     radius: int = 16,
     stride: int = 8,
-    bins: int | None = None,
-    step: float | None = None,
-    max_intensity: float = 1.0,
-    min_factor: float = 0.0,
-    max_factor: float = 3.0,
     correspondences: str = "landmarks",
     ckpt_path: str | None = None,
     config_file="configs/train.yaml",
     device: str = "cpu",
     seed: int = 0,
-) -> dict:
-    """Estimate the per-group augmentation, write ``output`` (YAML) and print a table.
+) -> tuple[tuple, dict, dict]:
+    """What an estimator of the per-group intensities reads (the options checked and ``output``'s name refused
+    before any image is read): ``(inputs, common, source)``. ``inputs``: the template and the other images on the
+    working grid (``image_size``, None: original size), the template's key points, their correspondences and IIE;
+    ``common``: the estimator's shared keyword arguments (thresholds, key points, patch size, ``alpha_hat``, ``step``,
+    ``bins``, ``seed``); ``source``: what the estimate was made from, for the output.
 
-    ``mi``: ``"distribution"`` (the paper's; ranges ``[lo, hi]`` per group, searched by ``step`` within
-    ``[min_factor, max_factor]``) or ``"joint"`` (the earlier; symmetric A per group up to ``max_intensity``).
-    ``patch_size``, ``image_size`` (``"auto"``: the estimator's default; None: original size), ``bins`` and
-    ``step`` default per estimator (``MI_DEFAULTS``). ``correspondences``: ``"landmarks"`` or ``"encoder"``
-    (with ``ckpt_path`` and the network of ``config_file``).
+    Args:
+        datalist: the datalist (the template: its ``template``, else the first labelled item).
+        output: the YAML file the estimate goes to (checked here).
+        alpha_hat: the target's share of the MI of corresponding patches.
+        patch_size: the patches' side on the working grid.
+        bins: the MI's histogram bins.
+        step: the search step of the factors.
+        window: the IIE window (original pixels).
+        thresholds: the IIE group thresholds.
+        n_images: how many other images.
+        image_size: the working grid, None: each image's own size.
+        n_keypoints: at most this many key points per group.
+        min_keypoints: fewer usable key points give a group no estimate.
+        radius: the offsets around each landmark (original pixels).
+        stride: their step.
+        correspondences: ``"landmarks"`` or ``"encoder"``.
+        ckpt_path: the stage-1 checkpoint of encoder correspondences.
+        config_file: its network's config.
+        device: where the encoder runs.
+        seed: the draw of the images and key points.
     """
-    if mi not in MI_KINDS:
-        raise ValueError(f"mi={mi!r}: choose one of {MI_KINDS}")
     if correspondences not in CORRESPONDENCE_SOURCES:
         raise ValueError(
             f"correspondences={correspondences!r} is not available; choose one of {CORRESPONDENCE_SOURCES}"
@@ -218,16 +227,13 @@ def estimate(
         as_number(window, "window", minimum=1, integer=True),
         as_number(n_images, "n_images", minimum=1, integer=True),
     )
-    d_patch, d_size, d_bins, d_step = MI_DEFAULTS[mi]
     # a patch of fewer than 8 x 8 pixels has too few grey values for a histogram's MI (3 x 3 gave contrast 0)
-    patch_size = d_patch if patch_size is None else as_number(patch_size, "patch_size", minimum=8, integer=True)
-    bins = d_bins if bins is None else int(bins)
-    step = d_step if step is None else float(step)
+    patch_size = as_number(patch_size, "patch_size", minimum=8, integer=True)
     thresholds = check_thresholds(thresholds)
     dl = load_datalist(datalist)
     dims, n_lm = dl["spatial_dims"], len(dl["landmark_names"])
-    if isinstance(image_size, str) and image_size == "auto":
-        image_size = None if d_size is None else [d_size] * dims
+    if isinstance(image_size, (int, float)):
+        image_size = [int(image_size)] * dims
     template, others = _pick_items(dl, n_images, seed, need_labels=correspondences == "landmarks")
 
     t_img, t_affine = load_grey(template["image"], dims)
@@ -253,21 +259,11 @@ def estimate(
         min_keypoints=min_keypoints,
         patch_size=patch_size,
         alpha_hat=alpha_hat,
-        step=step,
-        bins=bins,
+        step=float(step),
+        bins=int(bins),
         seed=seed,
     )
     inputs = (t_work, [w[0] for w in work], t_points_work, np.stack([w[1] for w in work]), point_entropy)
-    if mi == "distribution":
-        groups = estimate_group_ranges(*inputs, min_factor=min_factor, max_factor=max_factor, **common)
-    else:
-        groups = estimate_group_intensities(*inputs, max_intensity=max_intensity, **common)
-
-    def clean(v):
-        if isinstance(v, list):
-            return [clean(x) for x in v]
-        return round(v, 4) if isinstance(v, float) else v
-
     source = {
         "datalist": str(Path(datalist).resolve()),
         "template": template["image"],
@@ -286,16 +282,35 @@ def estimate(
     }
     if correspondences == "encoder":
         source.update(ckpt_path=str(Path(ckpt_path).resolve()), config_file=config_file)
+    return inputs, common, source
+
+
+def write_estimate(
+    output: str, groups: dict, source: dict, alpha_hat: float, thresholds, mi: str, keys: tuple[str, str]
+) -> dict:
+    """Write the estimate ``groups`` atomically to ``output`` as the YAML a bundle config merges
+    (``augmentation: {thresholds, <keys>, alpha_hat, mi, source, groups}``; a group without an estimate takes its
+    neighbour's, :func:`_fill_missing_groups`, and is warned about) and return it.
+
+    Args:
+        output: the YAML file.
+        groups: the estimator's result per group.
+        source: what it was made from (:func:`estimation_inputs`).
+        alpha_hat: the target's share.
+        thresholds: the IIE group thresholds.
+        mi: the estimator's name.
+        keys: the config keys of the brightness and the contrast values.
+    """
+
+    def clean(v):
+        if isinstance(v, list):
+            return [clean(x) for x in v]
+        return round(v, 4) if isinstance(v, float) else v
+
     augmentation: dict = {"thresholds": list(thresholds)}
     filled = _fill_missing_groups(groups)
-    if mi == "distribution":
-        augmentation["brightness_ranges"] = [clean(filled[g]["brightness"]) for g in GROUP_NAMES]
-        augmentation["contrast_ranges"] = [clean(filled[g]["contrast"]) for g in GROUP_NAMES]
-        source.update(min_factor=float(min_factor), max_factor=float(max_factor))
-    else:
-        augmentation["brightness"] = [clean(filled[g]["brightness"]) for g in GROUP_NAMES]
-        augmentation["contrast"] = [clean(filled[g]["contrast"]) for g in GROUP_NAMES]
-        source.update(max_intensity=float(max_intensity))
+    for key, kind in zip(keys, ("brightness", "contrast")):
+        augmentation[key] = [clean(filled[g][kind]) for g in GROUP_NAMES]
     augmentation.update(
         alpha_hat=float(alpha_hat),
         mi=mi,
@@ -304,7 +319,71 @@ def estimate(
     )
     result = {"augmentation": augmentation}
     write_text_atomic(output, yaml.safe_dump(result, sort_keys=False))
-    _print_table(groups, mi)
+    for g in GROUP_NAMES:
+        if "note" in groups[g]:
+            filled_from = groups[g].get("filled_from")
+            print(
+                f"  warning ({g}): {groups[g]['note']}"
+                + (f"; uses the {filled_from} group's values" if filled_from else "")
+            )
+    return result
+
+
+def estimate(
+    datalist: str,
+    output: str = "augmentation.yaml",
+    alpha_hat: float = 0.8,
+    window: int = 10,
+    thresholds=(2.0, 4.0),
+    n_images: int = 10,
+    patch_size: int = 64,
+    image_size=384,
+    n_keypoints: int = 20,
+    min_keypoints: int = 3,
+    radius: int = 16,
+    stride: int = 8,
+    bins: int = 256,
+    step: float = 0.01,
+    min_factor: float = 0.0,
+    max_factor: float = 3.0,
+    correspondences: str = "landmarks",
+    ckpt_path: str | None = None,
+    config_file="configs/train.yaml",
+    device: str = "cpu",
+    seed: int = 0,
+) -> dict:
+    """Estimate the per-group ColorJitter factor ranges by the paper's estimator
+    (:func:`bundle.information.estimate_group_ranges`, searched by ``step`` within ``[min_factor, max_factor]``),
+    write ``output`` (YAML) and print a table. ``image_size``: the working grid (one size for every axis, or one per
+    axis; None: original size). ``correspondences``: ``"landmarks"`` or ``"encoder"`` (with ``ckpt_path`` and the
+    network of ``config_file``); the other options: :func:`estimation_inputs`.
+    """
+    inputs, common, source = estimation_inputs(
+        datalist,
+        output,
+        alpha_hat,
+        patch_size,
+        bins,
+        step,
+        window=window,
+        thresholds=thresholds,
+        n_images=n_images,
+        image_size=image_size,
+        n_keypoints=n_keypoints,
+        min_keypoints=min_keypoints,
+        radius=radius,
+        stride=stride,
+        correspondences=correspondences,
+        ckpt_path=ckpt_path,
+        config_file=config_file,
+        device=device,
+        seed=seed,
+    )
+    groups = estimate_group_ranges(*inputs, min_factor=min_factor, max_factor=max_factor, **common)
+    source.update(min_factor=float(min_factor), max_factor=float(max_factor))
+    keys = ("brightness_ranges", "contrast_ranges")
+    result = write_estimate(output, groups, source, alpha_hat, common["thresholds"], "distribution", keys)
+    _print_table(groups)
     print(f"wrote {output}")
     return result
 
@@ -328,30 +407,19 @@ def _fill_missing_groups(groups: dict) -> dict:
     return filled
 
 
-def _print_table(groups: dict, mi: str) -> None:
-    if mi == "distribution":
-        print(f"{'group':<8}{'key pts':>8}{'target MI':>11}{'brightness [lo, hi]':>22}{'contrast [lo, hi]':>20}")
-    else:
-        print(f"{'group':<8}{'key pts':>8}{'target MI':>11}{'A_bright':>10}{'A_contrast':>12}")
+def _print_table(groups: dict) -> None:
+    print(f"{'group':<8}{'key pts':>8}{'target MI':>11}{'brightness [lo, hi]':>22}{'contrast [lo, hi]':>20}")
     for g in GROUP_NAMES:
         e = groups[g]
 
         def fmt(kind: str) -> str:
             if e.get(kind) is None:
                 return "n/a"
-            if mi == "distribution":
-                lo_flag, hi_flag = ("<=" if f else "" for f in e[f"{kind}_at_limit"])
-                return f"[{lo_flag}{e[kind][0]:.3f}, {'>=' if hi_flag else ''}{e[kind][1]:.3f}]"
-            return (">=" if e[f"{kind}_at_max"] else "") + f"{e[kind]:.2f}"
+            lo_flag, hi_flag = ("<=" if f else "" for f in e[f"{kind}_at_limit"])
+            return f"[{lo_flag}{e[kind][0]:.3f}, {'>=' if hi_flag else ''}{e[kind][1]:.3f}]"
 
         target = f"{e['target_mi']:.3f}" if "target_mi" in e else "n/a"
-        width = (22, 20) if mi == "distribution" else (10, 12)
-        print(f"{g:<8}{e['n_keypoints']:>8}{target:>11}{fmt('brightness'):>{width[0]}}{fmt('contrast'):>{width[1]}}")
-        if "note" in e:
-            print(
-                f"  warning ({g}): {e['note']}"
-                + (f"; uses the {e['filled_from']} group's ranges" if "filled_from" in e else "")
-            )
+        print(f"{g:<8}{e['n_keypoints']:>8}{target:>11}{fmt('brightness'):>22}{fmt('contrast'):>20}")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from estimation_data import estimation_case
 
 ROOT = Path(__file__).resolve().parents[1]
 # what running Python and pytest leaves by itself, and the environments `make` creates
@@ -93,3 +94,9 @@ def cache_home(request, tmp_path, monkeypatch):
         "foreign folder": f"{home}, above the cache, has owner uid 12345 and mode 0o700",
     }.get(case)
     yield home, why
+
+
+@pytest.fixture(scope="module")
+def synthetic_setup():
+    """The intensity estimators' synthetic case (:func:`estimation_data.estimation_case`)."""
+    return estimation_case()

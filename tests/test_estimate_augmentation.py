@@ -1,29 +1,33 @@
-"""The paper's augmentation estimator (MI between grey-value distributions, asymmetric factor ranges):
-bundle/information.py and scripts/estimate_augmentation.py (``--mi distribution``, ``--correspondences``)."""
+"""The paper's augmentation estimator (MI between grey-value distributions, asymmetric factor ranges), the
+information groups and the augmentation model it shares with training: bundle/information.py,
+bundle/information_groups.py and scripts/estimate_augmentation.py (``--correspondences``)."""
 
 from __future__ import annotations
 
-import json
 import math
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import yaml
+from bundle.data.images import load_grey
 from bundle.information import (
     distribution_mutual_information,
     estimate_group_ranges,
     extract_patches,
     grey_level_histogram,
+    offset_correspondences,
     paired_sample_mutual_information,
     search_factor_range,
 )
-from bundle.information_groups import information_groups
+from bundle.information_groups import group_memberships, information_groups
 from bundle.transforms.entropy import local_entropy
+from bundle.transforms.intensity import adjust_brightness_contrast
+from estimation_data import three_region_image, write_png_datalist
 from PIL import Image
 from scripts import estimate_augmentation
+from scripts.experiments import joint_mi
 
 
 def _hand_mi(a, b) -> float:
@@ -120,33 +124,6 @@ def test_search_returns_the_first_factors_whose_mi_falls_below_the_target(kind):
     assert (flat["lo"], flat["hi"], flat["lo_at_limit"], flat["hi_at_limit"]) == (0.5, 1.5, True, True)
 
 
-def _three_region_image(rng: np.random.Generator, n: int = 96) -> np.ndarray:
-    """Rows 0-31: 2 grey levels (IIE ~1 bit), 32-63: 8 levels (~3 bits), 64-95: 256 levels (~6 bits)."""
-
-    def levels(k: int, lo: float, hi: float) -> np.ndarray:
-        return lo + (hi - lo) * rng.integers(0, k, (n // 3, n)) / (k - 1)
-
-    x = np.concatenate([levels(2, 0.35, 0.45), levels(8, 0.3, 0.7), levels(256, 0.2, 0.8)])
-    x[0, 0], x[-1, -1] = 0.0, 1.0
-    return x
-
-
-@pytest.fixture(scope="module")
-def synthetic_setup():
-    rng = np.random.default_rng(5)
-    template = _three_region_image(rng)
-    shifts = [(0, -2), (0, 5), (0, 1)]
-    others = [
-        np.clip(np.roll(template, s, axis=(0, 1)) ** g + 0.02 * rng.standard_normal(template.shape), 0, 1)
-        for s, g in zip(shifts, (0.8, 1.2, 0.9))
-    ]
-    axis = np.arange(10, 87, 7)
-    points = np.stack(np.meshgrid(axis, axis, indexing="ij"), -1).reshape(-1, 2).astype(float)
-    correspondences = np.stack([points + np.array(s, dtype=float) for s in shifts])
-    point_entropy = local_entropy(template, 10).numpy()[tuple(points.astype(int).T)]
-    return template, others, points, correspondences, point_entropy
-
-
 def test_group_ranges_target_and_search_match_an_independent_computation(synthetic_setup):
     template, others, points, corr, point_entropy = synthetic_setup
     groups = information_groups(point_entropy)
@@ -179,39 +156,77 @@ def test_group_ranges_target_and_search_match_an_independent_computation(synthet
         estimate_group_ranges(template, others, points, corr, point_entropy, alpha_hat=0.0)
 
 
+def test_information_groups_and_memberships():
+    h = np.array([0.0, 1.99, 2.0, 3.99, 4.0, 6.0])
+    np.testing.assert_array_equal(information_groups(h), [0, 0, 1, 1, 2, 2])
+    hard = group_memberships(torch.tensor(h), (2.0, 4.0), 0.0)
+    np.testing.assert_array_equal(hard.argmax(0).numpy(), information_groups(h))
+    ramp = torch.linspace(0, 6, 601)
+    m = group_memberships(ramp, (2.0, 4.0), 1.0)
+    assert torch.all(m >= 0) and torch.allclose(m.sum(0), torch.ones(601, dtype=m.dtype))
+    at = {float(v): m[:, i] for i, v in enumerate(ramp) if round(float(v), 2) in (1.5, 2.0, 2.5, 4.0)}
+    assert at[1.5].tolist() == pytest.approx([1, 0, 0]) and at[2.0].tolist() == pytest.approx([0.5, 0.5, 0])
+    assert at[2.5].tolist() == pytest.approx([0, 1, 0]) and at[4.0].tolist() == pytest.approx([0, 0.5, 0.5])
+    with pytest.raises(ValueError, match="thresholds"):
+        information_groups(h, (4.0, 2.0))
+    with pytest.raises(ValueError, match="blend_width"):
+        group_memberships(ramp, (2.0, 4.0), -1.0)
+
+
+def test_adjust_brightness_contrast_formula():
+    rng = np.random.default_rng(4)
+    x = rng.random((2, 8, 9))
+    out = adjust_brightness_contrast(torch.from_numpy(x), 1.3, 0.6).numpy()
+    x1 = np.clip(1.3 * x, 0, 1)
+    mean = x1.reshape(2, -1).mean(1)[:, None, None]  # per channel
+    np.testing.assert_allclose(out, np.clip(0.6 * x1 + 0.4 * mean, 0, 1), atol=1e-12)
+
+
+def test_patches_and_offset_correspondences():
+    image = np.arange(100.0).reshape(10, 10)
+    points = np.array([[4.4, 5.6], [1.0, 1.0], [np.nan, 3.0], [8.0, 8.0], [8.0, 9.0]])
+    patches, valid = extract_patches(image, points, 4)
+    assert patches.shape == (5, 4, 4) and valid.tolist() == [True, False, False, True, False]
+    np.testing.assert_array_equal(patches[0], image[2:6, 4:8])
+    np.testing.assert_array_equal(patches[3], image[6:10, 6:10])
+    tmpl = np.array([[10.0, 20.0], [np.nan, np.nan]])
+    others = np.array([[[13.0, 18.0], [5.0, 5.0]]])
+    pts, corr, idx = offset_correspondences(tmpl, others, radius=2, stride=2)
+    assert pts.shape == (18, 2) and corr.shape == (1, 18, 2) and idx.tolist() == [0] * 9 + [1] * 9
+    np.testing.assert_array_equal(corr[0, :9] - pts[:9], np.tile([3.0, -2.0], (9, 1)))
+    assert np.isnan(pts[9:]).all()
+
+
+def test_script_image_orientation_and_entropy_at_points(tmp_path):
+    script = estimate_augmentation
+    datalist = write_png_datalist(tmp_path, n_images=1)
+    img, _ = load_grey(str(tmp_path / "000.png"), 2)
+    expected = np.asarray(Image.open(tmp_path / "000.png"), dtype=np.float64).T / 255.0
+    np.testing.assert_allclose(img, expected, atol=1e-6)  # [x, y] indexing, scaled to [0, 1]
+    points = np.array([[0.0, 0.0], [40.2, 17.7], [95.0, 50.0], [95.0, 95.0], [-3.0, 4.0]])
+    full = local_entropy(img, 10, intensity_range=(0.0, 1.0)).numpy()
+    got = script.entropy_at_points(img, points, 10)
+    np.testing.assert_allclose(got[:4], [full[0, 0], full[40, 18], full[95, 50], full[95, 95]], atol=1e-5)
+    assert np.isnan(got[4])
+    with pytest.raises(ValueError, match="correspondences"):
+        script.estimate(str(datalist), str(tmp_path / "x.yaml"), correspondences="optical flow")
+
+
+def test_script_world_to_voxel_for_3d():
+    script = estimate_augmentation
+    affine = np.array([[2.0, 0, 0, -10], [0, 1.5, 0, 5], [0, 0, 3.0, 0], [0, 0, 0, 1]])
+    world = np.array([[-10.0, 5.0, 0.0], [-6.0, 8.0, 9.0]])
+    np.testing.assert_allclose(script.landmarks_to_array_axes(world, affine, 3), [[0, 0, 0], [2, 2, 3]])
+
+
 # ---------------------------------------------------------------- command-line tool
-
-
-def _write_png_datalist(tmp_path: Path, n_images: int = 4, labelled: bool = True) -> Path:
-    rng = np.random.default_rng(6)
-    base = (_three_region_image(rng) * 255).round().astype(np.uint8)  # array axes [x, y]
-    landmarks = np.array([[16.0, 40.0], [48.0, 30.0], [80.0, 60.0]])
-    items = []
-    for i in range(n_images):
-        shift = np.array([0, 2 * i - 3])
-        Image.fromarray(np.roll(base, tuple(shift), axis=(0, 1)).T).save(tmp_path / f"{i:03d}.png")
-        item = {"image": f"{i:03d}.png"}
-        if labelled or i == 0:
-            item["landmarks"] = (landmarks + shift).tolist()
-        items.append(item)
-    dl = {
-        "name": "synthetic",
-        "spatial_dims": 2,
-        "landmark_names": ["a", "b", "c"],
-        "training": items,
-        "validation": [],
-        "test": [],
-    }
-    path = tmp_path / "datalist.json"
-    path.write_text(json.dumps(dl))
-    return path
 
 
 def test_script_default_is_the_distribution_estimate_and_merges_into_training(tmp_path, capsys):
     from bundle.configs import bundle_parser
 
     script = estimate_augmentation
-    datalist = _write_png_datalist(tmp_path)
+    datalist = write_png_datalist(tmp_path)
     out = tmp_path / "augmentation.yaml"
     script.estimate(
         str(datalist),
@@ -234,14 +249,12 @@ def test_script_default_is_the_distribution_estimate_and_merges_into_training(tm
     np.testing.assert_allclose(transform.brightness_ranges, aug["brightness_ranges"])
     np.testing.assert_allclose(transform.contrast_ranges, aug["contrast_ranges"])
     assert transform.group_mode == "pixel" and transform.thresholds == (2.0, 4.0)
-    # the joint estimator stays available and writes the symmetric intensities
-    script.estimate(
-        str(datalist), str(tmp_path / "joint.yaml"), mi="joint", n_images=3, patch_size=8, radius=8, stride=8, step=0.1
+    # the earlier estimator, an experiment, writes the symmetric intensities through the same writer
+    joint_mi.estimate(
+        str(datalist), str(tmp_path / "joint.yaml"), n_images=3, patch_size=8, radius=8, stride=8, step=0.1
     )
     joint = yaml.safe_load((tmp_path / "joint.yaml").read_text())["augmentation"]
     assert joint["mi"] == "joint" and len(joint["brightness"]) == 3 and "brightness_ranges" not in joint
-    with pytest.raises(ValueError, match="mi="):
-        script.estimate(str(datalist), str(tmp_path / "x.yaml"), mi="pixels")
     with pytest.raises(ValueError, match="ckpt_path"):
         script.estimate(str(datalist), str(tmp_path / "x.yaml"), correspondences="encoder")
 
@@ -253,10 +266,10 @@ def test_a_group_without_key_points_takes_a_neighbours_estimate_so_the_yaml_trai
     from bundle.configs import bundle_parser
 
     out = tmp_path / "augmentation.yaml"
-    estimate_augmentation.estimate(
-        str(_write_png_datalist(tmp_path)),
+    estimator = estimate_augmentation if mi == "distribution" else joint_mi
+    estimator.estimate(
+        str(write_png_datalist(tmp_path)),
         str(out),
-        mi=mi,
         thresholds=(1e-6, 2e-6),
         n_images=3,
         patch_size=8,
@@ -297,7 +310,7 @@ def test_encoder_correspondences_need_no_labels_and_find_identical_images(tmp_pa
     ckpt = tmp_path / "model.pt"
     torch.save(network.state_dict(), ckpt)
     rng = np.random.default_rng(7)
-    image = _three_region_image(rng)
+    image = three_region_image(rng)
     points = np.array([[20.0, 30.0], [50.0, 40.0], [75.0, 70.0], [np.nan, np.nan]])
     (tmp_path / "cfg.yaml").write_text("image_size: [96, 96]\n")
     corr = script.encoder_correspondences(
@@ -308,7 +321,7 @@ def test_encoder_correspondences_need_no_labels_and_find_identical_images(tmp_pa
         corr[:, :3], np.broadcast_to(points[:3], (2, 3, 2)), atol=1.0
     )  # the same image: the same points
     # the script: only the template needs landmarks
-    datalist = _write_png_datalist(tmp_path, n_images=3, labelled=False)
+    datalist = write_png_datalist(tmp_path, n_images=3, labelled=False)
     out = tmp_path / "enc.yaml"
     script.estimate(
         str(datalist),

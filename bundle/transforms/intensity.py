@@ -106,7 +106,7 @@ class InfoGuidedIntensity(RandomizableTransform):
     ``brightness=(0.15, 0.15, 0.15)``: every pixel then gets the same factors.
 
     Asymmetric ranges (``brightness_ranges`` / ``contrast_ranges``, ``[[lo, hi]] * 3``, e.g. from
-    ``python -m scripts.estimate_augmentation --mi distribution``) replace the symmetric intensities with
+    ``python -m scripts.estimate_augmentation``) replace the symmetric intensities with
     torchvision ColorJitter's semantics: group ``g``'s factor is uniform in ``[lo_g, hi_g]`` (brightness
     multiplies, contrast blends with the mean grey). One quantile ``p = (u + 1) / 2`` is shared by the
     groups, ``f_g = lo_g + p (hi_g - lo_g)``, so that they still move together; the symmetric A is the
