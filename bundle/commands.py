@@ -37,8 +37,9 @@ def start_command(
     cudnn_benchmark: Any = False,
     cpu_threads: int | str | None = None,
 ) -> torch.device:
-    """Refuse a misread command line (:func:`bundle.configs.check_command_line`, again: a stray word of it takes the
-    place of MONAI's ``init_id``, so that the ``initialize`` step of :func:`check_workflow` does not run) and a
+    """Refuse a misread command line (:func:`bundle.configs.check_command_line`: read once, a no-op when the
+    ``initialize`` step of :func:`check_workflow` has passed it, and the check where a stray word took the place of
+    MONAI's ``init_id`` so that ``initialize`` did not run) and a
     device this machine lacks (:func:`bundle.configs.check_device`), join the process group when
     torchrun launched several processes (:func:`bundle.distributed.join_launched`), show progress bars or not
     (``progress_bar``), then, when given, seed everything (``seed``, with ``cudnn_benchmark``:

@@ -179,6 +179,11 @@ def command_line_overrides(argv: Sequence[str]) -> tuple[list[str], dict[str, st
     return [f for f in files if f], {k: v for k, v in options.items() if k not in RUN_OPTIONS}
 
 
+# the command lines check_command_line has passed in this process: the configs' initialize step and the command's first
+# step both ask (bundle.commands), the files are read once
+_PASSED_COMMAND_LINES: set[tuple[str, ...]] = set()
+
+
 def check_command_line(argv: Sequence[str] | None = None) -> None:
     """Refuse, before any work, a ``monai.bundle run`` override that would be accepted and do something else:
 
@@ -191,8 +196,16 @@ def check_command_line(argv: Sequence[str] | None = None) -> None:
     - a word that is no option's value (:func:`stray_words`) nor a config item (``init_id``, ``final_id``): a shell
       wildcard or an unquoted space split a value.
 
-    The first step of every command; a no-op outside ``python -m monai.bundle run``."""
-    argv = sys.argv if argv is None else argv
+    The first step of every command; a no-op outside ``python -m monai.bundle run``, and for a command line it has
+    passed already in this process."""
+    argv = tuple(sys.argv if argv is None else argv)
+    if argv in _PASSED_COMMAND_LINES:
+        return
+    _check_command_line(argv)
+    _PASSED_COMMAND_LINES.add(argv)
+
+
+def _check_command_line(argv: tuple[str, ...]) -> None:
     files, overrides = command_line_overrides(argv)
     stray = stray_words(argv[2:])
     if not files or not (stray or overrides):

@@ -828,6 +828,33 @@ def test_a_value_missing_or_not_a_number_where_the_config_has_one_is_refused_bef
             check_command_line(argv)
 
 
+def test_a_command_line_is_read_once_however_many_steps_check_it(monkeypatch):
+    """The configs' ``initialize`` step and the command's first step both check the command line: the config files
+    are read for the first, and a refused command line is refused at every call."""
+    from monai.bundle import ConfigParser
+
+    main = str(Path(sys.executable).parent / "monai" / "bundle" / "__main__.py")
+    argv = [
+        main,
+        "run",
+        "training",
+        "--config_file",
+        str(ROOT / TRAIN[0]),
+        "--epochs",
+        "7",
+        "--learning_rate",
+        "4.2e-4",
+    ]
+    reads, read = [], ConfigParser.read_config
+    monkeypatch.setattr(ConfigParser, "read_config", lambda self, files: reads.append(files) or read(self, files))
+    check_command_line(argv)
+    check_command_line(argv)
+    assert len(reads) == 1
+    for _ in range(2):
+        with pytest.raises(ValueError, match="--epochs: expected an integer"):
+            check_command_line([*argv, "--epochs", "seven"])
+
+
 def test_a_script_refuses_an_unknown_option_or_one_without_a_value_before_it_writes(tmp_path, capsys):
     """Fire would run ``build`` / ``labelme`` with the defaults and report the misspelled option afterwards, its
     output written (a shipped template file overwritten), and make ``--spacing`` alone a spacing of 1."""
