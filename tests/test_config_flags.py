@@ -168,6 +168,6 @@ def test_a_command_line_null_is_unset_for_every_nullable_key(value, unset):
     assert is_unset(value) is unset
     if unset:
         assert template_cache_dir(value) is None
-        from bundle.pipeline.predictor import matching_inferer
+        from bundle.settings import SETTINGS
 
-        assert matching_inferer("median", False, value).registration_tolerance is None
+        assert SETTINGS["registration_tolerance"](value, "registration_tolerance") is None

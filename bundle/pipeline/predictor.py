@@ -1,5 +1,5 @@
 """What predicts a run's landmarks, built in one place (:func:`build_predictor`) for evaluating and inferring (the
-MONAI Label app takes its matching inferer, :func:`matching_inferer`): the pipeline that
+MONAI Label app builds its matching inferer from the same keys): the pipeline that
 :func:`bundle.pipeline.choice.choose_detector` takes (a heatmap detector or template matching), its network with its
 weights, the preprocessing on that network's grid, its inferer, XFeat's fine step after it
 (:func:`bundle.pipeline.choice.prediction_refinement`) and what the reports say ran."""
@@ -19,7 +19,6 @@ from bundle.journal import fingerprint
 from bundle.pipeline.choice import ENOUGH_LABELS, choose_detector, prediction_refinement
 from bundle.pipeline.detector_data import detector_grid, detector_templates, load_detector
 from bundle.reporting import run_provenance
-from bundle.settings import as_flag, as_number, is_unset
 from bundle.transforms.utils import on_grid
 from monai.data import Dataset
 from monai.transforms import Compose
@@ -117,10 +116,10 @@ def build_predictor(
             :class:`bundle.inferers.oneshot.OneShotInferer`.
         template_features: inferring: the template features matched from (called only when matching), by a
             :class:`bundle.inferers.oneshot.TemplateFeatureInferer`.
-        contrast_adaptation: evaluating's matching also from the inputs mapped to a template's contrast (a yes/no
-            value, :func:`matching_inferer`).
+        contrast_adaptation: evaluating's matching also from the inputs mapped to a template's contrast (checked as the
+            command starts, :data:`bundle.settings.SETTINGS`).
         registration_tolerance: evaluating's matching falls back to the registered template's landmarks beyond this
-            many grid pixels (None: no registration, :func:`matching_inferer`).
+            many grid pixels (None: no registration).
         test_items: the items predicted (datalist items); ``auto`` takes no detector trained on one of their images
             (``detector`` warns).
         builtin: the shipped template file when inferring from it (:func:`bundle.pipeline.choice.builtin_templates`),
@@ -170,21 +169,11 @@ def build_predictor(
             list(features.get("pseudo_sources", [])),
             [],
         )
-    inferer = matching_inferer(template_combine, contrast_adaptation, registration_tolerance)
+    inferer = OneShotInferer(
+        template_combine=template_combine,
+        contrast_adaptation=contrast_adaptation,
+        registration_tolerance=registration_tolerance,
+    )
     predictor = Predictor("templates", str(ckpt_path), encoder, preprocessing, inferer, refinement, [], [], [])
     predictor.handlers.append(TemplateHandler(choose_templates, inferer, preprocessing, device, predictor))
     return predictor
-
-
-def matching_inferer(
-    template_combine: str, contrast_adaptation: bool | str = False, registration_tolerance: float | str | None = None
-) -> OneShotInferer:
-    """Evaluating's matching from template images (:class:`bundle.inferers.oneshot.OneShotInferer`), the keys
-    ``contrast_adaptation`` (a yes/no value) and ``registration_tolerance`` (null, or a number >= 0) checked."""
-    return OneShotInferer(
-        template_combine=template_combine,
-        contrast_adaptation=as_flag(contrast_adaptation, "contrast_adaptation"),
-        registration_tolerance=None
-        if is_unset(registration_tolerance)
-        else as_number(registration_tolerance, "registration_tolerance", minimum=0),
-    )

@@ -28,7 +28,6 @@ from bundle.pipeline.choice import (
 )
 from bundle.pipeline.detector_data import base_grid
 from bundle.pipeline.detector_data import detector_info as recorded_detector_info
-from bundle.pipeline.predictor import matching_inferer
 from bundle.settings import as_number
 from bundle.template_file import join_templates
 from bundle.templates.features import compute_template
@@ -378,12 +377,12 @@ class BundleContext(SuggestionTemplates):
 
     @property
     def oneshot(self) -> OneShotInferer:
-        """The evaluation's one-shot inferer (:func:`bundle.pipeline.predictor.matching_inferer` with the config's
-        keys): its matcher and combine rule."""
+        """The evaluation's one-shot inferer (:class:`bundle.inferers.oneshot.OneShotInferer` of the config's keys,
+        which :func:`bundle.configs.bundle_parser` has checked): its matcher and combine rule."""
         with self._lock:
             if self._oneshot is None:
                 keys = ("template_combine", "contrast_adaptation", "registration_tolerance")
-                self._oneshot = matching_inferer(*(self.parser.get_parsed_content(k) for k in keys))
+                self._oneshot = OneShotInferer(**{k: self.parser.get_parsed_content(k) for k in keys})
             return self._oneshot
 
     # ---- coordinate frames (landmark_tasks.frames) ------------------------------------------------------
