@@ -1,5 +1,5 @@
-"""The ablation driver (scripts/experiments/ablation*.py), the k-shot study and the results figures
-(scripts/experiments/results_figures.py)."""
+"""The ablation driver (scripts/experiments/ablation*.py), the k-shot study, the results figures
+(scripts/experiments/results_figures.py) and the self-training datalists (scripts/experiments/self_training.py)."""
 
 from __future__ import annotations
 
@@ -432,3 +432,36 @@ def test_converged_report_gives_the_common_template_mre_where_every_seed_has_it(
     entropy = next(line for line in lines if line.startswith("| + entropy"))
     assert baseline.endswith("| 2.10 |  | -20.0 % (1 seed) |") and "| - |" in entropy
     assert "selection MRE" not in header  # the run's own template on images its choice read: no column here
+
+
+def test_self_training_datalists_predict_the_unlabelled_images_then_carry_their_predictions(tmp_path):
+    """``pool`` asks for the unlabelled training images as test items; ``labelled`` puts their predictions in the
+    datalist's order and refuses an image a landmark was not predicted on, naming it."""
+    from estimation_data import write_png_datalist
+    from scripts.experiments import self_training
+
+    datalist = write_png_datalist(tmp_path, n_images=4, labelled=False)  # 000.png labelled alone
+    pool = json.loads(Path(self_training.pool(str(datalist), str(tmp_path / "pool.json"))).read_text())
+    assert [Path(it["image"]).name for it in pool["training"]] == ["000.png"]
+    assert [Path(it["image"]).name for it in pool["test"]] == ["001.png", "002.png", "003.png"]
+    rows = [
+        {"image": it["image"], "landmark": name, "x": 10.0 * i + j, "y": 1.5, "error_mm": ""}
+        for i, it in enumerate(pool["test"], 1)
+        for j, name in enumerate(pool["landmark_names"])
+    ]
+    predictions = tmp_path / "predictions.csv"
+    with open(predictions, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    out = self_training.labelled(str(datalist), str(predictions), str(tmp_path / "self.json"))
+    items = json.loads(Path(out).read_text())["training"]
+    own = json.loads(datalist.read_text())["training"][0]["landmarks"]
+    assert [Path(it["image"]).name for it in items] == ["000.png", "001.png", "002.png", "003.png"]
+    assert items[0]["landmarks"] == own and items[2]["landmarks"] == [[20.0, 1.5], [21.0, 1.5], [22.0, 1.5]]
+    with open(predictions, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows[:-1])  # 003.png's last landmark missing
+    with pytest.raises(ValueError, match=r"no prediction of \['c'\] on .*003.png"):
+        self_training.labelled(str(datalist), str(predictions), str(tmp_path / "self2.json"))
