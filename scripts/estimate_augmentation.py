@@ -36,6 +36,7 @@ atomically as YAML that a bundle config merges (``augmentation: {thresholds, ...
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import numpy as np
@@ -285,6 +286,11 @@ def estimation_inputs(
     return inputs, common, source
 
 
+def input_options(options: dict) -> dict:
+    """The arguments of :func:`estimation_inputs` among an estimator command's ``options`` (its ``locals()``)."""
+    return {k: v for k, v in options.items() if k in inspect.signature(estimation_inputs).parameters}
+
+
 def write_estimate(
     output: str, groups: dict, source: dict, alpha_hat: float, thresholds, mi: str, keys: tuple[str, str]
 ) -> dict:
@@ -358,27 +364,7 @@ def estimate(
     axis; None: original size). ``correspondences``: ``"landmarks"`` or ``"encoder"`` (with ``ckpt_path`` and the
     network of ``config_file``); the other options: :func:`estimation_inputs`.
     """
-    inputs, common, source = estimation_inputs(
-        datalist,
-        output,
-        alpha_hat,
-        patch_size,
-        bins,
-        step,
-        window=window,
-        thresholds=thresholds,
-        n_images=n_images,
-        image_size=image_size,
-        n_keypoints=n_keypoints,
-        min_keypoints=min_keypoints,
-        radius=radius,
-        stride=stride,
-        correspondences=correspondences,
-        ckpt_path=ckpt_path,
-        config_file=config_file,
-        device=device,
-        seed=seed,
-    )
+    inputs, common, source = estimation_inputs(**input_options(locals()))
     groups = estimate_group_ranges(*inputs, min_factor=min_factor, max_factor=max_factor, **common)
     source.update(min_factor=float(min_factor), max_factor=float(max_factor))
     keys = ("brightness_ranges", "contrast_ranges")

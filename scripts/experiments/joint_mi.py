@@ -22,7 +22,7 @@ from bundle.information import as_float_array, group_keypoints, keypoint_entry
 from bundle.information_groups import GROUP_NAMES
 from bundle.transforms.intensity import adjust_brightness_contrast
 from scripts.cli import run_fire
-from scripts.estimate_augmentation import estimation_inputs, write_estimate
+from scripts.estimate_augmentation import estimation_inputs, input_options, write_estimate
 
 
 def _paired_mutual_information(
@@ -213,27 +213,7 @@ def estimate(
     """Estimate the symmetric per-group intensities, write ``output`` (YAML: ``augmentation.brightness`` /
     ``contrast``) and print a table. The images at their original size unless ``image_size``; the other options:
     :func:`scripts.estimate_augmentation.estimation_inputs`."""
-    inputs, common, source = estimation_inputs(
-        datalist,
-        output,
-        alpha_hat,
-        patch_size,
-        bins,
-        step,
-        window=window,
-        thresholds=thresholds,
-        n_images=n_images,
-        image_size=image_size,
-        n_keypoints=n_keypoints,
-        min_keypoints=min_keypoints,
-        radius=radius,
-        stride=stride,
-        correspondences=correspondences,
-        ckpt_path=ckpt_path,
-        config_file=config_file,
-        device=device,
-        seed=seed,
-    )
+    inputs, common, source = estimation_inputs(**input_options(locals()))
     groups = estimate_group_intensities(*inputs, max_intensity=max_intensity, **common)
     source.update(max_intensity=float(max_intensity))
     result = write_estimate(
