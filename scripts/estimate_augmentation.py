@@ -288,7 +288,8 @@ def estimation_inputs(
 
 def input_options(options: dict) -> dict:
     """The arguments of :func:`estimation_inputs` among an estimator command's ``options`` (its ``locals()``)."""
-    return {k: v for k, v in options.items() if k in inspect.signature(estimation_inputs).parameters}
+    names = inspect.signature(estimation_inputs).parameters
+    return {k: v for k, v in options.items() if k in names}
 
 
 def write_estimate(

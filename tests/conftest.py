@@ -7,7 +7,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from estimation_data import estimation_case
 
 ROOT = Path(__file__).resolve().parents[1]
 # what running Python and pytest leaves by itself, and the environments `make` creates
@@ -98,5 +97,8 @@ def cache_home(request, tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def synthetic_setup():
-    """The intensity estimators' synthetic case (:func:`estimation_data.estimation_case`)."""
+    """The intensity estimators' synthetic case (:func:`estimation_data.estimation_case`), imported by the tests that
+    ask for it alone."""
+    from estimation_data import estimation_case
+
     return estimation_case()
