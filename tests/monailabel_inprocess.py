@@ -179,6 +179,7 @@ def split(work: str) -> dict:
     """The detector's held-out split of n labelled ids: ``{n: [trained, held out]}`` and whether a split grown from
     a served detector's keeps its held-out images held out and its training images in training."""
     sys.path[:0] = [str(ROOT), str(ROOT / "apps" / "monailabel")]
+    from bundle.configs import bundle_parser, config_files
     from landmark_tasks.train import detector_split, detector_training_grid
 
     ids = [f"img{k:02d}" for k in range(20)]
@@ -186,8 +187,9 @@ def split(work: str) -> dict:
     trained, held = detector_split(ids[:5])
     _, grown = detector_split(ids[:10], {"trained_on": trained, "held_out": held})
     out["sticky"] = set(held) <= set(grown) and not set(trained) & set(grown)
-    out["grid"] = [detector_training_grid({}, 2), detector_training_grid({"image_size": [64, 64]}, 2)]
-    out["grid"] += [detector_training_grid({}, 3), detector_training_grid({}, 2, [288, 288])]
+    grid2, grid3 = (bundle_parser(config_files("train", dims))["image_size"] for dims in (2, 3))
+    out["grid"] = [detector_training_grid({}, grid2), detector_training_grid({"image_size": [64, 64]}, grid2)]
+    out["grid"] += [detector_training_grid({}, grid3), detector_training_grid({}, grid2, [288, 288])]
     return out
 
 

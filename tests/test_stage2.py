@@ -196,7 +196,8 @@ def test_finetune_config_uses_the_first_labelled_training_items(tmp_path):
     [
         ({"n_labelled": 9}, [192, 192], 2.0, 8.0),  # below FINE_GRID_LABELS (10): train.yaml's grid
         ({"n_labelled": 10}, [288, 288], 3.0, 12.0),  # from there on 1.5 times finer
-        ({"n_labelled": 2, "image_size": [384, 384]}, [384, 384], 4.0, 16.0),  # a given grid: the lengths follow it
+        ({"n_labelled": 2, "detector_grid": [384, 384]}, [384, 384], 4.0, 16.0),  # a given grid: the lengths follow it
+        ({"n_labelled": 10, "image_size": [128, 128]}, [192, 192], 3.0, 12.0),  # the rule from another network grid
     ],
 )
 def test_finetune_grid_grows_with_the_labels_and_the_lengths_in_grid_pixels_follow(
@@ -206,24 +207,28 @@ def test_finetune_grid_grows_with_the_labels_and_the_lengths_in_grid_pixels_foll
     parser = ConfigParser()
     parser.read_config([str(ROOT / f"configs/{c}.yaml") for c in ("train", "train_stage2", "finetune")])
     parser.update({"bundle_root": str(ROOT), "datalist": str(datalist_path), **overrides})
-    assert parser.get_parsed_content("image_size") == grid
-    assert parser.get_parsed_content("heatmap_sigma") == sigma
-    assert parser.get_parsed_content("affine_translate") == translate
-    assert parser.get_parsed_content("validate#preprocessing").transforms  # the pipeline builds on that grid
+    assert parser.get_parsed_content("detector_grid") == grid
+    transforms = {type(t).__name__: t for t in parser.get_parsed_content("stage2#transforms")}
+    assert list(transforms["Resized"].resizer.spatial_size) == grid
+    assert transforms["GaussianHeatmapd"].sigma == sigma
+    translate_range = transforms["RandIsotropicAffined"].rand_affine.rand_affine_grid.translate_range
+    assert list(translate_range) == [translate] * 2  # RandAffine: uniform in (-t, t) along each axis
+    resize = parser.get_parsed_content("validate#resize")  # the detector's validation runs on its grid
+    assert list(resize.resizer.spatial_size) == grid
+    assert parser.get_parsed_content("ckpt_record")["content"]["image_size"] == grid  # detector_info.json's grid
 
 
 def test_finetune_grid_in_3d_stays_train_3d_s_whatever_the_labels():
-    assert finetune_grid(1000, 3) == [64, 64, 64]
-    assert follow_grid("heatmap_sigma", [64, 64, 64], 3) == 2.0
-    assert follow_grid("affine_translate", [128, 128, 128], 3) == 16.0  # a given grid: the lengths follow it
+    assert finetune_grid(1000, [64, 64, 64], 3) == [64, 64, 64]
+    assert follow_grid(2.0, [64, 64, 64], [64, 64, 64]) == 2.0
+    assert follow_grid(8.0, [128, 128, 128], [64, 64, 64]) == 16.0  # a given grid: the lengths follow it
 
 
 def test_evaluation_grid_is_the_one_recorded_beside_the_detector(tmp_path):
     items = [{"image": f"/data/{i}.png"} for i in range(10)]
     write_detector_info(tmp_path / "recorded", [], "human", items, [288, 288], ["a"], {"spatial_dims": 2})
-    assert detector_grid(tmp_path / "recorded" / "model.pt", 2) == [288, 288]
-    assert detector_grid(tmp_path / "none" / "model.pt", 2) == [192, 192]  # no record: train.yaml's grid
-    assert detector_grid(tmp_path / "none" / "model.pt", 3) == [64, 64, 64]
+    assert detector_grid(tmp_path / "recorded" / "model.pt") == [288, 288]
+    assert detector_grid(tmp_path / "none" / "model.pt") is None  # no record: the pipeline's own grid
 
 
 @pytest.mark.parametrize(

@@ -168,7 +168,9 @@ class LandmarkApp(MONAILabelApp):
         from landmark_tasks.saved_labels import FINAL_TAG
         from landmark_tasks.train_options import check_contrastive_labels, check_detector_labels, validate_options
 
-        options = validate_options(params, spatial_dims=self.context.spatial_dims, strict=True)
+        options = validate_options(
+            params, spatial_dims=self.context.spatial_dims, strict=True, network_config=self.context.network_config
+        )
         n_labelled = len(self.datastore().get_labeled_images(FINAL_TAG))
         if options.get("network") == "detector":
             check_detector_labels(n_labelled)

@@ -14,8 +14,6 @@
 
 from __future__ import annotations
 
-import copy
-import functools
 import logging
 import os
 from pathlib import Path
@@ -24,7 +22,6 @@ from typing import Sequence
 import numpy as np
 import torch
 from bundle.checkpoints import RECORD_KEY, UndescribedCheckpointError, describes, load_weights, read_record
-from bundle.configs import bundle_parser, config_files
 from bundle.data.datalist import read_json
 from bundle.distributed import rank
 from bundle.inferers.oneshot import OneShotInferer
@@ -192,28 +189,11 @@ def detector_templates(ckpt_path: str | Path) -> list[str]:
     return list(detector_info(ckpt_path).get("templates") or [])
 
 
-@functools.lru_cache(maxsize=16)
-def _base_setting(key: str, spatial_dims: int, name: str):
-    return bundle_parser(config_files(name, spatial_dims))[key]
-
-
-def base_setting(key: str, spatial_dims: int, name: str = "train_stage2"):
-    """The value of ``key`` in the bundle's own config files of ``name`` for ``spatial_dims`` (as written there,
-    unparsed): the default that a config merged later replaces by a rule of its own."""
-    return copy.deepcopy(_base_setting(key, int(spatial_dims), name))
-
-
-def base_grid(spatial_dims: int) -> list[int]:
-    """train.yaml's ``image_size`` (train_3d.yaml's in 3D): the grid of every network unless a rule or a key says
-    otherwise."""
-    return [int(v) for v in base_setting("image_size", spatial_dims, "train")]
-
-
-def detector_grid(ckpt_path: str | Path, spatial_dims: int) -> list[int]:
-    """The grid a detector checkpoint was trained on (:func:`write_detector_info`), else :func:`base_grid` (a
-    checkpoint without a record)."""
+def detector_grid(ckpt_path: str | Path) -> list[int] | None:
+    """The grid a detector checkpoint was trained on (:func:`write_detector_info`), None for a checkpoint without a
+    record (it runs on the pipeline's own grid)."""
     trained = detector_info(ckpt_path).get("image_size")
-    return [int(v) for v in trained] if trained is not None else base_grid(spatial_dims)
+    return [int(v) for v in trained] if trained is not None else None
 
 
 def recorded_detector(
@@ -221,14 +201,13 @@ def recorded_detector(
 ) -> HeatmapDetector:
     """The :class:`bundle.networks.detector.HeatmapDetector` of ``ckpt_path`` (weights not loaded) with the
     ``network`` settings and as many landmarks as recorded beside it; a record without them (before 0.17.0) takes
-    the given settings and train_stage2.yaml's ``head_channels``."""
+    the given settings and the detector's default ``head_channels``."""
     settings = {
         "spatial_dims": int(spatial_dims),
         "n_landmarks": int(n_landmarks),
         "backbone": backbone,
         "embed_dim": int(embed_dim),
         "strides": list(strides),
-        "head_channels": int(base_setting("head_channels", spatial_dims)),
     }
     info = detector_info(ckpt_path)
     settings.update(info.get("network") or {})
@@ -242,40 +221,41 @@ FINE_GRID_LABELS = 10
 FINE_GRID_SCALE = 1.5
 
 
-def finetune_grid(n_labelled: int, spatial_dims: int) -> list[int]:
-    """The grid of a detector fine-tuned on ``n_labelled`` human labels: :func:`base_grid`, or in 2D from
-    :data:`FINE_GRID_LABELS` labels on, :data:`FINE_GRID_SCALE` times it (rounded to the encoder's stride 16). A
+def finetune_grid(n_labelled: int, image_size: Sequence[int], spatial_dims: int) -> list[int]:
+    """The grid of a detector fine-tuned on ``n_labelled`` human labels: the network grid ``image_size``, or in 2D
+    from :data:`FINE_GRID_LABELS` labels on, :data:`FINE_GRID_SCALE` times it (rounded to the encoder's stride 16). A
     finer grid places the peaks more finely but confuses similar structures more often with few labels
     (docs/results.md, "The grid grows with the labels": chosen on validation images at 5 and 10 labels over two
     seeds).
 
     Args:
         n_labelled: the fine-tuning's number of human-labelled images.
+        image_size: train.yaml's network grid.
         spatial_dims: 2 or 3.
     """
-    base = base_grid(spatial_dims)
+    base = check_image_size(image_size, spatial_dims)
     if spatial_dims != 2 or n_labelled < FINE_GRID_LABELS:
         return base
     return check_image_size([int(round(v * FINE_GRID_SCALE / 16)) * 16 for v in base], spatial_dims)
 
 
-def follow_grid(key: str, image_size: Sequence[int], spatial_dims: int) -> float:
-    """train_stage2.yaml's ``key`` (a length in grid pixels: the heatmap's sigma, the translation range) scaled
-    from :func:`base_grid` to ``image_size`` so that it stays the same in mm (by the first axis: a length in grid
-    pixels is one number for every axis).
+def follow_grid(length: float, detector_grid: Sequence[int], image_size: Sequence[int]) -> float:
+    """A ``length`` in pixels of the network grid ``image_size`` (train_stage2.yaml's ``heatmap_sigma``,
+    ``affine_translate``) in pixels of ``detector_grid``, so that it stays the same in mm (by the first axis: a length
+    in grid pixels is one number for every axis).
 
     Args:
-        key: the key of train_stage2.yaml (``heatmap_sigma``, ``affine_translate``).
-        image_size: the detector's grid.
-        spatial_dims: 2 or 3.
+        length: the length on ``image_size``.
+        detector_grid: the detector's grid.
+        image_size: the network grid the length is given on.
     """
-    return float(base_setting(key, spatial_dims)) * float(image_size[0]) / float(base_grid(spatial_dims)[0])
+    return float(length) * float(detector_grid[0]) / float(image_size[0])
 
 
 def load_detector(
     ckpt_path: str | Path,
     device: torch.device | str,
-    image_size: Sequence[int],
+    image_size: Sequence[int] | None,
     spatial_dims: int,
     n_landmarks: int,
     backbone: str,

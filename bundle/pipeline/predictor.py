@@ -143,13 +143,13 @@ def build_predictor(
         xfeat_refinement, detector, datalist, max_templates, spatial_dims, template_combine, load_transforms
     )
     if detector is not None:
-        grid = detector_grid(detector, spatial_dims)
+        grid = detector_grid(detector)
         network = load_detector(detector, device, grid, spatial_dims, len(landmark_names), backbone, embed_dim, strides)
         return Predictor(
             "detector",
             str(detector),
             network,
-            on_grid(preprocessing, grid),
+            preprocessing if grid is None else on_grid(preprocessing, grid),
             HeatmapInferer(shift_tta=shift_tta),
             refinement,
             detector_templates(detector),

@@ -26,7 +26,6 @@ from bundle.pipeline.choice import (
     choose_refinement,
     refinement_setting,
 )
-from bundle.pipeline.detector_data import base_grid
 from bundle.pipeline.detector_data import detector_info as recorded_detector_info
 from bundle.settings import as_number
 from bundle.template_file import join_templates
@@ -135,6 +134,8 @@ class BundleContext(SuggestionTemplates):
             overrides["ckpt_path"] = str(shipped_ckpt)
         self.parser = bundle_parser(config_files("evaluate", self.spatial_dims), self.bundle_root, **overrides)
         self.shipped_ckpt = Path(self.parser.get_parsed_content("ckpt_path")).resolve()
+        # the train config's network grid and training crop: what a train request leaves unset
+        self.network_config = {k: self.parser.get_parsed_content(k) for k in ("image_size", "crop_size", "batch_size")}
         if not self.served_checkpoint().is_file():
             raise FileNotFoundError(
                 f"no network weights at {self.shipped_ckpt}: give --conf ckpt_path"
@@ -300,11 +301,11 @@ class BundleContext(SuggestionTemplates):
 
     def detector_parser(self, image_size: Sequence[int] | None = None):
         """The bundle's fine-tuning configs for the datalist's dimensionality (``detector_configs``)
-        at the detector's ``image_size`` (None: train.yaml's)."""
-        key = tuple(int(v) for v in image_size or base_grid(self.spatial_dims))
+        at the detector's ``image_size`` (its ``detector_grid``; None: the train config's ``image_size``)."""
+        key = tuple(int(v) for v in image_size or self.network_config["image_size"])
         with self._lock:
             if key not in self._detector_parsers:
-                overrides: dict[str, Any] = {**self.overrides, "image_size": list(key)}
+                overrides: dict[str, Any] = {**self.overrides, "detector_grid": list(key)}
                 self._detector_parsers[key] = bundle_parser(self.detector_configs, self.bundle_root, **overrides)
             return self._detector_parsers[key]
 

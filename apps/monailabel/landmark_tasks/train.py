@@ -77,12 +77,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from bundle.checkpoints import read_checkpoint
 from bundle.io_utils import atomic_path, write_json_atomic
-from bundle.pipeline.detector_data import base_grid, detector_info
+from bundle.pipeline.detector_data import detector_info
 from monailabel.interfaces.datastore import Datastore
 from monailabel.interfaces.tasks.train import TrainTask
 
@@ -148,12 +148,13 @@ def training_datalist(
     }
 
 
-def detector_training_grid(options: dict, spatial_dims: int, served_grid: list[int] | None = None) -> list[int]:
+def detector_training_grid(
+    options: dict, network_grid: Sequence[int], served_grid: Sequence[int] | None = None
+) -> list[int]:
     """The grid of a detector train request: its ``image_size``, else the grid of the served detector it continues
-    (``served_grid``), else train.yaml's, not the finer grid that finetune.yaml takes from 10 labels (its cost per
-    iteration is past a background training's budget on a CPU)."""
-    grid = options.get("image_size") or served_grid
-    return [int(v) for v in grid] if grid else base_grid(spatial_dims)
+    (``served_grid``), else the train config's ``network_grid``, not the finer grid that finetune.yaml takes from 10
+    labels (its cost per iteration is past a background training's budget on a CPU)."""
+    return [int(v) for v in options.get("image_size") or served_grid or network_grid]
 
 
 def training_command(
@@ -225,7 +226,9 @@ class BundleTrainTask(TrainTask):
 
     def __call__(self, request: dict, datastore: Datastore) -> dict[str, Any]:
         start = time.time()
-        options = validate_options(request, self.defaults, self.context.spatial_dims)
+        options = validate_options(
+            request, self.defaults, self.context.spatial_dims, network_config=self.context.network_config
+        )
         rule = {"min_improvement": options.pop("min_improvement", 0.0), "publish": options.pop("publish", "if_better")}
         network = options.pop("network", "contrastive")
         holdout = options.pop("holdout", DETECTOR_HOLDOUT)
@@ -338,8 +341,9 @@ class BundleTrainTask(TrainTask):
         shutil.rmtree(candidate_dir, ignore_errors=True)
         stage1 = context.served_checkpoint()
         epochs = int(options.get("epochs", 10))
-        image_size = detector_training_grid(options, context.spatial_dims, previous.get("image_size"))
-        options = {**options, "image_size": image_size}
+        image_size = detector_training_grid(options, context.network_config["image_size"], previous.get("image_size"))
+        # the detector's grid; image_size stays the train config's, the grid its heatmap sigma and shifts are given on
+        options = {**{k: v for k, v in options.items() if k != "image_size"}, "detector_grid": image_size}
         if served_detector:  # the whole served detector; no stage-1 encoder to load first
             init_args = ["--init_weights", str(served_detector), "--random_init", "true"]
         else:

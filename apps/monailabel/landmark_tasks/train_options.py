@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from bundle.configs import config_files
 from bundle.data.datalist import is_finite_number
-from bundle.pipeline.detector_data import base_setting
 from bundle.settings import check_crop_size, check_image_size
 
 
@@ -102,9 +101,16 @@ SERVER_KEYS = frozenset({"model", "client_id", "gpus", "multi_gpu", "local_rank"
 
 
 def validate_options(
-    request: dict, defaults: dict | None = None, spatial_dims: int = 2, strict: bool = False
+    request: dict,
+    defaults: dict | None = None,
+    spatial_dims: int = 2,
+    strict: bool = False,
+    *,
+    network_config: Mapping[str, Any],
 ) -> dict[str, Any]:
     """The training options of ``request`` (over ``defaults``), each checked; a bad one raises ValueError naming it.
+    ``network_config``: the train config's ``crop_size``, ``image_size`` and ``batch_size``, which a request leaves
+    unset (:attr:`landmark_tasks.context.BundleContext.network_config`).
 
     MONAI Label's names ``max_epochs`` and ``train_batch_size`` stand for ``epochs`` and ``batch_size``.
     ``strict`` (a client's request, checked before it is queued): a key that is neither an option nor one of
@@ -142,17 +148,17 @@ def validate_options(
             except ValueError as e:
                 raise ValueError(f"train request: {e}") from None
     if options.get("network", "contrastive") == "contrastive":
-        check_training_crop(options, spatial_dims)
+        check_training_crop(options, spatial_dims, network_config)
     return options
 
 
-def check_training_crop(options: dict, spatial_dims: int) -> None:
+def check_training_crop(options: dict, spatial_dims: int, network_config: Mapping[str, Any]) -> None:
     """The stage-1 training's crops as the bundle takes them (``check_crop_size``: within ``image_size``, large
     enough for the batch's BatchNorm), from the request's ``crop_size``, ``image_size`` and ``batch_size``, else
-    the bundle's train config's; ValueError naming the values and which are the config's."""
+    the bundle's train config's (``network_config``); ValueError naming the values and which are the config's."""
     keys = ("crop_size", "image_size", "batch_size")
     defaulted = [k for k in keys if options.get(k) is None]
-    values = {k: base_setting(k, spatial_dims, "train") if k in defaulted else options[k] for k in keys}
+    values = {k: network_config[k] if k in defaulted else options[k] for k in keys}
     try:
         check_crop_size(values["crop_size"], values["image_size"], spatial_dims, values["batch_size"])
     except ValueError as e:
