@@ -47,13 +47,16 @@ def run_provenance(
     checkpoint: str,
     pseudo_templates: Sequence[str] = (),
     refinement: Mapping[str, Any] | None = None,
+    matching_guard: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """What made a run's predictions: ``pipeline`` (``templates``: one-/k-shot template matching, ``detector``: a
     heatmap detector), ``template`` (the first template image; for a detector the stage-1 template(s) that made its
     pseudo-labels, "" for human labels), ``templates`` (the whole list, when it holds more than one),
     ``pseudo_templates`` (those of them whose landmarks were labelled by matching, when any), ``checkpoint`` and
     ``xfeat_refinement`` (the fine step's settings and templates, null when it did not run:
-    :meth:`bundle.inferers.refinement.DescriptorRefinement.settings`)."""
+    :meth:`bundle.inferers.refinement.DescriptorRefinement.settings`) and, where ``contrast_adaptation: auto``
+    chose 3D matching's guard on validation images, ``matching_guard`` (the setting kept and each one's validation
+    MRE: :class:`bundle.pipeline.matching_guard.MatchingGuardHandler`)."""
     check_pipeline(pipeline)
     templates = [str(template)] if isinstance(template, (str, os.PathLike)) else [str(t) for t in template]
     templates = [t for t in templates if t]
@@ -64,6 +67,7 @@ def run_provenance(
         **({"pseudo_templates": [str(t) for t in pseudo_templates]} if pseudo_templates else {}),
         "checkpoint": str(checkpoint),
         "xfeat_refinement": dict(refinement) if refinement else None,
+        **({"matching_guard": dict(matching_guard)} if matching_guard else {}),
     }
 
 

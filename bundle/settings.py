@@ -57,6 +57,14 @@ def as_flag(value: Any, key: str, path: bool = False) -> bool | str:
     raise ValueError(f"{key}: expected true or false (yes/no, 1/0, any case), got {value!r}")
 
 
+def flag_or_auto(value: Any, key: str) -> bool | str:
+    """``"auto"`` (in any case), else a yes/no value as :func:`as_flag` reads it (``xfeat_refinement``,
+    ``contrast_adaptation``: the run chooses where ``auto``)."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    return as_flag(value, key)
+
+
 def as_number(value: Any, key: str, minimum: float | None = None, integer: bool = False, maximum: float | None = None):
     """A numeric config value (an int when ``integer``), refused (``ValueError`` naming ``key`` and the value) when
     it is not a finite number (a bool, NaN, text), below ``minimum`` or above ``maximum``.
@@ -223,7 +231,7 @@ SETTINGS: dict[str, Rule] = {
     # yes/no keys: true/false, yes/no, 1/0 in any case (the command line gives them as words)
     "amp": as_flag,
     "adaptive_augmentation": as_flag,
-    "contrast_adaptation": as_flag,
+    "contrast_adaptation": flag_or_auto,  # or auto: chosen on the validation images (3D)
     "cpu_channels_last": as_flag,
     "cudnn_benchmark": as_flag,
     "entropy_sampling": as_flag,

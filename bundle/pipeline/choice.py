@@ -26,7 +26,7 @@ from bundle.inferers.refinement import PSEUDO_LABEL_RADIUS_MM, RADIUS_MM, Descri
 from bundle.networks.xfeat import INSTALL_HINT, available
 from bundle.pipeline.detector_data import INFO_FILE, detector_info
 from bundle.reporting import PIPELINES
-from bundle.settings import as_flag
+from bundle.settings import flag_or_auto
 from bundle.template_file import bundle_path, load_template
 from bundle.templates.resolution import RANKED_POOL, held_out_images, labelled_training_items, template_items
 
@@ -294,10 +294,8 @@ def refinement_templates(datalist: dict | str | os.PathLike | None, max_template
 
 def refinement_setting(setting: bool | str, spatial_dims: int, key: str = "xfeat_refinement") -> bool | str:
     """``setting`` as ``"auto"`` or a bool (``key`` names it in the errors); ``true`` in 3D is refused."""
-    if isinstance(setting, str) and setting.strip().lower() == "auto":
-        return "auto"
-    flag = as_flag(setting, key)
-    if flag and spatial_dims != 2:
+    flag = flag_or_auto(setting, key)
+    if flag is True and spatial_dims != 2:
         raise ValueError(f"{key} true: the XFeat refinement is 2D only (set it to auto or false in 3D)")
     return flag
 

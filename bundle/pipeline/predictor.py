@@ -18,6 +18,7 @@ from bundle.inferers.refinement import DescriptorRefinement, RefiningInferer
 from bundle.journal import fingerprint
 from bundle.pipeline.choice import ENOUGH_LABELS, choose_detector, prediction_refinement
 from bundle.pipeline.detector_data import detector_grid, detector_templates, load_detector
+from bundle.pipeline.matching_guard import MatchingGuardHandler, guard_candidates, labelled
 from bundle.reporting import run_provenance
 from bundle.transforms.utils import on_grid
 from monai.data import Dataset
@@ -30,7 +31,8 @@ class Predictor:
     ``network``, the ``preprocessing`` on that network's grid, the pipeline's ``inferer`` (the confidence check reads
     its scores), the ``refinement`` after it (None: none) and ``refining_inferer``, the two together (the
     evaluator's). ``templates`` / ``pseudo_templates`` name the template images (a detector's: those that made its
-    pseudo-labels); ``handlers`` run as the evaluation starts (the choice of the templates to match from)."""
+    pseudo-labels); ``handlers`` run as the evaluation starts (the choice of the templates to match from, and of 3D
+    matching's guard: ``matching_guard`` records it, None where nothing was chosen)."""
 
     pipeline: str
     checkpoint: str
@@ -41,6 +43,7 @@ class Predictor:
     templates: list[str]
     pseudo_templates: list[str]
     handlers: list
+    matching_guard: dict | None = None
     refining_inferer: RefiningInferer = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
@@ -49,7 +52,9 @@ class Predictor:
     def provenance(self) -> dict[str, Any]:
         """What made the predictions, for metrics.json and provenance.json (:func:`bundle.reporting.run_provenance`)."""
         settings = self.refinement.settings() if self.refinement is not None else None
-        return run_provenance(self.pipeline, self.templates, self.checkpoint, self.pseudo_templates, settings)
+        return run_provenance(
+            self.pipeline, self.templates, self.checkpoint, self.pseudo_templates, settings, self.matching_guard
+        )
 
     def dataset(self, items: Sequence[Mapping]) -> Dataset:
         """MONAI's ``Dataset`` of ``items`` (datalist items) prepared by :attr:`preprocessing`."""
@@ -84,7 +89,7 @@ def build_predictor(
     load_transforms: Sequence | None = None,
     choose_templates: Callable[[], list[dict]] | None = None,
     template_features: Callable[[], dict] | None = None,
-    contrast_adaptation: bool = False,
+    contrast_adaptation: bool | str = False,
     registration_tolerance: float | None = None,
     test_items: Sequence[Mapping] = (),
     builtin: str | os.PathLike | None = None,
@@ -116,8 +121,10 @@ def build_predictor(
             :class:`bundle.inferers.oneshot.OneShotInferer`.
         template_features: inferring: the template features matched from (called only when matching), by a
             :class:`bundle.inferers.oneshot.TemplateFeatureInferer`.
-        contrast_adaptation: evaluating's matching also from the inputs mapped to a template's contrast (checked as the
-            command starts, :data:`bundle.settings.SETTINGS`).
+        contrast_adaptation: evaluating's matching also from the inputs mapped to a template's contrast; ``auto``:
+            in 3D, with ``registration_tolerance``, where the datalist's validation images measure it better
+            (:func:`bundle.pipeline.matching_guard.guard_candidates`; checked as the command starts,
+            :data:`bundle.settings.SETTINGS`).
         registration_tolerance: evaluating's matching falls back to the registered template's landmarks beyond this
             many grid pixels (None: no registration).
         test_items: the items predicted (datalist items); ``auto`` takes no detector trained on one of their images
@@ -169,11 +176,12 @@ def build_predictor(
             list(features.get("pseudo_sources", [])),
             [],
         )
-    inferer = OneShotInferer(
-        template_combine=template_combine,
-        contrast_adaptation=contrast_adaptation,
-        registration_tolerance=registration_tolerance,
-    )
+    validation = labelled(datalist.get("validation") or []) if isinstance(datalist, Mapping) else []
+    candidates = guard_candidates(contrast_adaptation, registration_tolerance, spatial_dims, validation)
+    inferer = OneShotInferer(template_combine=template_combine, **candidates[0])
     predictor = Predictor("templates", str(ckpt_path), encoder, preprocessing, inferer, refinement, [], [], [])
     predictor.handlers.append(TemplateHandler(choose_templates, inferer, preprocessing, device, predictor))
+    predictor.handlers.append(
+        MatchingGuardHandler(candidates, inferer, encoder, validation, preprocessing, device, predictor)
+    )
     return predictor

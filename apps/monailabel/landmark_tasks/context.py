@@ -27,6 +27,7 @@ from bundle.pipeline.choice import (
     refinement_setting,
 )
 from bundle.pipeline.detector_data import detector_info as recorded_detector_info
+from bundle.pipeline.matching_guard import guard_candidates
 from bundle.settings import as_number
 from bundle.template_file import join_templates
 from bundle.templates.features import compute_template
@@ -379,11 +380,14 @@ class BundleContext(SuggestionTemplates):
     @property
     def oneshot(self) -> OneShotInferer:
         """The evaluation's one-shot inferer (:class:`bundle.inferers.oneshot.OneShotInferer` of the config's keys,
-        which :func:`bundle.configs.bundle_parser` has checked): its matcher and combine rule."""
+        which :func:`bundle.configs.bundle_parser` has checked): its matcher and combine rule; ``contrast_adaptation:
+        auto`` is off (the datastore holds no validation images to choose it on)."""
         with self._lock:
             if self._oneshot is None:
-                keys = ("template_combine", "contrast_adaptation", "registration_tolerance")
-                self._oneshot = OneShotInferer(**{k: self.parser.get_parsed_content(k) for k in keys})
+                keys = ("contrast_adaptation", "registration_tolerance")
+                setting = guard_candidates(*(self.parser.get_parsed_content(k) for k in keys), self.spatial_dims, [])
+                combine = self.parser.get_parsed_content("template_combine")
+                self._oneshot = OneShotInferer(template_combine=combine, **setting[0])
             return self._oneshot
 
     # ---- coordinate frames (landmark_tasks.frames) ------------------------------------------------------
