@@ -131,6 +131,11 @@ def _check_item(item: Any, where: str, spatial_dims: int, n_landmarks: int, base
     return out
 
 
+def carries_landmarks(item: dict) -> bool:
+    """Whether a datalist item holds at least one landmark (not null): a template candidate, a scored item."""
+    return any(p is not None for p in item.get("landmarks") or [])
+
+
 def configuration_hint(found_dims: int, expected_dims: int) -> str:
     """What to run instead when data of ``found_dims`` spatial dimensions meet a configuration of ``expected_dims``."""
     return {
@@ -226,7 +231,7 @@ def section_items(
             f"{FILL_SECTION[section]}"
         )
     if labelled:
-        unlabelled = [i for i, it in enumerate(items) if not any(p is not None for p in it.get("landmarks") or [])]
+        unlabelled = [i for i, it in enumerate(items) if not carries_landmarks(it)]
         if len(unlabelled) == len(items):
             raise DatalistError(
                 f"{path}: no '{section}' item carries a landmark: nothing to score (for landmarks on unlabelled "
@@ -251,7 +256,7 @@ def section_items(
 def _check_template(item: Any, where: str, spatial_dims: int, n_landmarks: int, base: Path, check_files: bool) -> dict:
     """A checked template item: it must carry at least one landmark."""
     item = _check_item(item, where, spatial_dims, n_landmarks, base, check_files)
-    if not any(p is not None for p in item.get("landmarks") or []):
+    if not carries_landmarks(item):
         raise DatalistError(f"{where}: a template must carry 'landmarks', at least one of them not null")
     return item
 

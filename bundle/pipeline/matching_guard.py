@@ -16,6 +16,7 @@ import logging
 from typing import Any, Mapping, Sequence
 
 import torch
+from bundle.data.datalist import carries_landmarks
 from bundle.inferers.oneshot import OneShotInferer
 from bundle.metrics import radial_errors
 from ignite.engine import Engine, Events
@@ -44,24 +45,18 @@ def guard_candidates(
     plain = {"contrast_adaptation": False, "registration_tolerance": registration_tolerance}
     if setting != "auto":
         return [{**plain, "contrast_adaptation": bool(setting)}]
-    if int(spatial_dims) != 3 or not labelled(validation_items):
+    if int(spatial_dims) != 3 or not any(map(carries_landmarks, validation_items)):
         return [plain]
     tolerance = GUARD_TOLERANCE if registration_tolerance is None else registration_tolerance
     return [plain, {"contrast_adaptation": True, "registration_tolerance": tolerance}]
 
 
-def labelled(items: Sequence[Mapping]) -> list[Mapping]:
-    """The ``items`` that carry a landmark."""
-    return [it for it in items if any(p is not None for p in it.get("landmarks") or [])]
-
-
-def validation_mre(inferer: OneShotInferer, network, items: Sequence[dict], preprocessing, device) -> float:
-    """The MRE (mm) of ``inferer`` with ``network`` over ``items`` prepared by ``preprocessing`` (the evaluation's
-    pipeline: the image on the network grid, ``label`` and ``grid_to_physical``)."""
+def validation_mre(inferer: OneShotInferer, network, prepared: Sequence[Mapping], device) -> float:
+    """The MRE (mm) of ``inferer`` with ``network`` over items ``prepared`` by the evaluation's pipeline (the image on
+    the network grid, ``label`` and ``grid_to_physical``)."""
     errors = []
     with torch.no_grad():
-        for item in items:
-            data = preprocessing(dict(item))
+        for data in prepared:
             inputs = data["image"][None].to(device)
             predicted = inferer(inputs, network, grid_to_physical=torch.as_tensor(data["grid_to_physical"])[None])
             errors.append(radial_errors(predicted.double().cpu(), torch.as_tensor(data["label"]).double()[None]))
@@ -102,10 +97,11 @@ class MatchingGuardHandler:
         if len(self.candidates) == 1:
             self._set(self.candidates[0])
             return
+        prepared = [self.preprocessing(dict(item)) for item in self.items]  # read once, scored per candidate
         scores = []
         for candidate in self.candidates:
             self._set(candidate)
-            scores.append(validation_mre(self.inferer, self.network, self.items, self.preprocessing, self.device))
+            scores.append(validation_mre(self.inferer, self.network, prepared, self.device))
         best = min(range(len(scores)), key=scores.__getitem__)
         self._set(self.candidates[best])
         self.predictor.matching_guard = {

@@ -11,6 +11,7 @@ import os
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
+from bundle.data.datalist import carries_landmarks
 from bundle.handlers.templates import TemplateHandler
 from bundle.inferers.heatmap import HeatmapInferer
 from bundle.inferers.oneshot import OneShotInferer, TemplateFeatureInferer
@@ -18,7 +19,7 @@ from bundle.inferers.refinement import DescriptorRefinement, RefiningInferer
 from bundle.journal import fingerprint
 from bundle.pipeline.choice import ENOUGH_LABELS, choose_detector, prediction_refinement
 from bundle.pipeline.detector_data import detector_grid, detector_templates, load_detector
-from bundle.pipeline.matching_guard import MatchingGuardHandler, guard_candidates, labelled
+from bundle.pipeline.matching_guard import MatchingGuardHandler, guard_candidates
 from bundle.reporting import run_provenance
 from bundle.transforms.utils import on_grid
 from monai.data import Dataset
@@ -176,7 +177,8 @@ def build_predictor(
             list(features.get("pseudo_sources", [])),
             [],
         )
-    validation = labelled(datalist.get("validation") or []) if isinstance(datalist, Mapping) else []
+    validation_items = (datalist.get("validation") or []) if isinstance(datalist, Mapping) else []
+    validation = [it for it in validation_items if carries_landmarks(it)]
     candidates = guard_candidates(contrast_adaptation, registration_tolerance, spatial_dims, validation)
     inferer = OneShotInferer(template_combine=template_combine, **candidates[0])
     predictor = Predictor("templates", str(ckpt_path), encoder, preprocessing, inferer, refinement, [], [], [])

@@ -12,6 +12,7 @@ import logging
 import os
 
 import torch
+from bundle.data.datalist import carries_landmarks
 from bundle.geometry import grid_landmarks
 from bundle.inferers.oneshot import OneShotInferer
 from bundle.passes import map_shards
@@ -45,9 +46,7 @@ def held_out_images(datalist: dict) -> set[str]:
 
 def labelled_training_items(datalist: dict) -> list[dict]:
     """The datalist's training items that carry at least one landmark (the template candidates)."""
-    return [
-        it for it in datalist.get("training", []) if it.get("landmarks") and any(p is not None for p in it["landmarks"])
-    ]
+    return [it for it in datalist.get("training", []) if carries_landmarks(it)]
 
 
 def template_items(datalist: dict) -> list[dict]:
