@@ -56,7 +56,7 @@ def run_provenance(
     ``xfeat_refinement`` (the fine step's settings and templates, null when it did not run:
     :meth:`bundle.inferers.refinement.DescriptorRefinement.settings`) and, where ``contrast_adaptation: auto``
     chose 3D matching's guard on validation images, ``matching_guard`` (the setting kept and each one's validation
-    MRE: :class:`bundle.pipeline.matching_guard.MatchingGuardHandler`)."""
+    MRE: :func:`bundle.pipeline.matching_guard.choose_guard`)."""
     check_pipeline(pipeline)
     templates = [str(template)] if isinstance(template, (str, os.PathLike)) else [str(t) for t in template]
     templates = [t for t in templates if t]

@@ -14,7 +14,11 @@ cephalogram templates are Hamedan images, which may not be redistributed). It is
   the network grid the template images were resized to;
 - ``sources``: K short descriptions of the template images (no pixel data); ``checkpoint_sha256``: the
   SHA-256 of the weights that computed the features (they only fit those weights); ``pseudo_sources`` (optional):
-  those of the sources that are pseudo-templates (landmarks labelled by matching).
+  those of the sources that are pseudo-templates (landmarks labelled by matching);
+- ``registration_image`` and ``registration_points`` (optional, never in a file that ``build_template`` writes): the
+  first template's image on the grid ``(1, 1, *grid_size)`` and its landmarks ``(L, D)`` in grid pixels, which the
+  matching guard registers to each input (``contrast_adaptation``, ``registration_tolerance``); inferring's features
+  computed from a datalist carry them, in its private cache.
 
 Matched by :class:`bundle.inferers.oneshot.TemplateFeatureInferer` (the Python path) and
 :class:`bundle.networks.landmark_points.LandmarkPointsNet` (the exported network); computed by
@@ -59,10 +63,31 @@ def check_template(template: Mapping[str, Any], where: str = "template") -> dict
         )
     if len(set(names)) != len(names):
         raise ValueError(f"{where}: duplicate landmark names {names}")
+    _check_registration_template(template, where, n)
     valid = ~torch.isnan(queries).any(dim=-1).any(dim=-1)
     if not bool(valid.any()):
         raise ValueError(f"{where}: no template carries any landmark")
     return {**dict(template), "landmark_names": names, "queries": queries.float()}
+
+
+def _check_registration_template(template: Mapping[str, Any], where: str, n_landmarks: int) -> None:
+    """ValueError naming the key when the optional registration image and points are not both there, on the grid
+    and of the landmarks' number (see the module doc)."""
+    image, points = template.get("registration_image"), template.get("registration_points")
+    if image is None and points is None:
+        return
+    grid = [int(v) for v in template.get("grid_size") or []]
+    if not isinstance(image, torch.Tensor) or list(image.shape) != [1, 1, *grid]:
+        raise ValueError(
+            f"{where}: 'registration_image' must be a (1, 1, *grid_size {grid}) tensor, got "
+            f"{getattr(image, 'shape', type(image))}"
+        )
+    dims = int(template["spatial_dims"])
+    if not isinstance(points, torch.Tensor) or list(points.shape) != [n_landmarks, dims]:
+        raise ValueError(
+            f"{where}: 'registration_points' must be a ({n_landmarks}, {dims}) tensor, got "
+            f"{getattr(points, 'shape', type(points))}"
+        )
 
 
 def join_templates(templates: Sequence[Mapping[str, Any]]) -> dict:

@@ -208,17 +208,16 @@ def test_tiny_3d_training_beats_chance_and_writes_markups(tmp_path):
     # measured 3.8 mm against 59 mm by chance (3 mm voxels); an untrained network gets 3.7 mm on these
     # near-identical phantoms at this budget, so beating it is left to the longer demo run
     assert trained["mre_mm"] < 0.3 * chance, (trained["mre_mm"], chance)
-    assert "matching_guard" not in trained  # nothing chosen: plain matching, as configured
 
-    # contrast_adaptation auto: the guard measured on the validation volume, the lower MRE kept and recorded; the
-    # test volumes then predicted as the chosen setting given outright predicts them
-    auto = _evaluate(datalist_path, tmp_path / "eval_auto", models / "model_final.pt", contrast_adaptation="auto")
-    guard = auto["matching_guard"]
+    # contrast_adaptation auto (the default): the guard measured on the validation volume, the lower MRE kept and
+    # recorded; the test volumes then predicted as the chosen setting given outright predicts them
+    guard = trained["matching_guard"]
     scores = {c["contrast_adaptation"]: c["mre_mm"] for c in guard["validation_mre_mm"]}
     assert guard["validation_images"] == 1 and guard["contrast_adaptation"] == (scores[True] < scores[False])
     chosen = {k: guard[k] for k in ("contrast_adaptation", "registration_tolerance")}
     given = _evaluate(datalist_path, tmp_path / "eval_given", models / "model_final.pt", **chosen)
-    assert auto["mre_mm"] == pytest.approx(given["mre_mm"], abs=1e-9)
+    assert trained["mre_mm"] == pytest.approx(given["mre_mm"], abs=1e-9)
+    assert "matching_guard" not in given  # given outright: nothing chosen
 
     # predictions.csv holds world RAS mm; one Slicer markups file per test volume holds the same points
     with open(tmp_path / "eval" / "predictions.csv", newline="") as f:

@@ -5,6 +5,7 @@ given to the 2D command are refused naming the 3D config."""
 from __future__ import annotations
 
 import csv
+import json
 from pathlib import Path
 
 import nibabel as nib
@@ -83,10 +84,14 @@ def test_a_volume_s_suggestions_are_evaluating_s_predictions_whatever_its_voxel_
         )
         return _rows(out / "predictions.csv")
 
-    _evaluate(datalist_path, tmp_path / "eval", ckpt, pseudo_templates=0)
+    evaluation = _evaluate(datalist_path, tmp_path / "eval", ckpt, pseudo_templates=0)
     inferred = infer(
         tmp_path / "infer", images=[str(volume), str(tmp_path / "flipped.nii.gz"), str(tmp_path / "swapped.nii.gz")]
     )
+    # contrast_adaptation auto in both: the same choice of the guard on the validation volume, the same scores
+    provenance = json.loads((tmp_path / "infer" / "provenance.json").read_text())
+    assert provenance["matching_guard"] == evaluation["matching_guard"]
+    assert evaluation["matching_guard"]["validation_images"] == 1
     evaluated = _rows(tmp_path / "eval" / "predictions.csv")
     names = datalist["landmark_names"]
     for name in names:

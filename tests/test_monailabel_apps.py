@@ -186,7 +186,8 @@ def _cli_evaluate_3d(datalist: dict, ckpt: Path, out: Path, *options: str) -> di
     configs = config_files("evaluate", spatial_dims=3)
     command = [sys.executable, "-m", "monai.bundle", "run", "evaluating", "--config_file", json.dumps(configs)]
     command += ["--datalist", str(out / "datalist.json"), "--ckpt_path", str(ckpt), "--output_dir", str(out / "eval")]
-    command += list(options)
+    # the app matches without 3D matching's guard (it weighs no validation volumes): the command's auto, off
+    command += ["--contrast_adaptation", "false", *options]
     done = subprocess.run(
         command, cwd=ROOT, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1")
     )

@@ -9,7 +9,7 @@ predictions are combined per landmark by a robust estimator (``bundle.kshot``). 
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import torch
 from bundle.geometry import plain_tensor
@@ -69,6 +69,63 @@ def template_agreement(matcher: TemplateMatcher, queries: Sequence[torch.Tensor]
     return None if bool(torch.isnan(value)) else float(value)
 
 
+def check_registration_tolerance(registration_tolerance: float | None) -> float | None:
+    """``registration_tolerance`` when it is None or a number >= 0 (grid pixels), else ValueError naming it."""
+    if registration_tolerance is not None and not registration_tolerance >= 0:
+        raise ValueError(f"registration_tolerance must be >= 0 grid pixels or None, got {registration_tolerance!r}")
+    return registration_tolerance
+
+
+def guard_on(contrast_adaptation: bool, registration_tolerance: float | None) -> bool:
+    """Whether matching is guarded (:func:`guarded_matches`): the contrast adaptation or a registration tolerance."""
+    return bool(contrast_adaptation) or registration_tolerance is not None
+
+
+def guarded_matches(
+    inputs: torch.Tensor,
+    match: Callable[[torch.Tensor], TemplateMatches],
+    template: tuple[torch.Tensor, torch.Tensor],
+    contrast_adaptation: bool,
+    registration_tolerance: float | None,
+) -> TemplateMatches:
+    """The matches ``match`` finds in ``inputs`` ``(B, 1, *S)``, guarded by the first template registered to each
+    input (not in the paper; both inferers' guard): with ``contrast_adaptation`` each input is also matched mapped to
+    the template's contrast (:func:`bundle.inferers.contrast.template_contrast`) and the matches with the higher mean
+    score are kept; with ``registration_tolerance`` a match further than that (grid pixels) from the template's
+    landmark carried by the registration is replaced by the carried landmark (it keeps its score and cycle error).
+
+    Args:
+        inputs: the checked input batch on the template's grid.
+        match: finds every template's matches in a batch (:class:`TemplateMatches`).
+        template: the first template's grid image ``(1, 1, *S)`` and landmarks ``(L, D)`` (NaN: missing).
+        contrast_adaptation: match the inputs mapped to the template's contrast too.
+        registration_tolerance: grid pixels; None: no registration (0: the registration's landmarks alone).
+    """
+    matches = match(inputs)
+    if not guard_on(contrast_adaptation, registration_tolerance):
+        return matches
+    image, points = template
+    registrations = register_templates(inputs, image.to(inputs.device))
+    if contrast_adaptation:
+        mapped = match(template_contrast(inputs, registrations))
+        better = mapped.scores.nanmean(dim=(0, 2)) > matches.scores.nanmean(dim=(0, 2))  # (B,)
+        logger.info("contrast adaptation: %s", ["mapped" if m else "kept" for m in better.tolist()])
+        matches = TemplateMatches(
+            *[
+                None if a is None else torch.where(better.view(1, -1, *[1] * (a.ndim - 2)), m, a)
+                for a, m in zip(matches, mapped)
+            ]
+        )
+    if registration_tolerance is None:
+        return matches
+    carried = carried_points(registrations, points.to(inputs.device)).to(matches.positions)
+    far = (matches.positions - carried).norm(dim=-1) > registration_tolerance  # NaN compares False
+    logger.info("registration tolerance: %d of %d matches replaced", int(far.sum()), far.numel())
+    return matches._replace(
+        positions=torch.where(far[..., None], carried.expand_as(matches.positions), matches.positions)
+    )
+
+
 class OneShotInferer(Inferer):
     """One-shot (k-shot) inference: landmarks of annotated templates found in each input by feature matching.
 
@@ -106,9 +163,7 @@ class OneShotInferer(Inferer):
     ) -> None:
         super().__init__()
         check_combine_rule(template_combine)
-        if registration_tolerance is not None and not registration_tolerance >= 0:
-            raise ValueError(f"registration_tolerance must be >= 0 grid pixels or None, got {registration_tolerance!r}")
-        self.registration_tolerance = registration_tolerance
+        self.registration_tolerance = check_registration_tolerance(registration_tolerance)
         self.matcher = TemplateMatcher(combine, scale_weights, refine_radius, refine_resolution, max_map_elements)
         self.template_combine = template_combine
         self.contrast_adaptation = contrast_adaptation
@@ -151,9 +206,14 @@ class OneShotInferer(Inferer):
         self._cache, self._cache_network, self._cache_key = [], None, None
 
     def feature_inferer(self, template: Mapping[str, Any]) -> "TemplateFeatureInferer":
-        """A :class:`TemplateFeatureInferer` of stored ``template`` features with this inferer's matcher and combine
-        rule: this inferer's predictions with those templates' images, their features computed once."""
-        inferer = TemplateFeatureInferer(template, self.template_combine)
+        """A :class:`TemplateFeatureInferer` of stored ``template`` features with this inferer's matcher, combine
+        rule and guard: this inferer's predictions with those templates' images, their features computed once."""
+        inferer = TemplateFeatureInferer(
+            template,
+            self.template_combine,
+            contrast_adaptation=self.contrast_adaptation,
+            registration_tolerance=self.registration_tolerance,
+        )
         inferer.matcher = self.matcher
         return inferer
 
@@ -209,27 +269,12 @@ class OneShotInferer(Inferer):
             raise ValueError(
                 f"template grid {tuple(self.template_image.shape[2:])} differs from the input grid {grid_size}"
             )
-        matches = self._match(inputs, network, cycle)
-        if not self.contrast_adaptation and self.registration_tolerance is None:
-            return matches
-        registrations = register_templates(inputs, self.template_image.to(inputs.device))
-        if self.contrast_adaptation:
-            mapped = self._match(template_contrast(inputs, registrations), network, cycle)
-            better = mapped.scores.nanmean(dim=(0, 2)) > matches.scores.nanmean(dim=(0, 2))  # (B,)
-            logger.info("contrast adaptation: %s", ["mapped" if m else "kept" for m in better.tolist()])
-            matches = TemplateMatches(
-                *[
-                    None if a is None else torch.where(better.view(1, -1, *[1] * (a.ndim - 2)), m, a)
-                    for a, m in zip(matches, mapped)
-                ]
-            )
-        if self.registration_tolerance is None:
-            return matches
-        carried = carried_points(registrations, self.template_points.to(inputs.device)).to(matches.positions)
-        far = (matches.positions - carried).norm(dim=-1) > self.registration_tolerance  # NaN compares False
-        logger.info("registration tolerance: %d of %d matches replaced", int(far.sum()), far.numel())
-        return matches._replace(
-            positions=torch.where(far[..., None], carried.expand_as(matches.positions), matches.positions)
+        return guarded_matches(
+            inputs,
+            lambda x: self._match(x, network, cycle),
+            (self.template_image, self.template_points),
+            self.contrast_adaptation,
+            self.registration_tolerance,
         )
 
     def _match(self, inputs: torch.Tensor, network, cycle: bool) -> TemplateMatches:
@@ -286,12 +331,14 @@ class TemplateFeatureInferer(Inferer):
     templates' predictions are combined per landmark by ``template_combine``
     (:func:`bundle.kshot.combine_landmarks`), in physical mm when ``grid_to_physical`` is given. With the
     features of a template image this gives what ``OneShotInferer`` gives with that image, ``match_scores`` and
-    ``reference_score`` included.
+    ``reference_score`` included, and its guard (:func:`guarded_matches`) from the first template's grid image that
+    features computed from a datalist carry (``registration_image``, :mod:`bundle.template_file`).
 
     Args:
         template: a template feature dict (:func:`bundle.template_file.load_template`).
         template_combine: one of ``bundle.kshot.COMBINE_RULES``.
         refine_radius, refine_resolution, combine, scale_weights: the matcher's (:class:`TemplateMatcher`).
+        contrast_adaptation, registration_tolerance: the guard, as :class:`OneShotInferer`'s.
     """
 
     def __init__(
@@ -302,6 +349,8 @@ class TemplateFeatureInferer(Inferer):
         refine_resolution: float = 0.1,
         combine: str = "product",
         scale_weights: Sequence[float] | None = None,
+        contrast_adaptation: bool = False,
+        registration_tolerance: float | None = None,
     ) -> None:
         super().__init__()
         check_combine_rule(template_combine)
@@ -309,7 +358,22 @@ class TemplateFeatureInferer(Inferer):
         self.landmark_names = self.template["landmark_names"]
         self.template_combine = template_combine
         self.matcher = TemplateMatcher(combine, scale_weights, refine_radius, refine_resolution)
+        self.contrast_adaptation = contrast_adaptation
+        self.registration_tolerance = check_registration_tolerance(registration_tolerance)
         self.match_scores: torch.Tensor | None = None
+        self._check_guard()
+
+    def _check_guard(self) -> None:
+        """ValueError when the guard is on and the template features carry no template image to register."""
+        if (
+            guard_on(self.contrast_adaptation, self.registration_tolerance)
+            and "registration_image" not in self.template
+        ):
+            raise ValueError(
+                f"the template features of {self.template['sources'][:3]} carry no template image, which "
+                "contrast_adaptation and registration_tolerance register: compute them from the templates' datalist "
+                "(--datalist), or set both off"
+            )
 
     @property
     def reference_score(self) -> float | None:
@@ -335,10 +399,21 @@ class TemplateFeatureInferer(Inferer):
                 f"the template features were computed on the grid {template_grid}, the input is on {grid_size}: "
                 f"give image_size {template_grid}, or compute the features on this grid"
             )
-        features = [plain_tensor(f) for f in network(inputs)]
-        if len(features) != n_scales:
-            raise ValueError(f"the template has features of {n_scales} scales, the network gives {len(features)}")
-        return match_queries(self.matcher, list(queries.unbind(2)), features, grid_size)
+
+        def match(batch: torch.Tensor) -> TemplateMatches:
+            features = [plain_tensor(f) for f in network(batch)]
+            if len(features) != n_scales:
+                raise ValueError(f"the template has features of {n_scales} scales, the network gives {len(features)}")
+            return match_queries(self.matcher, list(queries.unbind(2)), features, grid_size)
+
+        self._check_guard()
+        return guarded_matches(
+            inputs,
+            match,
+            (self.template.get("registration_image"), self.template.get("registration_points")),
+            self.contrast_adaptation,
+            self.registration_tolerance,
+        )
 
     def __call__(self, inputs: torch.Tensor, network, grid_to_physical=None) -> torch.Tensor:  # type: ignore[override]
         """Predicted landmarks ``(B, L, D)`` (float64): grid pixels, or physical mm with ``grid_to_physical``."""

@@ -4,10 +4,10 @@ Template matching can also match each volume mapped to the first template's cont
 replace a match far from the template's landmark carried by an affine registration (``registration_tolerance``). On
 the bent AFID check the two together took a T1w template on T2w volumes from 29.7 to 2.6 mm, while on the synthetic
 CT demo they trade a lower MRE for fewer landmarks within 2 mm (docs/results.md, "3D: bent warps, matching guarded
-by the registration"): so ``auto`` measures both settings on the run's labelled validation images as the
-evaluation starts and keeps the lower MRE (:class:`MatchingGuardHandler`). 2D, and a run without labelled validation
-images, match without the guard; metrics.json and provenance.json say what was chosen and on what
-(``matching_guard``).
+by the registration"): so ``auto`` measures both settings on the run's labelled validation images, as the
+evaluation starts (:class:`MatchingGuardHandler`) or as inferring's predictor is built, and keeps the lower MRE
+(:func:`choose_guard`). 2D, and a run without labelled validation images, match without the guard; metrics.json and
+provenance.json say what was chosen and on what (``matching_guard``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from typing import Any, Mapping, Sequence
 
 import torch
 from bundle.data.datalist import carries_landmarks
-from bundle.inferers.oneshot import OneShotInferer
+from bundle.distributed import from_rank_0
+from bundle.inferers.oneshot import OneShotInferer, TemplateFeatureInferer
 from bundle.metrics import radial_errors
 from ignite.engine import Engine, Events
 
@@ -51,9 +52,13 @@ def guard_candidates(
     return [plain, {"contrast_adaptation": True, "registration_tolerance": tolerance}]
 
 
-def validation_mre(inferer: OneShotInferer, network, prepared: Sequence[Mapping], device) -> float:
-    """The MRE (mm) of ``inferer`` with ``network`` over items ``prepared`` by the evaluation's pipeline (the image on
-    the network grid, ``label`` and ``grid_to_physical``)."""
+def validation_mre(
+    inferer: OneShotInferer | TemplateFeatureInferer, network, prepared: Sequence[Mapping], device
+) -> float:
+    """The MRE (mm) of ``inferer`` with ``network`` (set to eval mode) over items ``prepared`` by the run's pipeline
+    (the image on the network grid, ``label`` and ``grid_to_physical``)."""
+    if isinstance(network, torch.nn.Module):
+        network.eval()
     errors = []
     with torch.no_grad():
         for data in prepared:
@@ -63,10 +68,58 @@ def validation_mre(inferer: OneShotInferer, network, prepared: Sequence[Mapping]
     return float(torch.cat([e.flatten() for e in errors]).nanmean())
 
 
+def choose_guard(candidates, inferer, network, items, preprocessing, device) -> dict | None:
+    """Set ``inferer``'s guard to the candidate of :func:`guard_candidates` with the lowest MRE on ``items`` and
+    return what was chosen and on what (``matching_guard`` in metrics.json and provenance.json); one candidate: set,
+    nothing measured, None.
+
+    Args:
+        candidates: the settings weighed (:func:`guard_candidates`).
+        inferer: an :class:`bundle.inferers.oneshot.OneShotInferer` with its templates set, or a
+            :class:`bundle.inferers.oneshot.TemplateFeatureInferer`.
+        network: the matching network.
+        items: the labelled validation items.
+        preprocessing: the run's pipeline (the image on the network grid, ``label`` and ``grid_to_physical``).
+        device: where the network runs.
+    """
+
+    def use(candidate: Mapping[str, Any]) -> None:
+        inferer.contrast_adaptation = candidate["contrast_adaptation"]
+        inferer.registration_tolerance = candidate["registration_tolerance"]
+
+    if len(candidates) == 1:
+        use(candidates[0])
+        return None
+
+    def score() -> list[float]:
+        prepared = [preprocessing(dict(item)) for item in items]  # read once, scored per candidate
+        scores = []
+        for candidate in candidates:
+            use(candidate)
+            scores.append(validation_mre(inferer, network, prepared, device))
+        return scores
+
+    scores = from_rank_0(score)  # under torchrun every process keeps rank 0's choice
+    best = min(range(len(scores)), key=scores.__getitem__)
+    use(candidates[best])
+    inferer.match_scores = None  # the validation volumes' scores are no output of the run (its fingerprint)
+    logger.info(
+        "contrast_adaptation auto: %s on %d validation image(s) (MRE %s mm)",
+        "guarded" if best else "plain",
+        len(items),
+        " against ".join(f"{s:.3f}" for s in scores),
+    )
+    return {
+        **candidates[best],
+        "validation_images": len(items),
+        "validation_mre_mm": [{**c, "mre_mm": round(s, 4)} for c, s in zip(candidates, scores)],
+    }
+
+
 class MatchingGuardHandler:
-    """Ignite handler that sets ``inferer``'s guard (:func:`guard_candidates`) at the first ``Events.STARTED``, after
-    the templates are set (:class:`bundle.handlers.templates.TemplateHandler`): the candidate with the lowest
-    validation MRE, recorded on ``predictor`` (``matching_guard``) for the report.
+    """Ignite handler of evaluating that chooses ``inferer``'s guard (:func:`choose_guard`) at the first
+    ``Events.STARTED``, after the templates are set (:class:`bundle.handlers.templates.TemplateHandler`), and records
+    the choice on ``predictor`` (``matching_guard``) for the report.
 
     Args:
         candidates: the settings weighed (:func:`guard_candidates`); one: set, nothing measured.
@@ -79,39 +132,14 @@ class MatchingGuardHandler:
     """
 
     def __init__(self, candidates, inferer, network, items, preprocessing, device, predictor) -> None:
-        self.candidates, self.inferer, self.network = list(candidates), inferer, network
-        self.items, self.preprocessing, self.device, self.predictor = list(items), preprocessing, device, predictor
-        self.done = False
+        self.choice = (list(candidates), inferer, network, list(items), preprocessing, device)
+        self.predictor, self.done = predictor, False
 
     def attach(self, engine: Engine) -> None:
         engine.add_event_handler(Events.STARTED, self)
-
-    def _set(self, candidate: Mapping[str, Any]) -> None:
-        self.inferer.contrast_adaptation = candidate["contrast_adaptation"]
-        self.inferer.registration_tolerance = candidate["registration_tolerance"]
 
     def __call__(self, engine: Engine) -> None:
         if self.done:
             return
         self.done = True
-        if len(self.candidates) == 1:
-            self._set(self.candidates[0])
-            return
-        prepared = [self.preprocessing(dict(item)) for item in self.items]  # read once, scored per candidate
-        scores = []
-        for candidate in self.candidates:
-            self._set(candidate)
-            scores.append(validation_mre(self.inferer, self.network, prepared, self.device))
-        best = min(range(len(scores)), key=scores.__getitem__)
-        self._set(self.candidates[best])
-        self.predictor.matching_guard = {
-            **self.candidates[best],
-            "validation_images": len(self.items),
-            "validation_mre_mm": [{**c, "mre_mm": round(s, 4)} for c, s in zip(self.candidates, scores)],
-        }
-        logger.info(
-            "contrast_adaptation auto: %s on %d validation image(s) (MRE %s mm)",
-            "guarded" if best else "plain",
-            len(self.items),
-            " against ".join(f"{s:.3f}" for s in scores),
-        )
+        self.predictor.matching_guard = choose_guard(*self.choice)

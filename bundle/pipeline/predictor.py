@@ -12,6 +12,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from bundle.data.datalist import carries_landmarks
+from bundle.data.embedded import open_datalist
 from bundle.handlers.templates import TemplateHandler
 from bundle.inferers.heatmap import HeatmapInferer
 from bundle.inferers.oneshot import OneShotInferer, TemplateFeatureInferer
@@ -19,7 +20,7 @@ from bundle.inferers.refinement import DescriptorRefinement, RefiningInferer
 from bundle.journal import fingerprint
 from bundle.pipeline.choice import ENOUGH_LABELS, choose_detector, prediction_refinement
 from bundle.pipeline.detector_data import detector_grid, detector_templates, load_detector
-from bundle.pipeline.matching_guard import MatchingGuardHandler, guard_candidates
+from bundle.pipeline.matching_guard import MatchingGuardHandler, choose_guard, guard_candidates
 from bundle.reporting import run_provenance
 from bundle.transforms.utils import on_grid
 from monai.data import Dataset
@@ -33,7 +34,8 @@ class Predictor:
     its scores), the ``refinement`` after it (None: none) and ``refining_inferer``, the two together (the
     evaluator's). ``templates`` / ``pseudo_templates`` name the template images (a detector's: those that made its
     pseudo-labels); ``handlers`` run as the evaluation starts (the choice of the templates to match from, and of 3D
-    matching's guard: ``matching_guard`` records it, None where nothing was chosen)."""
+    matching's guard); ``matching_guard`` records the guard's choice (evaluating's as it starts, inferring's as its
+    predictor is built; None where nothing was chosen)."""
 
     pipeline: str
     checkpoint: str
@@ -122,12 +124,12 @@ def build_predictor(
             :class:`bundle.inferers.oneshot.OneShotInferer`.
         template_features: inferring: the template features matched from (called only when matching), by a
             :class:`bundle.inferers.oneshot.TemplateFeatureInferer`.
-        contrast_adaptation: evaluating's matching also from the inputs mapped to a template's contrast; ``auto``:
-            in 3D, with ``registration_tolerance``, where the datalist's validation images measure it better
-            (:func:`bundle.pipeline.matching_guard.guard_candidates`; checked as the command starts,
-            :data:`bundle.settings.SETTINGS`).
-        registration_tolerance: evaluating's matching falls back to the registered template's landmarks beyond this
-            many grid pixels (None: no registration).
+        contrast_adaptation: matching also from the inputs mapped to the first template's contrast; ``auto``: in 3D,
+            with ``registration_tolerance``, where the datalist's labelled validation images measure it better
+            (:mod:`bundle.pipeline.matching_guard`: as evaluating starts, as inferring's predictor is built; checked
+            as the command starts, :data:`bundle.settings.SETTINGS`).
+        registration_tolerance: matching falls back to the registered template's landmarks beyond this many grid
+            pixels (None: no registration).
         test_items: the items predicted (datalist items); ``auto`` takes no detector trained on one of their images
             (``detector`` warns).
         builtin: the shipped template file when inferring from it (:func:`bundle.pipeline.choice.builtin_templates`),
@@ -164,21 +166,19 @@ def build_predictor(
             [],
             [],
         )
+    validation = _labelled_validation(datalist)
     if template_features is not None:
         features = template_features()
-        return Predictor(
-            "templates",
-            str(ckpt_path),
-            encoder,
-            preprocessing,
-            TemplateFeatureInferer(features, template_combine),
-            refinement,
-            list(features["sources"]),
-            list(features.get("pseudo_sources", [])),
-            [],
+        # the guard registers the template image that features computed from a datalist carry (a file's do not)
+        weighed = validation if "registration_image" in features else []
+        candidates = guard_candidates(contrast_adaptation, registration_tolerance, spatial_dims, weighed)
+        inferer = TemplateFeatureInferer(features, template_combine, **candidates[0])
+        sources, pseudo = list(features["sources"]), list(features.get("pseudo_sources", []))
+        predictor = Predictor(
+            "templates", str(ckpt_path), encoder, preprocessing, inferer, refinement, sources, pseudo, []
         )
-    validation_items = (datalist.get("validation") or []) if isinstance(datalist, Mapping) else []
-    validation = [it for it in validation_items if carries_landmarks(it)]
+        predictor.matching_guard = choose_guard(candidates, inferer, encoder, weighed, preprocessing, device)
+        return predictor
     candidates = guard_candidates(contrast_adaptation, registration_tolerance, spatial_dims, validation)
     inferer = OneShotInferer(template_combine=template_combine, **candidates[0])
     predictor = Predictor("templates", str(ckpt_path), encoder, preprocessing, inferer, refinement, [], [], [])
@@ -187,3 +187,12 @@ def build_predictor(
         MatchingGuardHandler(candidates, inferer, encoder, validation, preprocessing, device, predictor)
     )
     return predictor
+
+
+def _labelled_validation(datalist: dict | str | os.PathLike | None) -> list[dict]:
+    """The validation items of ``datalist`` (a dict, a file, or None) that carry a landmark."""
+    if not datalist:
+        return []
+    if not isinstance(datalist, Mapping):
+        datalist = open_datalist(datalist)
+    return [it for it in datalist.get("validation") or [] if carries_landmarks(it)]

@@ -35,23 +35,33 @@ def compute_template(
     landmark_names: Sequence[str],
     device: torch.device | str = "cpu",
     checkpoint: str | os.PathLike | None = None,
+    registration_image: bool = False,
 ) -> dict:
     """The template feature dict of annotated ``items`` (``image``, ``landmarks``; datalist convention).
 
     ``preprocessing`` is the inference pipeline (it must end with ``LandmarkTargetsd``, as the configs'
     do), so the features are those the inference sees; ``network`` gives multi-scale features (eval mode
     is set here). A landmark an item lacks is NaN in ``queries``. ``pseudo_sources`` names the items marked
-    ``pseudo_label`` (pseudo-templates).
+    ``pseudo_label`` (pseudo-templates). With ``registration_image``, the dict also carries the first item's grid
+    image and landmarks, which the matching guard registers (:mod:`bundle.template_file`; pixel data: not for a file
+    to share).
     """
     if not items:
         raise ValueError("compute_template needs at least one annotated item")
     network.eval()
 
-    def template_queries(item: Mapping[str, Any]) -> tuple[torch.Tensor, tuple[int, ...], list[int]]:
-        """The item's queries ``(L, scales, C)``, its grid and the strides of its feature maps."""
+    def template_queries(item: Mapping[str, Any]) -> tuple[torch.Tensor, tuple[int, ...], list[int], dict]:
+        """The item's queries ``(L, scales, C)``, its grid, the strides of its feature maps and, for the first item
+        with ``registration_image``, its grid image and landmarks."""
         image, points = prepare_template(dict(item), preprocessing)
         if points.shape[0] != len(landmark_names):
             raise ValueError(f"template {item['image']}: {points.shape[0]} landmarks for {len(landmark_names)} names")
+        guard = {}
+        if registration_image and item is items[0]:
+            guard = {
+                "registration_image": plain_tensor(image).float().cpu(),
+                "registration_points": plain_tensor(points).float().cpu(),
+            }
         grid_size = tuple(int(s) for s in image.shape[2:])
         features = [plain_tensor(f) for f in network(image.to(device))]
         valid = ~torch.isnan(points).any(dim=-1)
@@ -59,10 +69,10 @@ def compute_template(
         if bool(valid.any()):
             vectors = feature_vectors(features, points[valid].to(device)[None], list(grid_size))
             queries[valid] = torch.stack([v[0].float().cpu() for v in vectors], dim=1)
-        return queries, grid_size, [grid_size[0] // f.shape[2] for f in features]
+        return queries, grid_size, [grid_size[0] // f.shape[2] for f in features], guard
 
     # each process its share of the templates under torchrun (bundle.passes.map_shards)
-    per_template, grids, feature_strides = zip(*map_shards(template_queries, items, "template features"))
+    per_template, grids, feature_strides, guards = zip(*map_shards(template_queries, items, "template features"))
     grid_size = grids[-1]
     strides = [int(s) for s in getattr(network, "strides", [])] or feature_strides[-1]
     return check_template(
@@ -76,6 +86,7 @@ def compute_template(
             "sources": [Path(str(it["image"])).name for it in items],
             "pseudo_sources": [Path(str(it["image"])).name for it in items if it.get("pseudo_label")],
             "checkpoint_sha256": file_sha256(checkpoint) if checkpoint is not None else "",
+            **guards[0],
         }
     )
 
@@ -216,7 +227,8 @@ def resolve_template_features(
     from the feature file ``template_path`` (``network`` is then not used, so that building the export network needs
     no weights).
 
-    With ``cache_dir`` (and a ``checkpoint``), a datalist's features are kept there as a template feature file named
+    A datalist's features carry the first template's grid image for the matching guard (:mod:`bundle.template_file`).
+    With ``cache_dir`` (and a ``checkpoint``), they are kept there as a template feature file named
     by :func:`template_cache_key` (``image_size``: the network grid) and read back by later calls with the same
     datalist, images, weights, template choice, grid, network strides and bundle version instead of choosing and
     computing the templates again.
@@ -258,7 +270,8 @@ def resolve_template_features(
     logger.info(
         "template(s) from %s: %s (pseudo-templates: %s)", template_datalist, [it["image"] for it in items], pseudo
     )
-    template = compute_template(network, items, preprocessing, datalist["landmark_names"], device, checkpoint)
+    names = datalist["landmark_names"]
+    template = compute_template(network, items, preprocessing, names, device, checkpoint, registration_image=True)
     if cached is not None and rank() == 0:
         try:
             save_template(cached, template)

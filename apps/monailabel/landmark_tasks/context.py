@@ -17,7 +17,7 @@ from bundle.configs import bundle_parser, config_files
 from bundle.data.datalist import DatalistError, read_json
 from bundle.data.markups import ControlPoint, check_label_names
 from bundle.handlers.confidence import MATCH_MIN_RATIO, MIN_PEAK
-from bundle.inferers.oneshot import OneShotInferer, TemplateFeatureInferer
+from bundle.inferers.oneshot import OneShotInferer, TemplateFeatureInferer, guard_on
 from bundle.inferers.refinement import RADIUS_MM, DescriptorRefinement
 from bundle.pipeline.choice import (
     SHIPPED_TEMPLATE,
@@ -345,6 +345,7 @@ class BundleContext(SuggestionTemplates):
         """
         checkpoint_key = file_key(checkpoint)
         keys = [(item["image"], json.dumps(item["landmarks"])) for item in items]
+        guarded = guard_on(self.oneshot.contrast_adaptation, self.oneshot.registration_tolerance)  # its image too
         with self._lock:
             known = dict(self._item_features.get(checkpoint_key, {}))
         for key, item in zip(keys, items):
@@ -352,7 +353,7 @@ class BundleContext(SuggestionTemplates):
                 plain = {k: v for k, v in item.items() if k in ITEM_KEYS}
                 try:
                     known[key] = compute_template(
-                        network, [plain], self.preprocessing, self.names, self.device, checkpoint
+                        network, [plain], self.preprocessing, self.names, self.device, checkpoint, guarded
                     )
                 except Exception as e:  # a saved label that the pipeline refuses: the client's to fix
                     if item["source"] != "datastore" or not isinstance(root_cause(e), ValueError):
