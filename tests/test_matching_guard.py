@@ -173,6 +173,21 @@ def test_the_guard_chosen_on_stored_features_is_the_lower_validation_mre_and_lea
     assert fingerprint(inferer=inferer) == fingerprint(inferer=TemplateFeatureInferer(stored, **kept))
 
 
+def _feature_file(spatial_dims: int, grid: list[int]) -> dict:
+    """A template feature dict of one template and two landmarks, without pixel data."""
+    from bundle.template_file import TEMPLATE_FORMAT
+
+    return {
+        "format": TEMPLATE_FORMAT,
+        "landmark_names": ["a", "b"],
+        "queries": torch.ones(1, 2, 1, 4),
+        "strides": [4],
+        "spatial_dims": spatial_dims,
+        "grid_size": grid,
+        "sources": ["t.nii.gz" if spatial_dims == 3 else "t.png"],
+    }
+
+
 @pytest.mark.parametrize(
     "extra, key",
     [
@@ -182,17 +197,9 @@ def test_the_guard_chosen_on_stored_features_is_the_lower_validation_mre_and_lea
     ],
 )
 def test_a_registration_image_off_the_grid_or_without_its_landmarks_is_refused_naming_the_key(extra, key):
-    from bundle.template_file import TEMPLATE_FORMAT, check_template
+    from bundle.template_file import check_template
 
-    template = {
-        "format": TEMPLATE_FORMAT,
-        "landmark_names": ["a", "b"],
-        "queries": torch.ones(1, 2, 1, 4),
-        "strides": [4],
-        "spatial_dims": 2,
-        "grid_size": [32, 32],
-        "sources": ["t.png"],
-    }
+    template = _feature_file(2, [32, 32])
     assert check_template(
         {**template, "registration_image": torch.zeros(1, 1, 32, 32), "registration_points": torch.zeros(2, 2)}
     )
@@ -206,17 +213,8 @@ def test_inferring_weighs_the_guard_only_with_the_template_image_its_features_ca
     template features carry the template image (computed from a datalist); from a template feature file (no pixel
     data) it matches plain and records nothing."""
     from bundle.pipeline import predictor as predictor_module
-    from bundle.template_file import TEMPLATE_FORMAT
 
-    template = {
-        "format": TEMPLATE_FORMAT,
-        "landmark_names": ["a", "b"],
-        "queries": torch.ones(1, 2, 1, 4),
-        "strides": [4],
-        "spatial_dims": 3,
-        "grid_size": [8, 8, 8],
-        "sources": ["t.nii.gz"],
-    }
+    template = _feature_file(3, [8, 8, 8])
     if with_image:
         template.update(registration_image=torch.zeros(1, 1, 8, 8, 8), registration_points=torch.zeros(2, 3))
     weighed = []
