@@ -60,7 +60,10 @@ def _prepare(item):
 
 
 @pytest.mark.parametrize("guard_helps", [True, False])
-def test_the_handler_keeps_the_setting_of_the_lower_validation_mre_and_records_both(guard_helps):
+def test_the_handler_keeps_the_setting_of_the_lower_validation_mre_and_records_both(guard_helps, capsys, monkeypatch):
+    from bundle import progress
+
+    monkeypatch.setattr(progress, "_SHOWN", [True])  # as a command shows its bars
     inferer = _Inferer({False: 3.0, True: 1.0} if guard_helps else {False: 0.0, True: 1.0})
     predictor = _Predictor()
     items = [{"landmarks": [[0.0, 0.0, 0.0], [5.0, 5.0, 5.0]]}, {"landmarks": [[1.0, 2.0, 3.0], [4.0, 4.0, 4.0]]}]
@@ -75,6 +78,9 @@ def test_the_handler_keeps_the_setting_of_the_lower_validation_mre_and_records_b
     assert run_provenance("templates", "t.nii.gz", "m.pt", matching_guard=record)["matching_guard"] == record
     handler(None)  # once per run
     assert predictor.matching_guard is record
+    printed = capsys.readouterr().err  # each setting's pass over the validation volumes, counted (no silent minute)
+    assert "matching guard, plain: validation" in printed and "matching guard, guarded: validation" in printed
+    assert "2/2" in printed
 
 
 def test_a_single_setting_is_set_without_measuring_or_recording():

@@ -18,8 +18,9 @@ from typing import Any, Mapping, Sequence
 import torch
 from bundle.data.datalist import carries_landmarks
 from bundle.distributed import from_rank_0
-from bundle.inferers.oneshot import OneShotInferer, TemplateFeatureInferer
+from bundle.inferers.oneshot import OneShotInferer, TemplateFeatureInferer, guard_on
 from bundle.metrics import radial_errors
+from bundle.progress import progress
 from ignite.engine import Engine, Events
 
 logger = logging.getLogger(__name__)
@@ -53,15 +54,20 @@ def guard_candidates(
 
 
 def validation_mre(
-    inferer: OneShotInferer | TemplateFeatureInferer, network, prepared: Sequence[Mapping], device
+    inferer: OneShotInferer | TemplateFeatureInferer,
+    network,
+    prepared: Sequence[Mapping],
+    device,
+    description: str | None = None,
 ) -> float:
     """The MRE (mm) of ``inferer`` with ``network`` (set to eval mode) over items ``prepared`` by the run's pipeline
-    (the image on the network grid, ``label`` and ``grid_to_physical``)."""
+    (the image on the network grid, ``label`` and ``grid_to_physical``), counted on the console as ``description``
+    (:func:`bundle.progress.progress`; None: not counted)."""
     if isinstance(network, torch.nn.Module):
         network.eval()
     errors = []
     with torch.no_grad():
-        for data in prepared:
+        for data in prepared if description is None else progress(prepared, description):
             inputs = data["image"][None].to(device)
             predicted = inferer(inputs, network, grid_to_physical=torch.as_tensor(data["grid_to_physical"])[None])
             errors.append(radial_errors(predicted.double().cpu(), torch.as_tensor(data["label"]).double()[None]))
@@ -96,7 +102,8 @@ def choose_guard(candidates, inferer, network, items, preprocessing, device) -> 
         scores = []
         for candidate in candidates:
             use(candidate)
-            scores.append(validation_mre(inferer, network, prepared, device))
+            kind = "guarded" if guard_on(**candidate) else "plain"
+            scores.append(validation_mre(inferer, network, prepared, device, f"matching guard, {kind}: validation"))
         return scores
 
     scores = from_rank_0(score)  # under torchrun every process keeps rank 0's choice
