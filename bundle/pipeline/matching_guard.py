@@ -30,6 +30,11 @@ logger = logging.getLogger(__name__)
 GUARD_TOLERANCE = 2.0
 
 
+def weighs_validation(setting: bool | str, spatial_dims: int) -> bool:
+    """Whether ``contrast_adaptation`` ``setting`` weighs the guard on validation images: ``auto`` in 3D."""
+    return setting == "auto" and int(spatial_dims) == 3
+
+
 def guard_candidates(
     setting: bool | str, registration_tolerance: float | None, spatial_dims: int, validation_items: Sequence[Mapping]
 ) -> list[dict[str, Any]]:
@@ -47,7 +52,7 @@ def guard_candidates(
     plain = {"contrast_adaptation": False, "registration_tolerance": registration_tolerance}
     if setting != "auto":
         return [{**plain, "contrast_adaptation": bool(setting)}]
-    if int(spatial_dims) != 3 or not any(map(carries_landmarks, validation_items)):
+    if not weighs_validation(setting, spatial_dims) or not any(map(carries_landmarks, validation_items)):
         return [plain]
     tolerance = GUARD_TOLERANCE if registration_tolerance is None else registration_tolerance
     return [plain, {"contrast_adaptation": True, "registration_tolerance": tolerance}]

@@ -20,7 +20,7 @@ from bundle.inferers.refinement import DescriptorRefinement, RefiningInferer
 from bundle.journal import fingerprint
 from bundle.pipeline.choice import ENOUGH_LABELS, choose_detector, prediction_refinement
 from bundle.pipeline.detector_data import detector_grid, detector_templates, load_detector
-from bundle.pipeline.matching_guard import MatchingGuardHandler, choose_guard, guard_candidates
+from bundle.pipeline.matching_guard import MatchingGuardHandler, choose_guard, guard_candidates, weighs_validation
 from bundle.reporting import run_provenance
 from bundle.transforms.utils import on_grid
 from monai.data import Dataset
@@ -166,7 +166,8 @@ def build_predictor(
             [],
             [],
         )
-    validation = _labelled_validation(datalist)
+    # the datalist's labelled validation images, read only where the guard is weighed on them (auto, 3D)
+    validation = _labelled_validation(datalist) if weighs_validation(contrast_adaptation, spatial_dims) else []
     if template_features is not None:
         features = template_features()
         # the guard registers the template image that features computed from a datalist carry (a file's do not)
