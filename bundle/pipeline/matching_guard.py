@@ -102,13 +102,16 @@ def choose_guard(candidates, inferer, network, items, preprocessing, device) -> 
         use(candidates[0])
         return None
 
+    def kind(candidate: Mapping[str, Any]) -> str:
+        return "guarded" if guard_on(**candidate) else "plain"
+
     def score() -> list[float]:
         prepared = [preprocessing(dict(item)) for item in items]  # read once, scored per candidate
         scores = []
         for candidate in candidates:
             use(candidate)
-            kind = "guarded" if guard_on(**candidate) else "plain"
-            scores.append(validation_mre(inferer, network, prepared, device, f"matching guard, {kind}: validation"))
+            description = f"matching guard, {kind(candidate)}: validation"
+            scores.append(validation_mre(inferer, network, prepared, device, description))
         return scores
 
     scores = from_rank_0(score)  # under torchrun every process keeps rank 0's choice
@@ -117,7 +120,7 @@ def choose_guard(candidates, inferer, network, items, preprocessing, device) -> 
     inferer.match_scores = None  # the validation volumes' scores are no output of the run (its fingerprint)
     logger.info(
         "contrast_adaptation auto: %s on %d validation image(s) (MRE %s mm)",
-        "guarded" if best else "plain",
+        kind(candidates[best]),
         len(items),
         " against ".join(f"{s:.3f}" for s in scores),
     )
