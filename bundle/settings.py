@@ -62,7 +62,10 @@ def flag_or_auto(value: Any, key: str) -> bool | str:
     ``contrast_adaptation``: the run chooses where ``auto``)."""
     if isinstance(value, str) and value.strip().lower() == "auto":
         return "auto"
-    return as_flag(value, key)
+    try:
+        return as_flag(value, key)
+    except ValueError:
+        raise ValueError(f"{key}: expected auto, true or false (yes/no, 1/0, any case), got {value!r}") from None
 
 
 def as_number(value: Any, key: str, minimum: float | None = None, integer: bool = False, maximum: float | None = None):

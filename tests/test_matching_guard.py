@@ -36,7 +36,7 @@ def test_auto_weighs_the_guard_only_in_3d_with_labelled_validation_images(settin
 
 def test_the_setting_reads_auto_or_a_yes_no_word_and_names_the_key_it_refuses():
     assert [flag_or_auto(v, "contrast_adaptation") for v in ("AUTO", "false", True, 1)] == ["auto", False, True, True]
-    with pytest.raises(ValueError, match="contrast_adaptation"):
+    with pytest.raises(ValueError, match="contrast_adaptation: expected auto, true or false .*'sometimes'"):
         flag_or_auto("sometimes", "contrast_adaptation")
 
 
