@@ -113,8 +113,9 @@ def test_the_lowest_error_on_the_newest_labels_the_detector_did_not_train_on(rul
 
 
 def test_a_detector_trained_on_few_saved_labels_is_not_served(rule, tmp_path):
-    """A detector that the train task made from fewer than DETECTOR_MIN_LABELS saved labels is passed over, however
-    it scores on its few held-out labels (one made from 2 labels won on its 3 and lost on 30 test images)."""
+    """A detector that the train task made from fewer saved labels than the commands' rule admits (fewer than the
+    saved labels and than ENOUGH_LABELS, 5) is passed over, however it scores on its few held-out labels (one made from
+    2 labels won on its 3 and lost on 30 test images)."""
     choose, calls = rule
     labelled = _labels(tmp_path, 5)
     info = {"trained_on": ["l01", "l04"], "held_out": ["l00", "l02", "l03"], "image_size": [64, 64]}
@@ -123,7 +124,8 @@ def test_a_detector_trained_on_few_saved_labels_is_not_served(rule, tmp_path):
     held_out = ["l03", "l02", "l00"]
     assert [c[:2] for c in calls] == [("templates_builtin", held_out), ("templates", held_out)]
     assert choice["predictor"] == "templates" and choice["builtin_templates"] is False
-    assert "learnt from 2 saved labels, fewer than 5" in choice["reason"] and "detector" not in choice["mre"]
+    assert "learnt from 2 saved labels, fewer than the 5 saved and than 5" in choice["reason"]
+    assert "detector" not in choice["mre"]
     # no built-in template: matching from the saved labels is served without scoring
     choice = choose(labelled, Path("detector.pt"), info, scores, builtin=False)
     assert calls == [] and choice["predictor"] == "templates" and choice["builtin_templates"] is False
@@ -135,6 +137,21 @@ def test_a_detector_trained_on_few_saved_labels_is_not_served(rule, tmp_path):
     labelled = _labels(tmp_path, 8)
     assert choose(labelled, Path("detector.pt"), info, scores)["predictor"] == "detector"
     assert choose(labelled, Path("detector.pt"), {}, scores)["predictor"] == "detector"
+
+
+def test_the_app_admits_a_detector_by_the_commands_rule(app_modules):
+    """The app's detector passes by ``bundle.pipeline.choice.detector_admitted``, as the commands' do: from as many
+    labels as are saved, or from 5."""
+    from bundle.pipeline.choice import detector_admitted
+
+    _, scoring = app_modules
+
+    def few(n_trained: int, n_saved: int):
+        return scoring.learnt_from_few({"trained_on": [f"l{i:02d}" for i in range(n_trained)]}, n_saved)
+
+    assert (few(2, 5), few(4, 10), few(5, 8), few(7, 10), few(3, 3)) == (2, 4, None, None, None)
+    assert all((few(t, n) is None) == detector_admitted(t, n) for t in range(1, 12) for n in range(t, 15))
+    assert scoring.learnt_from_few({"image_size": [288, 288]}, 30) is None  # the shipped one: other labels
 
 
 def test_a_candidate_that_cannot_be_scored_is_left_out(rule, tmp_path):

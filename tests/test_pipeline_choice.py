@@ -89,9 +89,10 @@ def test_labelled_at_hand_counts_what_matching_would_use():
 
 
 @pytest.mark.parametrize(
-    "n_labelled, n_templates, chosen", [(1, 1, True), (5, 5, True), (5, 10, False), (10, 32, True), (1, 3, False)]
+    "n_labelled, n_templates, chosen",
+    [(1, 1, True), (2, 2, True), (5, 5, True), (4, 10, False), (5, 10, True), (10, 32, True), (1, 3, False)],
 )
-def test_auto_takes_a_detector_with_as_many_labels_as_the_templates_or_ten(tmp_path, n_labelled, n_templates, chosen):
+def test_auto_takes_a_detector_with_as_many_labels_as_the_templates_or_five(tmp_path, n_labelled, n_templates, chosen):
     path = str(_detector(tmp_path / "d", items=_labelled(n_labelled)))
     datalist = _datalist(max(n_labelled, n_templates))
     args = (NAMES, 2, datalist, n_templates)

@@ -14,6 +14,7 @@ from bundle.pipeline.choice import (
     check_pipeline_choice,
     choose_detector,
     default_detectors,
+    detector_admitted,
     labelled_at_hand,
     starting_detector,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "check_pipeline_choice",
     "choose_detector",
     "default_detectors",
+    "detector_admitted",
     "detector_info",
     "detector_record",
     "detector_templates",

@@ -3,7 +3,8 @@ detector a fine-tuning continues.
 
 ``pipeline: auto`` (configs/evaluate.yaml, configs/inference.yaml) takes a detector that learnt from the run's own
 labelled images when it learnt from enough of them (:func:`choose_detector`), else matching from the templates at
-hand: the ranking measured on validation images in docs/results.md, "The default pipeline at each label count".
+hand: the ranking measured on validation images in docs/results.md, "The default pipeline at each label count". The
+rule (:func:`detector_admitted`) is the MONAI Label app's too.
 Without a datalist, ``inferring``'s labels at hand are the shipped ones: the built-in templates
 (``models/template_features.pt``) and the detectors shipped beside them (:func:`builtin_templates`).
 A fine-tuning on human labels (configs/finetune.yaml) continues the detector that learnt from fewer of the same labels
@@ -33,8 +34,11 @@ from bundle.templates.resolution import RANKED_POOL, held_out_images, labelled_t
 logger = logging.getLogger(__name__)
 
 PIPELINE_CHOICES = ("auto", *PIPELINES)
-# ``auto`` takes a detector that learnt from this many labelled images whatever the number of templates
-ENOUGH_LABELS = 10
+# ``auto`` takes a detector that learnt from this many labelled images whatever the number of templates, in the commands
+# and the MONAI Label app alike (:func:`detector_admitted`): on the validation images the default 5-label detector beat
+# matching from 10 and from 32 templates, in the app's loop one made from 7 saved labels beat matching from 10 and one
+# made from 2 lost to matching from 5 (docs/results.md, "The default pipeline at each label count")
+ENOUGH_LABELS = 5
 # where the default fine-tuning (configs/finetune.yaml) and stage-2 training write their detectors, then the shipped
 # fine-tuned and stage-2 detectors
 DEFAULT_DETECTORS = (
@@ -83,6 +87,22 @@ def builtin_templates(
     if all(own.is_file() and _real(given) == _real(own) for given, own in found):
         return found[0][1].absolute()
     return None
+
+
+def detector_admitted(n_labelled: int, n_templates: int, enough_labels: int = ENOUGH_LABELS) -> bool:
+    """``auto``'s one rule, in the commands (:func:`choose_detector`) and the MONAI Label app
+    (``landmark_tasks.scoring``): a detector that learnt from the run's own labels may predict when it learnt from at
+    least as many labelled images as matching would use (``n_templates``), or from ``enough_labels`` or more; else
+    matching predicts. Where labelled images that no candidate learnt from are at hand (the app's newest saved labels),
+    their errors then choose among the candidates admitted.
+
+    Args:
+        n_labelled: the human-labelled images the detector learnt from.
+        n_templates: the labelled images matching would use (the commands: :func:`labelled_at_hand`; the app: the
+            saved labels).
+        enough_labels: the labels that admit a detector whatever ``n_templates``.
+    """
+    return n_labelled >= n_templates or n_labelled >= enough_labels
 
 
 def check_pipeline_choice(pipeline: str) -> str:
@@ -184,9 +204,9 @@ def choose_detector(
 
     ``pipeline``: ``templates`` (None); ``detector``: the candidate of ``detectors`` with the most labels that
     :func:`assess_detector` does not refuse (its doubts logged as warnings; ValueError naming each candidate and why
-    when none is left); ``auto``: the candidate with the most labels that has neither a refusal nor a doubt, when it
-    learnt from at least as many human-labelled images as the templates :func:`labelled_at_hand` counts in
-    ``datalist``, or from ``enough_labels`` or more, else None. The first of equals wins (fine-tuned detectors are
+    when none is left); ``auto``: the candidate with the most labels that has neither a refusal nor a doubt, when
+    :func:`detector_admitted` admits it against the templates :func:`labelled_at_hand` counts in ``datalist``, else
+    None. The first of equals wins (fine-tuned detectors are
     listed first). With no datalist the run matches from a template file: ``auto`` then weighs only the detectors
     shipped beside the built-in one (``builtin``, :func:`builtin_templates`: ``models/<name>/model.pt`` beside
     ``models/template_features.pt``, made from the same shipped labels) against its number of templates, and with
@@ -219,7 +239,7 @@ def choose_detector(
             logger.warning("pipeline detector: %s", doubt)
         return best[1]
     at_hand = datalist or builtin is not None
-    if at_hand and best is not None and (best[0] >= n_templates or best[0] >= enough_labels):
+    if at_hand and best is not None and detector_admitted(best[0], n_templates, enough_labels):
         logger.info("pipeline auto: the detector %s (%d labelled images; %d templates)", best[1], best[0], n_templates)
         return best[1]
     passed_over = [r for path, rs in reasons.items() if Path(path).is_file() for r in rs]

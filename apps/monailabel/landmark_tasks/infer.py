@@ -20,10 +20,11 @@ then.
 ``predictor`` ``auto`` (the default) lets the saved labels decide: once they can score two candidates (the served
 detector, matching with the built-in templates, matching from the saved labels alone), the one with the lowest error
 on the newest saved labels that the detector has not trained on is served (a detector the train task made from fewer
-than ``scoring.DETECTOR_MIN_LABELS`` saved labels is no candidate; ``scoring.choose_predictor``; computed in
-the background after the labels, the datastore's images or the served models change, so the first suggestions after
-a save are served by the previous choice). The same choice says whether the built-in templates join the saved labels
-(always for a labelled image's own suggestion when no other label is saved). The reply's
+saved labels than the commands' rule admits, ``bundle.pipeline.choice.detector_admitted``, is no candidate;
+``scoring.choose_predictor``; computed in the background after the labels, the datastore's images or the served
+models change, so the first suggestions after a save are served by the previous choice). The same choice says whether
+the built-in templates join the saved labels (always for a labelled image's own suggestion when no other label is
+saved). The reply's
 ``predictor`` says what served it (``"detector"`` | ``"templates"``), ``predictor_choice`` the scores it was chosen by
 (None before any), and ``pending`` the background work under way (``predictor_choice``: also when the choice served
 is not yet that of the labels of now; ``pseudo_templates``; ``/info/`` too, under ``models``), after which the
@@ -187,7 +188,7 @@ class LandmarkInferTask(InferTask):
         choice, current = self._choice(labelled, unlabelled)
         if wanted == "auto":
             if choice is None:
-                return served_before_choice(self.context)[0], choice, current
+                return served_before_choice(self.context, len(labelled))[0], choice, current
             return "detector" if served and choice["predictor"] == "detector" else "templates", choice, current
         return wanted, choice, current
 

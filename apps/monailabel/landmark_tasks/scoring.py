@@ -23,6 +23,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 from bundle.geometry import apply_homogeneous
+from bundle.pipeline.choice import ENOUGH_LABELS, detector_admitted
 
 from .background import AppStopping, check_stopping
 from .context import BundleContext
@@ -33,11 +34,6 @@ CHOICE_MAX_IMAGES = 10
 # with one saved label, a candidate whose error on it is above this share of the image's diagonal fails on these
 # images (about 10 mm on a cephalogram of 230 x 290 mm, what docs/results.md counts a gross error)
 GROSS_DIAGONAL_SHARE = 0.03
-# a detector the train task made from fewer saved labels is not served by auto: its few held-out images cannot show
-# how often it fails. Measured: one learnt from 2 labels beat matching on its 3 held-out images (12.8 against 17.6
-# px) and lost on the next 5 (two errors of 41 and 54 px) and on 30 test images (2.78 against 2.18 mm); from 5 or 7
-# labels detectors beat matching from as many or more (docs/results.md, "The annotation loop in MONAI Label")
-DETECTOR_MIN_LABELS = 5
 # a landmark is found within this radius of its label (the success detection rate of cephalometry at 2 mm); on an
 # image without spacing, within this many pixels (2 mm at the 0.1 mm pixels of the ISBI 2015 cephalograms)
 SUCCESS_RADIUS_MM = 2.0
@@ -167,18 +163,23 @@ def newest_labels(labelled: list[dict], exclude: set[str], limit: int = CHOICE_M
     return sorted(kept, key=lambda it: (saved(it), it["id"]), reverse=True)[:limit]
 
 
-def learnt_from_few(detector_info: dict) -> int | None:
-    """How many saved labels the served detector learnt from when the train task made it from fewer than
-    ``DETECTOR_MIN_LABELS`` (``auto`` does not serve it), else None (enough, or the shipped one: other labels)."""
+def learnt_from_few(detector_info: dict, n_saved: int) -> int | None:
+    """How many saved labels the served detector learnt from when the commands' rule does not admit it against the
+    ``n_saved`` saved labels (:func:`bundle.pipeline.choice.detector_admitted`: ``auto`` does not serve it), else None
+    (admitted, or the shipped one: it learnt from other labels). A detector that the train task made always holds some
+    saved labels out, so it is admitted from ``ENOUGH_LABELS`` on. Measured: one learnt from 2 labels beat matching on
+    its 3 held-out images (12.8 against 17.6 px) and lost on the next 5 (two errors of 41 and 54 px) and on 30 test
+    images (2.78 against 2.18 mm) (docs/results.md, "Why a detector made from few labels is passed over")."""
     n = len(detector_info.get("trained_on") or [])
-    return n if 0 < n < DETECTOR_MIN_LABELS else None
+    return n if n and not detector_admitted(n, n_saved) else None
 
 
-def served_before_choice(context: BundleContext) -> tuple[str, Path]:
-    """What ``auto`` serves before the saved labels choose: ``("detector", path)``, the served detector unless it
-    learnt from few saved labels (:func:`learnt_from_few`), else ``("templates", the served stage-1 checkpoint)``."""
+def served_before_choice(context: BundleContext, n_saved: int) -> tuple[str, Path]:
+    """What ``auto`` serves before the ``n_saved`` saved labels choose: ``("detector", path)``, the served detector
+    unless it learnt from few saved labels (:func:`learnt_from_few`), else ``("templates", the served stage-1
+    checkpoint)``."""
     detector = context.served_detector()
-    if detector is not None and not learnt_from_few(context.detector_info()):
+    if detector is not None and not learnt_from_few(context.detector_info(), n_saved):
         return "detector", detector
     return "templates", context.served_checkpoint()
 
@@ -201,7 +202,8 @@ def choose_predictor(
     - ``templates``: matching from the other saved labels alone, with their pseudo-templates while they are few (at
       least 2 saved labels), as served.
 
-    A detector that the train task made from fewer than ``DETECTOR_MIN_LABELS`` saved labels is not a candidate.
+    A detector that the train task made from too few saved labels is not a candidate (:func:`learnt_from_few`: the
+    commands' rule, :func:`bundle.pipeline.choice.detector_admitted`).
     With one saved label, matching from it alone cannot be scored: it is chosen when every candidate that can be
     misses that label by more than ``GROSS_DIAGONAL_SHARE`` of the image's diagonal on average (the served models
     fail on these images; one-shot matching with pseudo-templates is a few mm on the bundle's own data). A candidate
@@ -215,7 +217,7 @@ def choose_predictor(
     images = newest_labels(labelled, trained_on)
     if not images:
         return None
-    few = learnt_from_few(detector_info) if detector else None
+    few = learnt_from_few(detector_info, len(labelled)) if detector else None
     candidates = [
         name
         for name, possible in (
@@ -227,7 +229,10 @@ def choose_predictor(
     ]
     plural = "" if few == 1 else "s"
     passed_over = (
-        f"the detector learnt from {few} saved label{plural}, fewer than {DETECTOR_MIN_LABELS}: " if few else ""
+        f"the detector learnt from {few} saved label{plural}, fewer than the {len(labelled)} saved and than "
+        f"{ENOUGH_LABELS}: "
+        if few
+        else ""
     )
     units = context.error_units(images)
     if candidates == ["templates"] and few:  # (few implies at least 2 saved labels: matching is a candidate)

@@ -242,7 +242,7 @@ class BundleTrainTask(TrainTask):
         finally:
             if self.context.device.type == "cuda":  # what scoring cached on the GPU (a server's run_sync training)
                 torch.cuda.empty_cache()
-        predictor, checkpoint = served_before_choice(self.context)
+        predictor, checkpoint = served_before_choice(self.context, sum(bool(it.get("landmarks")) for it in items))
         epochs = stats["train"]["epochs_run"]
         stats = {
             "network": network,
