@@ -30,6 +30,7 @@ from bundle.pipeline.detector_data import (
     follow_grid,
     load_detector,
     pseudo_label_templates,
+    pseudo_labelled_items,
     read_pseudo_labels,
     write_detector_info,
 )
@@ -297,6 +298,49 @@ XFEAT = xfeat_available()
 
 
 @pytest.mark.slow
+def test_the_refinement_moves_every_pseudo_label_the_pseudo_templates_too_not_the_human_ones(monkeypatch):
+    """Stage 2's training labels: the human template's as labelled, each pseudo-labelled image's and each
+    pseudo-template's refined (the latter once matching has used them as templates), each at the spacing the pipeline
+    read."""
+    import bundle.pipeline.detector_data as detector_data
+
+    human = {"image": "h.png", "landmarks": [[1.0, 2.0], [3.0, 4.0]]}
+    pseudo_template = {"image": "p.png", "landmarks": [[5.0, 6.0], None], "pseudo_label": True}
+    unlabelled = {"image": "u.png"}
+    datalist = {"training": [human, pseudo_template, unlabelled], "validation": [], "test": []}
+    matched = []
+    monkeypatch.setattr(detector_data, "with_templates", lambda inferer, items, *a: matched.extend(items) or inferer)
+    monkeypatch.setattr(
+        detector_data,
+        "pseudo_label",
+        lambda network, inferer, pool, *a: [
+            {"item": {**it, "landmarks": [[7.0, 8.0], [9.0, 10.0]]}, "cycle_error": np.zeros(2), "spacing": [0.1, 0.1]}
+            for it in pool
+        ],
+    )
+
+    class Shift:
+        calls = []
+
+        def refine_item(self, item, spacing):
+            self.calls.append((item["image"], list(spacing)))
+            moved = [None if p is None else [p[0] + 1.0, p[1]] for p in item["landmarks"]]
+            return {**item, "landmarks": moved}
+
+        def settings(self):
+            return {}
+
+    items = pseudo_labelled_items(
+        datalist, None, [human, pseudo_template], lambda it: {"spacing": [0.5, 0.5]}, "cpu", refinement=Shift()
+    )
+    assert [it["image"] for it in matched] == ["h.png", "p.png"]  # matching used the pseudo-template as given
+    assert matched[1]["landmarks"] == [[5.0, 6.0], None]
+    assert items[0] == human
+    assert items[1]["landmarks"] == [[6.0, 6.0], None] and items[1]["pseudo_label"] is True
+    assert items[2]["landmarks"] == [[8.0, 8.0], [10.0, 10.0]]
+    assert sorted(Shift.calls) == [("p.png", [0.5, 0.5]), ("u.png", [0.1, 0.1])]
+
+
 def test_tiny_stage2_training_and_evaluation_beat_chance(tmp_path):
     from tests.test_end_to_end import chance_mre_mm
 

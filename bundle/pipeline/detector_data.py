@@ -58,16 +58,17 @@ def pseudo_labelled_items(
 ) -> list[dict]:
     """Every training item labelled by matching from ``templates`` with the stage-1 ``network`` (CC2D stage 2).
 
-    The templates keep their own (human) landmarks; every other training item is labelled by k-shot
+    The human-labelled templates keep their own landmarks; every other training item is labelled by k-shot
     matching (:func:`bundle.templates.pseudo_labels.pseudo_label`; its own landmarks, if any, are not read). With
     ``cycle_tolerance`` (grid pixels), a landmark whose forward-backward cycle error exceeds it becomes
     ``null`` (left out of the loss, :func:`bundle.templates.pseudo_labels.reliable_landmarks`). Images of the
     validation and test splits are left out (``exclude_held_out``), so that the detector never trains on
     the images it is measured on. ``refinement`` (2D; not in the paper): each pseudo-labelled image's landmarks
-    moved by the XFeat fine step from the human-labelled templates (validation: docs/results.md, "A pretrained fine
-    step"). ``output_path``: the pseudo-labelled datalist is written there (atomic; by rank 0 alone under torchrun,
-    where each process labels and refines its share of the images and every one returns all the items), with the
-    per-landmark cycle errors and the refinement's settings under ``pseudo_labels``.
+    moved by the XFeat fine step from the human-labelled templates, the pseudo-templates' too once they have served as
+    templates (validation: docs/results.md, "A pretrained fine step"). ``output_path``: the pseudo-labelled datalist
+    is written there (atomic; by rank 0 alone under torchrun, where each process labels and refines its share of the
+    images and every one returns all the items), with the per-landmark cycle errors and the refinement's settings under
+    ``pseudo_labels``.
     """
 
     template_images = {t["image"] for t in templates}
@@ -88,6 +89,10 @@ def pseudo_labelled_items(
         )
         logger.info("stage 2: %d pseudo-labelled images refined by XFeat", len(labelled))
     items = [dict(t) for t in templates]
+    if refinement is not None:  # the pseudo-templates' training labels, at the spacing the pipeline reads
+        items = [
+            refinement.refine_item(t, preprocessing(dict(t))["spacing"]) if t.get("pseudo_label") else t for t in items
+        ]
     cycle = {}
     for entry in labelled:
         item = entry["item"] if cycle_tolerance is None else reliable_landmarks(entry, float(cycle_tolerance))
