@@ -27,7 +27,17 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from monai.utils import convert_to_numpy
 
-SUMMARY_KEYS = ("n_images", "n_landmarks", "mre_mm", "mre_std_mm", "mre_px", "sdr", "per_landmark_mre_mm")
+SUMMARY_KEYS = (
+    "n_images",
+    "n_landmarks",
+    "mre_mm",
+    "mre_std_mm",
+    "mre_px",
+    "sdr",
+    "per_landmark_mre_mm",
+    "per_landmark_offset_mm",
+    "mre_offset_removed_mm",
+)
 AXES = ("x", "y", "z")
 
 
@@ -72,7 +82,8 @@ def run_provenance(
 
 
 def write_metrics_json(path: str | os.PathLike, summary: Mapping[str, Any], provenance: Mapping[str, Any]) -> Path:
-    """Write metrics.json: the :func:`bundle.metrics.summarize_errors` keys plus the run's :func:`run_provenance`."""
+    """Write metrics.json: the :func:`bundle.metrics.summarize_errors` and :func:`bundle.metrics.landmark_offsets`
+    keys plus the run's :func:`run_provenance`."""
     missing = [k for k in SUMMARY_KEYS if k not in summary]
     if missing:
         raise KeyError(f"summary for {path} lacks keys {missing}")

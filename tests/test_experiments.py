@@ -1,5 +1,6 @@
 """The ablation driver (scripts/experiments/ablation*.py), the k-shot study, the results figures
-(scripts/experiments/results_figures.py) and the self-training datalists (scripts/experiments/self_training.py)."""
+(scripts/experiments/results_figures.py), the self-training datalists (scripts/experiments/self_training.py) and the
+landmark offsets carried from one image set to another (scripts/experiments/landmark_offsets.py)."""
 
 from __future__ import annotations
 
@@ -465,3 +466,46 @@ def test_self_training_datalists_predict_the_unlabelled_images_then_carry_their_
         writer.writerows(rows[:-1])  # 003.png's last landmark missing
     with pytest.raises(ValueError, match=r"no prediction of \['c'\] on .*003.png"):
         self_training.labelled(str(datalist), str(predictions), str(tmp_path / "self2.json"))
+
+
+def test_landmark_offsets_carries_a_calibration_sets_offsets_to_the_test_predictions(tmp_path):
+    """Predictions off by a constant shift of one landmark: the calibration's offsets take all the error away, the
+    cosine says the two sets' offsets agree, and a landmark without a calibration offset is named."""
+    from bundle.data.datalist import load_datalist
+    from scripts.experiments import landmark_offsets
+
+    datalist = write_png_datalist_with_test(tmp_path)
+    data = load_datalist(datalist)  # the images' paths as the evaluating run writes them
+    shift_px = {"a": [2.0, 0.0], "b": [0.0, 0.0], "c": [0.0, 0.0]}
+    rows = [
+        {"image": it["image"], "landmark": name, "x": x + shift_px[name][0], "y": y + shift_px[name][1], "error_mm": ""}
+        for it in data["test"]
+        for name, (x, y) in zip(data["landmark_names"], it["landmarks"])
+    ]
+    predictions = tmp_path / "predictions.csv"
+    with open(predictions, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    calibration = tmp_path / "metrics.json"
+    calibration.write_text(json.dumps({"per_landmark_offset_mm": {"a": [1.0, 0.0], "b": [0.0, 0.0], "c": [0.0, 0.0]}}))
+    result = landmark_offsets.main(str(datalist), str(calibration), str(predictions))
+    assert result["as predicted"]["mre_mm"] == pytest.approx(1.0 / 3, abs=1e-3)  # 2 px of 0.5 mm on a third
+    assert result["calibration offsets removed"]["mre_mm"] == pytest.approx(0.0, abs=1e-3)
+    assert result["own offsets removed (mre_offset_removed_mm)"] == pytest.approx(0.0, abs=1e-3)
+    assert result["cosine of the two sets' offsets"] == {"a": 1.0, "b": None, "c": None}
+    calibration.write_text(json.dumps({"per_landmark_offset_mm": {"a": [1.0, 0.0], "b": [0.0, 0.0], "c": None}}))
+    with pytest.raises(ValueError, match=r"metrics.json: no per_landmark_offset_mm for \['c'\]"):
+        landmark_offsets.main(str(datalist), str(calibration), str(predictions))
+
+
+def write_png_datalist_with_test(tmp_path: Path) -> Path:
+    """:func:`estimation_data.write_png_datalist`'s images, the last three the labelled test items (0.5 mm pixels)."""
+    from estimation_data import write_png_datalist
+
+    path = write_png_datalist(tmp_path)
+    data = json.loads(path.read_text())
+    data["training"], test = data["training"][:1], data["training"][1:]
+    data["test"] = [{**item, "spacing": [0.5, 0.5]} for item in test]
+    path.write_text(json.dumps(data))
+    return path

@@ -10,6 +10,7 @@ import torch
 from bundle.metrics import (
     RadialErrorMetric,
     SuccessDetectionRateMetric,
+    landmark_offsets,
     radial_errors,
     success_detection_rate,
     summarize_errors,
@@ -75,6 +76,32 @@ def test_summarize_errors_leaves_missing_out():
         summarize_errors(np.full((2, 3), NAN), expected_px)
     with pytest.raises(ValueError, match="landmark_names"):
         summarize_errors(expected_mm, expected_px, landmark_names=["a"])
+
+
+def test_landmark_offsets_are_each_landmarks_mean_difference_and_what_is_left_without_it():
+    # 3 images, 3 landmarks: "a" off by (+1, 0) mm everywhere but for noise, "b" missing once, "c" never measured
+    d = np.array(
+        [
+            [[1.5, 0.0], [0.0, 2.0], [NAN, NAN]],
+            [[0.5, 0.0], [NAN, NAN], [NAN, NAN]],
+            [[1.0, 3.0], [0.0, 4.0], [NAN, NAN]],
+        ]
+    )
+    result = landmark_offsets(d, ["a", "b", "c"])
+    offsets = result["per_landmark_offset_mm"]
+    np.testing.assert_allclose(offsets["a"], [1.0, 1.0])
+    np.testing.assert_allclose(offsets["b"], [0.0, 3.0])  # the missing instance is not a zero difference
+    assert offsets["c"] is None
+    left = [math.hypot(0.5, 1.0), math.hypot(0.5, 1.0), 2.0, 1.0, 1.0]
+    assert result["mre_offset_removed_mm"] == pytest.approx(np.mean(left))
+    # a pure shift leaves nothing: the whole error is the offset
+    shifted = landmark_offsets(np.tile([[[3.0, -4.0]]], (4, 1, 1)), ["a"])
+    assert shifted["mre_offset_removed_mm"] == pytest.approx(0.0, abs=1e-12)
+    np.testing.assert_allclose(shifted["per_landmark_offset_mm"]["a"], [3.0, -4.0])
+    with pytest.raises(ValueError, match="undefined"):
+        landmark_offsets(np.full((2, 1, 2), NAN), ["a"])
+    with pytest.raises(ValueError, match=r"\(n_images, 2, D\)"):
+        landmark_offsets(d, ["a", "b"])
 
 
 def test_cumulative_metrics_over_batches():

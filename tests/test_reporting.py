@@ -49,6 +49,8 @@ def test_write_metrics_json_round_trip(tmp_path):
         "mre_px": 12.0,
         "sdr": {"2.0": 75.0},
         "per_landmark_mre_mm": {"sella": 1.0, "nasion": None},
+        "per_landmark_offset_mm": {"sella": [0.5, -1.0], "nasion": None},
+        "mre_offset_removed_mm": 1.25,
     }
     provenance = run_provenance("templates", "t.png", "m.pt")
     path = write_metrics_json(tmp_path / "out" / "metrics.json", summary, provenance)
@@ -176,6 +178,12 @@ def test_report_handler_2d_through_an_engine(tmp_path, caplog):
     assert metrics["mre_px"] == pytest.approx(np.mean([5.0, 1.0, 10.0, 0.0, 1.0]))
     assert metrics["sdr"] == {"2.0": 100.0, "2.5": 100.0, "3.0": 100.0, "4.0": 100.0}
     assert metrics["per_landmark_mre_mm"]["nasion"] == pytest.approx(0.2)
+    # each landmark's mean difference in mm: sella (0.3, 0.8), (-0.6, 0.8), (0, 0); nasion (0, 0.2), (0.2, 0)
+    np.testing.assert_allclose(metrics["per_landmark_offset_mm"]["sella"], [-0.1, 1.6 / 3])
+    np.testing.assert_allclose(metrics["per_landmark_offset_mm"]["nasion"], [0.1, 0.1])
+    sella_left = np.hypot([0.4, -0.5, 0.1], [0.8 - 1.6 / 3, 0.8 - 1.6 / 3, -1.6 / 3])
+    nasion_left = np.hypot([-0.1, 0.1], [0.1, -0.1])
+    assert metrics["mre_offset_removed_mm"] == pytest.approx(np.concatenate([sella_left, nasion_left]).mean())
     assert metrics["template"] == "/d/tmpl.png" and metrics["checkpoint"] == "models/model.pt"
     assert metrics["pipeline"] == "templates" and not (tmp_path / "eval" / "provenance.json").exists()
 

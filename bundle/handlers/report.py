@@ -16,7 +16,7 @@ from bundle.distributed import leave_together, rank, world_size
 from bundle.geometry import physical_to_datalist
 from bundle.io_utils import StagedOutputs, write_json_atomic
 from bundle.journal import PredictionJournal, link_or_copy
-from bundle.metrics import DEFAULT_THRESHOLDS, radial_errors, summarize_errors
+from bundle.metrics import DEFAULT_THRESHOLDS, landmark_offsets, radial_errors, summarize_errors
 from bundle.reporting import (
     overlay_png,
     run_provenance,
@@ -301,7 +301,10 @@ class LandmarkReportHandler:
         spacings = np.stack([r["spacing"] for r in kept])[:, None, :]
         errors_mm = radial_errors(preds, refs)
         errors_px = radial_errors(preds / spacings, refs / spacings)
-        summary = summarize_errors(errors_mm, errors_px, self.thresholds, self.landmark_names)
+        summary = {
+            **summarize_errors(errors_mm, errors_px, self.thresholds, self.landmark_names),
+            **landmark_offsets(preds - refs, self.landmark_names),
+        }
         write_metrics_json(folder / "metrics.json", summary, provenance)
         save_sdr_curve(folder / "sdr_curve.png", errors_mm, marks=self.thresholds)
         return summary
