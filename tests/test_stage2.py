@@ -34,6 +34,7 @@ from bundle.pipeline.detector_data import (
     read_pseudo_labels,
     write_detector_info,
 )
+from bundle.reporting import SUMMARY_KEYS
 from bundle.transforms.heatmaps import GaussianHeatmapd, render_gaussian_heatmaps
 from monai.bundle import ConfigParser, run
 from monai.data import MetaTensor
@@ -420,17 +421,7 @@ def test_tiny_stage2_training_and_evaluation_beat_chance(tmp_path):
         **{k: v for k, v in common.items() if k != "image_size"},
     )
     metrics = json.loads((out / "metrics.json").read_text())
-    for key in (
-        "n_images",
-        "n_landmarks",
-        "mre_mm",
-        "mre_std_mm",
-        "mre_px",
-        "sdr",
-        "per_landmark_mre_mm",
-        "template",
-        "checkpoint",
-    ):
+    for key in (*SUMMARY_KEYS, "template", "checkpoint"):
         assert key in metrics
     assert metrics["n_images"] == 2 and metrics["template"] == pseudo["pseudo_labels"]["templates"][0]
     assert metrics["pipeline"] == "detector"
