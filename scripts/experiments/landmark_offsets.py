@@ -5,10 +5,10 @@ image set (the validation images) hold on another (docs/results.md, "Where the f
         --calibration runs/det_val/metrics.json --predictions runs/det_test/predictions.csv
 
 ``--calibration`` is the metrics.json of a run on other images (its ``per_landmark_offset_mm``), ``--predictions``
-the predictions.csv of a run on the datalist's ``test`` items. Prints the predictions' scores as predicted, less their
-own offsets (metrics.json's ``mre_offset_removed_mm``: an oracle) and less the calibration's offsets (what a
-correction learnt from the calibration images' labels would give), and each landmark's cosine between the two sets'
-offsets.
+the predictions.csv of a run on the datalist's ``test`` items (2D). Prints the predictions' scores as predicted,
+less their own offsets (metrics.json's ``mre_offset_removed_mm``: an oracle) and less the calibration's offsets (what
+a correction learnt from the calibration images' labels would give), and each landmark's cosine between the two
+sets' offsets.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def main(datalist: str, calibration: str, predictions: str) -> dict:
     }
     differences = np.stack([(predicted[i] - truth) * spacing for i, (truth, spacing) in reference.items()])
     own = landmark_offsets(differences, names)
-    measured = read_json(calibration)["per_landmark_offset_mm"]
+    measured = read_json(calibration).get("per_landmark_offset_mm") or {}
     missing = [n for n in names if measured.get(n) is None]
     if missing:
         raise ValueError(f"{calibration}: no per_landmark_offset_mm for {missing}")
