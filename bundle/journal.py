@@ -4,6 +4,7 @@ fingerprint of what predicts (:func:`fingerprint`), which says whether an earlie
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -108,7 +109,9 @@ class PredictionJournal:
     the same fingerprint into the same ``output_dir`` predicts only the images the journal lacks (with ``overlays``,
     a 2D image predicted without its overlay counts as lacking); a run with another fingerprint, or none
     (evaluating), starts a new journal. The folder is this bundle's own (its ``journal.json``
-    says so): a folder of that name without it, or a link, is refused, naming it.
+    says so): a folder of that name without it, or a link, is refused, naming it. A run holds the journal from
+    :meth:`start` to its end (an advisory lock on its folder), so that a second run into the same ``output_dir`` while
+    the first writes is refused, naming the folder, and leaves the first run's journal as it is.
 
     Args:
         output_dir: the run's output folder.
@@ -140,6 +143,7 @@ class PredictionJournal:
             self._name(image)
         self._part = None
         self._made_output_dir = False  # whether this run made output_dir (for the journal)
+        self._held = None  # the journal folder's file descriptor while this run holds it (process 0)
 
     def _check_folder(self) -> bool:
         """Whether the journal folder holds a journal of this bundle (False: there is none); FileExistsError naming
@@ -208,10 +212,11 @@ class PredictionJournal:
         journal unless this one is reused (:meth:`pending`), then every process opens a file of its own."""
         _barrier()  # every process has read the journal (pending) before process 0 changes it
         if rank() == 0:
-            if not self._reusable():
-                self._clear()
             self._made_output_dir = self._made_output_dir or not self.output_dir.exists()
-            self.folder.mkdir(parents=True, exist_ok=True)
+            reusable = self._reusable()
+            self._hold()
+            if not reusable:
+                self._empty()
             write_json_atomic(
                 self.folder / self.MARKER, {"fingerprint": self.fingerprint, "bundle_version": __version__}
             )
@@ -219,6 +224,37 @@ class PredictionJournal:
         self.close()
         name = f"part-{time.time_ns():020d}-{rank()}-{uuid.uuid4().hex}.jsonl"  # in the order the runs came
         self._part = open(self.folder / name, "a", encoding="utf-8")
+
+    def _hold(self) -> None:
+        """Hold the journal folder for this run (made when missing; a link or a folder this bundle did not write is
+        refused first, :meth:`_check_folder`); RuntimeError naming ``output_dir`` when another run holds it."""
+        if self._held is not None:
+            return
+        self._check_folder()
+        self.folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise RuntimeError(
+                f"{self.output_dir}: another run is writing its predictions there; let it finish or choose another "
+                "output_dir"
+            ) from None
+        self._held = fd
+
+    def _release(self) -> None:
+        if self._held is not None:
+            os.close(self._held)  # the lock goes with its descriptor
+            self._held = None
+
+    def _empty(self) -> None:
+        """Remove an earlier journal's files from the folder this run holds (the folder stays: it holds the lock)."""
+        for child in self.folder.iterdir():
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child)
+            else:
+                child.unlink()
 
     def _clear(self) -> None:
         """Remove an earlier journal (this bundle's: :meth:`_check_folder`)."""
@@ -305,16 +341,20 @@ class PredictionJournal:
         self.close()
         if self.fingerprint is None:
             self._clear()
+        self._release()
 
     def abandon(self) -> None:
         """After a failed run: keep the predictions that a later run reuses; else remove the journal, and
-        ``output_dir`` when the journal made it and it is left empty."""
+        ``output_dir`` when the journal made it and it is left empty. A run that never held ``output_dir`` (process 0
+        of a run refused by :meth:`start`, the other processes) leaves both as they are."""
         self.close()
-        if rank() != 0 or (self.fingerprint is not None and os.path.lexists(self.folder) and self._index()):
+        if self._held is None:  # not this run's journal: another run's, or none yet
             return
-        self._clear()
-        if self._made_output_dir and self.output_dir.is_dir() and not any(self.output_dir.iterdir()):
-            self.output_dir.rmdir()
+        if self.fingerprint is None or not (os.path.lexists(self.folder) and self._index()):
+            self._clear()
+            if self._made_output_dir and self.output_dir.is_dir() and not any(self.output_dir.iterdir()):
+                self.output_dir.rmdir()
+        self._release()
 
 
 def link_or_copy(source: Path, target: Path) -> None:

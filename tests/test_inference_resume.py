@@ -163,6 +163,28 @@ def test_a_journal_is_never_written_through_a_link(tmp_path):
     assert list(elsewhere.iterdir()) == []
 
 
+@pytest.mark.parametrize("fingerprints", [(None, None), ("f", "g")], ids=["evaluating", "inferring, other settings"])
+def test_a_second_run_into_a_folder_in_use_is_refused_and_the_first_keeps_its_predictions(tmp_path, fingerprints):
+    """Two runs into one output_dir at once: the second's start is refused naming the folder, its failure removes
+    nothing, and the first run's report reads every prediction it made; once it is done the folder is free."""
+    images = [{"image": str(tmp_path / f"{i}.png")} for i in range(2)]
+    for item in images:
+        Path(item["image"]).write_bytes(b"an image")
+    first = PredictionJournal(tmp_path / "out", images, fingerprint=fingerprints[0], overlays=False)
+    first.start()
+    first.append(images[0]["image"], np.zeros((1, 2)), np.zeros((1, 2)), np.ones(2))
+    second = PredictionJournal(tmp_path / "out", images, fingerprint=fingerprints[1], overlays=False)
+    with pytest.raises(RuntimeError, match=r"out: another run is writing its predictions there"):
+        second.start()
+    second.abandon()  # what the report handler does after the refusal
+    first.append(images[1]["image"], np.ones((1, 2)), np.zeros((1, 2)), np.ones(2))
+    first.close()
+    assert [r["pred"][0, 0] for r in first.records()] == [0.0, 1.0]
+    first.discard()
+    second.start()  # the first run is over
+    second.discard()
+
+
 def test_the_fingerprint_follows_the_weights_and_the_settings():
     torch.manual_seed(0)
     net = torch.nn.Linear(3, 2)
