@@ -298,7 +298,6 @@ def test_reused_pseudo_labels_drop_the_landmarks_past_the_cycle_tolerance(tmp_pa
 XFEAT = xfeat_available()
 
 
-@pytest.mark.slow
 def test_the_refinement_moves_every_pseudo_label_the_pseudo_templates_too_not_the_human_ones(monkeypatch):
     """Stage 2's training labels: the human template's as labelled, each pseudo-labelled image's and each
     pseudo-template's refined (the latter once matching has used them as templates), each at the spacing the pipeline
@@ -342,6 +341,7 @@ def test_the_refinement_moves_every_pseudo_label_the_pseudo_templates_too_not_th
     assert sorted(Shift.calls) == [("p.png", [0.5, 0.5]), ("u.png", [0.1, 0.1])]
 
 
+@pytest.mark.slow
 def test_tiny_stage2_training_and_evaluation_beat_chance(tmp_path):
     from tests.test_end_to_end import chance_mre_mm
 
